@@ -1,0 +1,106 @@
+"""Standard causal attention behind Megatron-Core's `core_attention` contract.
+
+Contract (what `SelfAttention` gives and expects): query `[sq, b, np, hn]`, key/value
+`[sk, b, ng, hn]` with `np`/`ng` this tensor-parallel rank's heads and query groups, and an output
+`[sq, b, np * hn]` that feeds the row-parallel output projection. Each rank sees the whole sequence
+for its heads, also under sequence parallelism.
+
+The kernel is PyTorch SDPA (flash / memory-efficient kernels on a GPU, a fused CPU kernel here),
+or flash-attn's `flash_attn_func` when it is installed and the inputs are on a GPU in half
+precision. GQA is handed to the kernel as is: no repeated key/value tensors are materialised.
+"""
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import tensor_parallel
+from megatron.core.parallel_state import get_tensor_model_parallel_world_size
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import divide
+
+try:  # optional GPU extra: pip install megatron-focus[gpu]
+    from flash_attn import flash_attn_func
+except ImportError:
+    flash_attn_func = None
+
+
+class CoreAttention(MegatronModule):
+    """Causal softmax attention; subclasses change `attend` (which pairs) or `project` (the output).
+
+    `attend` works in the kernel layout `[b, heads, s, hn]` and returns the per-head outputs;
+    `project` may transform them per head before heads are merged (XSA does).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str = "self",
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("context parallelism is not supported by megatron-focus attention")
+        tp = get_tensor_model_parallel_world_size()
+        self.layer_number = layer_number
+        self.heads = divide(config.num_attention_heads, tp)
+        self.groups = divide(config.num_query_groups, tp)
+        self.head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(self.head_dim)
+        self.dropout_p = (
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if attention_bias is not None or packed_seq_params is not None:
+            raise NotImplementedError("attention_bias and packed sequences are not supported")
+        sq, b = query.shape[:2]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
+        # Heads differ across TP ranks, so their dropout draws from the per-TP-rank stream.
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            y = self.attend(q, k, v, attention_mask)
+        y = self.project(y, v)
+        return y.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
+
+    def attend(self, q, k, v, attention_mask):
+        dropout = self.dropout_p if self.training else 0.0
+        if attention_mask is None and _use_flash_attn(q):
+            out = flash_attn_func(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                dropout_p=dropout, softmax_scale=self.softmax_scale, causal=True,
+            )
+            return out.transpose(1, 2)
+        return F.scaled_dot_product_attention(
+            q, k, v,
+            # Megatron's masks are True where a pair is *removed*; SDPA's where it is kept.
+            attn_mask=None if attention_mask is None else ~attention_mask,
+            is_causal=attention_mask is None,
+            dropout_p=dropout,
+            scale=self.softmax_scale,
+            enable_gqa=self.groups != self.heads,
+        )
+
+    def project(self, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return y
+
+
+def _use_flash_attn(q: torch.Tensor) -> bool:
+    return flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)

@@ -1,0 +1,82 @@
+"""Flags -> Megatron-Core `TransformerConfig` -> `GPTModel`.
+
+Two families come out of the same flags, as in Megatron-LM: GPT-2 style (LayerNorm, GELU, biases,
+learned positions, tied embeddings) by default, and Llama/Mistral style with `--normalization
+RMSNorm --swiglu --position-embedding-type rope --group-query-attention --num-query-groups 8
+--untie-embeddings-and-output-weights --disable-bias-linear`.
+
+Weights are always initialised on the CPU from the full (unsharded) matrices and then split, which
+is how Megatron makes initialisation independent of the tensor-parallel size: for a given seed,
+TP=1 and TP=2 start from the same model.
+"""
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+
+from megatron_focus.model.specs import block_spec
+
+
+def padded_vocab_size(vocab_size: int, make_divisible_by: int, tp: int) -> int:
+    """Megatron-LM's padding: the embedding rows must split evenly over TP ranks."""
+    multiple = make_divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def transformer_config(args: argparse.Namespace) -> TransformerConfig:
+    on_gpu = torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        add_bias_linear=args.add_bias_linear,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        init_method_std=args.init_method_std,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        use_cpu_initialization=True,
+        # Fusions that need CUDA (jit/apex kernels) are used only where they exist.
+        bias_activation_fusion=on_gpu and not args.swiglu,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def build_model(args: argparse.Namespace, vocab_size: int) -> GPTModel:
+    """The GPT model for this rank's tensor-parallel shard, on this rank's device."""
+    config = transformer_config(args)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec(args.attention, args.normalization, args.num_layers),
+        vocab_size=padded_vocab_size(
+            vocab_size,
+            args.make_vocab_size_divisible_by,
+            parallel_state.get_tensor_model_parallel_world_size(),
+        ),
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model

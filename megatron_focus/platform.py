@@ -1,0 +1,215 @@
+"""The one place where megatron-focus adapts Megatron-Core 0.16 to the machine it runs on.
+
+With a GPU, Megatron-Core runs as it is: NCCL, its CUDA RNG tracker, its CUDA causal mask, and
+this module changes nothing. Without one, Megatron-Core still hard-codes CUDA in a few places that
+a GPT model touches; `setup()` answers exactly those, with the CPU and gloo:
+
+* `torch.cuda.current_device()`: Megatron creates buffers (sequence-parallel all-gathers, the
+  global memory buffer, rotary frequencies) on "the current CUDA device". On the CPU it answers
+  `cpu`, so they land on the CPU.
+* The CUDA RNG tracker: Megatron forks a per-tensor-parallel-rank RNG stream around dropout in
+  tensor-parallel regions. `CPURNGStatesTracker` keeps the same named streams, seeded the same
+  way, but swaps the CPU generator, so dropout stays different across TP ranks and identical
+  across data-parallel replicas, as on a GPU.
+* `get_default_causal_mask`: built on the CPU.
+
+Every change is listed by `planned_patches()` before it is made, so a test can check that with
+CUDA present the list is empty. `setup()` is idempotent.
+
+The `mpu` adapter for DeepSpeed lives here too: DeepSpeed asks for the legacy names
+`get_model_parallel_world_size/rank/group`, which Megatron-Core no longer has.
+"""
+
+import contextlib
+import dataclasses
+import os
+import types
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import random as mcore_random
+from megatron.core.transformer import utils as mcore_transformer_utils
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    device: torch.device
+    backend: str  # torch.distributed backend: "nccl" or "gloo"
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """One attribute that Megatron-Core reads and that the CPU must answer differently."""
+
+    owner: object
+    name: str
+    replacement: object
+    why: str
+
+    def apply(self):
+        setattr(self.owner, self.name, self.replacement)
+
+
+class CPURNGStatesTracker(mcore_random.CudaRNGStatesTracker):
+    """Megatron's named RNG streams, held as CPU generator states.
+
+    Megatron's tracker stores and swaps *CUDA* generator states; on the CPU, dropout draws from the
+    CPU generator, so that is the one to store and swap.
+    """
+
+    def add(self, name, seed):
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        outer = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(outer)
+
+    @contextlib.contextmanager
+    def fork(self, name=mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _cpu_current_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def planned_patches(cuda_available: Optional[bool] = None) -> List[Patch]:
+    """What `setup()` would change on a machine with or without CUDA (nothing with CUDA)."""
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if cuda_available:
+        return []
+    return [
+        Patch(torch.cuda, "current_device", _cpu_current_device,
+              "Megatron allocates communication buffers and rotary tables on the current device"),
+        Patch(mcore_transformer_utils, "get_default_causal_mask", _cpu_causal_mask,
+              "the default causal mask is hard-coded to device='cuda'"),
+    ]
+
+
+_PLATFORM: Optional[Platform] = None
+
+
+def setup() -> Platform:
+    """Detect the device and, without CUDA, apply `planned_patches()`. Safe to call repeatedly."""
+    global _PLATFORM
+    if _PLATFORM is None:
+        cuda = torch.cuda.is_available()
+        for patch in planned_patches(cuda):
+            patch.apply()
+        if cuda:
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local_rank)
+            _PLATFORM = Platform(torch.device("cuda", local_rank), "nccl")
+        else:
+            _PLATFORM = Platform(torch.device("cpu"), "gloo")
+    return _PLATFORM
+
+
+def manual_seed(seed: int) -> None:
+    """Seed every generator the way Megatron-LM does, on either device.
+
+    The default stream gets `seed` (identical on all TP ranks of a replica, so weights built on the
+    CPU are identical whatever the TP size); Megatron's named streams get the seeds
+    `model_parallel_cuda_manual_seed` gives them (the TP stream is offset by the TP rank).
+    """
+    platform = setup()
+    torch.manual_seed(seed)
+    if platform.is_cuda:
+        mcore_random.model_parallel_cuda_manual_seed(seed)
+        return
+    tracker = CPURNGStatesTracker()
+    mcore_random._CUDA_RNG_STATE_TRACKER = tracker
+    mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    tp_rank = parallel_state.get_tensor_model_parallel_rank() if dist.is_initialized() else 0
+    tracker.add(mcore_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+
+
+def init_distributed(tensor_model_parallel_size: int = 1, timeout_minutes: int = 10) -> Platform:
+    """Start torch.distributed (one process needs no launcher) and Megatron's parallel groups."""
+    import datetime
+
+    platform = setup()
+    # A bare `python pretrain_gpt.py` is a world of one: give torch.distributed what a launcher
+    # would, so the code path is the same with or without one.
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=platform.backend, timeout=datetime.timedelta(minutes=timeout_minutes)
+        )
+    world = dist.get_world_size()
+    if world % tensor_model_parallel_size:
+        raise ValueError(
+            f"world size {world} is not divisible by --tensor-model-parallel-size "
+            f"{tensor_model_parallel_size}"
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            create_gloo_process_groups=False,
+        )
+    return platform
+
+
+def destroy_distributed() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deepspeed_mpu() -> types.SimpleNamespace:
+    """The `mpu` object DeepSpeed's engine queries, answered from Megatron-Core's parallel_state."""
+    ps = parallel_state
+    fns: dict[str, Callable] = {
+        "get_model_parallel_world_size": ps.get_tensor_model_parallel_world_size,
+        "get_model_parallel_rank": ps.get_tensor_model_parallel_rank,
+        "get_model_parallel_group": ps.get_tensor_model_parallel_group,
+        "get_tensor_model_parallel_world_size": ps.get_tensor_model_parallel_world_size,
+        "get_tensor_model_parallel_rank": ps.get_tensor_model_parallel_rank,
+        "get_tensor_model_parallel_group": ps.get_tensor_model_parallel_group,
+        "get_data_parallel_world_size": ps.get_data_parallel_world_size,
+        "get_data_parallel_rank": ps.get_data_parallel_rank,
+        "get_data_parallel_group": ps.get_data_parallel_group,
+        "get_pipeline_model_parallel_world_size": ps.get_pipeline_model_parallel_world_size,
+        "get_pipeline_model_parallel_rank": ps.get_pipeline_model_parallel_rank,
+        "get_pipeline_model_parallel_group": ps.get_pipeline_model_parallel_group,
+    }
+    return types.SimpleNamespace(**fns)

@@ -1,0 +1,108 @@
+"""The platform layer, the standard core attention and flag validation."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_focus import platform
+from megatron_focus.arguments import parse_args
+from megatron_focus.model.gpt import padded_vocab_size
+
+
+def test_platform_changes_nothing_when_cuda_is_present():
+    assert platform.planned_patches(cuda_available=True) == []
+    cpu = {p.name for p in platform.planned_patches(cuda_available=False)}
+    assert cpu == {"current_device", "get_default_causal_mask"}
+
+
+def test_platform_setup_is_idempotent():
+    assert platform.setup() is platform.setup()
+
+
+def test_cpu_rng_tracker_streams(single_process):
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    platform.manual_seed(7)
+    torch.manual_seed(7 + 2718)  # the TP stream of TP rank 0, as Megatron seeds it
+    expected = torch.rand(5)
+    platform.manual_seed(7)
+    outer = torch.get_rng_state()
+    with get_cuda_rng_tracker().fork():
+        inside = torch.rand(5)
+    assert torch.equal(inside, expected)
+    assert torch.equal(torch.get_rng_state(), outer)  # the default stream is untouched
+    with get_cuda_rng_tracker().fork():
+        assert not torch.equal(torch.rand(5), inside)  # the stream advances across forks
+
+
+def _reference_attention(q, k, v, scale):
+    """Dense causal softmax attention written out, GQA by repeating key/value heads."""
+    sq, b, heads, hn = q.shape
+    rep = heads // k.shape[2]
+    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    scores = torch.einsum("qbhd,kbhd->bhqk", q, k) * scale
+    causal = torch.triu(torch.ones(sq, sq, dtype=torch.bool), 1)
+    probs = scores.masked_fill(causal, -math.inf).softmax(-1)
+    return torch.einsum("bhqk,kbhd->qbhd", probs, v).reshape(sq, b, heads * hn)
+
+
+@pytest.mark.parametrize("groups", [4, 2, 1])
+def test_core_attention_matches_dense_reference(single_process, groups):
+    from megatron_focus.model.core_attention import CoreAttention
+    from megatron_focus.model.gpt import transformer_config
+
+    args = parse_args(["--hidden-size", "64", "--num-attention-heads", "4",
+                       "--group-query-attention", "--num-query-groups", str(groups)])
+    attn = CoreAttention(transformer_config(args), layer_number=1, attn_mask_type=None).eval()
+    g = torch.Generator().manual_seed(groups)
+    q = torch.randn(12, 3, 4, 16, generator=g)
+    k, v = (torch.randn(12, 3, groups, 16, generator=g) for _ in range(2))
+    out = attn(q, k, v, None)
+    assert out.shape == (12, 3, 64)
+    torch.testing.assert_close(out, _reference_attention(q, k, v, 0.25), rtol=1e-5, atol=1e-5)
+    # An explicit Megatron mask (True = removed) gives the same as the implicit causal one.
+    mask = torch.triu(torch.ones(12, 12, dtype=torch.bool), 1)
+    torch.testing.assert_close(attn(q, k, v, mask), out, rtol=1e-5, atol=1e-6)
+
+
+def test_vocab_padding_follows_megatron():
+    assert padded_vocab_size(200, 128, 1) == 256
+    assert padded_vocab_size(257, 128, 2) == 512
+    assert padded_vocab_size(50257, 128, 1) == 50304
+
+
+BASE = ["--num-attention-heads", "4", "--hidden-size", "64"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (BASE + ["--tensor-model-parallel-size", "3"], "not divisible by --tensor-model-parallel"),
+    (BASE + ["--group-query-attention", "--num-query-groups", "3"], "does not divide"),
+    (BASE + ["--tensor-model-parallel-size", "1", "--sequence-parallel"], "needs --tensor-model"),
+    (BASE + ["--seq-length", "512", "--max-position-embeddings", "256"], "longer than the learned"),
+    (["--hidden-size", "65", "--num-attention-heads", "4"], "--kv-channels"),
+])
+def test_bad_flags_are_refused(monkeypatch, argv, message):
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    with pytest.raises(ValueError, match=message):
+        parse_args(argv)
+
+
+def test_unknown_attention_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--attention", "linear"])
+    assert "invalid choice: 'linear'" in capsys.readouterr().err
+
+
+def test_rope_allows_sequences_past_the_position_table():
+    args = parse_args(BASE + ["--position-embedding-type", "rope", "--seq-length", "512",
+                              "--max-position-embeddings", "256"])
+    assert args.seq_length == 512
+
+
+def test_model_families_defaults():
+    gpt2 = parse_args(BASE)
+    assert (gpt2.ffn_hidden_size, gpt2.num_query_groups, gpt2.kv_channels) == (256, 4, 16)
+    llama = parse_args(["--hidden-size", "4096", "--num-attention-heads", "32", "--swiglu",
+                        "--group-query-attention", "--num-query-groups", "8"])
+    assert (llama.ffn_hidden_size, llama.num_query_groups) == (10880, 8)

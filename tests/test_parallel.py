@@ -1,0 +1,119 @@
+"""Tensor and sequence parallelism give the same loss and gradients as one process (CPU, gloo)."""
+
+import pytest
+import torch
+
+from distributed import run_distributed
+
+VOCAB = 200  # not a multiple of 128: exercises Megatron's vocabulary padding
+SEQ, BATCH = 16, 2
+SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", str(SEQ), "--hidden-dropout", "0", "--attention-dropout", "0"]
+LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+         "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+FAMILIES = {
+    "gpt2": SMALL,
+    "gpt2-rope-gqa": SMALL + ["--position-embedding-type", "rope",
+                              "--group-query-attention", "--num-query-groups", "2"],
+    "llama": SMALL + LLAMA,
+    "llama-gqa": SMALL + LLAMA + ["--group-query-attention", "--num-query-groups", "2"],
+}
+
+
+def _loss_and_grads(argv, tokens):
+    from megatron.core import parallel_state
+
+    from megatron_focus import platform
+    from megatron_focus.arguments import parse_args
+    from megatron_focus.model.gpt import build_model
+    from megatron_focus.parallel import allreduce_sequence_parallel_grads, gather_tensor_parallel
+
+    args = parse_args(argv)
+    platform.init_distributed(args.tensor_model_parallel_size)
+    platform.manual_seed(1234)
+    model = build_model(args, VOCAB)
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    loss = model(tokens, positions, None, labels=tokens).mean()
+    loss.backward()
+    unsynced = {n: p.grad.clone() for n, p in model.named_parameters()
+                if getattr(p, "sequence_parallel", False)}
+    allreduce_sequence_parallel_grads(model)
+    grads = {n: gather_tensor_parallel(p, p.grad) for n, p in model.named_parameters()}
+    parallel_state.destroy_model_parallel()
+    return loss.item(), grads, unsynced
+
+
+def _compare_parallel_layouts(tokens):
+    """On 2 ranks: TP=1 (data-parallel replicas), TP=2, TP=2 with SP, for every family."""
+    out = {}
+    for family, argv in FAMILIES.items():
+        out[family] = {
+            layout: _loss_and_grads(argv + extra, tokens)
+            for layout, extra in {
+                "tp1": [],
+                "tp2": ["--tensor-model-parallel-size", "2"],
+                "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+            }.items()
+        }
+    return out
+
+
+def _dropout_streams():
+    """What each rank draws inside Megatron's TP stream (the one attention dropout uses)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    from megatron_focus import platform
+
+    draws = {}
+    for tp in (1, 2):
+        platform.init_distributed(tp)
+        platform.manual_seed(1234)
+        with get_cuda_rng_tracker().fork():
+            mine = torch.rand(4)
+        both = [torch.empty(4) for _ in range(2)]
+        dist.all_gather(both, mine)
+        draws[tp] = both
+        parallel_state.destroy_model_parallel()
+    return draws
+
+
+def _compare_all(tokens):
+    return _compare_parallel_layouts(tokens), _dropout_streams()
+
+
+@pytest.fixture(scope="module")
+def results():
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    layouts, streams = run_distributed(_compare_all, 2, tokens)
+    return dict(layouts, dropout_streams=streams)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("layout", ["tp2", "tp2-sp"])
+def test_tensor_parallel_matches_one_process(results, family, layout):
+    ref_loss, ref_grads, _ = results[family]["tp1"]
+    loss, grads, _ = results[family][layout]
+    assert abs(loss - ref_loss) < 1e-5
+    assert grads.keys() == ref_grads.keys()
+    for name, ref in ref_grads.items():
+        assert grads[name].shape == ref.shape, name
+        torch.testing.assert_close(grads[name], ref, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_sequence_parallel_norm_grads_need_the_allreduce(results, family):
+    """Under SP each rank's norm gradient is partial; only the TP all-reduce makes it whole."""
+    _, ref_grads, _ = results[family]["tp1"]
+    _, _, unsynced = results[family]["tp2-sp"]
+    norms = [n for n in unsynced if n.endswith("layernorm.weight")]
+    assert len(norms) == 2 * 2 + 1  # two per layer and the final norm
+    for name in norms:
+        assert not torch.allclose(unsynced[name], ref_grads[name], rtol=1e-3, atol=1e-5), name
+
+
+def test_dropout_streams_differ_across_tp_ranks_only(results):
+    streams = results["dropout_streams"]
+    assert torch.equal(streams[1][0], streams[1][1])  # TP=1: two data-parallel replicas agree
+    assert not torch.equal(streams[2][0], streams[2][1])  # TP=2: each rank its own heads' stream
