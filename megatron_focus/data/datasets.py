@@ -1,0 +1,95 @@
+"""Train/valid/test GPT datasets from `--data-path` and `--split`, as Megatron-LM builds them.
+
+Everything here is Megatron-Core's GPTDataset and BlendedMegatronDatasetBuilder; the glue adds
+checks that turn its silent failure modes into errors (see `_check_splits`) and lets it run in
+a single process without torch.distributed.
+"""
+
+import contextlib
+import re
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.utils import Split, get_blend_from_list
+from megatron.core.tokenizers import MegatronTokenizerBase
+
+from megatron_focus.data.indexed import check_indexed_dataset
+
+_SPLIT_RE = re.compile(r"\d+(\.\d*)?(,\d+(\.\d*)?){0,2}")
+
+
+def build_datasets(
+    data_path: Sequence[str],
+    split: str,
+    seq_length: int,
+    seed: int,
+    tokenizer: MegatronTokenizerBase,
+    sizes: tuple[int, int, int],
+    cache_dir: Optional[str],
+) -> tuple[Optional[GPTDataset], Optional[GPTDataset], Optional[GPTDataset]]:
+    """`data_path` is one prefix, several prefixes, or `w1 p1 w2 p2 ...`; `sizes` are samples per split.
+
+    A split weighted 0 in `split` comes back as None. Each rank builds its own datasets; rank 0
+    writes the index cache in `cache_dir` first (so it must be shared between ranks of a node).
+    """
+    if not data_path:
+        raise ValueError("--data-path is empty")
+    if not _SPLIT_RE.fullmatch(split) or not any(float(w) for w in split.split(",")):
+        raise ValueError(f"--split {split!r}: expected up to three comma-separated weights, e.g. 969,30,1")
+    if len(sizes) != 3 or any(s < 0 for s in sizes):
+        raise ValueError(f"sizes {sizes}: expected three sample counts (train, valid, test) >= 0")
+    blend = get_blend_from_list(list(data_path))
+    for prefix in blend[0]:
+        check_indexed_dataset(prefix, tokenizer.vocab_size)
+
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=blend,
+        split=split,
+        path_to_cache=cache_dir,
+        mmap_bin_files=True,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+    _check_splits(blend[0], config.split_matrix, split)
+    with _process_group():
+        train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, list(sizes), lambda: True, config).build()
+    return train, valid, test
+
+
+def _check_splits(prefixes: list[str], split_matrix, split: str) -> None:
+    # GPTDataset (0.16.1, _get_num_epochs) loops forever on a split with no tokens, even one asked
+    # for 0 samples; tiny datasets hit this with the usual 969,30,1.
+    for prefix in prefixes:
+        dataset = IndexedDataset(prefix, mmap=True)  # keep alive: its __del__ unmaps sequence_lengths
+        lengths = dataset.sequence_lengths
+        for part, bounds in zip(Split, split_matrix):
+            if bounds is None:
+                continue
+            beg, end = (int(round(b * len(lengths))) for b in bounds)
+            if int(np.sum(lengths[beg:end])) == 0:
+                raise ValueError(f"--split {split} gives the {part.name} split none of the {len(lengths)} "
+                                 f"documents of {prefix}: use more data, or give that split more weight "
+                                 "or weight 0 (e.g. 98,2,0)")
+
+
+@contextlib.contextmanager
+def _process_group():
+    # On an index-cache miss, BlendedDataset (0.16.1) calls torch.distributed.get_rank() even when no
+    # process group exists. A lone process gets a private one-rank gloo group for the build.
+    if torch.distributed.is_initialized():
+        yield
+        return
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,130 @@
+"""Tokenizers for preprocessing and for GPTDataset.
+
+Megatron-Core 0.16.1 types `GPTDatasetConfig.tokenizer` as `MegatronTokenizerBase` and reads
+only `.vocab_size`, `.eod`, `.pad` and `.unique_identifiers` (which keys the dataset index
+cache) from it. The classes below subclass that base and keep the legacy tokenizer interface
+(`tokenize`, `detokenize`, `vocab`, `vocab_size`, `eod`, `eos`, `pad`) so that Megatron-LM-style
+code works with them. They wrap the sentencepiece and HF `tokenizers` libraries directly,
+because Megatron's own wrappers rewrite whitespace (sentencepiece) or need `transformers` (HF).
+"""
+
+import os
+from collections import OrderedDict
+
+import sentencepiece
+import tokenizers
+from megatron.core.tokenizers import MegatronTokenizerBase
+
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer")
+
+# Tried in order: the first one in the vocabulary marks document ends.
+HF_EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>")
+
+
+class _Tokenizer(MegatronTokenizerBase):
+    """What the two backends share: identity for the dataset cache, and no chat template."""
+
+    def __init__(self, tokenizer_type: str, model_path: str) -> None:
+        super().__init__(model_path, config={})
+        self.tokenizer_type = tokenizer_type
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        # GPTDataset hashes this into its cache file names: a different tokenizer gets fresh indices.
+        return OrderedDict(tokenizer_type=self.tokenizer_type, tokenizer_model=os.path.abspath(self.path))
+
+    def apply_chat_template(self, *args, **kwargs):
+        raise NotImplementedError(f"{self.tokenizer_type} is a pretraining tokenizer: no chat template")
+
+    def __repr__(self) -> str:
+        return f"{self.tokenizer_type}({self.path!r}, vocab_size={self.vocab_size}, eod={self.eod})"
+
+
+class SentencePieceTokenizer(_Tokenizer):
+    """A SentencePiece .model; its eos piece is the end-of-document token."""
+
+    def __init__(self, tokenizer_type: str, model_path: str) -> None:
+        super().__init__(tokenizer_type, model_path)
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_path)
+        if self._sp.eos_id() < 0:
+            raise ValueError(f"{model_path} defines no eos piece (eos_id=-1); it is needed as the "
+                             "end-of-document token: retrain it with eos_id >= 0")
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def detokenize(self, ids) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return {self._sp.id_to_piece(i): i for i in range(self.vocab_size)}
+
+    @property
+    def eod(self) -> int:
+        return self._sp.eos_id()
+
+    @property
+    def eos(self) -> int:
+        return self._sp.eos_id()
+
+    @property
+    def pad(self) -> int:
+        return self._sp.pad_id() if self._sp.pad_id() >= 0 else self.eod
+
+
+class HuggingFaceTokenizer(_Tokenizer):
+    """A `tokenizer.json` from the HF `tokenizers` library (no `transformers` needed)."""
+
+    def __init__(self, tokenizer_type: str, model_path: str) -> None:
+        super().__init__(tokenizer_type, model_path)
+        self._tok = tokenizers.Tokenizer.from_file(model_path)
+        found = [self._tok.token_to_id(t) for t in HF_EOD_TOKENS if self._tok.token_to_id(t) is not None]
+        if not found:
+            raise ValueError(f"{model_path} has none of the end-of-document tokens {HF_EOD_TOKENS}")
+        self._eod = found[0]
+        self._pad = self._tok.token_to_id("<pad>")
+
+    def tokenize(self, text: str) -> list[int]:
+        # No post-processor BOS/EOS: document ends are marked by EOD (preprocess --append-eod).
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def eos(self) -> int:
+        return self._eod
+
+    @property
+    def pad(self) -> int:
+        return self._pad if self._pad is not None else self._eod
+
+
+def build_tokenizer(tokenizer_type: str, tokenizer_model: str) -> _Tokenizer:
+    """Megatron-LM's `--tokenizer-type/--tokenizer-model` pair -> a tokenizer."""
+    if tokenizer_type not in TOKENIZER_TYPES:
+        raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}; valid types: {', '.join(TOKENIZER_TYPES)}")
+    path = str(tokenizer_model)
+    if tokenizer_type == "HuggingFaceTokenizer" and os.path.isdir(path):
+        path = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--tokenizer-model {path}: no such file (type {tokenizer_type})")
+    cls = HuggingFaceTokenizer if tokenizer_type == "HuggingFaceTokenizer" else SentencePieceTokenizer
+    return cls(tokenizer_type, path)
