@@ -9,8 +9,10 @@ import argparse
 import os
 from typing import List, Optional
 
+from megatron_focus.data.tokenizer import TOKENIZER_TYPES
+
 ATTENTION_VARIANTS = ("standard", "xsa", "focus", "focus+xsa")
-IMPLEMENTED_ATTENTION = ("standard",)
+IMPLEMENTED_ATTENTION = ("standard", "xsa")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -41,6 +43,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--attention", choices=ATTENTION_VARIANTS, default="standard",
                    help="core attention variant (megatron-focus)")
+    g.add_argument("--xsa-layers", type=int, nargs="+", default=None, metavar="N",
+                   help="layers (1-based) that use XSA; the others use the base attention. "
+                        "Default: all (megatron-focus)")
 
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -52,14 +57,78 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
 
 
+def _add_training_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=8)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="default micro batch x data-parallel size (no accumulation)")
+    g.add_argument("--train-iters", type=int, default=300)
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--min-lr", type=float, default=3e-4)
+    g.add_argument("--lr-warmup-iters", type=int, default=None,
+                   help="default 10%% of --train-iters")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="cosine")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--seed", type=int, default=1234)
+    precision = g.add_mutually_exclusive_group()
+    precision.add_argument("--bf16", action="store_true")
+    precision.add_argument("--fp16", action="store_true")
+    g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1,
+                   help="DeepSpeed ZeRO stage (overridden by --deepspeed_config if it sets one)")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="save (with --save) and exit when the iteration is a multiple of this")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM, save a checkpoint and exit cleanly")
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="a prefix, or weights and prefixes: 0.7 a_text_document 0.3 b_text_document;"
+                        " default: the embedded stdlib corpus")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--data-cache-path", default=None,
+                   help="where dataset indices (and the embedded corpus) are cached")
+
+
+def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+
+
+def _add_logging_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--eval-interval", type=int, default=100)
+    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--tensorboard-dir", default=None)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    import deepspeed
+
     p = argparse.ArgumentParser(
         description="megatron-focus: GPT pretraining with Focus and XSA attention",
         allow_abbrev=False,
     )
     _add_model_args(p)
     _add_parallel_args(p)
-    return p
+    _add_training_args(p)
+    _add_data_args(p)
+    _add_checkpoint_args(p)
+    _add_logging_args(p)
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None,
+                   help="set by the deepspeed launcher")
+    return deepspeed.add_config_arguments(p)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -78,6 +147,17 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
             f"--attention {args.attention} is not implemented yet; available: "
             f"{', '.join(IMPLEMENTED_ATTENTION)}"
         )
+    if args.xsa_layers is not None:
+        if not args.attention.endswith("xsa"):
+            raise ValueError(
+                f"--xsa-layers needs --attention xsa or focus+xsa, not {args.attention}"
+            )
+        missing = [n for n in args.xsa_layers if not 1 <= n <= args.num_layers]
+        if missing:
+            raise ValueError(
+                f"--xsa-layers {' '.join(map(str, missing))}: no such layer; layers are numbered "
+                f"1 to --num-layers {args.num_layers}"
+            )
     if args.hidden_size % args.num_attention_heads and args.kv_channels is None:
         raise ValueError(
             f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
@@ -119,9 +199,40 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
             f"--seq-length {args.seq_length} is longer than the learned position table "
             f"(--max-position-embeddings {args.max_position_embeddings})"
         )
+    _validate_training(args, world_size)
     if args.ffn_hidden_size is None:
         if args.swiglu:
             # Megatron-LM's rule: keep the MLP's parameter count that of a 4h GELU MLP.
             args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
         else:
             args.ffn_hidden_size = 4 * args.hidden_size
+
+
+def _validate_training(args: argparse.Namespace, world_size: int) -> None:
+    data_parallel = world_size // args.tensor_model_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * data_parallel
+    if args.global_batch_size % (args.micro_batch_size * data_parallel):
+        raise ValueError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {data_parallel}"
+        )
+    if args.zero_stage == 3 and args.tensor_model_parallel_size > 1:
+        raise ValueError("ZeRO stage 3 is supported with --tensor-model-parallel-size 1 only")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_iters is None:
+        args.lr_warmup_iters = args.train_iters // 10
+    if args.lr_warmup_iters >= args.lr_decay_iters:
+        raise ValueError("--lr-warmup-iters must be shorter than the decay (--lr-decay-iters, default --train-iters)")
+    if args.min_lr > args.lr:
+        raise ValueError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+    if bool(args.tokenizer_model) != bool(args.data_path):
+        raise ValueError(
+            "--data-path and --tokenizer-model go together: give both, or neither to use the "
+            "embedded corpus and its tokenizer"
+        )
+    if args.data_path and args.tokenizer_type is None:
+        raise ValueError("--tokenizer-model needs --tokenizer-type")
+    if args.save_interval is not None and args.save is None:
+        raise ValueError("--save-interval needs --save")

@@ -3,7 +3,8 @@
 Megatron's own optimizer path (`finalize_model_grads`) sums the gradients of parameters that are
 replicated over tensor-parallel ranks but see only part of the sequence (norm weights and
 row-parallel biases under sequence parallelism). DeepSpeed's engine only reduces over data
-parallelism, so we do this before every optimizer step (Megatron-DeepSpeed#170 forgot to).
+parallelism, so we sum them during backward, before any optimizer step can see them
+(Megatron-DeepSpeed#170 forgot to).
 """
 
 import torch
@@ -12,20 +13,26 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 
-def allreduce_sequence_parallel_grads(model: torch.nn.Module) -> None:
-    """Sum the gradients of `sequence_parallel`-flagged parameters over the TP group."""
+def install_sequence_parallel_grad_allreduce(model: torch.nn.Module) -> None:
+    """Make the gradients of `sequence_parallel`-flagged parameters whole during backward.
+
+    A hook on the parameter sums each incoming gradient over the TP group *before* it is
+    accumulated into `.grad`, so whatever consumes `.grad` next (DeepSpeed's ZeRO-2 reduce hooks
+    during backward, or a plain optimizer step) sees the full gradient, with gradient accumulation
+    or without.
+    """
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return
-    grads = [
-        p.grad for p in model.parameters()
-        if getattr(p, "sequence_parallel", False) and p.grad is not None
-    ]
-    if not grads:
-        return
-    flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
-    for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-        grad.copy_(synced)
+    group = parallel_state.get_tensor_model_parallel_group()
+
+    def allreduce(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    for param in model.parameters():
+        if getattr(param, "sequence_parallel", False) and param.requires_grad:
+            param.register_hook(allreduce)
 
 
 def gather_tensor_parallel(param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,8 @@
 Megatron-Core's local spec uses `WrappedTorchNorm`, which refuses sequence parallelism: under SP a
 norm's weight sees only this rank's slice of the sequence, so its gradient is partial and must be
 summed over the tensor-parallel group. Megatron's fused norms mark such weights with
-`sequence_parallel = True`; we do the same and `parallel.allreduce_sequence_parallel_grads` sums
-them (Megatron's own optimizer would, DeepSpeed does not).
+`sequence_parallel = True`; we do the same and `parallel.install_sequence_parallel_grad_allreduce`
+sums them (Megatron's own optimizer would, DeepSpeed does not).
 """
 
 import torch

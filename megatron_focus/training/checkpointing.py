@@ -1,0 +1,141 @@
+"""Checkpoints that are either complete or invisible, and that refuse a model of another shape.
+
+Layout (`--save DIR`): `DIR/iter_0000100/` holds DeepSpeed's files (model and optimizer shards
+per rank), our `model_args.json`, and in the client state the iteration, consumed samples and
+every RNG state; `DIR/latest` names the newest complete tag (DeepSpeed's own pointer, so its tools
+such as `zero_to_fp32.py` work on our checkpoints).
+
+A save is written under `iter_XXXXXXX.partial`, renamed once every rank has finished, and only
+then does `latest` move (itself written to a temporary file and renamed). A crash mid-save leaves
+the previous checkpoint as latest and nothing that looks complete.
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+# What must match for weights to load: the model's shape and how it is split.
+SHAPE_KEYS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+    "kv_channels", "normalization", "swiglu", "position_embedding_type", "add_bias_linear",
+    "untie_embeddings_and_output_weights", "max_position_embeddings", "attention",
+    "tensor_model_parallel_size", "padded_vocab_size",
+)
+LATEST = "latest"
+ARGS_FILE = "model_args.json"
+
+
+def tag_for(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def model_args(args: argparse.Namespace) -> dict:
+    return {key: getattr(args, key) for key in SHAPE_KEYS}
+
+
+def rng_state() -> dict:
+    state = {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _write_atomically(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save(engine, args: argparse.Namespace, iteration: int, consumed_samples: int) -> str:
+    """Save on every rank; returns the checkpoint directory."""
+    tag = tag_for(iteration)
+    partial, final = os.path.join(args.save, f"{tag}.partial"), os.path.join(args.save, tag)
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        os.makedirs(args.save, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # debris of an earlier crashed save
+    dist.barrier()
+    client_state = {"iteration": iteration, "consumed_samples": consumed_samples,
+                    "rng": rng_state()}
+    engine.save_checkpoint(args.save, tag=f"{tag}.partial", client_state=client_state,
+                           save_latest=False)
+    dist.barrier()
+    if rank0:
+        _write_atomically(os.path.join(partial, ARGS_FILE),
+                          json.dumps(model_args(args), indent=1, sort_keys=True))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+        _write_atomically(os.path.join(args.save, LATEST), tag)
+    dist.barrier()
+    return final
+
+
+def latest_tag(load_dir: str) -> Optional[str]:
+    """The newest complete checkpoint's tag, or None if the folder holds none yet."""
+    pointer = os.path.join(load_dir, LATEST)
+    if not os.path.isfile(pointer):
+        return None
+    with open(pointer) as f:
+        tag = f.read().strip()
+    if not os.path.isdir(os.path.join(load_dir, tag)):
+        raise FileNotFoundError(f"{pointer} names {tag!r}, which is not in {load_dir}")
+    return tag
+
+
+def check_compatible(args: argparse.Namespace, checkpoint_dir: str) -> None:
+    """Refuse, before any weight is read, a checkpoint whose model has another shape."""
+    with open(os.path.join(checkpoint_dir, ARGS_FILE)) as f:
+        saved = json.load(f)
+    ours = model_args(args)
+    diffs = [f"{k}: checkpoint {saved.get(k)!r}, this run {ours[k]!r}"
+             for k in SHAPE_KEYS if saved.get(k) != ours[k]]
+    if diffs:
+        raise ValueError(f"checkpoint {checkpoint_dir} is of another model:\n  " + "\n  ".join(diffs))
+
+
+def load(engine, args: argparse.Namespace) -> tuple[int, int]:
+    """Restore model, optimizer, scheduler, RNG and data position; returns (iteration, samples).
+
+    With `--load` equal to `--save`, a folder with no checkpoint yet starts from scratch, so the
+    same command both starts and resumes a run; any other `--load` must hold a checkpoint.
+    """
+    resuming_own_run = os.path.abspath(args.load) == os.path.abspath(args.save or "")
+    tag = latest_tag(args.load) if os.path.isdir(args.load) else None
+    if tag is None and not resuming_own_run:
+        raise FileNotFoundError(f"--load {args.load}: no checkpoint there (no '{LATEST}' file)")
+    if tag is None:
+        return 0, 0
+    check_compatible(args, os.path.join(args.load, tag))
+    path, client_state = engine.load_checkpoint(
+        args.load, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
+    if path is None:
+        raise RuntimeError(f"DeepSpeed could not load {os.path.join(args.load, tag)}")
+    set_rng_state(client_state["rng"])
+    return client_state["iteration"], client_state["consumed_samples"]

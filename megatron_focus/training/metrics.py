@@ -1,0 +1,108 @@
+"""What a run reports: Megatron's console line and TensorBoard scalars under Megatron's tag names.
+
+One rank, the last (as in Megatron-LM), prints the log line and writes TensorBoard, so a
+multi-rank run makes one set of curves; the numbers are already averaged over data-parallel ranks.
+"""
+
+import argparse
+import datetime
+import resource
+import time
+from typing import Optional
+
+import torch
+
+# Dense bf16 peak of common training GPUs, for MFU; unknown devices report TFLOP/s only.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+
+
+def flops_per_token(args: argparse.Namespace, vocab_size: int) -> float:
+    """Training FLOPs (forward + backward = 3 x forward) per token, as Megatron-LM counts them.
+
+    Matmuls cost 2 FLOPs per weight per token; causal attention scores and the weighted sum
+    cost 2 x 2 x (s/2) x heads x head_dim per token per layer (half the square is computed).
+    """
+    h, heads, groups, d = args.hidden_size, args.num_attention_heads, args.num_query_groups, \
+        args.kv_channels
+    qkv_proj = h * (heads + 2 * groups) * d + heads * d * h
+    mlp = h * args.ffn_hidden_size * (3 if args.swiglu else 2)
+    matmul_weights = args.num_layers * (qkv_proj + mlp) + h * vocab_size
+    attention = args.num_layers * 2 * args.seq_length * heads * d
+    return 3 * (2 * matmul_weights + attention)
+
+
+def peak_memory_bytes() -> tuple[str, int]:
+    """(tag, bytes): the CUDA allocator's peak on a GPU, the process's peak RSS on the CPU."""
+    if torch.cuda.is_available():
+        return "mem-max-allocated-bytes", torch.cuda.max_memory_allocated()
+    return "mem-peak-rss-bytes", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Reporter:
+    def __init__(self, args: argparse.Namespace, flops_token: float, world_size: int,
+                 is_last_rank: bool):
+        self.args = args
+        self.flops_token = flops_token
+        self.world_size = world_size
+        self.active = is_last_rank
+        self.writer = None
+        if is_last_rank and args.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=100)
+        self.peak = None
+        if torch.cuda.is_available():
+            name = torch.cuda.get_device_name()
+            self.peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+        self.started = time.time()
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        if self.writer is not None:
+            self.writer.add_scalar(tag, value, step)
+
+    def train(self, iteration: int, consumed_samples: int, loss: float, lr: float,
+              grad_norm: Optional[float], seconds_per_iter: float, skipped: int,
+              nan_iters: int) -> None:
+        if not self.active:
+            return
+        args = self.args
+        tokens_per_s = args.global_batch_size * args.seq_length / seconds_per_iter
+        tflops = tokens_per_s * self.flops_token / self.world_size / 1e12  # per GPU
+        mem_tag, mem = peak_memory_bytes()
+        eta = datetime.timedelta(seconds=int((args.train_iters - iteration) * seconds_per_iter))
+        line = (
+            f" [{datetime.datetime.now():%Y-%m-%d %H:%M:%S}] iteration {iteration:8d}/"
+            f"{args.train_iters:8d} | consumed samples: {consumed_samples:12d}"
+            f" | elapsed time per iteration (ms): {seconds_per_iter * 1000:.1f}"
+            f" | learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d}"
+            f" | lm loss: {loss:.6E}"
+            f" | grad norm: {grad_norm if grad_norm is not None else float('nan'):.3f}"
+            f" | number of skipped iterations: {skipped:3d} | number of nan iterations: {nan_iters:3d}"
+            f" | tokens/s: {tokens_per_s:.0f} | TFLOP/s/device: {tflops:.3f} | ETA: {eta}"
+        )
+        print(line, flush=True)
+        step = iteration
+        self.scalar("lm loss", loss, step)
+        self.scalar("learning-rate", lr, step)
+        if grad_norm is not None:
+            self.scalar("grad-norm", grad_norm, step)
+        self.scalar("batch-size", args.global_batch_size, step)
+        self.scalar("tokens-per-sec", tokens_per_s, step)
+        self.scalar("tflops-per-device", tflops, step)
+        if self.peak:
+            self.scalar("mfu", tflops * 1e12 / self.peak, step)
+        self.scalar(mem_tag, mem, step)
+        self.scalar("skipped-iterations", skipped, step)
+
+    def validation(self, iteration: int, loss: float) -> None:
+        if not self.active:
+            return
+        ppl = float(torch.exp(torch.tensor(min(loss, 20.0))))
+        print(f" validation loss at iteration {iteration} | lm loss value: {loss:.6E}"
+              f" | lm loss PPL: {ppl:.6E}", flush=True)
+        self.scalar("lm loss validation", loss, iteration)
+        self.scalar("lm loss validation ppl", ppl, iteration)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

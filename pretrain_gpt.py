@@ -1,0 +1,32 @@
+"""Pretrain a GPT model with standard, XSA or Focus attention.
+
+    python pretrain_gpt.py                       # tiny model, embedded corpus, CPU or GPU
+    deepspeed --hostfile hostfile pretrain_gpt.py --attention focus+xsa ... --deepspeed_config ...
+
+Flags follow Megatron-LM's pretrain_gpt.py; `python pretrain_gpt.py --help` lists them.
+"""
+
+import os
+import sys
+import time
+import warnings
+
+# Megatron-Core warns at import that Apex / Transformer Engine are absent; we do not use them.
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+
+from megatron_focus.arguments import parse_args  # noqa: E402
+from megatron_focus.training.trainer import pretrain  # noqa: E402
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.data_path is None and args.tensorboard_dir is None and args.save is None:
+        # The zero-download default run keeps its curves and checkpoints in one folder.
+        run = os.path.join("runs", f"{args.attention}-{time.strftime('%Y%m%d-%H%M%S')}")
+        args.tensorboard_dir = os.path.join(run, "tensorboard")
+        args.save = args.load = os.path.join(run, "checkpoints")
+    pretrain(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

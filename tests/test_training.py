@@ -1,0 +1,137 @@
+"""pretrain_gpt.py end to end on the CPU: DeepSpeed parity, exact resume, bad flags, logs."""
+
+import math
+import os
+
+import pytest
+import torch
+
+from distributed import run_distributed
+
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "8",
+        "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "2", "--log-interval", "1",
+        "--eval-interval", "1000", "--eval-iters", "1", "--hidden-dropout", "0",
+        "--attention-dropout", "0"]
+
+
+def _train(argv):
+    from pretrain_gpt import main as _  # noqa: F401  (the entry point imports cleanly)
+    from megatron_focus.arguments import parse_args
+    from megatron_focus.training.trainer import pretrain
+
+    return pretrain(parse_args(argv))
+
+
+def train(world_size, argv):
+    return run_distributed(_train, world_size, argv)
+
+
+def _argv(cache, *extra, iters=4):
+    return TINY + ["--data-cache-path", cache, "--train-iters", str(iters)] + list(extra)
+
+
+@pytest.mark.slow
+def test_zero_data_parallel_matches_one_process(embedded_cache):
+    """ZeRO-2 and ZeRO-3 over 2 data-parallel ranks == one process accumulating 2 micro-batches."""
+    one = train(1, _argv(embedded_cache, "--zero-stage", "0"))
+    assert len(one["losses"]) == 4 and one["losses"][-1] < one["losses"][0]
+    for stage in ("2", "3"):
+        sharded = train(2, _argv(embedded_cache, "--zero-stage", stage))
+        torch.testing.assert_close(sharded["losses"], one["losses"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_zero1_tensor_parallel_matches_tp1(embedded_cache):
+    tp1 = train(1, _argv(embedded_cache, "--zero-stage", "1"))
+    tp2 = train(2, _argv(embedded_cache, "--zero-stage", "1", "--tensor-model-parallel-size", "2",
+                         "--sequence-parallel"))
+    torch.testing.assert_close(tp2["losses"], tp1["losses"], rtol=1e-5, atol=1e-5)
+
+
+def test_resume_is_exact_with_dropout(embedded_cache, tmp_path):
+    dropout = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--eval-interval", "3"]
+    straight = train(1, _argv(embedded_cache, *dropout, iters=6))
+    ckpt = str(tmp_path / "ckpt")
+    first = train(1, _argv(embedded_cache, *dropout, "--save", ckpt, "--exit-interval", "3",
+                           iters=6))
+    second = train(1, _argv(embedded_cache, *dropout, "--save", ckpt, "--load", ckpt, iters=6))
+    assert first["losses"] + second["losses"] == straight["losses"]
+    assert first["validation"] + second["validation"] == straight["validation"]
+    entries = os.listdir(ckpt)
+    assert sorted(e for e in entries if e.startswith("iter_")) == ["iter_0000003", "iter_0000006"]
+    assert open(os.path.join(ckpt, "latest")).read() == "iter_0000006"
+
+
+def test_checkpoint_of_another_shape_is_refused(embedded_cache, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    train(1, _argv(embedded_cache, "--save", ckpt, iters=3))
+    wider = [a if a != "64" else "128" for a in _argv(embedded_cache, "--load", ckpt, iters=4)]
+    with pytest.raises(Exception, match=r"hidden_size: checkpoint 64, this run 128"):
+        train(1, wider)
+
+
+def test_default_run_loss_falls_and_logs_to_tensorboard(embedded_cache, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = str(tmp_path / "tb")
+    history = train(1, ["--data-cache-path", embedded_cache, "--train-iters", "12",
+                        "--num-layers", "2", "--seq-length", "64", "--eval-interval", "6",
+                        "--eval-iters", "1", "--log-interval", "3", "--tensorboard-dir", tb])
+    losses = history["losses"]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5
+    events = EventAccumulator(tb)
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"lm loss", "lm loss validation", "lm loss validation ppl", "learning-rate",
+            "grad-norm", "batch-size", "tokens-per-sec", "tflops-per-device",
+            "mem-peak-rss-bytes"} <= tags
+    assert [e.step for e in events.Scalars("lm loss")] == [3, 6, 9, 12]
+    assert math.isclose(events.Scalars("lm loss")[-1].value, losses[-1], rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--micro-batch-size", "3", "--global-batch-size", "8"], "not divisible by --micro-batch"),
+    (["--data-path", "nowhere/text_document", "--tokenizer-type", "SentencePieceTokenizer",
+      "--tokenizer-model", "nowhere.model"], "nowhere"),
+    (["--data-path", "x_text_document"], "go together"),
+])
+def test_bad_flags_are_refused_before_any_model(argv, error):
+    with pytest.raises(Exception, match=error) as failure:
+        train(1, argv)
+    assert "build_model" not in str(failure.value)  # refused before the model was built
+
+
+def test_unknown_tokenizer_type_is_refused(capsys):
+    from megatron_focus.arguments import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--tokenizer-type", "WordPiece"])
+    assert "invalid choice: 'WordPiece'" in capsys.readouterr().err
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(embedded_cache, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    ckpt = str(tmp_path / "ckpt")
+    argv = _argv(embedded_cache, "--save", ckpt, "--exit-signal-handler", iters=10_000)
+    # A fresh world of one: not the rendezvous of this pytest process's own process group.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.Popen([sys.executable, "pretrain_gpt.py", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        for line in proc.stdout:
+            if "iteration        2/" in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, output
+    tag = open(os.path.join(ckpt, "latest")).read()
+    assert tag.startswith("iter_") and int(tag[5:]) >= 2
+    assert "exiting at iteration" in output
