@@ -18,6 +18,16 @@ FAMILIES = {
     "llama": SMALL + LLAMA,
     "llama-gqa": SMALL + LLAMA + ["--group-query-attention", "--num-query-groups", "2"],
 }
+# XSA on the plainest family and on one with RoPE and GQA (under TP=2: one key/value group per
+# rank, shared by that rank's two query heads).
+XSA = ["--attention", "xsa"]
+CASES = {
+    **FAMILIES,
+    "gpt2-xsa": FAMILIES["gpt2"] + XSA,
+    "llama-gqa-xsa": FAMILIES["llama-gqa"] + XSA,
+    # fewer key/value groups than TP ranks: Megatron gives each rank a copy of the one group
+    "llama-mqa-xsa": FAMILIES["llama"] + ["--group-query-attention", "--num-query-groups", "1"] + XSA,
+}
 
 
 def _loss_and_grads(argv, tokens):
@@ -26,27 +36,34 @@ def _loss_and_grads(argv, tokens):
     from megatron_focus import platform
     from megatron_focus.arguments import parse_args
     from megatron_focus.model.gpt import build_model
-    from megatron_focus.parallel import allreduce_sequence_parallel_grads, gather_tensor_parallel
+    from megatron_focus.parallel import gather_tensor_parallel, install_sequence_parallel_grad_allreduce
 
     args = parse_args(argv)
     platform.init_distributed(args.tensor_model_parallel_size)
     platform.manual_seed(1234)
     model = build_model(args, VOCAB)
     positions = torch.arange(SEQ).expand(BATCH, SEQ)
-    loss = model(tokens, positions, None, labels=tokens).mean()
-    loss.backward()
+
+    def backward():
+        model.zero_grad()
+        loss = model(tokens, positions, None, labels=tokens).mean()
+        loss.backward()
+        return loss
+
+    backward()  # without the sequence-parallel hooks: norm gradients stay partial
     unsynced = {n: p.grad.clone() for n, p in model.named_parameters()
                 if getattr(p, "sequence_parallel", False)}
-    allreduce_sequence_parallel_grads(model)
+    install_sequence_parallel_grad_allreduce(model)
+    loss = backward()
     grads = {n: gather_tensor_parallel(p, p.grad) for n, p in model.named_parameters()}
     parallel_state.destroy_model_parallel()
     return loss.item(), grads, unsynced
 
 
 def _compare_parallel_layouts(tokens):
-    """On 2 ranks: TP=1 (data-parallel replicas), TP=2, TP=2 with SP, for every family."""
+    """On 2 ranks: TP=1 (data-parallel replicas), TP=2, TP=2 with SP, for every case."""
     out = {}
-    for family, argv in FAMILIES.items():
+    for family, argv in CASES.items():
         out[family] = {
             layout: _loss_and_grads(argv + extra, tokens)
             for layout, extra in {
@@ -90,7 +107,7 @@ def results():
     return dict(layouts, dropout_streams=streams)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(CASES))
 @pytest.mark.parametrize("layout", ["tp2", "tp2-sp"])
 def test_tensor_parallel_matches_one_process(results, family, layout):
     ref_loss, ref_grads, _ = results[family]["tp1"]
@@ -102,7 +119,7 @@ def test_tensor_parallel_matches_one_process(results, family, layout):
         torch.testing.assert_close(grads[name], ref, rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(CASES))
 def test_sequence_parallel_norm_grads_need_the_allreduce(results, family):
     """Under SP each rank's norm gradient is partial; only the TP all-reduce makes it whole."""
     _, ref_grads, _ = results[family]["tp1"]

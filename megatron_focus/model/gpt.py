@@ -63,7 +63,9 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> GPTModel:
     config = transformer_config(args)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(args.attention, args.normalization, args.num_layers),
+        transformer_layer_spec=block_spec(
+            args.attention, args.normalization, args.num_layers, args.xsa_layers
+        ),
         vocab_size=padded_vocab_size(
             vocab_size,
             args.make_vocab_size_divisible_by,

@@ -6,6 +6,7 @@ sequence-parallel support) and `core_attention` (the attention variant). Everyth
 """
 
 import copy
+from typing import Optional, Sequence
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -14,10 +15,20 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron_focus.arguments import ATTENTION_VARIANTS
 from megatron_focus.model.core_attention import CoreAttention
 from megatron_focus.model.norm import Norm
+from megatron_focus.model.xsa import XSAMixin
+
+
+class XSAAttention(XSAMixin, CoreAttention):
+    """Standard causal attention, XSA on its output."""
+
 
 CORE_ATTENTION = {
     "standard": CoreAttention,
+    "xsa": XSAAttention,
 }
+
+# What an XSA variant is on the layers `--xsa-layers` leaves out.
+WITHOUT_XSA = {"xsa": "standard", "focus+xsa": "focus"}
 
 
 def layer_spec(attention: str, normalization: str) -> ModuleSpec:
@@ -33,9 +44,21 @@ def layer_spec(attention: str, normalization: str) -> ModuleSpec:
     return spec
 
 
-def block_spec(attention: str, normalization: str, num_layers: int) -> TransformerBlockSubmodules:
+def layer_attention(attention: str, layer_number: int, xsa_layers: Optional[Sequence[int]]) -> str:
+    """The variant of layer `layer_number` (1-based, as Megatron's): XSA only where listed."""
+    if xsa_layers is None or layer_number in xsa_layers:
+        return attention
+    return WITHOUT_XSA[attention]
+
+
+def block_spec(
+    attention: str, normalization: str, num_layers: int, xsa_layers: Optional[Sequence[int]] = None
+) -> TransformerBlockSubmodules:
     """Every layer plus the final norm; a per-layer list so variants can differ by layer."""
     return TransformerBlockSubmodules(
-        layer_specs=[layer_spec(attention, normalization) for _ in range(num_layers)],
+        layer_specs=[
+            layer_spec(layer_attention(attention, number, xsa_layers), normalization)
+            for number in range(1, num_layers + 1)
+        ],
         layer_norm=Norm,
     )

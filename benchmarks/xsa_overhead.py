@@ -1,0 +1,204 @@
+"""XSA's overhead: step time (forward + backward) and peak memory of `xsa` against `standard`.
+
+Both models come from the same flags and seed (XSA has no parameters, so the weights are equal) and
+step on the same tokens. Repetitions alternate the two, and which goes first, so drift in the
+machine's speed (clock, other processes) hits both alike; the ratio is the median of the per-pair
+ratios.
+
+Peak memory is measured after the timed steps, in a few more steps of each: the most a step needs
+above what is in use before it (the step's activations, gradients and temporaries; gradients are
+freed between steps):
+  * GPU: `torch.cuda.max_memory_allocated()` minus `memory_allocated()` before the step, with the
+    peak reset before each step.
+  * CPU (Linux): the process's peak resident set (VmHWM, reset by writing 5 to
+    /proc/self/clear_refs) minus its resident set before the step, after `malloc_trim` has handed
+    freed heap memory back to the OS. For these steps glibc mmaps every allocation of 64 KiB or more
+    (not while timing: each would cost page faults), so a freed tensor leaves the resident set at
+    once and the resident set follows the live tensors.
+
+    python benchmarks/xsa_overhead.py [--hidden-size 256 --num-layers 4 --seq-length 256
+        --micro-batch-size 4 --iters 20] [--json out.json] [other model flags, e.g. --swiglu]
+"""
+
+import argparse
+import ctypes
+import ctypes.util
+import json
+import re
+import statistics
+import time
+
+import torch
+
+from megatron_focus import platform
+from megatron_focus.arguments import parse_args
+from megatron_focus.model.gpt import build_model
+
+VARIANTS = ("standard", "xsa")
+MEMORY_REPETITIONS = 3
+MiB = 2**20
+LIBC = ctypes.CDLL(ctypes.util.find_library("c"))
+
+
+def parse() -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(
+        description="XSA vs standard attention: step time and memory", allow_abbrev=False,
+        epilog="Any other flag goes to the model (e.g. --swiglu, --attention-dropout 0).",
+    )
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--num-attention-heads", type=int, default=4)
+    p.add_argument("--seq-length", type=int, default=256)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--vocab-size", type=int, default=4096,
+                   help="small by default, so that on a CPU the output layer does not dominate")
+    p.add_argument("--iters", type=int, default=20, help="measured repetitions of each variant")
+    p.add_argument("--warmup", type=int, default=3, help="unmeasured repetitions first")
+    p.add_argument("--bf16", action="store_true", help="bf16 weights and activations")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--json", metavar="PATH", help="also write the results here")
+    return p.parse_known_args()  # the rest go to the model, as megatron-focus flags
+
+
+def _resident_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1)) * 1024
+
+
+def reset_peak_memory(device: torch.device) -> int:
+    """Forget the peak so far; return the bytes in use now."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    LIBC.malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM (Linux >= 4.0)
+    return _resident_bytes("VmRSS")
+
+
+def peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return _resident_bytes("VmHWM")
+
+
+def _mmap_large_allocations() -> None:
+    """Freed CPU tensors go back to the OS (glibc would otherwise keep them for reuse)."""
+    M_MMAP_THRESHOLD = -3
+    LIBC.mallopt(M_MMAP_THRESHOLD, 64 * 1024)
+
+
+def step(model, tokens, positions) -> None:
+    model.zero_grad(set_to_none=True)
+    model(tokens, positions, None, labels=tokens).float().mean().backward()
+
+
+def step_seconds(model, tokens, positions, device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    step(model, tokens, positions)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def step_peak_bytes(model, tokens, positions, device) -> int:
+    model.zero_grad(set_to_none=True)  # before the reset: the step's gradients count
+    before = reset_peak_memory(device)
+    step(model, tokens, positions)
+    return peak_memory(device) - before
+
+
+def interleaved(measure, models, repetitions: int, skip: int = 0) -> dict:
+    """`measure(model)` of every variant, alternating which goes first; the first `skip` dropped."""
+    samples = {variant: [] for variant in models}
+    for rep in range(skip + repetitions):
+        for variant in VARIANTS if rep % 2 == 0 else VARIANTS[::-1]:
+            sample = measure(models[variant])
+            if rep >= skip:
+                samples[variant].append(sample)
+    return samples
+
+
+def run(opts: argparse.Namespace, model_argv: list[str]) -> dict:
+    device = platform.init_distributed(1).device
+    size = ["--hidden-size", str(opts.hidden_size), "--num-layers", str(opts.num_layers),
+            "--num-attention-heads", str(opts.num_attention_heads),
+            "--seq-length", str(opts.seq_length)]
+    models = {}
+    for variant in VARIANTS:
+        platform.manual_seed(opts.seed)
+        models[variant] = build_model(parse_args(size + model_argv + ["--attention", variant]),
+                                      opts.vocab_size)
+        if opts.bf16:
+            models[variant].bfloat16()
+    g = torch.Generator().manual_seed(opts.seed)
+    shape = (opts.micro_batch_size, opts.seq_length)
+    tokens = torch.randint(0, opts.vocab_size, shape, generator=g).to(device)
+    positions = torch.arange(opts.seq_length, device=device).expand(shape)
+
+    seconds = interleaved(lambda model: step_seconds(model, tokens, positions, device), models,
+                          opts.iters, skip=opts.warmup)
+    if device.type == "cpu":
+        _mmap_large_allocations()
+    peaks = interleaved(lambda model: step_peak_bytes(model, tokens, positions, device), models,
+                        MEMORY_REPETITIONS)
+
+    def summary(variant):
+        q1, _, q3 = statistics.quantiles(seconds[variant], n=4)
+        return {"step_ms": 1e3 * statistics.median(seconds[variant]),
+                "step_ms_iqr": [1e3 * q1, 1e3 * q3],
+                "peak_step_memory_mib": statistics.median(peaks[variant]) / MiB}
+
+    def paired_ratio(samples):
+        return statistics.median(x / s for x, s in zip(samples["xsa"], samples["standard"]))
+
+    return {
+        "config": {**vars(opts), "model_flags": model_argv, "device": str(device),
+                   "threads": torch.get_num_threads() if device.type == "cpu" else None,
+                   "dtype": "bf16" if opts.bf16 else "fp32"},
+        "memory_measured": ("CUDA max_memory_allocated above the allocation before the step"
+                            if device.type == "cuda" else
+                            "peak resident set (VmHWM) above the resident set before the step, "
+                            "after malloc_trim, allocations >= 64 KiB mmapped"),
+        "results": {variant: summary(variant) for variant in VARIANTS},
+        "xsa_over_standard": {"step_time": paired_ratio(seconds),
+                              "peak_step_memory": paired_ratio(peaks)},
+    }
+
+
+def table(report: dict) -> str:
+    c = report["config"]
+    where = c["device"] + (f", {c['threads']} threads" if c["threads"] else "")
+    rows = [
+        f"hidden {c['hidden_size']}, layers {c['num_layers']}, heads {c['num_attention_heads']}, "
+        f"seq {c['seq_length']}, micro-batch {c['micro_batch_size']}, vocab {c['vocab_size']}, "
+        f"{c['dtype']} {' '.join(c['model_flags'])}".rstrip(),
+        f"{where}; {c['iters']} interleaved repetitions after {c['warmup']} warm-up",
+        f"memory: {report['memory_measured']}",
+        "",
+        f"{'':<14}{'step ms (median)':>18}{'[IQR]':>18}{'peak step MiB':>16}",
+    ]
+    for variant, r in report["results"].items():
+        lo, hi = r["step_ms_iqr"]
+        rows.append(f"{variant:<14}{r['step_ms']:>18.1f}{f'[{lo:.1f}, {hi:.1f}]':>18}"
+                    f"{r['peak_step_memory_mib']:>16.1f}")
+    ratio = report["xsa_over_standard"]
+    rows.append(f"{'xsa/standard':<14}{ratio['step_time']:>18.3f}{'':>18}"
+                f"{ratio['peak_step_memory']:>16.3f}")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    opts, model_argv = parse()
+    report = run(opts, model_argv)
+    print(table(report))
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump(report, f, indent=2)
+    platform.destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()
