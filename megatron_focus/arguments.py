@@ -12,7 +12,6 @@ from typing import List, Optional
 from megatron_focus.data.tokenizer import TOKENIZER_TYPES
 
 ATTENTION_VARIANTS = ("standard", "xsa", "focus", "focus+xsa")
-IMPLEMENTED_ATTENTION = ("standard", "xsa")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -46,6 +45,22 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--xsa-layers", type=int, nargs="+", default=None, metavar="N",
                    help="layers (1-based) that use XSA; the others use the base attention. "
                         "Default: all (megatron-focus)")
+
+
+def _add_focus_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("focus (--attention focus, focus+xsa)")
+    g.add_argument("--focus-groups", type=int, default=8, help="K, groups per layer")
+    g.add_argument("--focus-dim", type=int, default=16, help="d_g, routing dimension")
+    g.add_argument("--focus-window", type=int, default=128, help="w, local window (keys)")
+    g.add_argument("--focus-tau", type=float, default=0.1, help="routing temperature")
+    g.add_argument("--focus-sinkhorn-iters", type=int, default=10)
+    g.add_argument("--focus-top-k", type=int, default=2, help="groups per query, sparse mode")
+    g.add_argument("--focus-gate-scale", type=float, default=1.0,
+                   help="lambda: distant pairs get lambda * log(g_i . g_j); 0 = gate open")
+    g.add_argument("--focus-chunk-size", type=int, default=512,
+                   help="queries per chunk of the soft-gate attention (memory ~ chunk x seq)")
+    g.add_argument("--focus-attention-mode", choices=("soft", "sparse"), default="soft",
+                   help="soft gate (training) or hard top-k rule (sparse inference)")
 
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -121,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     _add_model_args(p)
+    _add_focus_args(p)
     _add_parallel_args(p)
     _add_training_args(p)
     _add_data_args(p)
@@ -142,11 +158,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     if world_size is None:  # as a launcher (torchrun, deepspeed) tells it
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     tp = args.tensor_model_parallel_size
-    if args.attention not in IMPLEMENTED_ATTENTION:
-        raise ValueError(
-            f"--attention {args.attention} is not implemented yet; available: "
-            f"{', '.join(IMPLEMENTED_ATTENTION)}"
-        )
+    _validate_focus(args)
     if args.xsa_layers is not None:
         if not args.attention.endswith("xsa"):
             raise ValueError(
@@ -206,6 +218,20 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
             args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
         else:
             args.ffn_hidden_size = 4 * args.hidden_size
+
+
+def _validate_focus(args: argparse.Namespace) -> None:
+    if not 1 <= args.focus_top_k <= args.focus_groups:
+        raise ValueError(
+            f"--focus-top-k {args.focus_top_k} must be between 1 and --focus-groups "
+            f"{args.focus_groups}"
+        )
+    for flag in ("focus_dim", "focus_window", "focus_chunk_size"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.focus_tau <= 0 or args.focus_sinkhorn_iters < 0 or args.focus_gate_scale < 0:
+        raise ValueError("--focus-tau must be > 0, --focus-sinkhorn-iters and "
+                         "--focus-gate-scale >= 0")
 
 
 def _validate_training(args: argparse.Namespace, world_size: int) -> None:

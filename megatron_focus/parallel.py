@@ -35,6 +35,28 @@ def install_sequence_parallel_grad_allreduce(model: torch.nn.Module) -> None:
             param.register_hook(allreduce)
 
 
+class _SumGradOverTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=parallel_state.get_tensor_model_parallel_group())
+        return grad
+
+
+def sum_grad_over_tensor_parallel(x: torch.Tensor) -> torch.Tensor:
+    """Identity forward; backward sums the gradient over the TP group.
+
+    Megatron's `copy_to_tensor_model_parallel_region` means the same, but its backward all-reduces
+    `grad.contiguous()` and returns the original: a non-contiguous gradient (as a transposed or
+    sliced consumer produces) comes back unsummed, silently (megatron-core 0.16.1).
+    """
+    return _SumGradOverTensorParallel.apply(x)
+
+
 def gather_tensor_parallel(param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` (the parameter itself or its gradient) at the parameter's full, unsharded shape.
 

@@ -21,10 +21,15 @@ FAMILIES = {
 # XSA on the plainest family and on one with RoPE and GQA (under TP=2: one key/value group per
 # rank, shared by that rank's two query heads).
 XSA = ["--attention", "xsa"]
+FOCUS = ["--attention", "focus", "--focus-window", "4", "--focus-groups", "4",
+         "--focus-chunk-size", "6"]
 CASES = {
     **FAMILIES,
     "gpt2-xsa": FAMILIES["gpt2"] + XSA,
     "llama-gqa-xsa": FAMILIES["llama-gqa"] + XSA,
+    # Focus: router parameters replicated over TP, routing input gathered under SP
+    "gpt2-focus": FAMILIES["gpt2"] + FOCUS,
+    "llama-gqa-focus+xsa": FAMILIES["llama-gqa"] + FOCUS + ["--attention", "focus+xsa"],
     # fewer key/value groups than TP ranks: Megatron gives each rank a copy of the one group
     "llama-mqa-xsa": FAMILIES["llama"] + ["--group-query-attention", "--num-query-groups", "1"] + XSA,
 }

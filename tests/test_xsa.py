@@ -218,9 +218,3 @@ def test_xsa_layers_applies_xsa_only_on_the_listed_layers(single_process):
 def test_bad_xsa_layers_are_refused(argv, message):
     with pytest.raises(ValueError, match=message):
         parse_args(argv)
-
-
-@pytest.mark.parametrize("attention", ["focus", "focus+xsa"])
-def test_focus_variants_are_still_refused(attention):
-    with pytest.raises(ValueError, match="not implemented yet"):
-        parse_args(["--attention", attention])

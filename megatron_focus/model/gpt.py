@@ -19,6 +19,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
+from megatron_focus.model.focus import FocusConfig
 from megatron_focus.model.specs import block_spec
 
 
@@ -58,13 +59,23 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
     )
 
 
+def focus_config(args: argparse.Namespace) -> FocusConfig:
+    return FocusConfig(
+        groups=args.focus_groups, dim=args.focus_dim, window=args.focus_window,
+        tau=args.focus_tau, sinkhorn_iters=args.focus_sinkhorn_iters, top_k=args.focus_top_k,
+        gate_scale=args.focus_gate_scale, chunk_size=args.focus_chunk_size,
+        mode=args.focus_attention_mode,
+    )
+
+
 def build_model(args: argparse.Namespace, vocab_size: int) -> GPTModel:
     """The GPT model for this rank's tensor-parallel shard, on this rank's device."""
     config = transformer_config(args)
     model = GPTModel(
         config=config,
         transformer_layer_spec=block_spec(
-            args.attention, args.normalization, args.num_layers, args.xsa_layers
+            args.attention, args.normalization, args.num_layers, args.xsa_layers,
+            focus_config(args) if args.attention.startswith("focus") else None,
         ),
         vocab_size=padded_vocab_size(
             vocab_size,

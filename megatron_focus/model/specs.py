@@ -1,8 +1,9 @@
 """`--attention` -> a Megatron-Core layer spec: the one place that knows which module is which.
 
 We start from Megatron-Core's own local GPT layer spec and swap three slots: the two norms (for
-sequence-parallel support) and `core_attention` (the attention variant). Everything else
-(`SelfAttention`, tensor-parallel linears, MLP, bias-dropout-add) stays Megatron's.
+sequence-parallel support) and `core_attention` (the attention variant). Focus also swaps
+`SelfAttention` for a subclass that adds the router. Everything else (tensor-parallel linears,
+MLP, bias-dropout-add) stays Megatron's.
 """
 
 import copy
@@ -14,6 +15,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from megatron_focus.arguments import ATTENTION_VARIANTS
 from megatron_focus.model.core_attention import CoreAttention
+from megatron_focus.model.focus import FocusAttention, FocusConfig, FocusSelfAttention
 from megatron_focus.model.norm import Norm
 from megatron_focus.model.xsa import XSAMixin
 
@@ -22,25 +24,38 @@ class XSAAttention(XSAMixin, CoreAttention):
     """Standard causal attention, XSA on its output."""
 
 
+class FocusXSAAttention(XSAMixin, FocusAttention):
+    """Focus attention, XSA on its output."""
+
+
 CORE_ATTENTION = {
     "standard": CoreAttention,
     "xsa": XSAAttention,
+    "focus": FocusAttention,
+    "focus+xsa": FocusXSAAttention,
 }
 
 # What an XSA variant is on the layers `--xsa-layers` leaves out.
 WITHOUT_XSA = {"xsa": "standard", "focus+xsa": "focus"}
 
 
-def layer_spec(attention: str, normalization: str) -> ModuleSpec:
+def layer_spec(attention: str, normalization: str,
+               focus: Optional[FocusConfig] = None) -> ModuleSpec:
     """The spec of one transformer layer with the given attention variant."""
     if attention not in ATTENTION_VARIANTS:
         raise ValueError(f"unknown --attention {attention!r}; choose from {ATTENTION_VARIANTS}")
-    if attention not in CORE_ATTENTION:
-        raise NotImplementedError(f"--attention {attention} is not implemented yet")
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
     spec.submodules.input_layernorm = Norm
     spec.submodules.pre_mlp_layernorm = Norm
-    spec.submodules.self_attention.submodules.core_attention = CORE_ATTENTION[attention]
+    attn = spec.submodules.self_attention
+    attn.submodules.core_attention = CORE_ATTENTION[attention]
+    if attention.startswith("focus"):
+        if focus is None:
+            raise ValueError(f"--attention {attention} needs a FocusConfig")
+        attn.module = FocusSelfAttention
+        attn.params = {**attn.params, "focus": focus}
+        attn.submodules.core_attention = ModuleSpec(CORE_ATTENTION[attention],
+                                                    params={"focus": focus})
     return spec
 
 
@@ -52,12 +67,13 @@ def layer_attention(attention: str, layer_number: int, xsa_layers: Optional[Sequ
 
 
 def block_spec(
-    attention: str, normalization: str, num_layers: int, xsa_layers: Optional[Sequence[int]] = None
+    attention: str, normalization: str, num_layers: int, xsa_layers: Optional[Sequence[int]] = None,
+    focus: Optional[FocusConfig] = None,
 ) -> TransformerBlockSubmodules:
     """Every layer plus the final norm; a per-layer list so variants can differ by layer."""
     return TransformerBlockSubmodules(
         layer_specs=[
-            layer_spec(layer_attention(attention, number, xsa_layers), normalization)
+            layer_spec(layer_attention(attention, number, xsa_layers), normalization, focus)
             for number in range(1, num_layers + 1)
         ],
         layer_norm=Norm,

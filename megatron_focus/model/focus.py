@@ -1,0 +1,157 @@
+"""Focus as Megatron modules: the router, a SelfAttention that routes, and the core attention.
+
+Data flow in one layer (TP = tensor-parallel size):
+
+    h (normalised hidden state, [s/TP, b, d] under sequence parallelism, else [s, b, d])
+      -> router: r = W_g h, gathered along the sequence under SP -> scores r C^T / tau
+         -> causal Sinkhorn -> log-assignments [b, s, K], identical on every TP rank
+      -> SelfAttention as usual (QKV, RoPE), its core attention gets the assignments through
+         Megatron's `attention_bias` slot and applies the Focus pair rule to its own heads.
+
+`W_g` and `C` are replicated on every TP rank. Each rank's heads send gradient into the shared
+assignments, so the assignments pass through `sum_grad_over_tensor_parallel` (identity forward,
+all-reduce backward): `C` then gets its full gradient on every rank, and so does `W_g`
+without SP; under SP each rank's `W_g` sees its slice of the sequence only, so `W_g` is flagged
+`sequence_parallel` and summed over TP like the norms.
+"""
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+
+from megatron.core.parallel_state import get_tensor_model_parallel_world_size
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.attention import SelfAttention
+
+from megatron_focus.model.core_attention import CoreAttention
+from megatron_focus.model.focus_gate import focus_attention, top_groups
+from megatron_focus.model.sinkhorn import causal_sinkhorn
+from megatron_focus.parallel import sum_grad_over_tensor_parallel
+
+MODES = ("soft", "sparse")
+
+
+@dataclasses.dataclass(frozen=True)
+class FocusConfig:
+    groups: int = 8  # K
+    dim: int = 16  # d_g
+    window: int = 128  # w
+    tau: float = 0.1
+    sinkhorn_iters: int = 10
+    top_k: int = 2  # hard (sparse) mode
+    gate_scale: float = 1.0  # lambda in the log gate; 0 opens the gate everywhere
+    chunk_size: int = 512
+    mode: str = "soft"
+
+
+class Router(torch.nn.Module):
+    """W_g (d -> d_g) and K centroids: token -> log-assignment over groups, shared by all heads."""
+
+    def __init__(self, config: TransformerConfig, focus: FocusConfig):
+        super().__init__()
+        self.focus = focus
+        self.sequence_parallel = config.sequence_parallel
+        self.tp = get_tensor_model_parallel_world_size()
+        self.proj = torch.nn.Linear(config.hidden_size, focus.dim, bias=False)
+        self.centroids = torch.nn.Parameter(torch.empty(focus.groups, focus.dim))
+        torch.nn.init.normal_(self.proj.weight, std=config.init_method_std)
+        torch.nn.init.normal_(self.centroids, std=1.0 / math.sqrt(focus.dim))
+        self.proj.weight.sequence_parallel = config.sequence_parallel
+        self.stats: Optional[dict] = None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        r = self.proj(hidden_states)
+        if self.sequence_parallel:
+            # Each rank then sends back the full gradient of its slice: split, not reduce-scatter.
+            r = gather_from_sequence_parallel_region(r, tensor_parallel_output_grad=False)
+        scores = (r.float() @ self.centroids.float().t()).transpose(0, 1) / self.focus.tau
+        log_g = causal_sinkhorn(scores, self.focus.sinkhorn_iters)
+        with torch.no_grad():
+            self.stats = group_stats(log_g, self.focus.top_k, self.focus.window)
+        if self.tp > 1:
+            log_g = sum_grad_over_tensor_parallel(log_g)
+        return log_g
+
+
+def group_stats(log_g: torch.Tensor, top_k: int, window: int) -> dict:
+    """Occupancy of the groups and the share of causal pairs the hard top-k rule keeps.
+
+    `largest-group`: share of tokens whose top-1 group is the most popular one (1/K is ideal);
+    `group-entropy`: entropy of the soft occupancy / log K (1 is perfectly balanced);
+    `pairs-kept`: kept causal pairs / all causal pairs, counted with per-group prefix counts
+    (local pairs, plus distant keys whose top-1 group is among the query's top-k).
+    """
+    b, n, groups = log_g.shape
+    top = top_groups(log_g, min(top_k, groups))
+    onehot = torch.nn.functional.one_hot(top[..., 0], groups)
+    largest = onehot.sum(1).max(-1).values.float().mean() / n
+    occupancy = log_g.exp().mean(dim=(0, 1))
+    entropy = -(occupancy * occupancy.clamp_min(1e-30).log()).sum() / math.log(max(groups, 2))
+    positions = torch.arange(n, device=log_g.device)
+    local = torch.clamp(positions + 1, max=window)
+    distant_end = positions - window  # keys j <= i - w are distant
+    prefix = onehot.cumsum(1)  # [b, n, K] tokens <= t per top-1 group
+    counts = prefix[:, distant_end.clamp(min=0)]  # [b, n, K]
+    distant = counts.gather(-1, top).sum(-1) * (distant_end >= 0)
+    kept = (local + distant).sum(-1).float().mean() / (n * (n + 1) / 2)
+    return {"largest-group": largest, "group-entropy": entropy, "pairs-kept": kept}
+
+
+class FocusSelfAttention(SelfAttention):
+    """Megatron's SelfAttention, with a router reading the same normalised hidden state as QKV."""
+
+    def __init__(self, config: TransformerConfig, submodules, layer_number: int, attn_mask_type,
+                 focus: FocusConfig, **kwargs):
+        super().__init__(config, submodules, layer_number, attn_mask_type, **kwargs)
+        self.router = Router(config, focus)
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        if kwargs.get("attention_bias") is not None:
+            raise ValueError("Focus attention takes no attention_bias")
+        kwargs["attention_bias"] = self.router(hidden_states)
+        return super().forward(hidden_states, attention_mask, **kwargs)
+
+
+class FocusAttention(CoreAttention):
+    """Causal attention under the Focus pair rule: soft gate (training) or hard top-k (sparse)."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type,
+                 focus: FocusConfig, **kwargs):
+        super().__init__(config, layer_number, attn_mask_type, **kwargs)
+        self.focus = focus
+        self.mode = focus.mode
+
+    def attend(self, q, k, v, attention_mask, routing=None):
+        if routing is None:
+            raise ValueError("Focus core attention needs the router's assignments")
+        if attention_mask is not None:
+            raise NotImplementedError("Focus attention is causal only (no custom attention mask)")
+        return focus_attention(
+            q, k, v, routing,
+            window=self.focus.window, gate_scale=self.focus.gate_scale,
+            top_k=self.focus.top_k if self.mode == "sparse" else None,
+            chunk_size=self.focus.chunk_size, scale=self.softmax_scale,
+            dropout_p=self.dropout_p if self.training else 0.0,
+        )
+
+
+def set_focus_mode(model: torch.nn.Module, mode: str) -> None:
+    """Switch every Focus layer between the soft gate and the hard top-k rule."""
+    if mode not in MODES:
+        raise ValueError(f"unknown Focus mode {mode!r}; choose from {MODES}")
+    for module in model.modules():
+        if isinstance(module, FocusAttention):
+            module.mode = mode
+
+
+def focus_statistics(model: torch.nn.Module) -> dict:
+    """{'focus/layer03/largest-group': ..., ...} from each router's last forward."""
+    out = {}
+    for module in model.modules():
+        if isinstance(module, FocusSelfAttention) and module.router.stats is not None:
+            for name, value in module.router.stats.items():
+                out[f"focus/layer{module.layer_number:02d}/{name}"] = float(value)
+    return out

@@ -1,0 +1,33 @@
+"""Causal (leak-free) Sinkhorn normalisation of token-to-group scores, in log space.
+
+The paper normalises each group's column over the *whole* sequence, so token i's assignment, and
+with it which earlier tokens i may attend to, depends on tokens after i: the future leaks into
+training and the assignment cannot be computed while generating. Here the token-side step of
+token i uses only tokens j <= i.
+
+Recurrence, for scores S (n tokens x K groups), L^0 = log_softmax(S) over groups, and t = 1..T:
+
+    token side:  L'_ik    = L^{t-1}_ik - log( (1/i) * sum_{j<=i} exp(L^{t-1}_jk) )
+    group side:  L^t_ik   = L'_ik - log( sum_k exp(L'_ik) )
+
+i.e. each entry is divided by its group's *prefix-mean* mass (mass over tokens 1..i divided by i),
+then each row is renormalised to a distribution over groups. A group that has taken more than its
+share of the prefix is pushed down for the tokens that follow; every quantity at row i is a
+function of rows 1..i only, so a full-sequence forward and token-by-token decoding agree exactly
+(incremental decoding keeps, per iteration, the K prefix sums). exp(L^T) has rows summing to 1.
+"""
+
+import torch
+
+
+def causal_sinkhorn(scores: torch.Tensor, iters: int) -> torch.Tensor:
+    """Log-assignments [..., n, K] from scores [..., n, K]; rows are log-distributions over groups."""
+    n = scores.shape[-2]
+    log_prefix_len = torch.log(
+        torch.arange(1, n + 1, device=scores.device, dtype=scores.dtype)
+    ).unsqueeze(-1)
+    log_g = torch.log_softmax(scores, dim=-1)
+    for _ in range(iters):
+        log_g = log_g - (torch.logcumsumexp(log_g, dim=-2) - log_prefix_len)
+        log_g = torch.log_softmax(log_g, dim=-1)
+    return log_g
