@@ -135,3 +135,23 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(embedded_cache, tmp_path):
     tag = open(os.path.join(ckpt, "latest")).read()
     assert tag.startswith("iter_") and int(tag[5:]) >= 2
     assert "exiting at iteration" in output
+
+
+def test_focus_training_logs_groups_and_both_validation_modes(embedded_cache, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = str(tmp_path / "tb")
+    history = train(1, _argv(embedded_cache, "--attention", "focus+xsa", "--focus-window", "8",
+                             "--focus-groups", "4", "--lr", "3e-3", "--eval-interval", "6",
+                             "--tensorboard-dir", tb, iters=12))
+    losses = history["losses"]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3
+    events = EventAccumulator(tb)
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"lm loss validation", "lm loss validation sparse"} <= tags
+    for layer in ("01", "02"):
+        assert {f"focus/layer{layer}/{s}" for s in ("largest-group", "group-entropy",
+                                                     "pairs-kept")} <= tags
+        largest = [e.value for e in events.Scalars(f"focus/layer{layer}/largest-group")]
+        assert len(largest) == 12 and max(largest) < 2 / 4  # never twice the balanced share

@@ -23,15 +23,21 @@ import torch.distributed as dist
 
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-# What must match for weights to load: the model's shape and how it is split.
+# What must match for weights to load: the model's shape, what it computes, and how it is split.
 SHAPE_KEYS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
     "kv_channels", "normalization", "swiglu", "position_embedding_type", "add_bias_linear",
     "untie_embeddings_and_output_weights", "max_position_embeddings", "attention",
     "tensor_model_parallel_size", "padded_vocab_size",
+    "norm_epsilon", "rotary_base", "rotary_percent", "xsa_layers",
 )
+FOCUS_SHAPE_KEYS = ("focus_groups", "focus_dim")
 LATEST = "latest"
 ARGS_FILE = "model_args.json"
+# The tokenizer the model was trained with (for the HF export); not compared on load.
+TOKENIZER_FILE = "tokenizer_args.json"
+# Marks a checkpoint that holds weights only (tools/convert_from_hf.py): no optimizer, no run state.
+WEIGHTS_ONLY = "weights_only"
 
 
 def tag_for(iteration: int) -> str:
@@ -39,7 +45,8 @@ def tag_for(iteration: int) -> str:
 
 
 def model_args(args: argparse.Namespace) -> dict:
-    return {key: getattr(args, key) for key in SHAPE_KEYS}
+    keys = SHAPE_KEYS + (FOCUS_SHAPE_KEYS if args.attention.startswith("focus") else ())
+    return {key: getattr(args, key) for key in keys}
 
 
 def rng_state() -> dict:
@@ -89,6 +96,10 @@ def save(engine, args: argparse.Namespace, iteration: int, consumed_samples: int
     if rank0:
         _write_atomically(os.path.join(partial, ARGS_FILE),
                           json.dumps(model_args(args), indent=1, sort_keys=True))
+        _write_atomically(os.path.join(partial, TOKENIZER_FILE), json.dumps({
+            "tokenizer_type": args.tokenizer_type,
+            "tokenizer_model": os.path.abspath(args.tokenizer_model),
+        }, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         _write_atomically(os.path.join(args.save, LATEST), tag)
@@ -113,8 +124,8 @@ def check_compatible(args: argparse.Namespace, checkpoint_dir: str) -> None:
     with open(os.path.join(checkpoint_dir, ARGS_FILE)) as f:
         saved = json.load(f)
     ours = model_args(args)
-    diffs = [f"{k}: checkpoint {saved.get(k)!r}, this run {ours[k]!r}"
-             for k in SHAPE_KEYS if saved.get(k) != ours[k]]
+    diffs = [f"{k}: checkpoint {saved.get(k)!r}, this run {ours.get(k)!r}"
+             for k in sorted(set(saved) | set(ours)) if saved.get(k) != ours.get(k)]
     if diffs:
         raise ValueError(f"checkpoint {checkpoint_dir} is of another model:\n  " + "\n  ".join(diffs))
 
@@ -132,10 +143,15 @@ def load(engine, args: argparse.Namespace) -> tuple[int, int]:
     if tag is None:
         return 0, 0
     check_compatible(args, os.path.join(args.load, tag))
+    # An imported model (weights only): this run's optimizer and schedule start at iteration 0.
+    weights_only = os.path.isfile(os.path.join(args.load, tag, WEIGHTS_ONLY))
     path, client_state = engine.load_checkpoint(
-        args.load, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        args.load, tag=tag, load_module_only=weights_only,
+        load_optimizer_states=not weights_only, load_lr_scheduler_states=not weights_only,
     )
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load {os.path.join(args.load, tag)}")
+    if weights_only:
+        return 0, 0
     set_rng_state(client_state["rng"])
     return client_state["iteration"], client_state["consumed_samples"]

@@ -6,6 +6,7 @@ multi-rank run makes one set of curves; the numbers are already averaged over da
 
 import argparse
 import datetime
+import math
 import resource
 import time
 from typing import Optional
@@ -62,7 +63,7 @@ class Reporter:
 
     def train(self, iteration: int, consumed_samples: int, loss: float, lr: float,
               grad_norm: Optional[float], seconds_per_iter: float, skipped: int,
-              nan_iters: int) -> None:
+              nan_iters: int, focus: dict) -> None:
         if not self.active:
             return
         args = self.args
@@ -80,6 +81,11 @@ class Reporter:
             f" | number of skipped iterations: {skipped:3d} | number of nan iterations: {nan_iters:3d}"
             f" | tokens/s: {tokens_per_s:.0f} | TFLOP/s/device: {tflops:.3f} | ETA: {eta}"
         )
+        if focus:  # per-layer values go to TensorBoard; the line shows the worst / the mean
+            largest = max(v for k, v in focus.items() if k.endswith("largest-group"))
+            kept = [v for k, v in focus.items() if k.endswith("pairs-kept")]
+            line += (f" | focus largest group: {largest:.3f}"
+                     f" | focus pairs kept: {sum(kept) / len(kept):.3f}")
         print(line, flush=True)
         step = iteration
         self.scalar("lm loss", loss, step)
@@ -93,15 +99,19 @@ class Reporter:
             self.scalar("mfu", tflops * 1e12 / self.peak, step)
         self.scalar(mem_tag, mem, step)
         self.scalar("skipped-iterations", skipped, step)
+        for tag, value in focus.items():
+            self.scalar(tag, value, step)
 
-    def validation(self, iteration: int, loss: float) -> None:
+    def validation(self, iteration: int, loss: float, focus_mode: str = "") -> None:
+        """Megatron's tags; a Focus model's other mode gets the mode as a suffix."""
         if not self.active:
             return
-        ppl = float(torch.exp(torch.tensor(min(loss, 20.0))))
-        print(f" validation loss at iteration {iteration} | lm loss value: {loss:.6E}"
+        suffix = f" {focus_mode}" if focus_mode else ""
+        ppl = math.exp(min(loss, 20.0))
+        print(f" validation loss{suffix} at iteration {iteration} | lm loss value: {loss:.6E}"
               f" | lm loss PPL: {ppl:.6E}", flush=True)
-        self.scalar("lm loss validation", loss, iteration)
-        self.scalar("lm loss validation ppl", ppl, iteration)
+        self.scalar(f"lm loss validation{suffix}", loss, iteration)
+        self.scalar(f"lm loss validation{suffix} ppl", ppl, iteration)
 
     def close(self) -> None:
         if self.writer is not None:

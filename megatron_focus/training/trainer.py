@@ -9,6 +9,7 @@ import math
 import os
 import signal
 import time
+from typing import Optional
 
 import deepspeed
 import torch
@@ -22,6 +23,7 @@ from megatron_focus.data.datasets import build_datasets
 from megatron_focus.data.embedded import TOKENIZER_TYPE as EMBEDDED_TOKENIZER_TYPE
 from megatron_focus.data.embedded import ensure_embedded_data
 from megatron_focus.data.tokenizer import build_tokenizer
+from megatron_focus.model.focus import focus_statistics, set_focus_mode
 from megatron_focus.model.gpt import build_model, padded_vocab_size
 from megatron_focus.parallel import install_sequence_parallel_grad_allreduce
 from megatron_focus.training import checkpointing
@@ -73,13 +75,16 @@ def pretrain(args: argparse.Namespace) -> dict:
             seconds = (time.time() - window_start) / window_iters
             reporter.train(iteration, consumed, loss, engine.get_lr()[0],
                            engine.get_global_grad_norm(), seconds, engine.skipped_steps,
-                           nan_iterations)
+                           nan_iterations, focus_statistics(engine.module))
             window_start, window_iters = time.time(), 0
         if valid_data is not None and (
             iteration % args.eval_interval == 0 or iteration == args.train_iters
         ):
             history["validation"].append((iteration, evaluate(engine, valid_data, args)))
             reporter.validation(*history["validation"][-1])
+            if args.attention.startswith("focus"):
+                other = "sparse" if args.focus_attention_mode == "soft" else "soft"
+                reporter.validation(iteration, evaluate(engine, valid_data, args, other), other)
         saved = args.save and (
             (args.save_interval and iteration % args.save_interval == 0)
             or iteration == args.train_iters
@@ -137,18 +142,23 @@ def train_step(engine, dataset, consumed: int, args: argparse.Namespace) -> tupl
 
 
 @torch.no_grad()
-def evaluate(engine, dataset, args: argparse.Namespace) -> float:
+def evaluate(engine, dataset, args: argparse.Namespace, focus_mode: Optional[str] = None) -> float:
     """Mean loss over the first `--eval-iters` global batches of the validation split.
 
     Always the same samples, so validation curves of different runs and variants compare.
+    `focus_mode` evaluates a Focus model in that mode (soft / sparse) instead of its own.
     """
     engine.eval()
+    if focus_mode is not None:
+        set_focus_mode(engine.module, focus_mode)
     total = torch.zeros((), dtype=torch.float64)
     micro_batches = engine.gradient_accumulation_steps()
     for it in range(args.eval_iters):
         for micro in range(micro_batches):
             batch = _micro_batch(dataset, it * args.global_batch_size, micro, args)
             total += _lm_loss(engine, batch).double().cpu()
+    if focus_mode is not None:
+        set_focus_mode(engine.module, args.focus_attention_mode)
     engine.train()
     return _average_over_data_parallel(total / (args.eval_iters * micro_batches))
 

@@ -1,9 +1,9 @@
-"""XSA's overhead: step time (forward + backward) and peak memory of `xsa` against `standard`.
+"""Attention variants' overhead: training step time (forward + backward) and peak memory against
+the first variant (`standard` by default), at one or several sequence lengths.
 
-Both models come from the same flags and seed (XSA has no parameters, so the weights are equal) and
-step on the same tokens. Repetitions alternate the two, and which goes first, so drift in the
-machine's speed (clock, other processes) hits both alike; the ratio is the median of the per-pair
-ratios.
+All models come from the same flags and seed and step on the same tokens. Repetitions cycle
+through the variants, reversing the order every other time, so drift in the machine's speed
+(clock, other processes) hits all alike; each ratio is the median of the per-repetition ratios.
 
 Peak memory is measured after the timed steps, in a few more steps of each: the most a step needs
 above what is in use before it (the step's activations, gradients and temporaries; gradients are
@@ -16,8 +16,9 @@ freed between steps):
     (not while timing: each would cost page faults), so a freed tensor leaves the resident set at
     once and the resident set follows the live tensors.
 
-    python benchmarks/xsa_overhead.py [--hidden-size 256 --num-layers 4 --seq-length 256
-        --micro-batch-size 4 --iters 20] [--json out.json] [other model flags, e.g. --swiglu]
+    python benchmarks/variant_overhead.py [--variants standard xsa focus focus+xsa]
+        [--seq-lengths 512 2048] [--hidden-size 256 --num-layers 4 --micro-batch-size 4
+        --iters 20] [--json out.json] [other model flags, e.g. --swiglu --focus-groups 4]
 """
 
 import argparse
@@ -34,7 +35,6 @@ from megatron_focus import platform
 from megatron_focus.arguments import parse_args
 from megatron_focus.model.gpt import build_model
 
-VARIANTS = ("standard", "xsa")
 MEMORY_REPETITIONS = 3
 MiB = 2**20
 LIBC = ctypes.CDLL(ctypes.util.find_library("c"))
@@ -42,13 +42,16 @@ LIBC = ctypes.CDLL(ctypes.util.find_library("c"))
 
 def parse() -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(
-        description="XSA vs standard attention: step time and memory", allow_abbrev=False,
+        description="attention variants vs the first one: step time and memory",
+        allow_abbrev=False,
         epilog="Any other flag goes to the model (e.g. --swiglu, --attention-dropout 0).",
     )
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--num-attention-heads", type=int, default=4)
-    p.add_argument("--seq-length", type=int, default=256)
+    p.add_argument("--variants", nargs="+", default=["standard", "xsa"],
+                   help="the first is the baseline of the ratios")
+    p.add_argument("--seq-lengths", type=int, nargs="+", default=[256])
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--vocab-size", type=int, default=4096,
                    help="small by default, so that on a CPU the output layer does not dominate")
@@ -111,32 +114,33 @@ def step_peak_bytes(model, tokens, positions, device) -> int:
 
 
 def interleaved(measure, models, repetitions: int, skip: int = 0) -> dict:
-    """`measure(model)` of every variant, alternating which goes first; the first `skip` dropped."""
+    """`measure(model)` of every variant, reversing the order each time; the first `skip` dropped."""
     samples = {variant: [] for variant in models}
+    order = list(models)
     for rep in range(skip + repetitions):
-        for variant in VARIANTS if rep % 2 == 0 else VARIANTS[::-1]:
+        for variant in order if rep % 2 == 0 else order[::-1]:
             sample = measure(models[variant])
             if rep >= skip:
                 samples[variant].append(sample)
     return samples
 
 
-def run(opts: argparse.Namespace, model_argv: list[str]) -> dict:
+def run(opts: argparse.Namespace, model_argv: list[str], seq_length: int) -> dict:
     device = platform.init_distributed(1).device
     size = ["--hidden-size", str(opts.hidden_size), "--num-layers", str(opts.num_layers),
             "--num-attention-heads", str(opts.num_attention_heads),
-            "--seq-length", str(opts.seq_length)]
+            "--seq-length", str(seq_length)]
     models = {}
-    for variant in VARIANTS:
+    for variant in opts.variants:
         platform.manual_seed(opts.seed)
         models[variant] = build_model(parse_args(size + model_argv + ["--attention", variant]),
-                                      opts.vocab_size)
+                                      opts.vocab_size).to(device)
         if opts.bf16:
             models[variant].bfloat16()
     g = torch.Generator().manual_seed(opts.seed)
-    shape = (opts.micro_batch_size, opts.seq_length)
+    shape = (opts.micro_batch_size, seq_length)
     tokens = torch.randint(0, opts.vocab_size, shape, generator=g).to(device)
-    positions = torch.arange(opts.seq_length, device=device).expand(shape)
+    positions = torch.arange(seq_length, device=device).expand(shape)
 
     seconds = interleaved(lambda model: step_seconds(model, tokens, positions, device), models,
                           opts.iters, skip=opts.warmup)
@@ -144,59 +148,62 @@ def run(opts: argparse.Namespace, model_argv: list[str]) -> dict:
         _mmap_large_allocations()
     peaks = interleaved(lambda model: step_peak_bytes(model, tokens, positions, device), models,
                         MEMORY_REPETITIONS)
+    base = opts.variants[0]
 
     def summary(variant):
         q1, _, q3 = statistics.quantiles(seconds[variant], n=4)
         return {"step_ms": 1e3 * statistics.median(seconds[variant]),
                 "step_ms_iqr": [1e3 * q1, 1e3 * q3],
-                "peak_step_memory_mib": statistics.median(peaks[variant]) / MiB}
+                "peak_step_memory_mib": statistics.median(peaks[variant]) / MiB,
+                "step_time_ratio": statistics.median(
+                    x / b for x, b in zip(seconds[variant], seconds[base])),
+                "peak_step_memory_ratio": statistics.median(
+                    x / b for x, b in zip(peaks[variant], peaks[base]))}
 
-    def paired_ratio(samples):
-        return statistics.median(x / s for x, s in zip(samples["xsa"], samples["standard"]))
-
-    return {
-        "config": {**vars(opts), "model_flags": model_argv, "device": str(device),
-                   "threads": torch.get_num_threads() if device.type == "cpu" else None,
-                   "dtype": "bf16" if opts.bf16 else "fp32"},
-        "memory_measured": ("CUDA max_memory_allocated above the allocation before the step"
-                            if device.type == "cuda" else
-                            "peak resident set (VmHWM) above the resident set before the step, "
-                            "after malloc_trim, allocations >= 64 KiB mmapped"),
-        "results": {variant: summary(variant) for variant in VARIANTS},
-        "xsa_over_standard": {"step_time": paired_ratio(seconds),
-                              "peak_step_memory": paired_ratio(peaks)},
-    }
+    return {"seq_length": seq_length,
+            "results": {variant: summary(variant) for variant in opts.variants}}
 
 
-def table(report: dict) -> str:
-    c = report["config"]
-    where = c["device"] + (f", {c['threads']} threads" if c["threads"] else "")
+def describe(opts: argparse.Namespace, model_argv: list[str]) -> dict:
+    device = platform.setup().device
+    return {**vars(opts), "model_flags": model_argv, "device": str(device),
+            "threads": torch.get_num_threads() if device.type == "cpu" else None,
+            "dtype": "bf16" if opts.bf16 else "fp32",
+            "memory_measured": ("CUDA max_memory_allocated above the allocation before the step"
+                                if device.type == "cuda" else
+                                "peak resident set (VmHWM) above the resident set before the "
+                                "step, after malloc_trim, allocations >= 64 KiB mmapped")}
+
+
+def table(config: dict, runs: list) -> str:
+    where = config["device"] + (f", {config['threads']} threads" if config["threads"] else "")
     rows = [
-        f"hidden {c['hidden_size']}, layers {c['num_layers']}, heads {c['num_attention_heads']}, "
-        f"seq {c['seq_length']}, micro-batch {c['micro_batch_size']}, vocab {c['vocab_size']}, "
-        f"{c['dtype']} {' '.join(c['model_flags'])}".rstrip(),
-        f"{where}; {c['iters']} interleaved repetitions after {c['warmup']} warm-up",
-        f"memory: {report['memory_measured']}",
+        f"hidden {config['hidden_size']}, layers {config['num_layers']}, heads "
+        f"{config['num_attention_heads']}, micro-batch {config['micro_batch_size']}, vocab "
+        f"{config['vocab_size']}, {config['dtype']} {' '.join(config['model_flags'])}".rstrip(),
+        f"{where}; {config['iters']} interleaved repetitions after {config['warmup']} warm-up",
+        f"memory: {config['memory_measured']}",
         "",
-        f"{'':<14}{'step ms (median)':>18}{'[IQR]':>18}{'peak step MiB':>16}",
+        f"{'seq':>6} {'variant':<11}{'step ms':>10}{'[IQR]':>20}{'peak MiB':>10}"
+        f"{'time x':>8}{'mem x':>8}",
     ]
-    for variant, r in report["results"].items():
-        lo, hi = r["step_ms_iqr"]
-        rows.append(f"{variant:<14}{r['step_ms']:>18.1f}{f'[{lo:.1f}, {hi:.1f}]':>18}"
-                    f"{r['peak_step_memory_mib']:>16.1f}")
-    ratio = report["xsa_over_standard"]
-    rows.append(f"{'xsa/standard':<14}{ratio['step_time']:>18.3f}{'':>18}"
-                f"{ratio['peak_step_memory']:>16.3f}")
+    for run in runs:
+        for variant, r in run["results"].items():
+            lo, hi = r["step_ms_iqr"]
+            rows.append(f"{run['seq_length']:>6} {variant:<11}{r['step_ms']:>10.1f}"
+                        f"{f'[{lo:.1f}, {hi:.1f}]':>20}{r['peak_step_memory_mib']:>10.1f}"
+                        f"{r['step_time_ratio']:>8.3f}{r['peak_step_memory_ratio']:>8.3f}")
     return "\n".join(rows)
 
 
 def main() -> None:
     opts, model_argv = parse()
-    report = run(opts, model_argv)
-    print(table(report))
+    runs = [run(opts, model_argv, n) for n in opts.seq_lengths]
+    config = describe(opts, model_argv)
+    print(table(config, runs))
     if opts.json:
         with open(opts.json, "w") as f:
-            json.dump(report, f, indent=2)
+            json.dump({"config": config, "runs": runs}, f, indent=2)
     platform.destroy_distributed()
 
 
