@@ -206,7 +206,12 @@ def test_later_tokens_change_no_earlier_logit(single_process, argv):
     changed = tokens.clone()
     changed[:, 30:] = torch.randint(0, 256, (2, 18), generator=torch.Generator().manual_seed(1))
     before, after = _logits(model, tokens), _logits(model, changed)
-    assert torch.equal(before[:, :30], after[:, :30])
+    if "sparse" in argv:
+        # Same pairs, but the packed buckets' length (hence the kernel's tiling and summation
+        # order) depends on later tokens: equal up to float rounding, not bit for bit.
+        torch.testing.assert_close(before[:, :30], after[:, :30], rtol=0, atol=1e-5)
+    else:
+        assert torch.equal(before[:, :30], after[:, :30])
     assert not torch.equal(before[:, 30:], after[:, 30:])
 
 

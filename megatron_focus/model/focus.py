@@ -28,6 +28,7 @@ from megatron.core.transformer.attention import SelfAttention
 
 from megatron_focus.model.core_attention import CoreAttention
 from megatron_focus.model.focus_gate import focus_attention, top_groups
+from megatron_focus.model.focus_sparse import sparse_focus_attention
 from megatron_focus.model.sinkhorn import causal_sinkhorn
 from megatron_focus.parallel import sum_grad_over_tensor_parallel
 
@@ -116,7 +117,11 @@ class FocusSelfAttention(SelfAttention):
 
 
 class FocusAttention(CoreAttention):
-    """Causal attention under the Focus pair rule: soft gate (training) or hard top-k (sparse)."""
+    """Causal attention under the Focus pair rule: soft gate (training) or hard top-k (sparse).
+
+    Sparse mode computes only the kept pairs (focus_sparse) when no gradient is needed; with
+    gradients it evaluates the same hard rule by masked chunks.
+    """
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type,
                  focus: FocusConfig, **kwargs):
@@ -129,6 +134,9 @@ class FocusAttention(CoreAttention):
             raise ValueError("Focus core attention needs the router's assignments")
         if attention_mask is not None:
             raise NotImplementedError("Focus attention is causal only (no custom attention mask)")
+        if self.mode == "sparse" and not torch.is_grad_enabled():
+            return sparse_focus_attention(q, k, v, routing, window=self.focus.window,
+                                          top_k=self.focus.top_k, scale=self.softmax_scale)
         return focus_attention(
             q, k, v, routing,
             window=self.focus.window, gate_scale=self.focus.gate_scale,

@@ -1,0 +1,104 @@
+"""Sparse Focus dispatch (buckets + local window, merged by log-sum-exp) == the dense hard rule."""
+
+import pytest
+import torch
+
+from megatron_focus.model.focus_gate import focus_attention
+from megatron_focus.model.focus_sparse import merge_by_lse, sparse_focus_attention
+from megatron_focus.model.sinkhorn import causal_sinkhorn
+
+
+def dense_hard_rule(q, k, v, log_g, window, top_k, scale):
+    """The hard rule as one masked softmax over all pairs (fp64)."""
+    n = q.shape[2]
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1).double(), v.repeat_interleave(rep, 1).double()
+    tops = log_g.topk(top_k, -1).indices
+    pos = torch.arange(n)
+    distance = pos[:, None] - pos[None, :]
+    same = (tops[:, :, None, :] == tops[:, None, :, :1]).any(-1)  # key's top-1 in query's top-k
+    keep = (distance >= 0) & ((distance < window) | same)
+    scores = torch.einsum("bhid,bhjd->bhij", q.double(), k) * scale
+    scores = scores.masked_fill(~keep[:, None], float("-inf"))
+    return (scores.softmax(-1) @ v).to(q.dtype)
+
+
+def assignments(b, n, groups, gen, how="random"):
+    if how == "random":
+        scores = torch.randn(b, n, groups, generator=gen) * 3
+    elif how == "one-group":  # every token's top-1 is group 0
+        scores = torch.randn(b, n, groups, generator=gen)
+        scores[..., 0] += 100
+    elif how == "lonely":  # group 1 holds exactly one token per sequence; others may be empty
+        scores = torch.randn(b, n, groups, generator=gen)
+        scores[..., 0] += 50
+        scores[:, n // 2, 1] += 200
+    return torch.log_softmax(scores, -1)  # raw (unbalanced) assignments are allowed here
+
+
+CASES = [  # b, heads, kv heads, n, d, K, w, top_k, assignment
+    (1, 2, 2, 1, 8, 4, 4, 1, "random"),
+    (2, 4, 4, 37, 8, 4, 5, 1, "random"),
+    (1, 4, 2, 40, 8, 4, 64, 2, "random"),      # n < w
+    (2, 4, 1, 300, 16, 8, 16, 2, "random"),    # multi-query, batch with other group sizes
+    (2, 4, 2, 257, 8, 4, 8, 4, "random"),      # top-k = K: full causal attention
+    (1, 2, 2, 90, 8, 1, 8, 1, "random"),       # K = 1
+    (2, 2, 2, 64, 8, 4, 4, 1, "one-group"),    # all tokens in one group, the others empty
+    (2, 2, 2, 64, 8, 4, 4, 2, "lonely"),       # a single-token group
+    (1, 4, 2, 2500, 32, 8, 128, 2, "random"),  # several thousand tokens
+]
+
+
+@pytest.mark.parametrize("b, heads, kv, n, d, groups, window, top_k, how", CASES)
+def test_sparse_dispatch_equals_dense_hard_rule(b, heads, kv, n, d, groups, window, top_k, how):
+    gen = torch.Generator().manual_seed(n + groups)
+    q = torch.randn(b, heads, n, d, generator=gen)
+    k, v = (torch.randn(b, kv, n, d, generator=gen) for _ in range(2))
+    log_g = assignments(b, n, groups, gen, how)
+    out = sparse_focus_attention(q, k, v, log_g, window=window, top_k=top_k, scale=d ** -0.5)
+    ref = dense_hard_rule(q, k, v, log_g, window, top_k, d ** -0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    if n <= 300:  # the chunked masked path (used with gradients) applies the same rule
+        masked = focus_attention(q, k, v, log_g, window=window, gate_scale=1.0, top_k=top_k,
+                                 chunk_size=32, scale=d ** -0.5)
+        torch.testing.assert_close(out, masked, rtol=1e-5, atol=1e-5)
+    if top_k == groups:
+        full = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=d ** -0.5, enable_gqa=heads != kv)
+        torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-5)
+
+
+def test_merge_by_lse_is_the_softmax_of_the_union():
+    gen = torch.Generator().manual_seed(0)
+    scores, values = torch.randn(3, 10, generator=gen), torch.randn(10, 4, generator=gen)
+    parts = [slice(0, 3), slice(3, 3), slice(3, 10)]  # one of them empty
+    outs, lses = [], []
+    for part in parts:
+        s = scores[:, part]
+        lse = s.logsumexp(-1) if s.shape[1] else torch.full((3,), float("-inf"))
+        outs.append((s - lse[:, None]).exp() @ values[part] if s.shape[1] else torch.zeros(3, 4))
+        lses.append(lse)
+    merged, lse = merge_by_lse(outs, lses)
+    torch.testing.assert_close(merged, scores.softmax(-1) @ values)
+    torch.testing.assert_close(lse, scores.logsumexp(-1))
+
+
+@pytest.mark.parametrize("attention", ["focus", "focus+xsa"])
+def test_model_in_sparse_mode_dispatch_equals_masked_rule(single_process, attention):
+    from megatron_focus import platform
+    from megatron_focus.arguments import parse_args
+    from megatron_focus.model.gpt import build_model
+
+    platform.manual_seed(0)
+    args = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                       "--seq-length", "96", "--attention", attention, "--focus-window", "8",
+                       "--focus-groups", "4", "--focus-top-k", "2", "--focus-chunk-size", "32",
+                       "--focus-attention-mode", "sparse", "--group-query-attention",
+                       "--num-query-groups", "2"])
+    model = build_model(args, 256).eval()
+    tokens = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(96).expand(2, 96)
+    with torch.no_grad():
+        dispatched = model(tokens, positions, None)
+    masked = model(tokens, positions, None)  # with gradients: the masked-chunk path
+    torch.testing.assert_close(dispatched, masked.detach(), rtol=1e-5, atol=1e-5)
