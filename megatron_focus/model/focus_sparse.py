@@ -39,60 +39,71 @@ def merge_by_lse(outputs, lses):
     return merged, lse
 
 
-def attention_with_lse(q, k, v, scale: float, causal: bool):
-    """(output, log-sum-exp) of softmax attention; kv heads may be fewer than q heads (GQA)."""
+def attention_with_lse(q, k, v, scale: float, causal: bool, mask=None):
+    """(output, log-sum-exp) of softmax attention; kv heads may be fewer than q heads (GQA).
+
+    `mask`: additive float mask broadcastable to the scores (-inf removes a pair). Beware: for a
+    query with no key left, the CPU kernel returns output 0 with log-sum-exp 0, not -inf.
+    """
     if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, scale=scale)
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    scores = (q @ k.transpose(-1, -2)).float() * scale
-    if causal:
-        n = q.shape[2]
-        scores = scores.masked_fill(
-            torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    lse = scores.logsumexp(-1)
-    return (scores - lse.unsqueeze(-1)).exp().to(v.dtype) @ v, lse
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    else:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        scores = (q @ k.transpose(-1, -2)).float() * scale
+        if causal:
+            n = q.shape[2]
+            scores = scores.masked_fill(
+                torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        if mask is not None:
+            scores = scores + mask
+        lse = scores.logsumexp(-1)
+        probs = torch.where(torch.isfinite(lse).unsqueeze(-1),
+                            (scores - lse.unsqueeze(-1)).exp(), 0.0)
+        out = probs.to(v.dtype) @ v
+    return out, lse
 
 
 def _bucket_part(q, k, v, groups_q, scale):
     """Per top-k slot, each query's attention over its bucket: outputs [k][b,h,n,d], lses [k][b,h,n]."""
     b, h, n, d = q.shape
     kv_heads, top_k = k.shape[1], groups_q.shape[-1]
-    num_groups = int(groups_q.max()) + 1 if groups_q.numel() else 1
+    num_groups = int(groups_q.max()) + 1
     # One entry per (sequence, token, slot); a token's own key lives in its top-1 bucket (slot 0).
-    seq = torch.arange(b, device=q.device).view(b, 1, 1).expand(b, n, top_k)
-    tok = torch.arange(n, device=q.device).view(1, n, 1).expand(b, n, top_k)
-    slot = torch.arange(top_k, device=q.device).view(1, 1, top_k).expand(b, n, top_k)
-    bucket = (seq * num_groups + groups_q).reshape(-1)
+    entry = torch.arange(b * n * top_k, device=q.device)
+    token_row, slot = entry // top_k, entry % top_k  # token_row = sequence * n + position
+    bucket = (token_row // n) * num_groups + groups_q.reshape(-1)
     order = torch.sort(bucket, stable=True).indices  # positions stay increasing in a bucket
     sizes = torch.bincount(bucket, minlength=b * num_groups)
     starts = torch.cumsum(sizes, 0) - sizes
-    sorted_bucket = bucket[order]
-    rank = torch.arange(order.numel(), device=q.device) - starts[sorted_bucket]
     longest = int(sizes.max())  # the one host synchronisation
+    rows = token_row[order]
+    slots = order.new_empty(order.shape)
+    slots[order] = torch.arange(order.numel(), device=q.device)  # entry -> its place in `order`
+    packed_at = bucket[order] * longest + torch.arange(order.numel(), device=q.device) \
+        - starts[bucket[order]]  # place in the padded [buckets * longest] layout
 
-    entry_seq, entry_tok = seq.reshape(-1)[order], tok.reshape(-1)[order]
-    member = slot.reshape(-1)[order] == 0
+    extra_k = torch.where(slot[order] == 0, 0.0, _EXCLUDED / scale).to(k.dtype)
 
-    def packed(x, heads):  # [b, heads, n, d] -> [buckets, heads, longest, d + 1], zero padded
-        out = x.new_zeros(b * num_groups, longest, heads, d + 1)
-        out[sorted_bucket, rank, :, :d] = x[entry_seq, :, entry_tok]
-        return out.transpose(1, 2)
+    def packed(x, extra):  # [b, heads, n, d] -> [buckets, heads, longest, d + 1], zero padded
+        heads = x.shape[1]
+        entries = x.transpose(1, 2).reshape(b * n, heads, d).index_select(0, rows)
+        extra = extra.view(-1, 1, 1).expand(-1, heads, 1) if extra.dim() else \
+            entries.new_full((entries.shape[0], heads, 1), float(extra))
+        out = x.new_zeros(b * num_groups * longest, heads, d + 1)
+        out.index_copy_(0, packed_at, torch.cat([entries, extra], dim=-1))
+        return out.view(b * num_groups, longest, heads, d + 1).transpose(1, 2)
 
-    pq, pk, pv = packed(q, h), packed(k, kv_heads), packed(v, kv_heads)
-    pq[:, :, :, d] = 1.0
-    pk[sorted_bucket, :, rank, d] = torch.where(member, 0.0, _EXCLUDED / scale).to(pk.dtype)[:, None]
+    pq = packed(q, torch.tensor(1.0))
+    pk, pv = packed(k, extra_k), packed(v, torch.tensor(0.0))
     out, lse = attention_with_lse(pq, pk, pv, scale, causal=True)
     # Back to [slot][b, h, n, ...]; padding rows (after each bucket's tokens) are never read.
-    out_entries = out.transpose(1, 2)[sorted_bucket, rank, :, :d]  # [entries, h, d]
-    lse_entries = lse.transpose(1, 2)[sorted_bucket, rank]  # [entries, h]
-    flat = torch.empty(b * n * top_k, h, d, dtype=out.dtype, device=q.device)
-    flat[order] = out_entries
-    flat_lse = torch.empty(b * n * top_k, h, dtype=lse.dtype, device=q.device)
-    flat_lse[order] = lse_entries
-    outs = flat.view(b, n, top_k, h, d).permute(2, 0, 3, 1, 4)
-    lses = flat_lse.view(b, n, top_k, h).permute(2, 0, 3, 1)
+    back = packed_at.index_select(0, slots)
+    out = out.transpose(1, 2).reshape(-1, h, d + 1).index_select(0, back)[..., :d]
+    lse = lse.transpose(1, 2).reshape(-1, h).index_select(0, back)
+    outs = out.view(b, n, top_k, h, d).permute(2, 0, 3, 1, 4)
+    lses = lse.view(b, n, top_k, h).permute(2, 0, 3, 1)
     return list(outs), list(lses)
 
 
@@ -115,7 +126,6 @@ def _blocks(x: torch.Tensor, dim: int, window: int, with_previous: bool = False)
 def _local_part(q, k, v, groups_q, window: int, scale: float):
     """Window keys whose top-1 group is not among the query's top-k, by blocks of w queries."""
     b, h, n, d = q.shape
-    rep = h // k.shape[1]
     blocks = -(-n // window)
     q_pos = torch.arange(blocks * window, device=q.device).view(blocks, window)
     k_pos = torch.cat([q_pos - window, q_pos], dim=1)  # [blocks, 2w]; padding keys are >= n
@@ -125,17 +135,19 @@ def _local_part(q, k, v, groups_q, window: int, scale: float):
     groups_qb = _blocks(groups_q, 1, window)  # [b, blocks, w, top_k]
     top1_kb = _blocks(groups_q[..., 0], 1, window, with_previous=True)  # [b, blocks, 2w]
     in_bucket = (groups_qb[:, :, :, None, :] == top1_kb[:, :, None, :, None]).any(-1)
-    keep = (window_pairs & ~in_bucket).unsqueeze(1)  # [b, 1, blocks, w, 2w]
+    keep = window_pairs & ~in_bucket  # [b, blocks, w, 2w]
+    mask = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(~keep, float("-inf"))
 
-    qb = _blocks(q, 2, window)  # [b, h, blocks, w, d]
-    kb = _blocks(k.repeat_interleave(rep, 1), 2, window, with_previous=True)
-    vb = _blocks(v.repeat_interleave(rep, 1), 2, window, with_previous=True)
-    scores = torch.einsum("bhnqd,bhnkd->bhnqk", qb.float(), kb.float()) * scale
-    scores = scores.masked_fill(~keep, float("-inf"))
-    lse = scores.logsumexp(-1)
-    probs = torch.where(torch.isfinite(lse).unsqueeze(-1), (scores - lse.unsqueeze(-1)).exp(), 0.0)
-    out = torch.einsum("bhnqk,bhnkd->bhnqd", probs.to(v.dtype), vb)
-    return out.flatten(2, 3)[:, :, :n], lse.flatten(2, 3)[:, :, :n]
+    def per_block(x, with_previous):  # [b, heads, n, d] -> [b * blocks, heads, w or 2w, d]
+        x = _blocks(x, 2, window, with_previous)
+        return x.transpose(1, 2).flatten(0, 1)
+
+    out, lse = attention_with_lse(per_block(q, False), per_block(k, True), per_block(v, True),
+                                  scale, causal=False, mask=mask.flatten(0, 1).unsqueeze(1))
+    lse = lse.masked_fill(~keep.any(-1).flatten(0, 1).unsqueeze(1), float("-inf"))
+    out = out.unflatten(0, (b, blocks)).transpose(1, 2).flatten(2, 3)[:, :, :n]
+    lse = lse.unflatten(0, (b, blocks)).transpose(1, 2).flatten(2, 3)[:, :, :n]
+    return out, lse
 
 
 @torch.no_grad()
@@ -144,6 +156,6 @@ def sparse_focus_attention(q, k, v, log_g, *, window: int, top_k: int, scale: fl
     groups_q = log_g.topk(top_k, dim=-1).indices  # [b, n, top_k], top-1 first
     bucket_outs, bucket_lses = _bucket_part(q, k, v, groups_q, scale)
     local_out, local_lse = _local_part(q, k, v, groups_q, window, scale)
-    out, _ = merge_by_lse(bucket_outs + [local_out.to(bucket_outs[0].dtype)],
-                          [lse.float() for lse in bucket_lses] + [local_lse])
+    out, _ = merge_by_lse(bucket_outs + [local_out],
+                          [lse.float() for lse in bucket_lses + [local_lse]])
     return out.to(q.dtype)

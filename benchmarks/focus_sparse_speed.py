@@ -1,0 +1,102 @@
+"""Sparse Focus attention (forward, inference) against dense causal attention, side by side.
+
+Both use the same kernel family: PyTorch's fused CPU attention (`scaled_dot_product_attention`
+with `is_causal=True` for dense; the same flash kernel inside the packed bucket call for Focus).
+Focus's time includes its routing (top-k, the stable sort, packing) and the local window part.
+Assignments come from the causal Sinkhorn on random scores, so groups are balanced as in a
+trained model. "ideal" is dense pairs / kept pairs; "of ideal" is measured speedup / ideal.
+
+    python benchmarks/focus_sparse_speed.py [--seq-lengths 1024 4096 16384] [--groups 4 8]
+        [--top-k 1 2] [--heads 4 --head-dim 64 --window 128] [--json out.json]
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from megatron_focus.model.focus import group_stats
+from megatron_focus.model.focus_sparse import sparse_focus_attention
+from megatron_focus.model.sinkhorn import causal_sinkhorn
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--seq-lengths", type=int, nargs="+",
+                   default=[1024, 2048, 4096, 8192, 16384, 32768])
+    p.add_argument("--groups", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--top-k", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--window", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", metavar="PATH")
+    return p.parse_args()
+
+
+def seconds(fn) -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def measure(opts, n: int, groups: int, top_k: int) -> dict:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(n + groups)
+    q, k, v = (torch.randn(1, opts.heads, n, opts.head_dim, generator=gen).to(device)
+               for _ in range(3))
+    log_g = causal_sinkhorn(torch.randn(1, n, groups, generator=gen) * 3, 10).to(device)
+    scale = opts.head_dim ** -0.5
+
+    def dense():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+    def sparse():
+        sparse_focus_attention(q, k, v, log_g, window=opts.window, top_k=top_k, scale=scale)
+
+    times = {"dense": [], "sparse": []}
+    with torch.no_grad():
+        dense(), sparse()  # warm-up
+        for rep in range(opts.repeats):  # alternate the order against drift
+            for name, fn in ((("dense", dense), ("sparse", sparse)) if rep % 2 == 0
+                             else (("sparse", sparse), ("dense", dense))):
+                times[name].append(seconds(fn))
+    kept = float(group_stats(log_g, top_k, opts.window)["pairs-kept"])
+    dense_s, sparse_s = statistics.median(times["dense"]), statistics.median(times["sparse"])
+    speedup = statistics.median(d / s for d, s in zip(times["dense"], times["sparse"]))
+    return {"n": n, "groups": groups, "top_k": top_k, "dense_ms": dense_s * 1e3,
+            "sparse_ms": sparse_s * 1e3, "pairs_kept": kept, "speedup": speedup,
+            "ideal_speedup": 1 / kept, "of_ideal": speedup * kept}
+
+
+def main() -> None:
+    opts = parse()
+    torch.set_grad_enabled(False)
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else \
+        f"cpu, {torch.get_num_threads()} threads"
+    print(f"{where}; {opts.heads} heads of {opts.head_dim}, window {opts.window}, batch 1, fp32")
+    print(f"{'n':>7}{'K':>3}{'top-k':>6}{'dense ms':>10}{'focus ms':>10}{'kept':>7}"
+          f"{'speedup':>9}{'ideal':>7}{'of ideal':>9}")
+    rows = []
+    for n in opts.seq_lengths:
+        for groups in opts.groups:
+            for top_k in opts.top_k:
+                r = measure(opts, n, groups, top_k)
+                rows.append(r)
+                print(f"{n:>7}{groups:>3}{top_k:>6}{r['dense_ms']:>10.1f}{r['sparse_ms']:>10.1f}"
+                      f"{r['pairs_kept']:>7.3f}{r['speedup']:>8.2f}x{r['ideal_speedup']:>6.1f}x"
+                      f"{r['of_ideal']:>8.0%}", flush=True)
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump({"config": {**vars(opts), "device": where}, "results": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
