@@ -118,6 +118,12 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--finetune", action="store_true",
+                   help="load only the model weights from --load; iteration, optimizer and "
+                        "LR schedule start fresh")
+    g.add_argument("--retrofit", action="store_true",
+                   help="train only the Focus routers (W_g, C) of --load's model, every other "
+                        "weight frozen; from a non-Focus checkpoint this implies --finetune")
 
 
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
@@ -260,5 +266,9 @@ def _validate_training(args: argparse.Namespace, world_size: int) -> None:
         )
     if args.data_path and args.tokenizer_type is None:
         raise ValueError("--tokenizer-model needs --tokenizer-type")
+    if args.retrofit and not args.attention.startswith("focus"):
+        raise ValueError("--retrofit adds Focus routers: it needs --attention focus or focus+xsa")
+    if (args.retrofit or args.finetune) and not args.load:
+        raise ValueError("--retrofit and --finetune need --load (the pretrained checkpoint)")
     if args.save_interval is not None and args.save is None:
         raise ValueError("--save-interval needs --save")

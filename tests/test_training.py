@@ -155,3 +155,35 @@ def test_focus_training_logs_groups_and_both_validation_modes(embedded_cache, tm
                                                      "pairs-kept")} <= tags
         largest = [e.value for e in events.Scalars(f"focus/layer{layer}/largest-group")]
         assert len(largest) == 12 and max(largest) < 2 / 4  # never twice the balanced share
+
+
+def _router_and_base(ckpt, tag=None):
+    tag = tag or open(os.path.join(ckpt, "latest")).read()
+    shard = os.path.join(ckpt, tag, "mp_rank_00_model_states.pt")
+    module = torch.load(shard, map_location="cpu", weights_only=False)["module"]
+    router = {k: v for k, v in module.items() if ".router." in k}
+    base = {k: v for k, v in module.items() if ".router." not in k and "_extra_state" not in k}
+    return router, base
+
+
+def test_retrofit_trains_only_the_routers(embedded_cache, tmp_path):
+    base_ckpt, retro_ckpt = str(tmp_path / "base"), str(tmp_path / "retro")
+    train(1, _argv(embedded_cache, "--save", base_ckpt, iters=3))
+    _, base = _router_and_base(base_ckpt)
+    focus = ["--attention", "focus", "--focus-window", "4", "--focus-groups", "4",
+             "--eval-interval", "3", "--lr", "1e-2"]
+    train(1, _argv(embedded_cache, *focus, "--retrofit", "--load", base_ckpt,
+                   "--save", retro_ckpt, "--save-interval", "1", iters=3))
+    first_router, _ = _router_and_base(retro_ckpt, "iter_0000001")
+    router, after = _router_and_base(retro_ckpt)
+    assert after.keys() == base.keys()
+    for name, weight in base.items():
+        assert torch.equal(after[name], weight), name  # every base weight bit-identical
+    assert sum(p.numel() for p in router.values()) == 2 * (64 * 16 + 4 * 16)
+    assert all(not torch.equal(router[k], first_router[k]) for k in router)  # routers learn
+    # Resuming a retrofit run is an ordinary resume (iteration 3 -> 4, base still frozen).
+    resumed = train(1, _argv(embedded_cache, *focus, "--retrofit", "--load", retro_ckpt,
+                             "--save", retro_ckpt, iters=4))
+    assert len(resumed["losses"]) == 1
+    _, after_resume = _router_and_base(retro_ckpt)
+    assert all(torch.equal(after_resume[k], w) for k, w in base.items())

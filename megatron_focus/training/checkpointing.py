@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.core.parallel_state import get_tensor_model_parallel_rank
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 # What must match for weights to load: the model's shape, what it computes, and how it is split.
@@ -119,15 +120,50 @@ def latest_tag(load_dir: str) -> Optional[str]:
     return tag
 
 
-def check_compatible(args: argparse.Namespace, checkpoint_dir: str) -> None:
-    """Refuse, before any weight is read, a checkpoint whose model has another shape."""
+def saved_model_args(checkpoint_dir: str) -> dict:
     with open(os.path.join(checkpoint_dir, ARGS_FILE)) as f:
-        saved = json.load(f)
-    ours = model_args(args)
+        return json.load(f)
+
+
+def check_compatible(args: argparse.Namespace, checkpoint_dir: str,
+                     ignore: tuple = ()) -> None:
+    """Refuse, before any weight is read, a checkpoint whose model has another shape."""
+    saved, ours = saved_model_args(checkpoint_dir), model_args(args)
     diffs = [f"{k}: checkpoint {saved.get(k)!r}, this run {ours.get(k)!r}"
-             for k in sorted(set(saved) | set(ours)) if saved.get(k) != ours.get(k)]
+             for k in sorted(set(saved) | set(ours))
+             if saved.get(k) != ours.get(k) and k not in ignore]
     if diffs:
         raise ValueError(f"checkpoint {checkpoint_dir} is of another model:\n  " + "\n  ".join(diffs))
+
+
+def _load_weights_only(engine, args, checkpoint_dir: str, tag: str,
+                       adding_focus: bool) -> tuple[int, int]:
+    """Model weights only: iteration, optimizer and schedule start fresh.
+
+    When adding Focus, the checkpoint lacks exactly the routers (freshly initialised); any other
+    missing or extra weight is an error.
+    """
+    check_compatible(args, checkpoint_dir,
+                     ignore=("attention",) + FOCUS_SHAPE_KEYS if adding_focus else ())
+    shard = os.path.join(checkpoint_dir, f"mp_rank_{get_tensor_model_parallel_rank():02d}"
+                                         "_model_states.pt")
+    if not os.path.isfile(shard):
+        raise FileNotFoundError(f"{shard} is missing (a ZeRO-3 checkpoint? convert it with "
+                                "DeepSpeed's zero_to_fp32.py first)")
+    saved = torch.load(shard, map_location="cpu", mmap=True, weights_only=False)["module"].keys()
+    ours = engine.module.state_dict().keys()
+    missing = [k for k in ours - saved
+               if not (adding_focus and ".router." in k) and not k.endswith("_extra_state")]
+    unexpected = [k for k in saved - ours if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"{checkpoint_dir} does not fit this model: missing {sorted(missing)}, "
+                         f"unexpected {sorted(unexpected)}")
+    path, _ = engine.load_checkpoint(args.load, tag=tag, load_module_strict=False,
+                                     load_optimizer_states=False,
+                                     load_lr_scheduler_states=False, load_module_only=True)
+    if path is None:
+        raise RuntimeError(f"DeepSpeed could not load {checkpoint_dir}")
+    return 0, 0
 
 
 def load(engine, args: argparse.Namespace) -> tuple[int, int]:
@@ -142,16 +178,18 @@ def load(engine, args: argparse.Namespace) -> tuple[int, int]:
         raise FileNotFoundError(f"--load {args.load}: no checkpoint there (no '{LATEST}' file)")
     if tag is None:
         return 0, 0
-    check_compatible(args, os.path.join(args.load, tag))
-    # An imported model (weights only): this run's optimizer and schedule start at iteration 0.
-    weights_only = os.path.isfile(os.path.join(args.load, tag, WEIGHTS_ONLY))
+    checkpoint_dir = os.path.join(args.load, tag)
+    # An imported model (weights only), --finetune, or a retrofit adding Focus to a model without
+    # it: weights only, and this run's optimizer and schedule start at iteration 0.
+    imported = os.path.isfile(os.path.join(checkpoint_dir, WEIGHTS_ONLY))
+    adding_focus = args.retrofit and saved_model_args(checkpoint_dir)["attention"] != args.attention
+    if imported or args.finetune or adding_focus:
+        return _load_weights_only(engine, args, checkpoint_dir, tag, adding_focus)
+    check_compatible(args, checkpoint_dir)
     path, client_state = engine.load_checkpoint(
-        args.load, tag=tag, load_module_only=weights_only,
-        load_optimizer_states=not weights_only, load_lr_scheduler_states=not weights_only,
+        args.load, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
     )
     if path is None:
-        raise RuntimeError(f"DeepSpeed could not load {os.path.join(args.load, tag)}")
-    if weights_only:
-        return 0, 0
+        raise RuntimeError(f"DeepSpeed could not load {checkpoint_dir}")
     set_rng_state(client_state["rng"])
     return client_state["iteration"], client_state["consumed_samples"]

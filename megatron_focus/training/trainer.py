@@ -47,6 +47,9 @@ def pretrain(args: argparse.Namespace) -> dict:
     train_data, valid_data = _datasets(args, tokenizer)
 
     model = build_model(args, tokenizer.vocab_size)
+    if args.retrofit:  # only the Focus routers learn; frozen weights stay out of the optimizer
+        for name, param in model.named_parameters():
+            param.requires_grad = ".router." in name
     install_sequence_parallel_grad_allreduce(model)
     engine = _deepspeed_engine(args, model)
 
@@ -276,6 +279,9 @@ class _SignalFlag:
 
 def _print_banner(args: argparse.Namespace, model: torch.nn.Module, iteration: int) -> None:
     params = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if trained < params:
+        print(f"training {trained:,} of {params:,} parameters (TP rank 0)", flush=True)
     print(
         f"megatron-focus | attention {args.attention} | {args.num_layers} layers, hidden "
         f"{args.hidden_size}, {args.num_attention_heads} heads | {params / 1e6:.2f}M parameters on "
