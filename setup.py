@@ -17,8 +17,9 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS = {
-    "test": ["pytest>=8", "hypothesis>=6.100"],
-    "hf": ["transformers==5.24.0", "safetensors>=0.4"],
+    "test": ["pytest>=8", "hypothesis>=6.100", "matplotlib>=3.8"],
+    "plot": ["matplotlib>=3.8"],  # tools/compare_runs.py
+    "hf": ["transformers==5.24.0", "safetensors>=0.4", "protobuf>=4"],  # protobuf: SP conversion
     "gpu": ["flash-attn>=2.6"],
 }
 

@@ -49,8 +49,9 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
         use_cpu_initialization=True,
-        # Fusions that need CUDA (jit/apex kernels) are used only where they exist.
-        bias_activation_fusion=on_gpu and not args.swiglu,
+        # Megatron's fused bias-GELU is the tanh approximation: the model would compute another
+        # function on a GPU than on the CPU and in its HF export, so it stays off.
+        bias_activation_fusion=False,
         bias_dropout_fusion=on_gpu,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,

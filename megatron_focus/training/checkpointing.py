@@ -145,6 +145,9 @@ def _load_weights_only(engine, args, checkpoint_dir: str, tag: str,
     """
     check_compatible(args, checkpoint_dir,
                      ignore=("attention",) + FOCUS_SHAPE_KEYS if adding_focus else ())
+    if args.zero_stage == 3:
+        raise ValueError("loading weights only (an imported model, --finetune, --retrofit) is not "
+                         "supported under ZeRO stage 3: use --zero-stage 2 or lower for this run")
     shard = os.path.join(checkpoint_dir, f"mp_rank_{get_tensor_model_parallel_rank():02d}"
                                          "_model_states.pt")
     if not os.path.isfile(shard):

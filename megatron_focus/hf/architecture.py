@@ -1,0 +1,113 @@
+"""What a GPT model is, independent of where its weights live: the bridge between the two formats.
+
+A native checkpoint describes its model in `model_args.json` (Megatron-LM's flag names); an HF
+folder in `config.json`. Both convert to and from an `Architecture`, so every check of "can this
+be represented there, exactly?" is made once, here or in `families.py`, before any weight moves.
+"""
+
+import argparse
+import dataclasses
+from typing import List, Optional, Tuple
+
+SUPPORTED_ATTENTION = ("standard", "xsa")
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    vocab_size: int  # the tokenizer's, without Megatron's padding
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    normalization: str  # "LayerNorm" | "RMSNorm"
+    norm_epsilon: float
+    swiglu: bool  # SwiGLU MLP; otherwise GELU (exact, erf)
+    add_bias_linear: bool
+    position_embedding_type: str  # "learned_absolute" | "rope"
+    rotary_base: int
+    max_position_embeddings: int
+    untie_embeddings_and_output_weights: bool
+    attention: str = "standard"
+    xsa_layers: Optional[Tuple[int, ...]] = None  # 1-based; None: every layer (when xsa)
+
+    def __post_init__(self):
+        if self.attention not in SUPPORTED_ATTENTION:
+            raise NotImplementedError(
+                f"--attention {self.attention}: the HF conversion supports "
+                f"{', '.join(SUPPORTED_ATTENTION)} (Focus is not mapped yet)"
+            )
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"unknown normalization {self.normalization!r}")
+        if self.position_embedding_type not in ("learned_absolute", "rope"):
+            raise ValueError(f"unknown position embedding {self.position_embedding_type!r}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(f"{self.num_query_groups} query groups do not divide "
+                             f"{self.num_attention_heads} heads")
+
+    @property
+    def tied(self) -> bool:
+        return not self.untie_embeddings_and_output_weights
+
+    def layer_attention(self) -> List[str]:
+        """Each layer's attention variant, first layer first."""
+        from megatron_focus.model.specs import layer_attention
+
+        return [layer_attention(self.attention, number, self.xsa_layers)
+                for number in range(1, self.num_layers + 1)]
+
+    @classmethod
+    def from_model_args(cls, model_args: dict, vocab_size: int) -> "Architecture":
+        """From a checkpoint's `model_args.json`; refuses settings the conversion cannot map."""
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.name not in model_args and f.name != "vocab_size"]
+        if missing:
+            raise ValueError(f"model_args.json lacks {', '.join(missing)}: the checkpoint was "
+                             "saved by a megatron-focus that did not record them yet")
+        if model_args.get("rotary_percent", 1.0) != 1.0:
+            raise NotImplementedError("--rotary-percent below 1 (partial rotary) is not mapped")
+        kwargs = {f.name: model_args[f.name] for f in dataclasses.fields(cls) if f.name != "vocab_size"}
+        if kwargs["xsa_layers"] is not None:
+            kwargs["xsa_layers"] = tuple(kwargs["xsa_layers"])
+        return cls(vocab_size=vocab_size, **kwargs)
+
+    def flags(self) -> List[str]:
+        """The `pretrain_gpt.py` model flags of this model."""
+        flags = [
+            "--num-layers", self.num_layers, "--hidden-size", self.hidden_size,
+            "--ffn-hidden-size", self.ffn_hidden_size,
+            "--num-attention-heads", self.num_attention_heads, "--kv-channels", self.kv_channels,
+            "--normalization", self.normalization, "--norm-epsilon", repr(self.norm_epsilon),
+            "--position-embedding-type", self.position_embedding_type,
+            "--rotary-base", self.rotary_base,
+            "--max-position-embeddings", self.max_position_embeddings,
+            "--attention", self.attention,
+        ]
+        if self.num_query_groups != self.num_attention_heads:
+            flags += ["--group-query-attention", "--num-query-groups", self.num_query_groups]
+        if self.swiglu:
+            flags.append("--swiglu")
+        if not self.add_bias_linear:
+            flags.append("--disable-bias-linear")
+        if not self.tied:
+            flags.append("--untie-embeddings-and-output-weights")
+        if self.xsa_layers is not None:
+            flags += ["--xsa-layers", *self.xsa_layers]
+        return [str(flag) for flag in flags]
+
+    def native_args(self, tensor_model_parallel_size: int = 1,
+                    make_vocab_size_divisible_by: int = 128) -> argparse.Namespace:
+        """`pretrain_gpt.py`'s arguments for this model, validated as a training run's are."""
+        from megatron_focus.arguments import build_parser, validate_args
+        from megatron_focus.model.gpt import padded_vocab_size
+
+        args = build_parser().parse_args(self.flags() + [
+            "--tensor-model-parallel-size", str(tensor_model_parallel_size),
+            "--make-vocab-size-divisible-by", str(make_vocab_size_divisible_by),
+            "--seq-length", str(self.max_position_embeddings),  # any length the model can take
+        ])
+        validate_args(args, world_size=tensor_model_parallel_size)
+        args.padded_vocab_size = padded_vocab_size(
+            self.vocab_size, make_vocab_size_divisible_by, tensor_model_parallel_size)
+        return args

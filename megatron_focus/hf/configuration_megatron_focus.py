@@ -1,0 +1,65 @@
+"""Configuration of a megatron-focus GPT model in Hugging Face transformers.
+
+Copied next to the weights by `tools/convert_to_hf.py`; needs only transformers. The fields are
+the ones that decide what the native Megatron-Core model computes: its family (norm, MLP
+activation, biases, positions), its attention shape (GQA, head size) and each layer's attention
+variant (`layer_attention`).
+"""
+
+from transformers import PreTrainedConfig
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+ACTIVATIONS = ("gelu", "swiglu")  # gelu is the exact (erf) GELU
+POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+ATTENTION_VARIANTS = ("standard", "xsa")
+
+
+class MegatronFocusConfig(PreTrainedConfig):
+    model_type = "megatron_focus"
+
+    vocab_size: int = 32000
+    hidden_size: int = 1024
+    intermediate_size: int = 4096
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 16
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    normalization: str = "LayerNorm"
+    norm_eps: float = 1e-5
+    activation: str = "gelu"
+    bias: bool = True  # on every linear layer but the output layer, as Megatron's add_bias_linear
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True
+    layer_attention: list[str] | None = None  # one variant per layer; default all "standard"
+    initializer_range: float = 0.02
+    use_cache: bool = True
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.layer_attention is None:
+            self.layer_attention = ["standard"] * self.num_hidden_layers
+        for field, value, choices in (
+            ("normalization", self.normalization, NORMALIZATIONS),
+            ("activation", self.activation, ACTIVATIONS),
+            ("position_embedding_type", self.position_embedding_type, POSITION_EMBEDDINGS),
+        ):
+            if value not in choices:
+                raise ValueError(f"{field}={value!r}; expected one of {choices}")
+        unknown = set(self.layer_attention) - set(ATTENTION_VARIANTS)
+        if unknown or len(self.layer_attention) != self.num_hidden_layers:
+            raise ValueError(f"layer_attention must name one of {ATTENTION_VARIANTS} per layer "
+                             f"({self.num_hidden_layers}), got {self.layer_attention}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_key_value_heads must divide num_attention_heads")
+        super().__post_init__(**kwargs)
+
+
+__all__ = ["MegatronFocusConfig"]

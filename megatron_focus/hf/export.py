@@ -1,0 +1,63 @@
+"""A native checkpoint -> a Hugging Face model folder.
+
+Writes `config.json`, the weights as safetensors (sharded above `max_shard_size`),
+`generation_config.json` and the tokenizer; for the custom class also its code, with `auto_map`,
+so `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` loads it. The model
+class is chosen, and the tokenizer checked, before any weight is read.
+"""
+
+import os
+from typing import Optional
+
+import torch
+
+from megatron_focus.hf import families, native
+from megatron_focus.hf.mapping import native_to_hf
+from megatron_focus.hf.tokenizer import save_hf_tokenizer
+
+
+def export_to_hf(load_dir: str, save_dir: str, iteration: Optional[int] = None,
+                 tokenizer_type: Optional[str] = None, tokenizer_model: Optional[str] = None,
+                 max_shard_size: str = "5GB", progress: bool = True) -> str:
+    """Export the checkpoint (latest, or `iteration`) of `load_dir`; returns the HF class name."""
+    tag_dir = native.checkpoint_tag_dir(load_dir, iteration)
+    vocab_size, tokenizer = native.checkpoint_vocabulary(tag_dir, tokenizer_type, tokenizer_model)
+    arch = native.read_architecture(tag_dir, vocab_size)
+    family, why = families.choose_family(arch)
+    if progress:
+        print(f"{tag_dir} -> {families.HF_CLASS[family]}: {why}", flush=True)
+
+    os.makedirs(save_dir, exist_ok=True)
+    special_tokens = save_hf_tokenizer(tokenizer, save_dir) if tokenizer is not None else {}
+    config = families.hf_config(family, arch, special_tokens)
+    rules = families.rules(family, arch, families.HFBiases.every(arch.add_bias_linear))
+    weights = native_to_hf(native.read_weights(tag_dir, arch, progress), rules, progress)
+    model = _model_holding(family, config, weights)
+    model.save_pretrained(save_dir, max_shard_size=max_shard_size)
+    return families.HF_CLASS[family]
+
+
+def _model_holding(family: str, config, weights: dict):
+    """The HF model built around `weights` (no second copy, no random initialisation)."""
+    from transformers import GenerationConfig, GPT2LMHeadModel, LlamaForCausalLM
+
+    from megatron_focus.hf.configuration_megatron_focus import MegatronFocusConfig
+    from megatron_focus.hf.modeling_megatron_focus import MegatronFocusForCausalLM
+
+    cls = {families.LLAMA: LlamaForCausalLM, families.GPT2: GPT2LMHeadModel,
+           families.CUSTOM: MegatronFocusForCausalLM}[family]
+    if family == families.CUSTOM:  # save_pretrained then copies the code and writes auto_map
+        MegatronFocusConfig.register_for_auto_class()
+        MegatronFocusForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+    config.dtype = next(iter(weights.values())).dtype
+    with torch.device("meta"):
+        model = cls(config)
+    result = model.load_state_dict(weights, strict=False, assign=True)
+    tied = set(model.get_expanded_tied_weights_keys()) if config.tie_word_embeddings else set()
+    if result.unexpected_keys or set(result.missing_keys) - tied:
+        raise RuntimeError(f"{cls.__name__} does not fit the mapped weights: missing "
+                           f"{result.missing_keys}, unexpected {result.unexpected_keys}")
+    model.tie_weights()
+    model.generation_config = GenerationConfig(
+        **{k: getattr(config, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+    return model.eval()

@@ -1,0 +1,294 @@
+"""The HF model classes a native model maps to, each with its config and its weight rules.
+
+Export picks the stock class that computes exactly what the native model computes:
+`LlamaForCausalLM` (RMSNorm, SwiGLU, RoPE; biases via `attention_bias`/`mlp_bias`) or
+`GPT2LMHeadModel` (LayerNorm, exact GELU, biases, learned positions, tied embeddings, no GQA);
+anything else, XSA included, goes to this project's own `MegatronFocusForCausalLM`, which covers
+both families and every supported attention variant. Import reads Llama, Mistral, Qwen2, GPT-2 and
+megatron_focus configs, and refuses what the native model cannot compute exactly.
+
+Weight names (`.weight`, and `.bias` where there is one; layer i's names continue its prefix):
+
+    Megatron                          Llama / megatron_focus           GPT-2
+    embedding.word_embeddings         model.embed_tokens               transformer.wte
+    embedding.position_embeddings     model.embed_positions (1)        transformer.wpe
+    decoder.layers.i.                 model.layers.i.                  transformer.h.i.
+      input_layernorm                   input_layernorm                  ln_1
+      self_attention.linear_qkv         self_attn.{q,k,v}_proj (2)       attn.c_attn (3)
+      self_attention.linear_proj        self_attn.o_proj                 attn.c_proj (4)
+      pre_mlp_layernorm                 post_attention_layernorm         ln_2
+      mlp.linear_fc1                    mlp.{gate,up}_proj (5)           mlp.c_fc (4)
+      mlp.linear_fc2                    mlp.down_proj                    mlp.c_proj (4)
+    decoder.final_layernorm           model.norm                       transformer.ln_f
+    output_layer (untied only)        lm_head                          (always tied)
+
+(1) megatron_focus with learned positions only. (2) cut out of Megatron's fused QKV, whose rows
+are, per query group, that group's query heads, then its key, then its value. (3) all query
+heads, then all keys, then all values, transposed. (4) transposed (GPT-2's Conv1D is `[in, out]`).
+(5) SwiGLU's fused fc1 is `[gate; up]`; with GELU, fc1 is `mlp.up_proj`.
+"""
+
+import dataclasses
+from typing import List, Optional, Tuple
+
+import torch
+
+from megatron_focus.hf.architecture import Architecture
+from megatron_focus.hf.mapping import Rule, copy, merge_qkv, split_qkv, transposed, zero_bias
+
+LLAMA, GPT2, CUSTOM = "llama", "gpt2", "megatron_focus"
+HF_CLASS = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel", CUSTOM: "MegatronFocusForCausalLM"}
+
+
+@dataclasses.dataclass(frozen=True)
+class HFBiases:
+    """Which linear layers of the HF model have biases (Megatron's `add_bias_linear` is one flag)."""
+
+    qkv: bool
+    proj: bool
+    mlp: bool
+
+    @classmethod
+    def every(cls, flag: bool) -> "HFBiases":
+        return cls(flag, flag, flag)
+
+
+# --- which family --------------------------------------------------------------------------------
+
+def _not_llama(arch: Architecture) -> Optional[str]:
+    if arch.attention != "standard":
+        return f"--attention {arch.attention}"
+    if (arch.normalization, arch.swiglu, arch.position_embedding_type) != ("RMSNorm", True, "rope"):
+        return "not RMSNorm + SwiGLU + RoPE"
+    if arch.hidden_size % arch.num_attention_heads:
+        return "hidden size not divisible by the heads (LlamaConfig refuses it)"
+    return None
+
+
+def _not_gpt2(arch: Architecture) -> Optional[str]:
+    if arch.attention != "standard":
+        return f"--attention {arch.attention}"
+    gpt2 = (arch.normalization == "LayerNorm" and not arch.swiglu and arch.add_bias_linear
+            and arch.position_embedding_type == "learned_absolute" and arch.tied)
+    if not gpt2:
+        return "not LayerNorm + GELU + biases + learned positions + tied embeddings"
+    if arch.num_query_groups != arch.num_attention_heads:
+        return "grouped-query attention"
+    if arch.kv_channels * arch.num_attention_heads != arch.hidden_size:
+        return "head size x heads != hidden size"
+    return None
+
+
+def choose_family(arch: Architecture) -> Tuple[str, str]:
+    """`(family, why)`: the stock class when it is exact, else the custom one and the reason."""
+    family = LLAMA if arch.normalization == "RMSNorm" else GPT2
+    why_not = (_not_llama if family == LLAMA else _not_gpt2)(arch)
+    if why_not is None:
+        return family, f"exactly a {HF_CLASS[family]}"
+    return CUSTOM, f"not a stock {HF_CLASS[family]} ({why_not}): needs trust_remote_code=True"
+
+
+# --- configs -------------------------------------------------------------------------------------
+
+def hf_config(family: str, arch: Architecture, special_tokens: dict):
+    """The HF config of `arch` in `family`; `special_tokens`: bos/eos/pad_token_id."""
+    from transformers import GPT2Config, LlamaConfig
+
+    from megatron_focus.hf.configuration_megatron_focus import MegatronFocusConfig
+
+    if family == LLAMA:
+        return LlamaConfig(
+            vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
+            intermediate_size=arch.ffn_hidden_size, num_hidden_layers=arch.num_layers,
+            num_attention_heads=arch.num_attention_heads,
+            num_key_value_heads=arch.num_query_groups, head_dim=arch.kv_channels,
+            hidden_act="silu", max_position_embeddings=arch.max_position_embeddings,
+            rms_norm_eps=arch.norm_epsilon, tie_word_embeddings=arch.tied,
+            rope_parameters={"rope_type": "default", "rope_theta": float(arch.rotary_base)},
+            attention_bias=arch.add_bias_linear, mlp_bias=arch.add_bias_linear, **special_tokens,
+        )
+    if family == GPT2:
+        return GPT2Config(
+            vocab_size=arch.vocab_size, n_positions=arch.max_position_embeddings,
+            n_embd=arch.hidden_size, n_layer=arch.num_layers, n_head=arch.num_attention_heads,
+            n_inner=arch.ffn_hidden_size, activation_function="gelu",  # exact, as F.gelu
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=arch.norm_epsilon,
+            tie_word_embeddings=True, **special_tokens,
+        )
+    return MegatronFocusConfig(
+        vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
+        intermediate_size=arch.ffn_hidden_size, num_hidden_layers=arch.num_layers,
+        num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_query_groups,
+        head_dim=arch.kv_channels, normalization=arch.normalization, norm_eps=arch.norm_epsilon,
+        activation="swiglu" if arch.swiglu else "gelu", bias=arch.add_bias_linear,
+        position_embedding_type=arch.position_embedding_type,
+        rotary_base=float(arch.rotary_base), max_position_embeddings=arch.max_position_embeddings,
+        tie_word_embeddings=arch.tied, layer_attention=arch.layer_attention(), **special_tokens,
+    )
+
+
+def _require(ok: bool, why: str) -> None:
+    if not ok:
+        raise NotImplementedError(f"cannot import exactly: {why}")
+
+
+def from_hf_config(config) -> Tuple[str, Architecture, HFBiases]:
+    """`(family, architecture, biases)` of an HF config; refuses what is not exactly native."""
+    kind = config.model_type
+    if kind in ("llama", "mistral", "qwen2"):
+        return _from_llama_like(config)
+    if kind == "gpt2":
+        return GPT2, _from_gpt2(config), HFBiases.every(True)
+    if kind == CUSTOM:
+        return CUSTOM, _from_custom(config), HFBiases.every(config.bias)
+    raise NotImplementedError(f"HF model type {kind!r} is not supported; supported: llama, "
+                              "mistral, qwen2, gpt2, megatron_focus")
+
+
+def _from_llama_like(config) -> Tuple[str, Architecture, HFBiases]:
+    kind = config.model_type
+    _require(config.hidden_act == "silu", f"hidden_act {config.hidden_act!r} (SwiGLU needs silu)")
+    rope = config.rope_parameters
+    _require(rope.get("rope_type", "default") == "default",
+             f"RoPE scaling {rope.get('rope_type')!r} (only plain RoPE is native)")
+    theta = rope["rope_theta"]
+    _require(float(theta).is_integer(), f"rope_theta {theta} is not an integer (--rotary-base)")
+    if kind == "mistral":
+        _require(config.sliding_window is None,
+                 f"sliding_window {config.sliding_window}: native attention is fully causal")
+        biases = HFBiases.every(False)
+    elif kind == "qwen2":
+        _require(not config.use_sliding_window, "use_sliding_window: native attention is fully causal")
+        biases = HFBiases(qkv=True, proj=False, mlp=False)
+    else:
+        biases = HFBiases(config.attention_bias, config.attention_bias, config.mlp_bias)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    arch = Architecture(
+        vocab_size=config.vocab_size, num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size, ffn_hidden_size=config.intermediate_size,
+        num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_key_value_heads or config.num_attention_heads,
+        kv_channels=head_dim, normalization="RMSNorm", norm_epsilon=config.rms_norm_eps,
+        swiglu=True, add_bias_linear=biases.qkv or biases.proj or biases.mlp,
+        position_embedding_type="rope", rotary_base=int(theta),
+        max_position_embeddings=config.max_position_embeddings,
+        untie_embeddings_and_output_weights=not config.tie_word_embeddings,
+    )
+    return LLAMA, arch, biases
+
+
+def _from_gpt2(config) -> Architecture:
+    _require(config.activation_function == "gelu",
+             f"activation_function {config.activation_function!r}: Megatron's GELU is the exact "
+             "(erf) one, HF's 'gelu_new' is the tanh approximation")
+    _require(config.scale_attn_weights and not config.scale_attn_by_inverse_layer_idx,
+             "GPT-2 attention scaling other than 1/sqrt(head size)")
+    _require(not config.add_cross_attention, "cross attention")
+    _require(config.tie_word_embeddings, "untied GPT-2 embeddings")
+    return Architecture(
+        vocab_size=config.vocab_size, num_layers=config.n_layer, hidden_size=config.n_embd,
+        ffn_hidden_size=config.n_inner or 4 * config.n_embd, num_attention_heads=config.n_head,
+        num_query_groups=config.n_head, kv_channels=config.n_embd // config.n_head,
+        normalization="LayerNorm", norm_epsilon=config.layer_norm_epsilon, swiglu=False,
+        add_bias_linear=True, position_embedding_type="learned_absolute", rotary_base=10000,
+        max_position_embeddings=config.n_positions, untie_embeddings_and_output_weights=False,
+    )
+
+
+def _from_custom(config) -> Architecture:
+    xsa = [i + 1 for i, kind in enumerate(config.layer_attention) if kind == "xsa"]
+    _require(float(config.rotary_base).is_integer(), "a rotary_base that is not an integer")
+    return Architecture(
+        vocab_size=config.vocab_size, num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size, ffn_hidden_size=config.intermediate_size,
+        num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_key_value_heads, kv_channels=config.head_dim,
+        normalization=config.normalization, norm_epsilon=config.norm_eps,
+        swiglu=config.activation == "swiglu", add_bias_linear=config.bias,
+        position_embedding_type=config.position_embedding_type,
+        rotary_base=int(config.rotary_base), max_position_embeddings=config.max_position_embeddings,
+        untie_embeddings_and_output_weights=not config.tie_word_embeddings,
+        attention="xsa" if xsa else "standard",
+        xsa_layers=None if len(xsa) in (0, config.num_hidden_layers) else tuple(xsa),
+    )
+
+
+# --- weights -------------------------------------------------------------------------------------
+
+def rules(family: str, arch: Architecture, biases: HFBiases) -> List[Rule]:
+    """The weight rules of `arch` in `family` (see the table above)."""
+    return _gpt2_rules(arch) if family == GPT2 else _llama_style_rules(arch, biases)
+
+
+def _norm(arch: Architecture, native: str, hf: str) -> List[Rule]:
+    params = ("weight", "bias") if arch.normalization == "LayerNorm" else ("weight",)
+    return [copy(f"{native}.{p}", f"{hf}.{p}") for p in params]
+
+
+def _linear(arch: Architecture, native: str, hf: List[str], hf_bias: bool, out_features: int,
+            split=lambda t: (t,), merge=lambda t: t) -> List[Rule]:
+    """Weight and bias of one Megatron linear layer, as one or more HF linear layers."""
+    out = [Rule(f"{native}.weight", tuple(f"{m}.weight" for m in hf), split, merge)]
+    if arch.add_bias_linear and hf_bias:
+        out.append(Rule(f"{native}.bias", tuple(f"{m}.bias" for m in hf), split, merge))
+    elif arch.add_bias_linear:
+        out.append(zero_bias(f"{native}.bias", out_features))
+    return out
+
+
+def _llama_style_rules(arch: Architecture, biases: HFBiases) -> List[Rule]:
+    hidden, hn = arch.hidden_size, arch.kv_channels
+    qkv_rows = (arch.num_attention_heads + 2 * arch.num_query_groups) * hn
+    out = [copy("embedding.word_embeddings.weight", "model.embed_tokens.weight")]
+    if arch.position_embedding_type == "learned_absolute":
+        out.append(copy("embedding.position_embeddings.weight", "model.embed_positions.weight"))
+    for i in range(arch.num_layers):
+        native, hf = f"decoder.layers.{i}", f"model.layers.{i}"
+        out += _norm(arch, f"{native}.input_layernorm", f"{hf}.input_layernorm")
+        out += _linear(arch, f"{native}.self_attention.linear_qkv",
+                       [f"{hf}.self_attn.{p}_proj" for p in "qkv"], biases.qkv, qkv_rows,
+                       lambda t: split_qkv(t, arch), lambda q, k, v: merge_qkv(q, k, v, arch))
+        out += _linear(arch, f"{native}.self_attention.linear_proj", [f"{hf}.self_attn.o_proj"],
+                       biases.proj, hidden)
+        out += _norm(arch, f"{native}.pre_mlp_layernorm", f"{hf}.post_attention_layernorm")
+        if arch.swiglu:
+            out += _linear(arch, f"{native}.mlp.linear_fc1",
+                           [f"{hf}.mlp.gate_proj", f"{hf}.mlp.up_proj"], biases.mlp,
+                           2 * arch.ffn_hidden_size,
+                           lambda t: t.chunk(2), lambda gate, up: torch.cat([gate, up]))
+        else:
+            out += _linear(arch, f"{native}.mlp.linear_fc1", [f"{hf}.mlp.up_proj"], biases.mlp,
+                           arch.ffn_hidden_size)
+        out += _linear(arch, f"{native}.mlp.linear_fc2", [f"{hf}.mlp.down_proj"], biases.mlp,
+                       hidden)
+    out += _norm(arch, "decoder.final_layernorm", "model.norm")
+    if not arch.tied:
+        out.append(copy("output_layer.weight", "lm_head.weight"))
+    return out
+
+
+def _fused_qkv(arch: Architecture, native: str, hf: str) -> Rule:
+    """GPT-2's `c_attn`: all query heads, then all keys, then all values; weight transposed."""
+    flip = lambda t: t.t() if t.ndim == 2 else t  # noqa: E731
+    rows = [arch.num_attention_heads * arch.kv_channels] * 3
+    return Rule(native, (hf,),
+                lambda t: (flip(torch.cat(split_qkv(t, arch))).contiguous(),),
+                lambda t: merge_qkv(*flip(t).split(rows), arch))
+
+
+def _gpt2_rules(arch: Architecture) -> List[Rule]:
+    out = [copy("embedding.word_embeddings.weight", "transformer.wte.weight"),
+           copy("embedding.position_embeddings.weight", "transformer.wpe.weight")]
+    for i in range(arch.num_layers):
+        native, hf = f"decoder.layers.{i}", f"transformer.h.{i}"
+        out += _norm(arch, f"{native}.input_layernorm", f"{hf}.ln_1")
+        out += _norm(arch, f"{native}.pre_mlp_layernorm", f"{hf}.ln_2")
+        for p in ("weight", "bias"):
+            out += [
+                _fused_qkv(arch, f"{native}.self_attention.linear_qkv.{p}", f"{hf}.attn.c_attn.{p}"),
+                transposed(f"{native}.self_attention.linear_proj.{p}", f"{hf}.attn.c_proj.{p}"),
+                transposed(f"{native}.mlp.linear_fc1.{p}", f"{hf}.mlp.c_fc.{p}"),
+                transposed(f"{native}.mlp.linear_fc2.{p}", f"{hf}.mlp.c_proj.{p}"),
+            ]
+    out += _norm(arch, "decoder.final_layernorm", "transformer.ln_f")
+    return out

@@ -1,0 +1,72 @@
+"""A Hugging Face model folder -> a native checkpoint that `pretrain_gpt.py --load` starts from.
+
+Reads Llama, Mistral, Qwen2, GPT-2 and megatron_focus models (safetensors), refuses what the native
+model cannot compute exactly (see `families.py`), and writes a weights-only checkpoint for the
+requested tensor-parallel size, with the HF tokenizer copied next to it. `--attention xsa`
+retrofits XSA onto a standard model: XSA has no parameters, so the weights are the same.
+"""
+
+import dataclasses
+import json
+import os
+from typing import Optional, Sequence
+
+from megatron_focus.hf import families, native
+from megatron_focus.hf.mapping import hf_to_native
+from megatron_focus.hf.tokenizer import find_hf_tokenizer
+
+
+def _hf_config(hf_dir: str):
+    """The folder's config; ours is read with our own class, never with code from the folder."""
+    from transformers import AutoConfig
+
+    from megatron_focus.hf.configuration_megatron_focus import MegatronFocusConfig
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type == MegatronFocusConfig.model_type:
+        return MegatronFocusConfig.from_pretrained(hf_dir)
+    return AutoConfig.from_pretrained(hf_dir)
+
+
+def _hf_weights(hf_dir: str) -> dict:
+    """Every tensor of the folder's safetensors files, in their stored dtype."""
+    from safetensors.torch import load_file
+
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{hf_dir} has no model.safetensors(.index.json); save the model "
+                                "with save_pretrained (safetensors is its default) first")
+    weights = {}
+    for name in files:
+        weights.update(load_file(os.path.join(hf_dir, name)))
+    return weights
+
+
+def import_from_hf(hf_dir: str, save_dir: str, tensor_model_parallel_size: int = 1,
+                   attention: Optional[str] = None, xsa_layers: Optional[Sequence[int]] = None,
+                   make_vocab_size_divisible_by: int = 128, progress: bool = True) -> list:
+    """Write the native checkpoint; returns the `pretrain_gpt.py` model flags that load it."""
+    family, arch, biases = families.from_hf_config(_hf_config(hf_dir))
+    if attention is not None:
+        arch = dataclasses.replace(
+            arch, attention=attention, xsa_layers=tuple(xsa_layers) if xsa_layers else None)
+    args = arch.native_args(tensor_model_parallel_size, make_vocab_size_divisible_by)
+    rules = families.rules(family, arch, biases)
+
+    weights = _hf_weights(hf_dir)
+    if arch.tied:  # the output layer is the embedding; HF may store it a second time
+        weights.pop("lm_head.weight", None)
+    native_weights = hf_to_native(weights, rules, progress)
+    dtype = native_weights["embedding.word_embeddings.weight"].dtype
+    native_weights = {name: tensor.to(dtype) for name, tensor in native_weights.items()}
+
+    tokenizer_type, tokenizer_file = find_hf_tokenizer(hf_dir)
+    native.write_checkpoint(save_dir, args, native_weights, arch.vocab_size, tokenizer_type,
+                            tokenizer_file, progress)
+    return arch.flags()

@@ -1,0 +1,158 @@
+"""This project's checkpoints without a training run: read one, write one, run one.
+
+A checkpoint tag (`DIR/iter_XXXXXXX/`, see `training/checkpointing.py`) holds DeepSpeed's
+`mp_rank_XX_model_states.pt` per tensor-parallel rank, whose `module` is that rank's Megatron
+state dict (ZeRO stages 0-2 keep the whole TP shard there; stage 3 writes
+`zero_pp_rank_*` files instead and partitions the weights over its optimizer files, which
+DeepSpeed's `zero_to_fp32` reassembles), plus `model_args.json` and
+`tokenizer_args.json`. `read_weights` returns the full model, `write_checkpoint` writes a
+weights-only checkpoint that `pretrain_gpt.py --load` starts from, and `native_logits` runs the
+native Megatron-Core model of a checkpoint.
+"""
+
+import glob
+import json
+import os
+import shutil
+from typing import Dict, Optional, Tuple
+
+import torch
+from tqdm import tqdm
+
+from megatron_focus.data.tokenizer import build_tokenizer
+from megatron_focus.hf import layout
+from megatron_focus.hf.architecture import Architecture
+from megatron_focus.training import checkpointing
+
+StateDict = Dict[str, torch.Tensor]
+
+
+def checkpoint_tag_dir(load_dir: str, iteration: Optional[int] = None) -> str:
+    """`load_dir/iter_XXXXXXX`: the given iteration, or the latest."""
+    tag = checkpointing.tag_for(iteration) if iteration is not None else checkpointing.latest_tag(load_dir)
+    if tag is None:
+        raise FileNotFoundError(f"{load_dir}: no checkpoint there (no '{checkpointing.LATEST}' file)")
+    path = os.path.join(load_dir, tag)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: no such checkpoint")
+    return path
+
+
+def read_json(tag_dir: str, name: str) -> dict:
+    path = os.path.join(tag_dir, name)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing: not a megatron-focus checkpoint, or saved by "
+                                "an older version")
+    with open(path) as f:
+        return json.load(f)
+
+
+def checkpoint_vocabulary(tag_dir: str, tokenizer_type: Optional[str] = None,
+                          tokenizer_model: Optional[str] = None):
+    """`(vocab_size, tokenizer)` of a checkpoint: the tokenizer given (e.g. if the recorded one
+    has moved) or the recorded one; an imported model without a tokenizer records only its
+    vocabulary size, and its tokenizer is None.
+    """
+    recorded = read_json(tag_dir, checkpointing.TOKENIZER_FILE)
+    if tokenizer_model is None:
+        tokenizer_type, tokenizer_model = recorded["tokenizer_type"], recorded["tokenizer_model"]
+        if tokenizer_model is None:
+            return recorded["vocab_size"], None
+        if not os.path.isfile(tokenizer_model):
+            raise FileNotFoundError(f"the checkpoint's tokenizer {tokenizer_model} is gone; pass "
+                                    "--tokenizer-type and --tokenizer-model")
+    if tokenizer_type is None:
+        raise ValueError("--tokenizer-model needs --tokenizer-type")
+    tokenizer = build_tokenizer(tokenizer_type, tokenizer_model)
+    return recorded.get("vocab_size", tokenizer.vocab_size), tokenizer
+
+
+def read_architecture(tag_dir: str, vocab_size: int) -> Architecture:
+    return Architecture.from_model_args(read_json(tag_dir, checkpointing.ARGS_FILE), vocab_size)
+
+
+def read_weights(tag_dir: str, arch: Architecture, progress: bool = True) -> StateDict:
+    """The full, unpadded weights (Megatron's names) of a checkpoint of `arch`."""
+    tp = read_json(tag_dir, checkpointing.ARGS_FILE)["tensor_model_parallel_size"]
+    files = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
+    if not files and glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_model_states.pt")):
+        # ZeRO-3 (TP = 1) partitions the weights over its optimizer files; DeepSpeed reassembles them.
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        load_dir, tag = os.path.split(os.path.normpath(tag_dir))
+        modules = [get_fp32_state_dict_from_zero_checkpoint(load_dir, tag)]
+    elif len(files) == tp:
+        modules = [torch.load(f, map_location="cpu", weights_only=False)["module"]
+                   for f in tqdm(files, desc="reading TP shards", disable=not progress)]
+    else:
+        raise ValueError(f"{tag_dir}: {len(files)} model files for tensor-parallel size {tp}")
+    return layout.merge(modules, arch.swiglu, arch.vocab_size)
+
+
+def write_checkpoint(save_dir: str, args, weights: StateDict, vocab_size: int,
+                     tokenizer_type: Optional[str] = None, tokenizer_file: Optional[str] = None,
+                     progress: bool = True) -> str:
+    """A weights-only checkpoint (iteration 0) of the model of `args` for `pretrain_gpt.py --load`.
+
+    `args` are the model's validated `pretrain_gpt.py` arguments (`Architecture.native_args`),
+    so `model_args.json` is what a training run with the same flags writes. The weight files are
+    what DeepSpeed's `load_checkpoint(load_module_only=True)` reads; the `weights_only` marker
+    tells `checkpointing.load` to start the run's optimizer and schedule fresh. The tokenizer
+    file, if any, is copied in, so the checkpoint does not depend on where it came from.
+    """
+    import deepspeed
+
+    tp = args.tensor_model_parallel_size
+    tag = checkpointing.tag_for(0)
+    tag_dir = os.path.join(save_dir, tag)
+    os.makedirs(tag_dir, exist_ok=True)
+    shards = layout.split(weights, tp, args.swiglu, args.padded_vocab_size)
+    for rank, shard in enumerate(tqdm(shards, desc="writing TP shards", disable=not progress)):
+        torch.save({"module": shard, "dp_world_size": 1, "mp_world_size": tp,
+                    "ds_version": deepspeed.__version__},
+                   os.path.join(tag_dir, f"mp_rank_{rank:02d}_model_states.pt"))
+    tokenizer_args = {"tokenizer_type": tokenizer_type, "tokenizer_model": None,
+                      "vocab_size": vocab_size}
+    if tokenizer_file is not None:
+        copied = os.path.abspath(os.path.join(tag_dir, os.path.basename(tokenizer_file)))
+        shutil.copyfile(tokenizer_file, copied)
+        tokenizer_args["tokenizer_model"] = copied
+    files = {checkpointing.ARGS_FILE: checkpointing.model_args(args),
+             checkpointing.TOKENIZER_FILE: tokenizer_args,
+             checkpointing.WEIGHTS_ONLY: {"iteration": 0}}
+    for name, content in files.items():
+        with open(os.path.join(tag_dir, name), "w") as f:
+            json.dump(content, f, indent=1, sort_keys=True)
+    with open(os.path.join(save_dir, checkpointing.LATEST), "w") as f:
+        f.write(tag)
+    return tag_dir
+
+
+def native_model(arch: Architecture, weights: StateDict) -> torch.nn.Module:
+    """The native Megatron-Core model (TP = 1, eval mode) holding `weights`.
+
+    Needs torch.distributed and Megatron's parallel state for a world of one
+    (`platform.init_distributed(1)`).
+    """
+    from megatron_focus import platform
+    from megatron_focus.model.gpt import build_model
+
+    args = arch.native_args()
+    platform.manual_seed(0)  # build_model initialises (then we overwrite) through Megatron's RNG
+    model = build_model(args, arch.vocab_size)
+    model.load_state_dict(layout.split(weights, 1, arch.swiglu, args.padded_vocab_size)[0])
+    return model.eval()
+
+
+@torch.no_grad()
+def native_logits(load_dir: str, tokens: torch.Tensor, iteration: Optional[int] = None) -> torch.Tensor:
+    """Logits `[b, s, vocab]` of the native model of a checkpoint on `tokens` `[b, s]`."""
+    from megatron_focus import platform
+
+    platform.init_distributed(1)
+    tag_dir = checkpoint_tag_dir(load_dir, iteration)
+    vocab_size, _ = checkpoint_vocabulary(tag_dir)
+    arch = read_architecture(tag_dir, vocab_size)
+    model = native_model(arch, read_weights(tag_dir, arch, progress=False))
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    return model(tokens, positions, None)[..., :vocab_size].float()

@@ -1,0 +1,72 @@
+"""Tokenizers across the two formats.
+
+Export writes the checkpoint's tokenizer as an HF fast tokenizer (`tokenizer.json`, loadable with
+`AutoTokenizer`): an HF `tokenizer.json` as it is, a SentencePiece `.model` converted by
+transformers' SentencePiece converter (offline) and also copied as `tokenizer.model`. The result
+must encode probe texts exactly as the training tokenizer did, or the export stops. Import finds
+the HF folder's tokenizer file and keeps a copy with the native checkpoint.
+"""
+
+import os
+import shutil
+from typing import Optional, Tuple
+
+# Texts that exercise what tokenizers disagree on: leading and repeated spaces, newlines and tabs,
+# digits, bytes outside the vocabulary (byte fallback), end-of-text.
+PROBES = (
+    "Hello world", " leading space", "two  spaces and   three", "line one\nline two\n\n\tindent",
+    "numbers 12345 and 3.14159", "x1y22z333", "unicode: naïve café, 中文, emoji 😀", "trailing ",
+    "def f(x):\n    return x ** 2  # square",
+)
+
+
+def _sentencepiece_to_fast(model_path: str):
+    """A `tokenizers.Tokenizer` that follows the SentencePiece model's own normalizer settings."""
+    from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
+
+    proto = import_protobuf().ModelProto()
+    with open(model_path, "rb") as f:
+        proto.ParseFromString(f.read())
+    vocab = {piece.piece: i for i, piece in enumerate(proto.pieces)}
+    # legacy=True: the dummy prefix "▁" is added even when the text starts with a space, as
+    # SentencePiece does.
+    return SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=True)
+
+
+def save_hf_tokenizer(tokenizer, out_dir: str) -> dict:
+    """Write `tokenizer` (megatron_focus.data.tokenizer) to `out_dir`; returns its special ids."""
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    is_sentencepiece = tokenizer.tokenizer_type != "HuggingFaceTokenizer"
+    fast = (_sentencepiece_to_fast(tokenizer.path) if is_sentencepiece
+            else tokenizers.Tokenizer.from_file(tokenizer.path))
+    for text in PROBES:
+        ours, theirs = tokenizer.tokenize(text), fast.encode(text, add_special_tokens=False).ids
+        if ours != theirs:
+            raise ValueError(f"the HF tokenizer made from {tokenizer.path} encodes {text!r} as "
+                             f"{theirs}, the training tokenizer as {ours}: not exported")
+    ids = {"eos_token_id": tokenizer.eod, "pad_token_id": tokenizer.pad}
+    specials = {"eos_token": fast.id_to_token(tokenizer.eod),
+                "pad_token": fast.id_to_token(tokenizer.pad)}
+    if is_sentencepiece:
+        import sentencepiece
+
+        model = sentencepiece.SentencePieceProcessor(model_file=tokenizer.path)
+        bos, unk = model.bos_id(), model.unk_id()
+        if bos >= 0:
+            ids["bos_token_id"], specials["bos_token"] = bos, fast.id_to_token(bos)
+        specials["unk_token"] = fast.id_to_token(unk)
+        shutil.copyfile(tokenizer.path, os.path.join(out_dir, "tokenizer.model"))
+    PreTrainedTokenizerFast(tokenizer_object=fast, **specials).save_pretrained(out_dir)
+    return ids
+
+
+def find_hf_tokenizer(hf_dir: str) -> Tuple[Optional[str], Optional[str]]:
+    """`(tokenizer_type, path)` of an HF folder's tokenizer, or `(None, None)` if it has none."""
+    for name, kind in (("tokenizer.json", "HuggingFaceTokenizer"),
+                       ("tokenizer.model", "SentencePieceTokenizer")):
+        path = os.path.join(hf_dir, name)
+        if os.path.isfile(path):
+            return kind, path
+    return None, None

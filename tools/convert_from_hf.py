@@ -1,0 +1,39 @@
+"""Import a Hugging Face model (Llama, Mistral, Qwen2, GPT-2, megatron_focus) as a checkpoint.
+
+    python tools/convert_from_hf.py --hf-dir llama/ --save ckpt/ --tensor-model-parallel-size 2
+    python pretrain_gpt.py <the printed model flags> --tensor-model-parallel-size 2 --load ckpt/ ...
+
+The checkpoint holds weights only: the training run that loads it starts at iteration 0 with its
+own optimizer and schedule. `--attention xsa` retrofits XSA (no new parameters). Models the native
+model cannot compute exactly (RoPE scaling, sliding windows, GPT-2's tanh GELU, ...) are refused.
+"""
+
+import argparse
+import warnings
+
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+
+from megatron_focus.hf import import_from_hf  # noqa: E402
+from megatron_focus.hf.architecture import SUPPORTED_ATTENTION  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hf-dir", required=True, help="a folder written by save_pretrained")
+    parser.add_argument("--save", required=True, help="the checkpoint folder to write")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--attention", choices=SUPPORTED_ATTENTION, default=None,
+                        help="default: the HF model's own")
+    parser.add_argument("--xsa-layers", type=int, nargs="+", default=None,
+                        help="with --attention xsa: the layers (1-based) that use it")
+    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    args = parser.parse_args()
+    flags = import_from_hf(args.hf_dir, args.save, args.tensor_model_parallel_size,
+                           args.attention, args.xsa_layers, args.make_vocab_size_divisible_by)
+    print(f"wrote {args.save}; train from it with\n  python pretrain_gpt.py {' '.join(flags)} "
+          f"--tensor-model-parallel-size {args.tensor_model_parallel_size} --load {args.save} ...")
+
+
+if __name__ == "__main__":
+    main()

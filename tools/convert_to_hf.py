@@ -1,0 +1,38 @@
+"""Export a megatron-focus checkpoint as a Hugging Face model folder.
+
+    python tools/convert_to_hf.py --load ckpt/ --save-dir hf/ [--iteration 1000]
+
+Any tensor-parallel size and ZeRO stage. Standard Llama-style models become `LlamaForCausalLM`,
+GPT-2-style ones `GPT2LMHeadModel`; XSA and anything without an exact stock class become
+`MegatronFocusForCausalLM`, loaded with `AutoModelForCausalLM.from_pretrained(dir,
+trust_remote_code=True)`. The checkpoint's tokenizer is exported too.
+"""
+
+import argparse
+import warnings
+
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+
+from megatron_focus.data.tokenizer import TOKENIZER_TYPES  # noqa: E402
+from megatron_focus.hf import export_to_hf  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--load", required=True, help="checkpoint folder (as pretrain_gpt.py --save)")
+    parser.add_argument("--save-dir", required=True, help="the HF folder to write")
+    parser.add_argument("--iteration", type=int, default=None, help="default: the latest")
+    parser.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
+                        help="with --tokenizer-model: instead of the tokenizer the checkpoint recorded")
+    parser.add_argument("--tokenizer-model", default=None)
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="safetensors files above this size are split")
+    args = parser.parse_args()
+    name = export_to_hf(args.load, args.save_dir, args.iteration, args.tokenizer_type,
+                        args.tokenizer_model, args.max_shard_size)
+    print(f"wrote {name} to {args.save_dir}")
+
+
+if __name__ == "__main__":
+    main()
