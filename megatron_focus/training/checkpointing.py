@@ -32,7 +32,10 @@ SHAPE_KEYS = (
     "tensor_model_parallel_size", "padded_vocab_size",
     "norm_epsilon", "rotary_base", "rotary_percent", "xsa_layers",
 )
-FOCUS_SHAPE_KEYS = ("focus_groups", "focus_dim")
+# What a Focus model computes (its top-k, mode and chunk size are inference settings, free to
+# change); the routers' shapes are the first two.
+FOCUS_KEYS = ("focus_groups", "focus_dim", "focus_window", "focus_tau",
+                    "focus_sinkhorn_iters", "focus_gate_scale")
 LATEST = "latest"
 ARGS_FILE = "model_args.json"
 # The tokenizer the model was trained with (for the HF export); not compared on load.
@@ -46,7 +49,7 @@ def tag_for(iteration: int) -> str:
 
 
 def model_args(args: argparse.Namespace) -> dict:
-    keys = SHAPE_KEYS + (FOCUS_SHAPE_KEYS if args.attention.startswith("focus") else ())
+    keys = SHAPE_KEYS + (FOCUS_KEYS if args.attention.startswith("focus") else ())
     return {key: getattr(args, key) for key in keys}
 
 
@@ -144,7 +147,7 @@ def _load_weights_only(engine, args, checkpoint_dir: str, tag: str,
     missing or extra weight is an error.
     """
     check_compatible(args, checkpoint_dir,
-                     ignore=("attention",) + FOCUS_SHAPE_KEYS if adding_focus else ())
+                     ignore=("attention",) + FOCUS_KEYS if adding_focus else ())
     if args.zero_stage == 3:
         raise ValueError("loading weights only (an imported model, --finetune, --retrofit) is not "
                          "supported under ZeRO stage 3: use --zero-stage 2 or lower for this run")
