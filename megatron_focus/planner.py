@@ -1,0 +1,586 @@
+"""What a run needs before it is launched: parameters, FLOPs, memory per GPU, and time.
+
+`tools/plan.py` is the command; this module is the arithmetic, so tests and scripts can call it.
+It takes the same flags as `pretrain_gpt.py` (the shared parser of `megatron_focus.arguments`,
+validated by the same `validate_args` at the cluster's world size), plus a few about the cluster.
+
+Formulas (bytes; Psi = parameters held by one tensor-parallel rank, N_d = data-parallel size):
+
+* Parameters are counted from the flags as Megatron-Core's `GPTModel` builds them (fused QKV,
+  optional biases, LayerNorm weight+bias or RMSNorm weight, untied output layer, learned position
+  table, Focus's router). Tensor parallelism splits the word embedding, output layer, QKV, output
+  projection and MLP weights (and the column-parallel biases); norms, row-parallel biases, the
+  position table and the Focus router are replicated on every TP rank.
+* Model states, mixed precision (bf16/fp16): weights 2 Psi, gradients 2 Psi, optimizer 12 Psi
+  (fp32 master copy 4 + Adam m 4 + v 4). fp32: weights 4 Psi, gradients 4 Psi, Adam 8 Psi; with
+  ZeRO >= 1 DeepSpeed's optimizer also keeps an fp32 copy of its partition (+4 Psi / N_d).
+  ZeRO (Rajbhandari et al. 2020): stage 1 divides the optimizer states by N_d, stage 2 also the
+  gradients, stage 3 also the weights.
+* Activations of one micro-batch (b sequences of s tokens, hidden h, e bytes per activation),
+  kept for the backward, per layer (Korthikanti et al. 2022, "Reducing Activation Recomputation in
+  Large Transformer Models", written for any head count/size, GQA and MLP):
+
+      sequence-parallel region (divided by t only with --sequence-parallel):
+          4 e s b h             the two norms' inputs and outputs (the QKV and fc1 inputs)
+        + 2 s b h               the two dropout masks (1 byte each), when --hidden-dropout > 0
+      tensor-parallel region (always divided by t):
+          e s b (a d + 2 g d)   Q, K, V (a heads, g query groups, d = --kv-channels)
+        + e s b (a d + g d)     with RoPE: the unrotated Q, K (V is a view of the fused QKV
+                                output, which keeps all of it alive)
+        + e s b a d             attention output, heads merged (the output projection's input)
+        + e s b a d + 4 s b a   flash / SDPA kernels: their own output and log-sum-exp; or instead,
+                                with --materialized-attention (a kernel that keeps the scores):
+          e a s^2 b (+ a s^2 b + e a s^2 b with --attention-dropout)
+        + 2 e s b f (GELU: fc1 output, fc2 input) or 4 e s b f (SwiGLU: fc1 output 2f, SiLU, product)
+        + XSA in half precision: 4 s b (a d + g d) (its fp32 copies of y and v)
+
+  With learned positions and materialized attention, for GPT-2/3 (e = 2, g = a, a d = h,
+  f = 4h, dropout) this is exactly Korthikanti's
+  s b h (34 + 5 a s / h) without tensor parallelism, s b h (10 + 24/t + 5 a s / (h t)) with TP t,
+  and s b h (34/t + 5 a s / (h t)) with TP t and SP. Around the layers: the final norm's input and
+  output (2 e s b h, SP region), the embedding dropout mask (s b h) and the logits with the fp32
+  softmax that the vocab-parallel cross entropy keeps ((e + 4) s b V / t). Focus adds the peak of one
+  recomputed soft-gate chunk: 12 b (a/t) c s bytes for chunk size c (fp32 bias, scores and
+  probabilities). No pipeline parallelism and no activation recomputation: one micro-batch's
+  activations are alive at a time.
+* A GPU fits a configuration when weights + gradients + optimizer + activations <= its memory minus
+  `--reserved-gb` (default 10%: CUDA context, NCCL and DeepSpeed communication buckets, ZeRO-3's
+  gathered weights, allocator fragmentation).
+* FLOPs per token are `megatron_focus.training.metrics.flops_per_token` (what the run itself reports
+  as TFLOP/s); MFU = achieved FLOP/s per GPU / the GPU's dense bf16 peak.
+"""
+
+import argparse
+import json
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional
+
+GB = 1e9  # decimal gigabytes, as GPU memory sizes are quoted (80 GB)
+DEFAULT_VOCAB = 50257  # GPT-2's tokenizer
+
+
+class PlanError(ValueError):
+    """A plan that cannot run: the message names the flag to change."""
+
+
+# --- flags ----------------------------------------------------------------------------------------
+
+
+def add_planner_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("planner (tools/plan.py only)")
+    g.add_argument("--nodes", type=int, default=1)
+    g.add_argument("--gpus-per-node", type=int, default=8)
+    g.add_argument("--gpu-memory-gb", type=float, default=80.0)
+    g.add_argument("--reserved-gb", type=float, default=None,
+                   help="memory per GPU not available to the model (default 10%% of the GPU's)")
+    g.add_argument("--gpu", default="H100",
+                   help="GPU name for its dense bf16 peak (H100, H200, A100, L40S, A10)")
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="dense bf16 peak per GPU in TFLOP/s (overrides --gpu)")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="tokenizer vocabulary (default: read --tokenizer-model if given, else "
+                        f"GPT-2's {DEFAULT_VOCAB})")
+    g.add_argument("--train-tokens", type=float, default=None,
+                   help="tokens to train on (default --train-iters x --global-batch-size x "
+                        "--seq-length)")
+    g.add_argument("--target-days", type=float, default=None,
+                   help="wall-clock days the run should take: prints the tokens/s and MFU needed")
+    g.add_argument("--assumed-mfu", type=float, default=0.4,
+                   help="MFU for the time estimate (default 0.4)")
+    g.add_argument("--materialized-attention", action="store_true",
+                   help="count the s x s attention scores (an attention kernel that stores them)")
+    g.add_argument("--json", dest="json_path", default=None, metavar="PATH",
+                   help="also write the plan as JSON")
+    return parser
+
+
+def parse_plan_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """pretrain_gpt.py's flags + the planner's, validated as a run on the whole cluster would be."""
+    from megatron_focus.arguments import build_parser
+    from megatron_focus.training.deepspeed_config import deepspeed_config
+
+    parser = add_planner_args(build_parser())
+    parser.prog = "plan.py"
+    args = parser.parse_args(argv)
+    world = args.nodes * args.gpus_per_node
+    if args.nodes < 1 or args.gpus_per_node < 1 or args.gpu_memory_gb <= 0:
+        raise PlanError("--nodes, --gpus-per-node and --gpu-memory-gb must be positive")
+    if args.tokenizer_model and not args.data_path:
+        args.data_path = ["(not read by the planner)"]  # only the vocabulary is read
+    _validate(args, world)
+    if world % args.tensor_model_parallel_size:
+        raise PlanError(f"{world} GPUs do not split into --tensor-model-parallel-size "
+                        f"{args.tensor_model_parallel_size} groups")
+    deepspeed_config(args, world // args.tensor_model_parallel_size)  # ZeRO stage, bf16 from JSON
+    if args.vocab_size is None:
+        if args.tokenizer_model:
+            from megatron_focus.data.tokenizer import build_tokenizer
+
+            args.vocab_size = build_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size
+        else:
+            args.vocab_size = DEFAULT_VOCAB
+    return args
+
+
+def _validate(args: argparse.Namespace, world: int) -> None:
+    from megatron_focus.arguments import validate_args
+
+    try:
+        validate_args(args, world_size=world)
+    except ValueError as error:
+        if "not implemented" not in str(error):
+            raise PlanError(str(error)) from None
+        # Planning a variant the trainer does not run yet: its shape is the base variant's.
+        attention = args.attention
+        args.attention = "xsa" if attention.endswith("xsa") else "standard"
+        try:
+            validate_args(args, world_size=world)
+        except ValueError as error:
+            raise PlanError(str(error)) from None
+        finally:
+            args.attention = attention
+
+
+# --- parameters -----------------------------------------------------------------------------------
+
+
+@dataclass
+class ParamCount:
+    word_embedding: int
+    position_embedding: int
+    output_layer: int  # 0 when tied to the word embedding
+    per_layer: int  # one transformer layer, router included
+    router_per_layer: int  # Focus's W_g and centroids
+    final_norm: int
+    num_layers: int
+    sharded: int = 0  # split by tensor parallelism
+    replicated: int = 0  # held whole by every tensor-parallel rank
+
+    @property
+    def embedding(self) -> int:
+        return self.word_embedding + self.position_embedding
+
+    @property
+    def non_embedding(self) -> int:
+        return self.num_layers * self.per_layer + self.final_norm
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.output_layer + self.non_embedding
+
+    def per_tp_rank(self, tp: int) -> float:
+        return self.sharded / tp + self.replicated
+
+
+def _shape(args: argparse.Namespace):
+    return (args.hidden_size, args.num_attention_heads, args.num_query_groups, args.kv_channels,
+            args.ffn_hidden_size)
+
+
+def count_parameters(args: argparse.Namespace, vocab_size: int, tp: int = 1) -> ParamCount:
+    """The parameters of the model the flags build, with the vocabulary padded for `tp` ranks."""
+    from megatron_focus.model.gpt import padded_vocab_size
+
+    h, heads, groups, d, ffn = _shape(args)
+    vocab = padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, tp)
+    bias = args.add_bias_linear
+    norm = 2 * h if args.normalization == "LayerNorm" else h
+    fc1_out = ffn * (2 if args.swiglu else 1)
+    # Sharded: QKV (weight, bias), output projection weight, fc1 (weight, bias), fc2 weight.
+    qkv = h * (heads + 2 * groups) * d + (heads + 2 * groups) * d * bias
+    layer_sharded = qkv + heads * d * h + h * fc1_out + fc1_out * bias + ffn * h
+    # Replicated: the two norms, the row-parallel biases (output projection, fc2), the router.
+    router = 0
+    if args.attention.startswith("focus"):
+        router = h * args.focus_dim + args.focus_groups * args.focus_dim
+    layer_replicated = 2 * norm + 2 * h * bias + router
+    word = vocab * h
+    position = args.max_position_embeddings * h \
+        if args.position_embedding_type == "learned_absolute" else 0
+    output = 0 if not args.untie_embeddings_and_output_weights else vocab * h
+    layers = args.num_layers
+    return ParamCount(
+        word_embedding=word, position_embedding=position, output_layer=output,
+        per_layer=layer_sharded + layer_replicated, router_per_layer=router, final_norm=norm,
+        num_layers=layers,
+        sharded=word + output + layers * layer_sharded,
+        replicated=position + layers * layer_replicated + norm,
+    )
+
+
+# --- memory ---------------------------------------------------------------------------------------
+
+
+def activation_bytes_per_layer(args: argparse.Namespace, micro_batch: int, tp: int, sp: bool,
+                               materialized_attention: bool = False) -> float:
+    """Activations one transformer layer keeps for the backward, one micro-batch (formula above)."""
+    h, heads, groups, d, ffn = _shape(args)
+    s, b = args.seq_length, micro_batch
+    e = 2 if (args.bf16 or args.fp16) else 4
+    sbh = s * b * h
+    sp_region = 4 * e * sbh + (2 * sbh if args.hidden_dropout > 0 else 0)
+    tp_region = e * s * b * (heads * d + 2 * groups * d)  # Q, K, V
+    if args.position_embedding_type == "rope":  # pre-rotary Q, K: V's view keeps the QKV buffer
+        tp_region += e * s * b * (heads * d + groups * d)
+    tp_region += e * s * b * heads * d  # attention output, heads merged (the projection's input)
+    if materialized_attention:  # softmax output (+ dropout mask and output)
+        tp_region += e * heads * s * s * b
+        if args.attention_dropout > 0:
+            tp_region += (1 + e) * heads * s * s * b
+    else:  # flash / SDPA kernels keep their output and log-sum-exp, and recompute the scores
+        tp_region += e * s * b * heads * d + 4 * s * b * heads
+    tp_region += (4 if args.swiglu else 2) * e * s * b * ffn
+    if args.attention.endswith("xsa") and e < 4:
+        tp_region += 4 * s * b * (heads * d + groups * d)
+    return (sp_region / tp if sp else sp_region) + tp_region / tp
+
+
+def activation_bytes(args: argparse.Namespace, vocab: int, micro_batch: int, tp: int, sp: bool,
+                     materialized_attention: bool = False) -> float:
+    """All activations of one micro-batch: the layers, the final norm, embedding and logits."""
+    s, b, h = args.seq_length, micro_batch, args.hidden_size
+    e = 2 if (args.bf16 or args.fp16) else 4
+    layers = args.num_layers * activation_bytes_per_layer(args, b, tp, sp, materialized_attention)
+    around = 2 * e * s * b * h + (s * b * h if args.hidden_dropout > 0 else 0)
+    around = around / tp if sp else around
+    logits = (e + 4) * s * b * vocab / tp
+    focus = 0.0
+    if args.attention.startswith("focus"):
+        chunk = min(args.focus_chunk_size, s)
+        focus = 12 * b * (args.num_attention_heads / tp) * chunk * s
+    return layers + around + logits + focus
+
+
+@dataclass
+class Memory:
+    tp: int
+    sp: bool
+    zero_stage: int
+    data_parallel: int
+    micro_batch: int
+    accumulation: int  # micro-batches per global batch and rank; 0 when the batch does not split
+    params_per_gpu: float
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    total: float
+    usable: float
+    fits: bool
+    note: str = ""
+
+    def gb(self) -> dict:
+        d = asdict(self)
+        for key in ("weights", "gradients", "optimizer", "activations", "total", "usable"):
+            d[key + "_gb"] = round(d.pop(key) / GB, 3)
+        return d
+
+
+def model_state_bytes(psi: float, zero_stage: int, data_parallel: int, mixed: bool):
+    """(weights, gradients, optimizer) bytes per GPU for Psi parameters on its TP rank."""
+    n = data_parallel
+    if mixed:
+        weights, grads, optim = 2 * psi, 2 * psi, 12 * psi
+    else:
+        weights, grads, optim = 4 * psi, 4 * psi, 8 * psi + (4 * psi if zero_stage >= 1 else 0)
+    if zero_stage >= 1:
+        optim /= n
+    if zero_stage >= 2:
+        grads /= n
+    if zero_stage >= 3:
+        weights /= n
+    return weights, grads, optim
+
+
+def memory(args: argparse.Namespace, world: int, tp: int, sp: bool, zero_stage: int,
+           micro_batch: int, usable: float, materialized_attention: bool = False) -> Memory:
+    from megatron_focus.model.gpt import padded_vocab_size
+
+    dp = world // tp
+    params = count_parameters(args, args.vocab_size, tp)
+    psi = params.per_tp_rank(tp)
+    mixed = bool(args.bf16 or args.fp16)
+    weights, grads, optim = model_state_bytes(psi, zero_stage, dp, mixed)
+    vocab = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)
+    act = activation_bytes(args, vocab, micro_batch, tp, sp, materialized_attention)
+    total = weights + grads + optim + act
+    per_step = micro_batch * dp
+    accumulation = args.global_batch_size // per_step if args.global_batch_size % per_step == 0 else 0
+    note = ""
+    if zero_stage == 3 and tp > 1:
+        note = "ZeRO-3 runs with TP 1 only"
+    elif not accumulation:
+        note = (f"global batch {args.global_batch_size} does not split into micro-batch "
+                f"{micro_batch} x {dp} data-parallel ranks")
+    return Memory(tp=tp, sp=sp, zero_stage=zero_stage, data_parallel=dp, micro_batch=micro_batch,
+                  accumulation=accumulation, params_per_gpu=psi / (dp if zero_stage == 3 else 1),
+                  weights=weights, gradients=grads, optimizer=optim, activations=act, total=total,
+                  usable=usable, fits=total <= usable and not note, note=note)
+
+
+def tp_options(args: argparse.Namespace, world: int, gpus_per_node: int) -> List[int]:
+    """TP sizes the flags allow: within a node, dividing heads and world, fitting query groups."""
+    out = []
+    tp = 1
+    while tp <= gpus_per_node:
+        if (world % tp == 0 and args.num_attention_heads % tp == 0
+                and (args.num_query_groups % tp == 0 or tp % args.num_query_groups == 0)
+                and (tp == 1 or args.seq_length % tp == 0)):
+            out.append(tp)
+        tp *= 2
+    return out
+
+
+# --- the plan -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    model: dict
+    parameters: dict
+    flops_per_token: float
+    cluster: dict
+    chosen: dict
+    grid: List[dict] = field(default_factory=list)
+    throughput: dict = field(default_factory=dict)
+    fits: bool = True
+    advice: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+
+def peak_flops(args: argparse.Namespace) -> Optional[float]:
+    from megatron_focus.training.metrics import PEAK_BF16_FLOPS
+
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12
+    name = (args.gpu or "").upper()
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k.upper() in name), None)
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    from megatron_focus.model.gpt import padded_vocab_size
+    from megatron_focus.training.metrics import flops_per_token
+
+    world = args.nodes * args.gpus_per_node
+    tp = args.tensor_model_parallel_size
+    reserved = args.reserved_gb * GB if args.reserved_gb is not None else 0.1 * args.gpu_memory_gb * GB
+    usable = args.gpu_memory_gb * GB - reserved
+    vocab = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)
+    params = count_parameters(args, args.vocab_size, tp)
+    per_token = flops_per_token(args, vocab)
+    mat = args.materialized_attention
+
+    chosen = memory(args, world, tp, args.sequence_parallel, args.zero_stage,
+                    args.micro_batch_size, usable, mat)
+    grid = []
+    for t in tp_options(args, world, args.gpus_per_node):
+        for sp in ((False,) if t == 1 else (False, True)):
+            for stage in range(4):
+                grid.append(memory(args, world, t, sp, stage, args.micro_batch_size, usable, mat))
+
+    plan = Plan(
+        model=_describe(args, vocab),
+        parameters={
+            "total": params.total, "embedding": params.embedding,
+            "word_embedding": params.word_embedding,
+            "position_embedding": params.position_embedding,
+            "output_layer": params.output_layer, "non_embedding": params.non_embedding,
+            "per_layer": params.per_layer, "router_per_layer": params.router_per_layer,
+            "per_tp_rank": params.per_tp_rank(tp), "padded_vocab_size": vocab,
+            "vocab_size": args.vocab_size,
+        },
+        flops_per_token=per_token,
+        cluster={"nodes": args.nodes, "gpus_per_node": args.gpus_per_node, "gpus": world,
+                 "gpu_memory_gb": args.gpu_memory_gb, "reserved_gb": reserved / GB,
+                 "usable_gb": usable / GB, "gpu": args.gpu, "peak_tflops":
+                 (peak_flops(args) or 0) / 1e12 or None},
+        chosen=chosen.gb(),
+        grid=[m.gb() for m in grid],
+        throughput=_throughput(args, per_token, world),
+        fits=chosen.fits,
+    )
+    if not chosen.fits:
+        plan.advice = _advice(args, chosen, world, usable, mat)
+    return plan
+
+
+def _describe(args: argparse.Namespace, vocab: int) -> dict:
+    return {
+        "num_layers": args.num_layers, "hidden_size": args.hidden_size,
+        "num_attention_heads": args.num_attention_heads, "kv_channels": args.kv_channels,
+        "num_query_groups": args.num_query_groups, "ffn_hidden_size": args.ffn_hidden_size,
+        "swiglu": args.swiglu, "normalization": args.normalization,
+        "position_embedding_type": args.position_embedding_type,
+        "tied_embeddings": not args.untie_embeddings_and_output_weights,
+        "bias_linear": args.add_bias_linear, "attention": args.attention,
+        "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size,
+        "global_batch_size": args.global_batch_size, "train_iters": args.train_iters,
+        "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+        "zero_stage": args.zero_stage, "tensor_model_parallel_size": args.tensor_model_parallel_size,
+        "sequence_parallel": args.sequence_parallel, "padded_vocab_size": vocab,
+    }
+
+
+def _throughput(args: argparse.Namespace, per_token: float, world: int) -> dict:
+    tokens = args.train_tokens or args.train_iters * args.global_batch_size * args.seq_length
+    peak = peak_flops(args)
+    out = {"train_tokens": tokens, "train_flops": tokens * per_token,
+           "tokens_per_iteration": args.global_batch_size * args.seq_length,
+           "assumed_mfu": args.assumed_mfu}
+    if peak:
+        rate = args.assumed_mfu * peak * world / per_token  # tokens/s at the assumed MFU
+        out["tokens_per_sec_at_assumed_mfu"] = rate
+        out["days_at_assumed_mfu"] = tokens / rate / 86400
+    if args.target_days:
+        needed = tokens / (args.target_days * 86400)
+        out["target_days"] = args.target_days
+        out["tokens_per_sec_needed"] = needed
+        out["tokens_per_sec_per_gpu_needed"] = needed / world
+        out["tflops_per_gpu_needed"] = needed * per_token / world / 1e12
+        if peak:
+            out["mfu_needed"] = needed * per_token / world / peak
+    return out
+
+
+def _advice(args, chosen: Memory, world: int, usable: float, mat: bool) -> str:
+    """What to change so that the run fits: one knob at a time, the closest alternatives first."""
+    if chosen.note:
+        head = chosen.note
+    else:
+        head = (f"needs {chosen.total / GB:.1f} GB per GPU (weights {chosen.weights / GB:.1f}, "
+                f"gradients {chosen.gradients / GB:.1f}, optimizer {chosen.optimizer / GB:.1f}, "
+                f"activations {chosen.activations / GB:.1f}) but {usable / GB:.1f} GB are usable "
+                f"(--gpu-memory-gb {args.gpu_memory_gb:g} minus reserved)")
+    options = []
+    tp, sp, stage, mbs = chosen.tp, chosen.sp, chosen.zero_stage, chosen.micro_batch
+    for s in range(stage + 1, 4):
+        if memory(args, world, tp, sp, s, mbs, usable, mat).fits:
+            options.append(f"--zero-stage {s}")
+            break
+    if tp > 1 and not sp and memory(args, world, tp, True, stage, mbs, usable, mat).fits:
+        options.append("--sequence-parallel")
+    for t in tp_options(args, world, args.gpus_per_node):
+        if t <= tp:
+            continue
+        stages = [st for st in dict.fromkeys((stage, 1, 2)) if st < 3]
+        fit = next((st for st in stages
+                    if memory(args, world, t, True, st, mbs, usable, mat).fits), None)
+        if fit is not None:
+            options.append(f"--tensor-model-parallel-size {t} --sequence-parallel"
+                           + (f" --zero-stage {fit}" if fit != stage else ""))
+            break
+    m = mbs // 2
+    while m >= 1:
+        if args.global_batch_size % (m * (world // tp)) == 0 and \
+                memory(args, world, tp, sp, stage, m, usable, mat).fits:
+            options.append(f"--micro-batch-size {m}")
+            break
+        m //= 2
+    if not options:
+        options.append("more GPUs (--nodes), a larger --gpu-memory-gb, or a smaller model")
+    return f"does not fit: {head}. Fits with: " + "; or ".join(options)
+
+
+# --- the table for people -------------------------------------------------------------------------
+
+
+def _n(x: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f}{unit}"
+    return f"{x:.0f}"
+
+
+def format_plan(plan: Plan) -> str:
+    m, p, c, ch, th = plan.model, plan.parameters, plan.cluster, plan.chosen, plan.throughput
+    heads = f"{m['num_attention_heads']} heads x {m['kv_channels']}"
+    if m["num_query_groups"] != m["num_attention_heads"]:
+        heads += f", {m['num_query_groups']} KV groups"
+    lines = [
+        f"model: {m['num_layers']} layers, hidden {m['hidden_size']}, {heads}, "
+        f"FFN {m['ffn_hidden_size']} {'SwiGLU' if m['swiglu'] else 'GELU'}, {m['normalization']}, "
+        f"{m['position_embedding_type']}, {'tied' if m['tied_embeddings'] else 'untied'} "
+        f"embeddings, {'biases' if m['bias_linear'] else 'no biases'}, attention "
+        f"{m['attention']}, vocab {p['vocab_size']} (padded {p['padded_vocab_size']})",
+        f"parameters: total {_n(p['total'])} = embedding {_n(p['embedding'])} (word "
+        f"{_n(p['word_embedding'])}, position {_n(p['position_embedding'])}) + output layer "
+        f"{_n(p['output_layer'])} + non-embedding {_n(p['non_embedding'])} ({_n(p['per_layer'])} per "
+        f"layer" + (f", router {_n(p['router_per_layer'])}" if p["router_per_layer"] else "") + ")",
+        f"FLOPs per token (training, forward + backward): {plan.flops_per_token / 1e9:.2f} GFLOP",
+        f"cluster: {c['nodes']} node(s) x {c['gpus_per_node']} GPUs = {c['gpus']} GPUs, "
+        f"{c['gpu_memory_gb']:g} GB each, {c['usable_gb']:.1f} GB usable "
+        f"({c['reserved_gb']:.1f} GB reserved)",
+        "",
+        f"memory per GPU (GB), micro-batch {m['micro_batch_size']} x {m['seq_length']} tokens, "
+        f"{m['precision']}; total for ZeRO stage 0..3 ('!' = does not fit, '-' = not possible):",
+        "  TP  SP   DP accum  params/GPU  activations |   ZeRO-0   ZeRO-1   ZeRO-2   ZeRO-3",
+    ]
+    rows = {}
+    for g in plan.grid:
+        rows.setdefault((g["tp"], g["sp"]), []).append(g)
+    for (tp, sp), cells in rows.items():
+        first = cells[0]
+        totals = []
+        for g in cells:
+            if g["note"]:
+                totals.append(f"{'-':>8}")
+            else:
+                totals.append(f"{g['total_gb']:7.1f}{' ' if g['fits'] else '!'}")
+        chosen_row = tp == ch["tp"] and sp == ch["sp"]
+        accum = str(first["accumulation"]) if first["accumulation"] else "-"
+        lines.append(
+            f"{'*' if chosen_row else ' '}{tp:3d}  {'on ' if sp else 'off'} {first['data_parallel']:4d}"
+            f" {accum:>5}  {_n(first['params_per_gpu']):>10}  {first['activations_gb']:11.1f} | "
+            + " ".join(totals))
+    lines += [
+        "",
+        f"chosen (*): TP {ch['tp']}{' + SP' if ch['sp'] else ''}, ZeRO-{ch['zero_stage']}, DP "
+        f"{ch['data_parallel']}, micro-batch {ch['micro_batch']} x {ch['accumulation'] or '?'} "
+        f"accumulation steps: weights {ch['weights_gb']:.2f} + gradients {ch['gradients_gb']:.2f} "
+        f"+ optimizer {ch['optimizer_gb']:.2f} + activations {ch['activations_gb']:.2f} = "
+        f"{ch['total_gb']:.2f} GB of {ch['usable_gb']:.1f} usable: "
+        + ("fits" if plan.fits else "DOES NOT FIT"),
+        "",
+        f"training: {_n(th['train_tokens'])} tokens ({_n(th['tokens_per_iteration'])} per iteration), "
+        f"{th['train_flops']:.3g} FLOPs",
+    ]
+    if "days_at_assumed_mfu" not in th:
+        lines.append(f"  (no dense bf16 peak known for --gpu {c['gpu']}: give --peak-tflops for "
+                     "the time and MFU)")
+    else:
+        lines.append(f"  at {th['assumed_mfu']:.0%} MFU on {c['gpu']} ({c['peak_tflops']:g} TFLOP/s "
+                     f"peak): {_n(th['tokens_per_sec_at_assumed_mfu'])} tokens/s, "
+                     f"{th['days_at_assumed_mfu']:.2f} days")
+    if "target_days" in th:
+        line = (f"  to finish in {th['target_days']:g} days: {_n(th['tokens_per_sec_needed'])} "
+                f"tokens/s ({_n(th['tokens_per_sec_per_gpu_needed'])} per GPU, "
+                f"{th['tflops_per_gpu_needed']:.0f} TFLOP/s per GPU)")
+        if "mfu_needed" in th:
+            line += f" = {th['mfu_needed']:.1%} MFU"
+            if th["mfu_needed"] > 1:
+                line += "  -- impossible: use more GPUs or allow more days"
+            elif th["mfu_needed"] > 0.55:
+                line += "  -- above what dense training usually reaches (~40-55%)"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    import sys
+
+    try:
+        args = parse_plan_args(argv)
+        plan = make_plan(args)
+    except (PlanError, ValueError, FileNotFoundError) as error:
+        print(f"plan.py: error: {error}", file=sys.stderr)
+        return 2
+    print(format_plan(plan))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            f.write(plan.to_json())
+    if not plan.fits:
+        print(f"plan.py: error: {plan.advice}", file=sys.stderr)
+        return 1
+    return 0
