@@ -1,5 +1,7 @@
 """Sparse Focus dispatch (buckets + local window, merged by log-sum-exp) == the dense hard rule."""
 
+import math
+
 import pytest
 import torch
 
@@ -102,3 +104,30 @@ def test_model_in_sparse_mode_dispatch_equals_masked_rule(single_process, attent
         dispatched = model(tokens, positions, None)
     masked = model(tokens, positions, None)  # with gradients: the masked-chunk path
     torch.testing.assert_close(dispatched, masked.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_eval_ppl_reports_every_top_k(embedded_cache, tmp_path):
+    """tools/eval_ppl.py on a trained Focus checkpoint: soft, then top-k = 1..K in sparse mode."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from test_training import _argv, train
+
+    ckpt, report = str(tmp_path / "ckpt"), str(tmp_path / "ppl.json")
+    train(1, _argv(embedded_cache, "--attention", "focus", "--focus-window", "4",
+                   "--focus-groups", "3", "--save", ckpt, iters=3))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "tools/eval_ppl.py", "--load", ckpt, "--data-cache-path",
+                          embedded_cache, "--eval-iters", "2", "--micro-batch-size", "2",
+                          "--json", report], cwd=root, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.load(open(report))["rows"]
+    assert [(r["mode"], r["top_k"]) for r in rows] == [("soft", None), ("sparse", 1),
+                                                        ("sparse", 2), ("sparse", 3)]
+    kept = [r["pairs_kept"] for r in rows[1:]]
+    assert kept == sorted(kept) and kept[0] < 1.0 and abs(kept[-1] - 1.0) < 1e-6  # top-k = K: all
+    assert all(math.isfinite(r["loss"]) for r in rows)

@@ -1,8 +1,9 @@
 """Hugging Face interop: exported models compute what the native ones do, imports are exact.
 
-Trained checkpoints (both families, standard and XSA, ZeRO-3, TP=2) are exported and compared
-with the native model on the same tokens, and with the validation loss the training run itself
-reported. HF models built from small configs (nothing is downloaded) go HF -> native -> HF.
+Trained checkpoints (both families, standard, XSA and Focus, ZeRO-3, TP=2) are exported and
+compared with the native model on the same tokens, and with the validation loss the training run
+itself reported; Focus in both of its modes, and generating with its incremental routing. HF
+models built from small configs (nothing is downloaded) go HF -> native -> HF.
 """
 
 import os
@@ -29,6 +30,16 @@ TRAINED = {
     "llama-xsa": (LLAMA + GQA + XSA, 1, "MegatronFocusForCausalLM"),
     "llama-xsa-tp2": (LLAMA + GQA + XSA + TP2, 2, "MegatronFocusForCausalLM"),
 }
+# Focus with a window of 4 keys on 32 tokens: most pairs are distant, so the router decides them.
+FOCUS = ["--focus-window", "4", "--focus-groups", "4", "--focus-chunk-size", "16"]
+FOCUS_ONLY, FOCUS_XSA = ["--attention", "focus"] + FOCUS, ["--attention", "focus+xsa"] + FOCUS
+TRAINED_FOCUS = {
+    "gpt2-focus": (FOCUS_ONLY, 1, "MegatronFocusForCausalLM"),
+    "gpt2-focus-xsa-layer-2": (FOCUS_XSA + ["--xsa-layers", "2"], 1, "MegatronFocusForCausalLM"),
+    "llama-focus": (LLAMA + GQA + FOCUS_ONLY, 1, "MegatronFocusForCausalLM"),
+    "llama-focus-xsa": (LLAMA + GQA + FOCUS_XSA, 1, "MegatronFocusForCausalLM"),
+    "llama-focus-xsa-tp2": (LLAMA + GQA + FOCUS_XSA + TP2, 2, "MegatronFocusForCausalLM"),
+}
 
 
 def _train_and_batches(argv):
@@ -38,10 +49,10 @@ def _train_and_batches(argv):
 
     args = parse_args(argv)
     history = trainer.pretrain(args)
-    train, valid = trainer._datasets(args, trainer._tokenizer(args, rank0=True))
+    train, valid = trainer.datasets_for(args, trainer.tokenizer_for(args, rank0=True))
     micro_batches = range(args.global_batch_size // args.micro_batch_size)  # one data-parallel rank
-    history["train_batches"] = [trainer._micro_batch(train, 0, m, args) for m in micro_batches]
-    history["valid_batches"] = [trainer._micro_batch(valid, 0, m, args) for m in micro_batches]
+    history["train_batches"] = [trainer.micro_batch(train, 0, m, args) for m in micro_batches]
+    history["valid_batches"] = [trainer.micro_batch(valid, 0, m, args) for m in micro_batches]
     return history
 
 
@@ -63,19 +74,38 @@ def _load_hf(path):
     return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
 
 
-@pytest.fixture(scope="module")
-def trained(embedded_cache, tmp_path_factory):
-    """Each TRAINED case: its checkpoint, HF export and training history."""
+def _train_and_export(cases, cache, tmp_path_factory):
+    """Each case: its checkpoint, HF export and training history."""
     from megatron_focus.hf import export_to_hf
 
     out = {}
-    for name, (flags, ranks, _) in TRAINED.items():
+    for name, (flags, ranks, _) in cases.items():
         root = tmp_path_factory.mktemp(name)
         ckpt, hf = str(root / "ckpt"), str(root / "hf")
         history = run_distributed(_train_and_batches, ranks,
-                                  _argv(embedded_cache, *flags, "--save", ckpt, iters=3))
+                                  _argv(cache, *flags, "--save", ckpt, iters=3))
         out[name] = {"ckpt": ckpt, "hf": hf, "history": history,
                      "class": export_to_hf(ckpt, hf, max_shard_size="100KB", progress=False)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(embedded_cache, tmp_path_factory):
+    return _train_and_export(TRAINED, embedded_cache, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def trained_focus(embedded_cache, tmp_path_factory):
+    return _train_and_export(TRAINED_FOCUS, embedded_cache, tmp_path_factory)
+
+
+def _safetensors(hf) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for name in os.listdir(hf):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(hf, name)))
     return out
 
 
@@ -99,16 +129,8 @@ def test_export_computes_what_the_native_model_computes(trained, name):
 
 @pytest.mark.slow
 def test_tensor_parallel_export_equals_one_process_export(trained):
-    from safetensors.torch import load_file
-
-    def tensors(hf):
-        out = {}
-        for name in os.listdir(hf):
-            if name.endswith(".safetensors"):
-                out.update(load_file(os.path.join(hf, name)))
-        return out
-
-    tp1, tp2 = tensors(trained["llama-xsa"]["hf"]), tensors(trained["llama-xsa-tp2"]["hf"])
+    tp1 = _safetensors(trained["llama-xsa"]["hf"])
+    tp2 = _safetensors(trained["llama-xsa-tp2"]["hf"])
     assert tp1.keys() == tp2.keys()
     for name in tp1:
         torch.testing.assert_close(tp2[name], tp1[name], rtol=1e-4, atol=1e-5, msg=name)
@@ -138,6 +160,163 @@ def test_generate_with_cache_equals_argmax_of_full_forwards(trained):
             next_token = model(tokens, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
             tokens = torch.cat([tokens, next_token], dim=1)
     assert torch.equal(generated, tokens)
+
+
+# --- Focus ---------------------------------------------------------------------------------------
+
+def _focus_logits(model, tokens, mode, top_k=2):
+    model.set_focus_mode(mode, top_k)
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(TRAINED_FOCUS))
+def test_focus_export_computes_what_the_native_model_computes(trained_focus, name):
+    """Soft gate and hard top-k rule (the native packed sparse dispatch) alike, routers included."""
+    from megatron_focus.hf import native_logits
+
+    case = trained_focus[name]
+    assert case["class"] == TRAINED_FOCUS[name][2]
+    model = _load_hf(case["hf"])
+    assert type(model).__name__ == TRAINED_FOCUS[name][2]
+    config = model.config
+    assert (config.focus_groups, config.focus_window, config.focus_top_k,
+            config.focus_attention_mode) == (4, 4, 2, "soft")
+    assert config.layer_attention == {
+        "gpt2-focus": ["focus", "focus"], "gpt2-focus-xsa-layer-2": ["focus", "focus+xsa"],
+        "llama-focus": ["focus", "focus"]}.get(name, ["focus+xsa", "focus+xsa"])
+    routers = [k for k in model.state_dict() if ".router." in k]
+    assert len(routers) == 4  # W_g and the centroids of each layer
+
+    soft = _focus_logits(model, TOKENS, "soft")
+    assert (soft - native_logits(case["ckpt"], TOKENS)).abs().max().item() < 1e-4
+    iteration, valid_loss = case["history"]["validation"][-1]  # the run validates in soft mode
+    assert iteration == 3
+    assert _hf_loss(model, case["history"]["valid_batches"]) == pytest.approx(valid_loss, rel=1e-5)
+
+    for top_k in (2, 1) if name == "llama-focus-xsa" else (2,):
+        sparse = _focus_logits(model, TOKENS, "sparse", top_k)
+        native = native_logits(case["ckpt"], TOKENS, focus_attention_mode="sparse",
+                               focus_top_k=top_k)
+        assert (sparse - native).abs().max().item() < 1e-4
+        assert not torch.allclose(sparse, soft, atol=1e-3)  # the rule removed distant pairs
+
+
+@pytest.mark.slow
+def test_tensor_parallel_focus_export_equals_one_process_export(trained_focus):
+    tp1 = _safetensors(trained_focus["llama-focus-xsa"]["hf"])
+    tp2 = _safetensors(trained_focus["llama-focus-xsa-tp2"]["hf"])
+    assert tp1.keys() == tp2.keys()
+    assert any(".router." in name for name in tp1)
+    for name in tp1:
+        torch.testing.assert_close(tp2[name], tp1[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["soft", "sparse"])
+@pytest.mark.parametrize("name", ["gpt2-focus-xsa-layer-2", "llama-focus-xsa"])
+def test_focus_exports_are_causal(trained_focus, name, mode):
+    model = _load_hf(trained_focus[name]["hf"])
+    changed = TOKENS.clone()
+    changed[:, 20:] = (changed[:, 20:] + 7) % 4000
+    before, after = _focus_logits(model, TOKENS, mode), _focus_logits(model, changed, mode)
+    torch.testing.assert_close(after[:, :20], before[:, :20], rtol=0, atol=1e-6)
+    assert not torch.allclose(after[:, 20:], before[:, 20:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sparse", "soft"])
+@pytest.mark.parametrize("name", ["gpt2-focus-xsa-layer-2", "llama-focus-xsa"])
+def test_focus_generate_routes_incrementally_as_a_full_forward(trained_focus, name, mode):
+    """generate() with the cache == greedy full forwards; cached assignments == a full pass's."""
+    from transformers import DynamicCache
+
+    model = _load_hf(trained_focus[name]["hf"])
+    model.set_focus_mode(mode)
+    model.generation_config.eos_token_id = None  # exactly 20 tokens, no early stop
+    prompt, new = TOKENS[:, :8], 20  # 28 tokens, window 4: most pairs distant
+    out = model.generate(prompt, max_new_tokens=new, do_sample=False, use_cache=True,
+                         return_dict_in_generate=True)
+    tokens = prompt
+    with torch.no_grad():
+        for _ in range(new):
+            next_token = model(tokens, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            tokens = torch.cat([tokens, next_token], dim=1)
+        assert torch.equal(out.sequences, tokens)
+
+        full = DynamicCache(config=model.config)  # one forward over every token the cache saw
+        model(tokens[:, :-1], cache=full)
+    for layer, (step, whole) in enumerate(zip(out.cache.layers, full.layers)):
+        assert step.log_g.shape == whole.log_g.shape == (2, 8 + new - 1, 4), layer
+        torch.testing.assert_close(step.log_g, whole.log_g, rtol=0, atol=1e-5)
+        torch.testing.assert_close(step.sums, whole.sums, rtol=0, atol=1e-5)
+        for k in (1, 2):
+            assert torch.equal(step.log_g.topk(k).indices, whole.log_g.topk(k).indices)
+
+
+def _custom_focus_model(**overrides):
+    """A small random Focus model of the Llama family (RoPE, GQA), XSA on its second layer."""
+    from megatron_focus.hf.configuration_megatron_focus import MegatronFocusConfig
+    from megatron_focus.hf.modeling_megatron_focus import MegatronFocusForCausalLM
+
+    config = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, normalization="RMSNorm",
+                  activation="swiglu", bias=False, position_embedding_type="rope",
+                  tie_word_embeddings=False, layer_attention=["focus", "focus+xsa"],
+                  focus_groups=4, focus_window=4, focus_tau=0.5, focus_sinkhorn_iters=3)
+    return MegatronFocusForCausalLM(MegatronFocusConfig(**{**config, **overrides}))
+
+
+@pytest.mark.parametrize("mode", ["soft", "sparse"])
+def test_focus_generate_left_padded_batch_equals_each_sequence(mode):
+    """Padding is no token to the router: left-padded batches generate as each sequence alone."""
+    torch.manual_seed(0)
+    model = _custom_focus_model().eval()
+    model.set_focus_mode(mode)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    long, short = TOKENS[0, :10] % 200, TOKENS[1, :6] % 200
+    batch = torch.stack([long, torch.cat([torch.zeros(4, dtype=torch.long), short])])
+    mask = (torch.arange(10) >= torch.tensor([[0], [4]])).long()
+    together = model.generate(batch, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    for row, prompt in enumerate((long, short)):
+        alone = model.generate(prompt[None], max_new_tokens=12, do_sample=False)
+        assert torch.equal(together[row, -12:], alone[0, -12:])
+
+
+@pytest.mark.parametrize("mode", ["soft", "sparse"])
+def test_focus_routing_state_follows_beam_search_and_crop(mode):
+    """The routing state is per token, as keys and values: beams reorder it, crop cuts it."""
+    from transformers import DynamicCache
+
+    torch.manual_seed(0)
+    model = _custom_focus_model().eval()
+    model.set_focus_mode(mode)
+    model.generation_config.eos_token_id = None
+    prompt, tokens = TOKENS[:, :6] % 200, TOKENS[:, :20] % 200
+    beams = {cached: model.generate(prompt, max_new_tokens=10, num_beams=3, do_sample=False,
+                                    use_cache=cached) for cached in (True, False)}
+    assert torch.equal(beams[True], beams[False])
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        whole = model(tokens, cache=cache).logits
+        cache.crop(-5)
+        assert cache.layers[1].log_g.shape[1] == cache.layers[1].sums.shape[1] == 15
+        again = model(tokens[:, 15:], cache=cache).logits
+    torch.testing.assert_close(again, whole[:, 15:], rtol=0, atol=1e-5)
+
+
+def test_focus_mode_and_settings_are_checked():
+    model = _custom_focus_model().eval()
+    with pytest.raises(ValueError, match="focus_attention_mode='hard'"):
+        model.set_focus_mode("hard")
+    with pytest.raises(ValueError, match="focus_top_k=5"):
+        model.set_focus_mode("sparse", top_k=5)
+    assert (model.config.focus_attention_mode, model.config.focus_top_k) == ("soft", 2)
+    model.config.focus_attention_mode = "dense"  # set directly: refused at the next forward
+    with pytest.raises(ValueError, match="focus_attention_mode='dense'"):
+        model(TOKENS[:, :8] % 200)
 
 
 @pytest.mark.slow
@@ -190,11 +369,13 @@ def _hf_model(name: str):
             **small, num_key_value_heads=1, normalization="RMSNorm", activation="swiglu",
             bias=False, position_embedding_type="rope", tie_word_embeddings=False,
             layer_attention=["standard", "xsa"])),
+        # Focus (routers replicated over TP=2), XSA on the second layer
+        "custom-llama-focus-xsa-layer-2": _custom_focus_model,
     }[name]()
 
 
 HF_MODELS = ["llama-gqa-untied", "llama-biases-tied", "mistral", "qwen2", "gpt2",
-             "custom-gpt2-rope-gqa", "custom-llama-xsa-layer-2"]
+             "custom-gpt2-rope-gqa", "custom-llama-xsa-layer-2", "custom-llama-focus-xsa-layer-2"]
 
 
 @pytest.mark.parametrize("name", HF_MODELS)
@@ -258,6 +439,50 @@ def test_imported_model_trains_from_the_hf_loss(embedded_cache, tmp_path):
     assert 0 < moved < 1e-2
 
 
+@pytest.mark.slow
+def test_focus_retrofit_of_an_imported_model(embedded_cache, tmp_path):
+    """`convert_from_hf --attention focus` writes the base model; `pretrain_gpt.py --retrofit
+    --load` adds fresh routers and trains only them; the result exports as a Focus model."""
+    import json
+    import math
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megatron_focus.hf import export_to_hf, import_from_hf
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=4096, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)).eval()
+    model.save_pretrained(tmp_path / "hf")
+    ckpt, retrofitted, back = (str(tmp_path / d) for d in ("ckpt", "retrofitted", "back"))
+    flags = import_from_hf(str(tmp_path / "hf"), ckpt, attention="focus", progress=False)
+    assert flags[flags.index("--attention") + 1] == "focus" and flags[-1] == "--retrofit"
+    tag = os.path.join(ckpt, "iter_0000000")
+    with open(os.path.join(tag, "model_args.json")) as f:
+        assert json.load(f)["attention"] == "standard"  # as an import with --attention standard
+    shard = torch.load(os.path.join(tag, "mp_rank_00_model_states.pt"), weights_only=False)
+    assert not any(".router." in name for name in shard["module"])
+
+    history = run_distributed(_train_and_batches, 1, _argv(
+        embedded_cache, *flags, *FOCUS, "--load", ckpt, "--save", retrofitted, iters=3))
+    assert len(history["losses"]) == 3 and all(math.isfinite(x) for x in history["losses"])
+    assert export_to_hf(retrofitted, back, progress=False) == "MegatronFocusForCausalLM"
+    exported = _load_hf(back).state_dict()
+    assert len([name for name in exported if ".router." in name]) == 4
+    for name, tensor in model.state_dict().items():  # every original weight frozen, bit for bit
+        assert torch.equal(exported[name], tensor), name
+
+
+def test_focus_model_imports_as_focus_only(tmp_path):
+    from megatron_focus.hf import import_from_hf
+
+    _custom_focus_model().save_pretrained(tmp_path / "hf")
+    with pytest.raises(ValueError, match="would drop them"):
+        import_from_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), attention="xsa",
+                       progress=False)
+
+
 # --- refusals ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("config, message", [
@@ -294,8 +519,14 @@ def test_unmapped_settings_are_refused():
         rotary_base=10000, rotary_percent=1.0, max_position_embeddings=32,
         untie_embeddings_and_output_weights=False, attention="standard", xsa_layers=None)
     Architecture.from_model_args(model_args, 200)
-    with pytest.raises(NotImplementedError, match="Focus is not mapped yet"):
-        Architecture.from_model_args({**model_args, "attention": "focus"}, 200)
+    focus = dict(focus_groups=4, focus_dim=16, focus_window=4, focus_tau=0.1,
+                 focus_sinkhorn_iters=10, focus_gate_scale=1.0)
+    arch = Architecture.from_model_args({**model_args, **focus, "attention": "focus"}, 200,
+                                        focus_top_k=1)
+    assert (arch.focus.window, arch.focus.top_k, arch.focus.attention_mode) == (4, 1, "soft")
+    with pytest.raises(ValueError, match="lacks focus_window, focus_tau"):  # an older checkpoint
+        Architecture.from_model_args({**model_args, "attention": "focus", "focus_groups": 4,
+                                      "focus_dim": 16}, 200)
     with pytest.raises(NotImplementedError, match="partial rotary"):
         Architecture.from_model_args({**model_args, "rotary_percent": 0.5}, 200)
     with pytest.raises(ValueError, match="lacks norm_epsilon"):

@@ -6,6 +6,12 @@
 The checkpoint holds weights only: the training run that loads it starts at iteration 0 with its
 own optimizer and schedule. `--attention xsa` retrofits XSA (no new parameters). Models the native
 model cannot compute exactly (RoPE scaling, sliding windows, GPT-2's tanh GELU, ...) are refused.
+
+`--attention focus` (or `focus+xsa`) retrofits Focus: the checkpoint is the base model (exactly an
+import with `--attention standard`, or `xsa`), and the printed command is the retrofit run,
+`pretrain_gpt.py ... --attention focus --retrofit --load CKPT`, which initialises the routers
+afresh and trains only them (add `--focus-*` settings to it). An exported Focus model imports
+with its routers.
 """
 
 import argparse
@@ -26,12 +32,13 @@ def main() -> None:
     parser.add_argument("--attention", choices=SUPPORTED_ATTENTION, default=None,
                         help="default: the HF model's own")
     parser.add_argument("--xsa-layers", type=int, nargs="+", default=None,
-                        help="with --attention xsa: the layers (1-based) that use it")
+                        help="with --attention xsa or focus+xsa: the layers (1-based) that use XSA")
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     args = parser.parse_args()
     flags = import_from_hf(args.hf_dir, args.save, args.tensor_model_parallel_size,
                            args.attention, args.xsa_layers, args.make_vocab_size_divisible_by)
-    print(f"wrote {args.save}; train from it with\n  python pretrain_gpt.py {' '.join(flags)} "
+    what = "retrofit Focus onto it" if "--retrofit" in flags else "train from it"
+    print(f"wrote {args.save}; {what} with\n  python pretrain_gpt.py {' '.join(flags)} "
           f"--tensor-model-parallel-size {args.tensor_model_parallel_size} --load {args.save} ...")
 
 

@@ -3,9 +3,14 @@
     python tools/convert_to_hf.py --load ckpt/ --save-dir hf/ [--iteration 1000]
 
 Any tensor-parallel size and ZeRO stage. Standard Llama-style models become `LlamaForCausalLM`,
-GPT-2-style ones `GPT2LMHeadModel`; XSA and anything without an exact stock class become
+GPT-2-style ones `GPT2LMHeadModel`; XSA, Focus and anything without an exact stock class become
 `MegatronFocusForCausalLM`, loaded with `AutoModelForCausalLM.from_pretrained(dir,
 trust_remote_code=True)`. The checkpoint's tokenizer is exported too.
+
+A Focus model's routers and settings (recorded in the checkpoint) are exported; its inference
+settings are not recorded: `--focus-top-k` and `--focus-attention-mode` set them in the HF config
+(default 2 and soft), and `model.set_focus_mode("sparse", top_k=1)` (or
+`model.config.focus_attention_mode = "sparse"`) changes them on the loaded model.
 """
 
 import argparse
@@ -28,9 +33,15 @@ def main() -> None:
     parser.add_argument("--tokenizer-model", default=None)
     parser.add_argument("--max-shard-size", default="5GB",
                         help="safetensors files above this size are split")
+    parser.add_argument("--focus-top-k", type=int, default=None,
+                        help="Focus models: groups per query in sparse mode (default 2)")
+    parser.add_argument("--focus-attention-mode", choices=("soft", "sparse"), default=None,
+                        help="Focus models: the mode the HF model starts in (default soft)")
     args = parser.parse_args()
     name = export_to_hf(args.load, args.save_dir, args.iteration, args.tokenizer_type,
-                        args.tokenizer_model, args.max_shard_size)
+                        args.tokenizer_model, args.max_shard_size,
+                        focus_top_k=args.focus_top_k,
+                        focus_attention_mode=args.focus_attention_mode)
     print(f"wrote {name} to {args.save_dir}")
 
 

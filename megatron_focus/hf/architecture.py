@@ -9,7 +9,50 @@ import argparse
 import dataclasses
 from typing import List, Optional, Tuple
 
-SUPPORTED_ATTENTION = ("standard", "xsa")
+SUPPORTED_ATTENTION = ("standard", "xsa", "focus", "focus+xsa")
+# The variant each Focus variant is without its routers (what a retrofit starts from).
+WITHOUT_FOCUS = {"focus": "standard", "focus+xsa": "xsa"}
+
+
+@dataclasses.dataclass(frozen=True)
+class FocusSettings:
+    """A Focus model's settings, named as `pretrain_gpt.py`'s `--focus-*` flags.
+
+    The first six decide what the model computes and are recorded in `model_args.json`; `top_k`
+    and `attention_mode` are inference settings (sparse mode), free to change, not recorded: they
+    take `pretrain_gpt.py`'s defaults unless given.
+    """
+
+    groups: int
+    dim: int
+    window: int
+    tau: float
+    sinkhorn_iters: int
+    gate_scale: float
+    top_k: int = 2
+    attention_mode: str = "soft"
+
+    RECORDED = ("groups", "dim", "window", "tau", "sinkhorn_iters", "gate_scale")
+
+    def __post_init__(self):
+        if not 1 <= self.top_k <= self.groups:
+            raise ValueError(f"Focus top-k {self.top_k} must be between 1 and the groups "
+                             f"({self.groups})")
+        if self.attention_mode not in ("soft", "sparse"):
+            raise ValueError(f"Focus attention mode {self.attention_mode!r}: soft or sparse")
+
+    @classmethod
+    def from_model_args(cls, model_args: dict, **inference) -> "FocusSettings":
+        missing = [f"focus_{name}" for name in cls.RECORDED if f"focus_{name}" not in model_args]
+        if missing:
+            raise ValueError(f"model_args.json lacks {', '.join(missing)}: the Focus checkpoint "
+                             "was saved by a megatron-focus that did not record them yet")
+        return cls(**{name: model_args[f"focus_{name}"] for name in cls.RECORDED},
+                   **{k: v for k, v in inference.items() if v is not None})
+
+    def flags(self) -> List[str]:
+        return [str(flag) for name in [f.name for f in dataclasses.fields(self)]
+                for flag in (f"--focus-{name.replace('_', '-')}", getattr(self, name))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,13 +74,16 @@ class Architecture:
     untie_embeddings_and_output_weights: bool
     attention: str = "standard"
     xsa_layers: Optional[Tuple[int, ...]] = None  # 1-based; None: every layer (when xsa)
+    focus: Optional[FocusSettings] = None  # exactly when attention is focus or focus+xsa
 
     def __post_init__(self):
         if self.attention not in SUPPORTED_ATTENTION:
             raise NotImplementedError(
                 f"--attention {self.attention}: the HF conversion supports "
-                f"{', '.join(SUPPORTED_ATTENTION)} (Focus is not mapped yet)"
+                f"{', '.join(SUPPORTED_ATTENTION)}"
             )
+        if (self.focus is not None) != self.attention.startswith("focus"):
+            raise ValueError(f"--attention {self.attention} with Focus settings {self.focus}")
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"unknown normalization {self.normalization!r}")
         if self.position_embedding_type not in ("learned_absolute", "rope"):
@@ -58,18 +104,27 @@ class Architecture:
                 for number in range(1, self.num_layers + 1)]
 
     @classmethod
-    def from_model_args(cls, model_args: dict, vocab_size: int) -> "Architecture":
-        """From a checkpoint's `model_args.json`; refuses settings the conversion cannot map."""
-        missing = [f.name for f in dataclasses.fields(cls)
-                   if f.name not in model_args and f.name != "vocab_size"]
+    def from_model_args(cls, model_args: dict, vocab_size: int,
+                        focus_top_k: Optional[int] = None,
+                        focus_attention_mode: Optional[str] = None) -> "Architecture":
+        """From a checkpoint's `model_args.json`; refuses settings the conversion cannot map.
+
+        `focus_top_k` / `focus_attention_mode`: a Focus model's inference settings (not recorded;
+        default `pretrain_gpt.py`'s).
+        """
+        own = [f.name for f in dataclasses.fields(cls) if f.name not in ("vocab_size", "focus")]
+        missing = [name for name in own if name not in model_args]
         if missing:
             raise ValueError(f"model_args.json lacks {', '.join(missing)}: the checkpoint was "
                              "saved by a megatron-focus that did not record them yet")
         if model_args.get("rotary_percent", 1.0) != 1.0:
             raise NotImplementedError("--rotary-percent below 1 (partial rotary) is not mapped")
-        kwargs = {f.name: model_args[f.name] for f in dataclasses.fields(cls) if f.name != "vocab_size"}
+        kwargs = {name: model_args[name] for name in own}
         if kwargs["xsa_layers"] is not None:
             kwargs["xsa_layers"] = tuple(kwargs["xsa_layers"])
+        if kwargs["attention"] in SUPPORTED_ATTENTION and kwargs["attention"].startswith("focus"):
+            kwargs["focus"] = FocusSettings.from_model_args(
+                model_args, top_k=focus_top_k, attention_mode=focus_attention_mode)
         return cls(vocab_size=vocab_size, **kwargs)
 
     def flags(self) -> List[str]:
@@ -94,6 +149,8 @@ class Architecture:
             flags.append("--untie-embeddings-and-output-weights")
         if self.xsa_layers is not None:
             flags += ["--xsa-layers", *self.xsa_layers]
+        if self.focus is not None:
+            flags += self.focus.flags()
         return [str(flag) for flag in flags]
 
     def native_args(self, tensor_model_parallel_size: int = 1,

@@ -2,8 +2,10 @@
 
 Copied next to the weights by `tools/convert_to_hf.py`; needs only transformers. The fields are
 the ones that decide what the native Megatron-Core model computes: its family (norm, MLP
-activation, biases, positions), its attention shape (GQA, head size) and each layer's attention
-variant (`layer_attention`).
+activation, biases, positions), its attention shape (GQA, head size), each layer's attention
+variant (`layer_attention`) and, for Focus layers, the `focus_*` settings (`pretrain_gpt.py`'s
+`--focus-*` flags). `focus_attention_mode` ("soft" gate or "sparse" hard top-k rule) and
+`focus_top_k` are inference settings: set them on a loaded model's config at any time.
 """
 
 from transformers import PreTrainedConfig
@@ -11,7 +13,8 @@ from transformers import PreTrainedConfig
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "swiglu")  # gelu is the exact (erf) GELU
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
-ATTENTION_VARIANTS = ("standard", "xsa")
+ATTENTION_VARIANTS = ("standard", "xsa", "focus", "focus+xsa")
+FOCUS_MODES = ("soft", "sparse")
 
 
 class MegatronFocusConfig(PreTrainedConfig):
@@ -33,6 +36,16 @@ class MegatronFocusConfig(PreTrainedConfig):
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = True
     layer_attention: list[str] | None = None  # one variant per layer; default all "standard"
+    # Focus (layers "focus" / "focus+xsa"): K groups, routing dim d_g, local window w, temperature,
+    # causal Sinkhorn iterations, lambda of the soft log-gate; then the inference settings.
+    focus_groups: int = 8
+    focus_dim: int = 16
+    focus_window: int = 128
+    focus_tau: float = 0.1
+    focus_sinkhorn_iters: int = 10
+    focus_gate_scale: float = 1.0
+    focus_top_k: int = 2
+    focus_attention_mode: str = "soft"
     initializer_range: float = 0.02
     use_cache: bool = True
     bos_token_id: int | None = None
@@ -59,7 +72,19 @@ class MegatronFocusConfig(PreTrainedConfig):
                              f"({self.num_hidden_layers}), got {self.layer_attention}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_key_value_heads must divide num_attention_heads")
+        if any(kind.startswith("focus") for kind in self.layer_attention):
+            check_focus_inference(self)
         super().__post_init__(**kwargs)
+
+
+def check_focus_inference(config: MegatronFocusConfig) -> None:
+    """The Focus inference settings, checked at load time and again at every forward."""
+    if config.focus_attention_mode not in FOCUS_MODES:
+        raise ValueError(f"focus_attention_mode={config.focus_attention_mode!r}; expected one of "
+                         f"{FOCUS_MODES}")
+    if not 1 <= config.focus_top_k <= config.focus_groups:
+        raise ValueError(f"focus_top_k={config.focus_top_k} must be between 1 and focus_groups "
+                         f"({config.focus_groups})")
 
 
 __all__ = ["MegatronFocusConfig"]

@@ -18,11 +18,18 @@ from megatron_focus.hf.tokenizer import save_hf_tokenizer
 
 def export_to_hf(load_dir: str, save_dir: str, iteration: Optional[int] = None,
                  tokenizer_type: Optional[str] = None, tokenizer_model: Optional[str] = None,
-                 max_shard_size: str = "5GB", progress: bool = True) -> str:
-    """Export the checkpoint (latest, or `iteration`) of `load_dir`; returns the HF class name."""
+                 max_shard_size: str = "5GB", progress: bool = True,
+                 focus_top_k: Optional[int] = None,
+                 focus_attention_mode: Optional[str] = None) -> str:
+    """Export the checkpoint (latest, or `iteration`) of `load_dir`; returns the HF class name.
+
+    A Focus model's top-k and mode (inference settings, not in the checkpoint) go into the HF
+    config as given, else as `pretrain_gpt.py`'s defaults (2, soft); both can be changed on the
+    loaded model (`model.config.focus_attention_mode = "sparse"`).
+    """
     tag_dir = native.checkpoint_tag_dir(load_dir, iteration)
     vocab_size, tokenizer = native.checkpoint_vocabulary(tag_dir, tokenizer_type, tokenizer_model)
-    arch = native.read_architecture(tag_dir, vocab_size)
+    arch = native.read_architecture(tag_dir, vocab_size, focus_top_k, focus_attention_mode)
     family, why = families.choose_family(arch)
     if progress:
         print(f"{tag_dir} -> {families.HF_CLASS[family]}: {why}", flush=True)

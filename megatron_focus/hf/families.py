@@ -3,9 +3,9 @@
 Export picks the stock class that computes exactly what the native model computes:
 `LlamaForCausalLM` (RMSNorm, SwiGLU, RoPE; biases via `attention_bias`/`mlp_bias`) or
 `GPT2LMHeadModel` (LayerNorm, exact GELU, biases, learned positions, tied embeddings, no GQA);
-anything else, XSA included, goes to this project's own `MegatronFocusForCausalLM`, which covers
-both families and every supported attention variant. Import reads Llama, Mistral, Qwen2, GPT-2 and
-megatron_focus configs, and refuses what the native model cannot compute exactly.
+anything else, XSA and Focus included, goes to this project's own `MegatronFocusForCausalLM`,
+which covers both families and every attention variant. Import reads Llama, Mistral, Qwen2,
+GPT-2 and megatron_focus configs, and refuses what the native model cannot compute exactly.
 
 Weight names (`.weight`, and `.bias` where there is one; layer i's names continue its prefix):
 
@@ -19,13 +19,16 @@ Weight names (`.weight`, and `.bias` where there is one; layer i's names continu
       pre_mlp_layernorm                 post_attention_layernorm         ln_2
       mlp.linear_fc1                    mlp.{gate,up}_proj (5)           mlp.c_fc (4)
       mlp.linear_fc2                    mlp.down_proj                    mlp.c_proj (4)
+      self_attention.router.proj        self_attn.router.proj (6)
+      self_attention.router.centroids   self_attn.router.centroids (6)
     decoder.final_layernorm           model.norm                       transformer.ln_f
     output_layer (untied only)        lm_head                          (always tied)
 
 (1) megatron_focus with learned positions only. (2) cut out of Megatron's fused QKV, whose rows
 are, per query group, that group's query heads, then its key, then its value. (3) all query
 heads, then all keys, then all values, transposed. (4) transposed (GPT-2's Conv1D is `[in, out]`).
-(5) SwiGLU's fused fc1 is `[gate; up]`; with GELU, fc1 is `mlp.up_proj`.
+(5) SwiGLU's fused fc1 is `[gate; up]`; with GELU, fc1 is `mlp.up_proj`. (6) Focus layers only
+(megatron_focus); `centroids` is a parameter, not a module, and has no `.weight` suffix.
 """
 
 import dataclasses
@@ -33,7 +36,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from megatron_focus.hf.architecture import Architecture
+from megatron_focus.hf.architecture import Architecture, FocusSettings
 from megatron_focus.hf.mapping import Rule, copy, merge_qkv, split_qkv, transposed, zero_bias
 
 LLAMA, GPT2, CUSTOM = "llama", "gpt2", "megatron_focus"
@@ -123,8 +126,17 @@ def hf_config(family: str, arch: Architecture, special_tokens: dict):
         activation="swiglu" if arch.swiglu else "gelu", bias=arch.add_bias_linear,
         position_embedding_type=arch.position_embedding_type,
         rotary_base=float(arch.rotary_base), max_position_embeddings=arch.max_position_embeddings,
-        tie_word_embeddings=arch.tied, layer_attention=arch.layer_attention(), **special_tokens,
+        tie_word_embeddings=arch.tied, layer_attention=arch.layer_attention(),
+        **_focus_config(arch.focus), **special_tokens,
     )
+
+
+def _focus_config(focus: Optional[FocusSettings]) -> dict:
+    """MegatronFocusConfig's `focus_*` fields (its defaults without Focus: they are then unused)."""
+    if focus is None:
+        return {}
+    return {f"focus_{field.name}": getattr(focus, field.name)
+            for field in dataclasses.fields(FocusSettings)}
 
 
 def _require(ok: bool, why: str) -> None:
@@ -196,7 +208,12 @@ def _from_gpt2(config) -> Architecture:
 
 
 def _from_custom(config) -> Architecture:
-    xsa = [i + 1 for i, kind in enumerate(config.layer_attention) if kind == "xsa"]
+    kinds = config.layer_attention
+    focus = [kind.startswith("focus") for kind in kinds]
+    # Native Focus is all layers or none; --xsa-layers picks the XSA ones among them.
+    _require(all(focus) or not any(focus), f"Focus on some layers only ({kinds})")
+    xsa = [i + 1 for i, kind in enumerate(kinds) if kind.endswith("xsa")]
+    attention = ("focus+xsa" if xsa else "focus") if any(focus) else ("xsa" if xsa else "standard")
     _require(float(config.rotary_base).is_integer(), "a rotary_base that is not an integer")
     return Architecture(
         vocab_size=config.vocab_size, num_layers=config.num_hidden_layers,
@@ -208,8 +225,11 @@ def _from_custom(config) -> Architecture:
         position_embedding_type=config.position_embedding_type,
         rotary_base=int(config.rotary_base), max_position_embeddings=config.max_position_embeddings,
         untie_embeddings_and_output_weights=not config.tie_word_embeddings,
-        attention="xsa" if xsa else "standard",
+        attention=attention,
         xsa_layers=None if len(xsa) in (0, config.num_hidden_layers) else tuple(xsa),
+        focus=FocusSettings(**{field.name: getattr(config, f"focus_{field.name}")
+                               for field in dataclasses.fields(FocusSettings)})
+        if any(focus) else None,
     )
 
 
@@ -261,6 +281,9 @@ def _llama_style_rules(arch: Architecture, biases: HFBiases) -> List[Rule]:
                            arch.ffn_hidden_size)
         out += _linear(arch, f"{native}.mlp.linear_fc2", [f"{hf}.mlp.down_proj"], biases.mlp,
                        hidden)
+        if arch.focus is not None:
+            out += [copy(f"{native}.self_attention.router.{p}", f"{hf}.self_attn.router.{p}")
+                    for p in ("proj.weight", "centroids")]
     out += _norm(arch, "decoder.final_layernorm", "model.norm")
     if not arch.tied:
         out.append(copy("output_layer.weight", "lm_head.weight"))

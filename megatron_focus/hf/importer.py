@@ -4,6 +4,13 @@ Reads Llama, Mistral, Qwen2, GPT-2 and megatron_focus models (safetensors), refu
 model cannot compute exactly (see `families.py`), and writes a weights-only checkpoint for the
 requested tensor-parallel size, with the HF tokenizer copied next to it. `--attention xsa`
 retrofits XSA onto a standard model: XSA has no parameters, so the weights are the same.
+
+`--attention focus` (or `focus+xsa`) on a model without Focus is a Focus retrofit: the checkpoint
+holds the base model (attention standard, or xsa), exactly as an import with `--attention standard`
+(or `xsa`) writes it, and the returned flags are those of the retrofit run, `pretrain_gpt.py
+--attention focus --retrofit --load CKPT`, whose weights-only load initialises the routers
+(absent from the checkpoint) and trains only them. An exported Focus model (megatron_focus with
+routers) imports with its routers and Focus settings.
 """
 
 import dataclasses
@@ -12,6 +19,7 @@ import os
 from typing import Optional, Sequence
 
 from megatron_focus.hf import families, native
+from megatron_focus.hf.architecture import WITHOUT_FOCUS
 from megatron_focus.hf.mapping import hf_to_native
 from megatron_focus.hf.tokenizer import find_hf_tokenizer
 
@@ -51,9 +59,19 @@ def _hf_weights(hf_dir: str) -> dict:
 def import_from_hf(hf_dir: str, save_dir: str, tensor_model_parallel_size: int = 1,
                    attention: Optional[str] = None, xsa_layers: Optional[Sequence[int]] = None,
                    make_vocab_size_divisible_by: int = 128, progress: bool = True) -> list:
-    """Write the native checkpoint; returns the `pretrain_gpt.py` model flags that load it."""
+    """Write the native checkpoint; returns the `pretrain_gpt.py` model flags that load it.
+
+    For a Focus retrofit (`attention` focus or focus+xsa, the HF model without Focus) they are the
+    flags of the retrofit run, `--retrofit` included; add `--focus-*` settings to taste.
+    """
     family, arch, biases = families.from_hf_config(_hf_config(hf_dir))
+    retrofit = None
     if attention is not None:
+        if arch.focus is not None and not attention.startswith("focus"):
+            raise ValueError(f"the HF model has Focus routers: importing it as --attention "
+                             f"{attention} would drop them; import it as focus or focus+xsa")
+        if attention.startswith("focus") and arch.focus is None:
+            retrofit, attention = attention, WITHOUT_FOCUS[attention]
         arch = dataclasses.replace(
             arch, attention=attention, xsa_layers=tuple(xsa_layers) if xsa_layers else None)
     args = arch.native_args(tensor_model_parallel_size, make_vocab_size_divisible_by)
@@ -69,4 +87,8 @@ def import_from_hf(hf_dir: str, save_dir: str, tensor_model_parallel_size: int =
     tokenizer_type, tokenizer_file = find_hf_tokenizer(hf_dir)
     native.write_checkpoint(save_dir, args, native_weights, arch.vocab_size, tokenizer_type,
                             tokenizer_file, progress)
-    return arch.flags()
+    flags = arch.flags()
+    if retrofit is not None:
+        flags[flags.index("--attention") + 1] = retrofit
+        flags.append("--retrofit")
+    return flags

@@ -3,22 +3,35 @@
 Copied next to the weights by `tools/convert_to_hf.py`; needs only torch and transformers. It
 computes what the native Megatron-Core model computes, for both model families (GPT-2 style:
 LayerNorm, GELU, biases, learned positions; Llama style: RMSNorm, SwiGLU, RoPE, GQA) and for each
-layer's attention variant (`config.layer_attention`). Weight names follow Llama's.
+layer's attention variant (`config.layer_attention`: standard, xsa, focus, focus+xsa). Weight
+names follow Llama's; a Focus layer adds `self_attn.router.{proj.weight,centroids}`.
 
-An attention variant is a subclass of `Attention` that overrides `attend` (which pairs a query
-sees) or `project` (what a head outputs from them), as the native `CoreAttention` does; XSA
-overrides `project`. `generate()` keeps keys and values in a `DynamicCache`; XSA needs only the
-value of each new token itself, which is computed in the same step.
+An attention variant is a subclass of `Attention` that overrides `route` (what it computes from the
+layer's input besides q, k, v), `attend` (which pairs a query sees) or `project` (what a head
+outputs from them), as the native `CoreAttention` does; XSA overrides `project`, Focus `route` and
+`attend`. `generate()` keeps keys and values in a `DynamicCache`; XSA needs only the value of each
+new token itself, which is computed in the same step.
+
+Focus (megatron_focus/model/{sinkhorn,focus,focus_gate}.py): the router's causal Sinkhorn makes
+token i's assignment depend on tokens <= i only, through one K-vector per Sinkhorn iteration, the
+log-sum of exp(L) over the prefix. A Focus layer's cache entry (`FocusCacheLayer`, a DynamicLayer)
+keeps, per cached token, those prefix sums and the token's log-assignment, so decoding token by
+token gives the assignments of a full forward. `config.focus_attention_mode` ("soft" log-gate or
+"sparse" hard top-k rule) and `config.focus_top_k` are read at every forward: change them on a
+loaded model (`model.set_focus_mode("sparse")`), even between generation steps.
 """
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
-from transformers.cache_utils import Cache, DynamicCache
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from .configuration_megatron_focus import MegatronFocusConfig
+from .configuration_megatron_focus import MegatronFocusConfig, check_focus_inference
 
 XSA_EPS = 1e-6  # as megatron_focus.model.xsa.exclusive_projection
 
@@ -52,8 +65,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, groups * hd, bias=config.bias)
         self.o_proj = nn.Linear(heads * hd, config.hidden_size, bias=config.bias)
 
-    def forward(self, x, positions, mask, cache):
+    def forward(self, x, positions, mask, cache, attention_mask=None):
         b, s, _ = x.shape
+        routing = self.route(x, cache, attention_mask)  # before the cache takes this step's keys
         q, k, v = (proj(x).view(b, s, -1, self.config.head_dim).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
         if self.config.position_embedding_type == "rope":
@@ -62,10 +76,14 @@ class Attention(nn.Module):
         own_v = v  # the values of this step's tokens, before the cached ones are prepended
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        y = self.project(self.attend(q, k, v, mask), own_v)
+        y = self.project(self.attend(q, k, v, mask, routing), own_v)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
 
-    def attend(self, q, k, v, mask):
+    def route(self, x, cache, attention_mask):
+        """What `attend` needs from the layer's input besides q, k, v (Focus: assignments)."""
+        return None
+
+    def attend(self, q, k, v, mask, routing=None):
         """Per-head outputs `[b, heads, s, d]`; `mask` `[b, 1, s, keys]` is True where a pair is kept."""
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
@@ -87,7 +105,220 @@ class XSAAttention(Attention):
         return z.flatten(1, 2).to(y.dtype)
 
 
-ATTENTION = {"standard": Attention, "xsa": XSAAttention}
+# --- Focus ---------------------------------------------------------------------------------------
+# Each function mirrors the native code its docstring names (megatron_focus/model/...), the
+# reference that the tests compare this file with.
+
+_TINY_AFFINITY = 1e-30  # as megatron_focus/model/focus_gate.py
+
+
+def causal_sinkhorn(scores, iters, counts, keep=None, prefix=None):
+    """Causal Sinkhorn in log space (megatron_focus/model/sinkhorn.py), continuing a prefix.
+
+    For the scores S `[b, s, K]` of s tokens, L^0 = log_softmax(S) over groups and, t = 1..iters,
+
+        token side:  L'_i  = L^{t-1}_i - (log sum_{j<=i} exp(L^{t-1}_j) - log c_i)
+        group side:  L^t_i = log_softmax(L'_i)
+
+    with c_i (`counts` `[b, s]`) the number of tokens up to i. The sum over j <= i is all token i
+    needs of earlier tokens: `prefix` `[b, iters, K]` holds it, per iteration, for the tokens
+    before these s (None: there are none), and the scan continues from it. `keep` `[b, s]`
+    (False: padding) leaves tokens out of the sums.
+
+    Returns the log-assignments `[b, s, K]` and, up to each token, the log-sums
+    `[b, s, iters, K]`, whose last row is the next call's `prefix`.
+    """
+    b, s, groups = scores.shape
+    log_counts = counts.to(scores.dtype).log().unsqueeze(-1)
+    log_g = torch.log_softmax(scores, dim=-1)
+    sums = []
+    for t in range(iters):
+        terms = log_g if keep is None else log_g.masked_fill(~keep[..., None], float("-inf"))
+        if prefix is None:
+            running = torch.logcumsumexp(terms, dim=1)
+        else:  # one scan over [the prefix's sum, these tokens]
+            terms = torch.cat([prefix[:, t, None], terms], dim=1)
+            running = torch.logcumsumexp(terms, dim=1)[:, 1:]
+        sums.append(running)
+        # A padding token normalises by itself alone: finite, and never attended to.
+        own = running if keep is None else torch.where(keep[..., None], running, log_g)
+        log_g = torch.log_softmax(log_g - (own - log_counts), dim=-1)
+    sums = torch.stack(sums, dim=2) if sums else scores.new_zeros(b, s, 0, groups)
+    return log_g, sums
+
+
+def top_groups(log_g, top_k: int):
+    """`[..., top_k]` group indices, most likely first (megatron_focus/model/focus_gate.py)."""
+    return log_g.topk(top_k, dim=-1).indices
+
+
+def local_pairs(queries: int, keys: int, window: int, device):
+    """`[queries, keys]`: key j within the window of query i, i - w < j (the last queries)."""
+    q_pos = torch.arange(keys - queries, keys, device=device)
+    return (q_pos[:, None] - torch.arange(keys, device=device)[None, :]) < window
+
+
+def soft_gate(log_g_q, log_g_k, local, gate_scale: float):
+    """Additive logit bias `[b, s, keys]`: 0 local, lambda * log(g_i . g_j) distant.
+
+    The log-space gate of megatron_focus/model/focus_gate.py `soft_pair_bias`: an affinity of 0
+    removes the pair exactly (causality is the caller's mask).
+    """
+    affinity = torch.bmm(log_g_q.exp(), log_g_k.exp().transpose(1, 2))
+    log_gate = gate_scale * affinity.clamp_min(_TINY_AFFINITY).log()
+    return torch.where(local, torch.zeros((), dtype=log_gate.dtype, device=log_gate.device),
+                       log_gate)
+
+
+def hard_rule(log_g_q, log_g_k, local, top_k: int):
+    """Kept pairs `[b, s, keys]`: local, or the key's top-1 group among the query's top-k.
+
+    megatron_focus/model/focus_gate.py `hard_pair_mask`: every key sits in exactly one group. The
+    native sparse dispatch (focus_sparse.py) computes only these pairs, by group buckets; here they
+    mask a dense attention: the same result, without the speed-up.
+    """
+    groups_q = top_groups(log_g_q, top_k)
+    top1_k = top_groups(log_g_k, 1)[..., 0]
+    same_group = (groups_q[:, :, None, :] == top1_k[:, None, :, None]).any(-1)
+    return local | same_group
+
+
+class Router(nn.Module):
+    """A layer's W_g and K centroids (megatron_focus/model/focus.py `Router`): token -> scores."""
+
+    def __init__(self, config: MegatronFocusConfig):
+        super().__init__()
+        self.tau = config.focus_tau
+        self.proj = nn.Linear(config.hidden_size, config.focus_dim, bias=False)
+        self.centroids = nn.Parameter(torch.empty(config.focus_groups, config.focus_dim))
+
+    def forward(self, x):
+        """Scores `[b, s, K]` (fp32) = (W_g x) C^T / tau."""
+        return (self.proj(x).float() @ self.centroids.float().t()) / self.tau
+
+
+class FocusCacheLayer(DynamicLayer):
+    """A Focus layer's cache entry: keys and values, and the routing state of every cached token.
+
+    `log_g` `[b, n, K]`: each cached token's log-assignment (the soft gate's g_j; its top-1 group
+    for the hard rule). `sums` `[b, n, iters, K]`: per causal-Sinkhorn iteration, the log-sum of
+    exp(L) over the tokens up to this one; the last row is all the next token needs. Both are per
+    token, as keys and values are, so cropping, beam reordering and batch expansion (below) treat
+    them as DynamicLayer treats keys and values.
+    """
+
+    keeps_focus_routing = True  # duck-typed: this file may be imported twice (package, remote code)
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.log_g = self.sums = None
+
+    def routing_prefix(self):
+        """`[b, iters, K]`: the causal Sinkhorn's running log-sums after the cached tokens."""
+        return None if self.log_g is None or self.log_g.shape[1] == 0 else self.sums[:, -1]
+
+    def update_routing(self, log_g, sums):
+        """Appends the new tokens' state; returns every cached token's log-assignment."""
+        if self.log_g is not None:
+            log_g, sums = torch.cat([self.log_g, log_g], dim=1), torch.cat([self.sums, sums], dim=1)
+        self.log_g, self.sums = log_g, sums
+        return log_g
+
+    def _map_routing(self, fn):
+        if self.log_g is not None:
+            self.log_g, self.sums = fn(self.log_g), fn(self.sums)
+
+    def reset(self):
+        self.log_g = self.sums = None
+        super().reset()
+
+    def crop(self, tokens_to_remove: int):
+        super().crop(tokens_to_remove)
+        if tokens_to_remove < 0:
+            self._map_routing(lambda t: t[:, :tokens_to_remove])
+
+    def reorder_cache(self, beam_idx):
+        super().reorder_cache(beam_idx)
+        self._map_routing(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int):
+        super().batch_repeat_interleave(repeats)
+        self._map_routing(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices):
+        super().batch_select_indices(indices)
+        self._map_routing(lambda t: t[indices])
+
+
+def focus_cache_layer(cache: Cache, layer_idx: int) -> FocusCacheLayer:
+    """`cache`'s entry of a Focus layer, made a `FocusCacheLayer` on first use.
+
+    generate() and the model build DynamicCaches of plain DynamicLayers (from the config, or grown
+    lazily); a Focus layer's entry is swapped, while still empty, for one that also keeps routing.
+    """
+    layers = cache.layers
+    while len(layers) <= layer_idx and cache.layer_class_to_replicate is not None:
+        layers.append(cache.layer_class_to_replicate())
+    layer = layers[layer_idx] if layer_idx < len(layers) else None
+    if getattr(layer, "keeps_focus_routing", False):
+        return layer
+    if type(layer) is DynamicLayer and layer.get_seq_length() == 0:
+        layers[layer_idx] = FocusCacheLayer()
+        return layers[layer_idx]
+    raise ValueError(f"Focus layer {layer_idx} needs a DynamicCache entry to keep its routing "
+                     f"state, not {type(layer).__name__} (use the default cache_implementation)")
+
+
+class FocusAttention(Attention):
+    """Causal attention under the Focus pair rule (megatron_focus/model/focus.py): the router's
+    assignments gate distant pairs softly (`focus_attention_mode` "soft") or keep only those of
+    the hard top-k rule ("sparse"); pairs in the local window are always kept."""
+
+    def __init__(self, config: MegatronFocusConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.router = Router(config)
+
+    def route(self, x, cache, attention_mask):
+        """(log-assignments of these tokens `[b, s, K]`, of every key `[b, keys, K]`)."""
+        b, s, _ = x.shape
+        layer = focus_cache_layer(cache, self.layer_idx) if cache is not None else None
+        past = layer.get_seq_length() if layer is not None else 0
+        keep = None
+        if attention_mask is not None and not attention_mask.all():
+            if attention_mask.shape[-1] != past + s:
+                raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} tokens, the "
+                                 f"cache and the input {past + s}")
+            keep = attention_mask.bool()
+        if keep is None:
+            counts = torch.arange(past + 1, past + s + 1, device=x.device).expand(b, s)
+        else:  # tokens counted by the causal Sinkhorn: the unpadded ones
+            counts, keep = keep.long().cumsum(-1)[:, past:].clamp_min(1), keep[:, past:]
+        log_g, sums = causal_sinkhorn(self.router(x), self.config.focus_sinkhorn_iters, counts,
+                                      keep, layer.routing_prefix() if layer is not None else None)
+        return log_g, layer.update_routing(log_g, sums) if layer is not None else log_g
+
+    def attend(self, q, k, v, mask, routing=None):
+        config = self.config
+        check_focus_inference(config)
+        log_g_q, log_g_k = routing
+        local = local_pairs(q.shape[2], k.shape[2], config.focus_window, q.device)
+        if config.focus_attention_mode == "sparse":
+            attn_mask = mask & hard_rule(log_g_q, log_g_k, local, config.focus_top_k)[:, None]
+        else:
+            bias = soft_gate(log_g_q, log_g_k, local, config.focus_gate_scale)[:, None]
+            attn_mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class FocusXSAAttention(FocusAttention):
+    """Focus attention, XSA on its output."""
+
+    project = XSAAttention.project
+
+
+ATTENTION = {"standard": Attention, "xsa": XSAAttention, "focus": FocusAttention,
+             "focus+xsa": FocusXSAAttention}
 
 
 class MLP(nn.Module):
@@ -114,8 +345,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, mask, cache):
-        x = x + self.self_attn(self.input_layernorm(x), positions, mask, cache)
+    def forward(self, x, positions, mask, cache, attention_mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), positions, mask, cache, attention_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -123,6 +354,23 @@ class MegatronFocusPreTrainedModel(PreTrainedModel):
     config_class = MegatronFocusConfig
     base_model_prefix = "model"
     _no_split_modules = ["DecoderLayer"]
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, Router):  # W_g is a Linear; the centroids as the native init
+            init.normal_(module.centroids, std=1.0 / math.sqrt(self.config.focus_dim))
+
+    def set_focus_mode(self, mode: str, top_k: int = None) -> None:
+        """Focus layers' rule from the next forward on: "soft" (log-gate) or "sparse" (top-k)."""
+        previous = (self.config.focus_attention_mode, self.config.focus_top_k)
+        self.config.focus_attention_mode = mode
+        if top_k is not None:
+            self.config.focus_top_k = top_k
+        try:
+            check_focus_inference(self.config)
+        except ValueError:
+            self.config.focus_attention_mode, self.config.focus_top_k = previous
+            raise
 
 
 class MegatronFocusModel(MegatronFocusPreTrainedModel):
@@ -151,7 +399,7 @@ class MegatronFocusModel(MegatronFocusPreTrainedModel):
             x = x + self.embed_positions(position_ids)
         mask = causal_mask(s, past, attention_mask, x.device)
         for layer in self.layers:
-            x = layer(x, position_ids, mask, cache if use_cache else None)
+            x = layer(x, position_ids, mask, cache if use_cache else None, attention_mask)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(x), cache=cache if use_cache else None)
 
 

@@ -67,8 +67,11 @@ def checkpoint_vocabulary(tag_dir: str, tokenizer_type: Optional[str] = None,
     return recorded.get("vocab_size", tokenizer.vocab_size), tokenizer
 
 
-def read_architecture(tag_dir: str, vocab_size: int) -> Architecture:
-    return Architecture.from_model_args(read_json(tag_dir, checkpointing.ARGS_FILE), vocab_size)
+def read_architecture(tag_dir: str, vocab_size: int, focus_top_k: Optional[int] = None,
+                      focus_attention_mode: Optional[str] = None) -> Architecture:
+    """The model of a checkpoint; a Focus model's inference settings as given, or the defaults."""
+    return Architecture.from_model_args(read_json(tag_dir, checkpointing.ARGS_FILE), vocab_size,
+                                        focus_top_k, focus_attention_mode)
 
 
 def read_weights(tag_dir: str, arch: Architecture, progress: bool = True) -> StateDict:
@@ -145,14 +148,20 @@ def native_model(arch: Architecture, weights: StateDict) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def native_logits(load_dir: str, tokens: torch.Tensor, iteration: Optional[int] = None) -> torch.Tensor:
-    """Logits `[b, s, vocab]` of the native model of a checkpoint on `tokens` `[b, s]`."""
+def native_logits(load_dir: str, tokens: torch.Tensor, iteration: Optional[int] = None,
+                  focus_attention_mode: Optional[str] = None,
+                  focus_top_k: Optional[int] = None) -> torch.Tensor:
+    """Logits `[b, s, vocab]` of the native model of a checkpoint on `tokens` `[b, s]`.
+
+    A Focus model runs in `focus_attention_mode` (soft by default; sparse: the packed top-k
+    dispatch, as `--focus-attention-mode sparse` evaluates) with `focus_top_k`.
+    """
     from megatron_focus import platform
 
     platform.init_distributed(1)
     tag_dir = checkpoint_tag_dir(load_dir, iteration)
     vocab_size, _ = checkpoint_vocabulary(tag_dir)
-    arch = read_architecture(tag_dir, vocab_size)
+    arch = read_architecture(tag_dir, vocab_size, focus_top_k, focus_attention_mode)
     model = native_model(arch, read_weights(tag_dir, arch, progress=False))
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     return model(tokens, positions, None)[..., :vocab_size].float()

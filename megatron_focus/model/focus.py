@@ -61,6 +61,7 @@ class Router(torch.nn.Module):
         torch.nn.init.normal_(self.proj.weight, std=config.init_method_std)
         torch.nn.init.normal_(self.centroids, std=1.0 / math.sqrt(focus.dim))
         self.proj.weight.sequence_parallel = config.sequence_parallel
+        self.top_k = focus.top_k  # for the pairs-kept statistic; set_focus_mode may change it
         self.stats: Optional[dict] = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -71,7 +72,7 @@ class Router(torch.nn.Module):
         scores = (r.float() @ self.centroids.float().t()).transpose(0, 1) / self.focus.tau
         log_g = causal_sinkhorn(scores, self.focus.sinkhorn_iters)
         with torch.no_grad():
-            self.stats = group_stats(log_g, self.focus.top_k, self.focus.window)
+            self.stats = group_stats(log_g, self.top_k, self.focus.window)
         if self.tp > 1:
             log_g = sum_grad_over_tensor_parallel(log_g)
         return log_g
@@ -128,6 +129,7 @@ class FocusAttention(CoreAttention):
         super().__init__(config, layer_number, attn_mask_type, **kwargs)
         self.focus = focus
         self.mode = focus.mode
+        self.top_k = focus.top_k
 
     def attend(self, q, k, v, attention_mask, routing=None):
         if routing is None:
@@ -136,23 +138,27 @@ class FocusAttention(CoreAttention):
             raise NotImplementedError("Focus attention is causal only (no custom attention mask)")
         if self.mode == "sparse" and not torch.is_grad_enabled():
             return sparse_focus_attention(q, k, v, routing, window=self.focus.window,
-                                          top_k=self.focus.top_k, scale=self.softmax_scale)
+                                          top_k=self.top_k, scale=self.softmax_scale)
         return focus_attention(
             q, k, v, routing,
             window=self.focus.window, gate_scale=self.focus.gate_scale,
-            top_k=self.focus.top_k if self.mode == "sparse" else None,
+            top_k=self.top_k if self.mode == "sparse" else None,
             chunk_size=self.focus.chunk_size, scale=self.softmax_scale,
             dropout_p=self.dropout_p if self.training else 0.0,
         )
 
 
-def set_focus_mode(model: torch.nn.Module, mode: str) -> None:
-    """Switch every Focus layer between the soft gate and the hard top-k rule."""
+def set_focus_mode(model: torch.nn.Module, mode: str, top_k: Optional[int] = None) -> None:
+    """Switch every Focus layer between the soft gate and the hard rule (optionally its top-k)."""
     if mode not in MODES:
         raise ValueError(f"unknown Focus mode {mode!r}; choose from {MODES}")
     for module in model.modules():
         if isinstance(module, FocusAttention):
             module.mode = mode
+        if top_k is not None and isinstance(module, (FocusAttention, Router)):
+            if not 1 <= top_k <= module.focus.groups:
+                raise ValueError(f"top-k {top_k} outside 1..{module.focus.groups}")
+            module.top_k = top_k
 
 
 def focus_statistics(model: torch.nn.Module) -> dict:

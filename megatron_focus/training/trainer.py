@@ -40,11 +40,11 @@ def pretrain(args: argparse.Namespace) -> dict:
     rank0 = dist.get_rank() == 0
 
     # Data first: a wrong path or a tokenizer that does not fit the data fails before any compute.
-    tokenizer = _tokenizer(args, rank0)
+    tokenizer = tokenizer_for(args, rank0)
     args.padded_vocab_size = padded_vocab_size(
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
     )
-    train_data, valid_data = _datasets(args, tokenizer)
+    train_data, valid_data = datasets_for(args, tokenizer)
 
     model = build_model(args, tokenizer.vocab_size)
     if args.retrofit:  # only the Focus routers learn; frozen weights stay out of the optimizer
@@ -62,12 +62,12 @@ def pretrain(args: argparse.Namespace) -> dict:
 
     history = {"losses": [], "validation": []}
     nan_iterations = 0
-    window_start, window_iters = time.time(), 0
+    window_start, window_losses = time.time(), []  # the log line averages since the last one
     while iteration < args.train_iters:
         loss, finite = train_step(engine, train_data, consumed, args)
         iteration += 1
         consumed += args.global_batch_size
-        window_iters += 1
+        window_losses.append(loss)
         if not finite:
             nan_iterations += 1
             if rank0:
@@ -75,11 +75,11 @@ def pretrain(args: argparse.Namespace) -> dict:
         history["losses"].append(loss)
 
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
-            seconds = (time.time() - window_start) / window_iters
-            reporter.train(iteration, consumed, loss, engine.get_lr()[0],
-                           engine.get_global_grad_norm(), seconds, engine.skipped_steps,
-                           nan_iterations, focus_statistics(engine.module))
-            window_start, window_iters = time.time(), 0
+            seconds = (time.time() - window_start) / len(window_losses)
+            reporter.train(iteration, consumed, sum(window_losses) / len(window_losses),
+                           engine.get_lr()[0], engine.get_global_grad_norm(), seconds,
+                           engine.skipped_steps, nan_iterations, focus_statistics(engine.module))
+            window_start, window_losses = time.time(), []
         if valid_data is not None and (
             iteration % args.eval_interval == 0 or iteration == args.train_iters
         ):
@@ -128,8 +128,8 @@ def train_step(engine, dataset, consumed: int, args: argparse.Namespace) -> tupl
     total = torch.zeros((), dtype=torch.float64)
     micro_batches = engine.gradient_accumulation_steps()
     for micro in range(micro_batches):
-        batch = _micro_batch(dataset, consumed, micro, args)
-        loss = _lm_loss(engine, batch)
+        batch = micro_batch(dataset, consumed, micro, args)
+        loss = lm_loss(engine, batch)
         engine.backward(loss)
         total += loss.detach().double().cpu()
         skipped_before = engine.skipped_steps
@@ -158,15 +158,15 @@ def evaluate(engine, dataset, args: argparse.Namespace, focus_mode: Optional[str
     micro_batches = engine.gradient_accumulation_steps()
     for it in range(args.eval_iters):
         for micro in range(micro_batches):
-            batch = _micro_batch(dataset, it * args.global_batch_size, micro, args)
-            total += _lm_loss(engine, batch).double().cpu()
+            batch = micro_batch(dataset, it * args.global_batch_size, micro, args)
+            total += lm_loss(engine, batch).double().cpu()
     if focus_mode is not None:
         set_focus_mode(engine.module, args.focus_attention_mode)
     engine.train()
     return _average_over_data_parallel(total / (args.eval_iters * micro_batches))
 
 
-def _lm_loss(engine, batch: dict) -> torch.Tensor:
+def lm_loss(engine, batch: dict) -> torch.Tensor:
     device = platform.setup().device
     tokens = batch["tokens"].to(device)
     per_token = engine(tokens, batch["position_ids"].to(device), None,
@@ -175,7 +175,7 @@ def _lm_loss(engine, batch: dict) -> torch.Tensor:
     return (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
 
 
-def _micro_batch(dataset, consumed: int, micro: int, args: argparse.Namespace) -> dict:
+def micro_batch(dataset, consumed: int, micro: int, args: argparse.Namespace) -> dict:
     """The samples of this rank's micro-batch, by position in the sample stream.
 
     A global batch is samples [consumed, consumed + global batch); micro-batch m of data-parallel
@@ -195,7 +195,7 @@ def _average_over_data_parallel(value: torch.Tensor) -> float:
     return value.item() / parallel_state.get_data_parallel_world_size()
 
 
-def _tokenizer(args: argparse.Namespace, rank0: bool):
+def tokenizer_for(args: argparse.Namespace, rank0: bool):
     if args.data_path is None:
         # The zero-download default: rank 0 builds the cache, the others wait and reuse it.
         cache = args.data_cache_path or DEFAULT_CACHE
@@ -209,7 +209,7 @@ def _tokenizer(args: argparse.Namespace, rank0: bool):
     return build_tokenizer(args.tokenizer_type, args.tokenizer_model)
 
 
-def _datasets(args: argparse.Namespace, tokenizer):
+def datasets_for(args: argparse.Namespace, tokenizer):
     valid_samples = args.eval_iters * args.global_batch_size if args.eval_iters else 0
     cache = os.path.join(args.data_cache_path or DEFAULT_CACHE, "indices")
     train, valid, _ = build_datasets(
