@@ -7,6 +7,8 @@ parallelism, so we sum them during backward, before any optimizer step can see t
 (Megatron-DeepSpeed#170 forgot to).
 """
 
+from typing import List
+
 import torch
 import torch.distributed as dist
 
@@ -57,12 +59,27 @@ def sum_grad_over_tensor_parallel(x: torch.Tensor) -> torch.Tensor:
     return _SumGradOverTensorParallel.apply(x)
 
 
+def merge_shards(shards: List[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
+    """The full tensor from its TP shards: with stride s, each shard holds a slice of each part.
+
+    Column-parallel weights are split on dim 0, row-parallel on dim 1, vocab-parallel embeddings
+    on dim 0; a strided parameter (SwiGLU's fused `[gate; up]`, stride 2) holds `[gate_r; up_r]`.
+    """
+    parts = [shard.chunk(stride, dim=dim) for shard in shards]
+    return torch.cat([parts[r][s] for s in range(stride) for r in range(len(shards))], dim=dim)
+
+
+def split_tensor(full: torch.Tensor, tp: int, dim: int, stride: int = 1) -> List[torch.Tensor]:
+    """Inverse of `merge_shards`."""
+    parts = [part.chunk(tp, dim=dim) for part in full.chunk(stride, dim=dim)]
+    return [torch.cat([parts[s][r] for s in range(stride)], dim=dim).contiguous()
+            for r in range(tp)]
+
+
 def gather_tensor_parallel(param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` (the parameter itself or its gradient) at the parameter's full, unsharded shape.
 
-    Column-parallel weights are split on dim 0, row-parallel on dim 1, vocab-parallel embeddings
-    on dim 0; Megatron records which on the parameter (`partition_dim`). A strided parameter
-    (SwiGLU's fused `[gate; up]`, `partition_stride` 2) holds a slice of each part on every rank.
+    Megatron records on the parameter how it is split (`partition_dim`, `partition_stride`).
     """
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if tp == 1 or not getattr(param, "tensor_model_parallel", False):
@@ -71,6 +88,4 @@ def gather_tensor_parallel(param: torch.nn.Parameter, tensor: torch.Tensor) -> t
     dist.all_gather(
         shards, tensor.contiguous(), group=parallel_state.get_tensor_model_parallel_group()
     )
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
-    parts = [shard.chunk(stride, dim=dim) for shard in shards]
-    return torch.cat([parts[r][s] for s in range(stride) for r in range(tp)], dim=dim)
+    return merge_shards(shards, param.partition_dim, getattr(param, "partition_stride", 1))

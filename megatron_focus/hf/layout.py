@@ -16,6 +16,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megatron_focus.parallel import merge_shards, split_tensor
+
 StateDict = Dict[str, torch.Tensor]
 
 # Which dim a tensor is split on (None: replicated). A name matching no pattern is an error, so a
@@ -43,19 +45,6 @@ def partitioning(name: str, swiglu: bool) -> Optional[Tuple[int, int]]:
                 return None
             return dim, 2 if swiglu and ".linear_fc1." in name else 1
     raise ValueError(f"{name}: unknown how Megatron splits this tensor over tensor-parallel ranks")
-
-
-def merge_shards(shards: List[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
-    """The full tensor from its TP shards: with stride s, each shard holds a slice of each part."""
-    parts = [shard.chunk(stride, dim=dim) for shard in shards]
-    return torch.cat([parts[r][s] for s in range(stride) for r in range(len(shards))], dim=dim)
-
-
-def split_tensor(full: torch.Tensor, tp: int, dim: int, stride: int = 1) -> List[torch.Tensor]:
-    """Inverse of `merge_shards`."""
-    parts = [part.chunk(tp, dim=dim) for part in full.chunk(stride, dim=dim)]
-    return [torch.cat([parts[s][r] for s in range(stride)], dim=dim).contiguous()
-            for r in range(tp)]
 
 
 def merge(shards: List[StateDict], swiglu: bool, vocab_size: int) -> StateDict:

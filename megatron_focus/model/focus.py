@@ -44,7 +44,7 @@ class FocusConfig:
     sinkhorn_iters: int = 10
     top_k: int = 2  # hard (sparse) mode
     gate_scale: float = 1.0  # lambda in the log gate; 0 opens the gate everywhere
-    chunk_size: int = 512
+    chunk_size: int = 256
     mode: str = "soft"
 
 

@@ -9,9 +9,11 @@ Pair rule, for query i and key j <= i (positions), window w, log-assignments log
 * hard (sparse inference): a distant pair is kept iff j's top-1 group is among i's top-k groups,
   so every key sits in exactly one group bucket and no pair is counted twice.
 
-`focus_attention` evaluates the rule over query chunks against the keys up to each chunk's end and
-recomputes each chunk in backward, so no n x n tensor outlives one chunk: memory is linear in n at
-a fixed chunk size.
+`focus_attention` evaluates the rule over query chunks against the keys up to each chunk's end, so
+no n x n tensor outlives one chunk: memory is linear in n at a fixed chunk size. The soft rule
+without dropout runs as `_SoftFocusAttention`, flash-attention style: the fused kernel and its
+log-sum-exp forward, each chunk's probabilities rebuilt from them in backward. Otherwise (dropout,
+or the hard rule with gradients) each chunk is a masked SDPA call recomputed in backward.
 """
 
 from typing import Optional
@@ -54,6 +56,32 @@ def hard_pair_mask(groups_q: torch.Tensor, top1_k: torch.Tensor, q_pos: torch.Te
     return causal & (local | same_group)
 
 
+def attention_with_lse(q, k, v, scale: float, causal: bool, mask=None):
+    """(output, log-sum-exp) of softmax attention; kv heads may be fewer than q heads (GQA).
+
+    `mask`: additive float mask broadcastable to the scores (-inf removes a pair). Beware: for a
+    query with no key left, the CPU kernel returns output 0 with log-sum-exp 0, not -inf.
+    """
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    else:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        scores = (q @ k.transpose(-1, -2)).float() * scale
+        if causal:
+            n = q.shape[2]
+            scores = scores.masked_fill(
+                torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        if mask is not None:
+            scores = scores + mask
+        lse = scores.logsumexp(-1)
+        probs = torch.where(torch.isfinite(lse).unsqueeze(-1),
+                            (scores - lse.unsqueeze(-1)).exp(), 0.0)
+        out = probs.to(v.dtype) @ v
+    return out, lse
+
+
 def _attend_chunk(q, k, v, log_g_q, log_g_k, start: int, window: int, gate_scale: float,
                   top_k: Optional[int], scale: float, dropout_p: float, gqa: bool):
     """Queries [start, start + nq) against keys [0, nk) under the soft or (top_k given) hard rule."""
@@ -82,6 +110,8 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: to
     n = q.shape[2]
     gqa = q.shape[1] != k.shape[1]
     log_g = log_g.float()
+    if top_k is None and dropout_p == 0.0 and torch.is_grad_enabled():
+        return _SoftFocusAttention.apply(q, k, v, log_g, window, gate_scale, chunk_size, scale)
     outputs = []
     for start in range(0, n, chunk_size):
         end = min(start + chunk_size, n)
@@ -93,3 +123,73 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: to
         else:
             outputs.append(_attend_chunk(*args))
     return torch.cat(outputs, dim=2)
+
+
+def _chunks(n: int, chunk_size: int):
+    for start in range(0, n, chunk_size):
+        yield start, min(start + chunk_size, n)
+
+
+class _SoftFocusAttention(torch.autograd.Function):
+    """Soft-gate Focus attention with a chunked, recomputing backward (dropout 0).
+
+    Backward, per query chunk c against keys [0, end): P = exp(S + bias - lse), the usual
+    dV += P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dQ = dS K scale, dK += dS^T Q scale; the
+    bias gets dS summed over heads, and through bias = lambda * log(G_q G_k^T) on distant pairs
+    the assignments get d log g = G * (dA G), dA = lambda * dbias / A.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, log_g, window, gate_scale, chunk_size, scale):
+        n = q.shape[2]
+        outs, lses = [], []
+        for start, end in _chunks(n, chunk_size):
+            q_pos = torch.arange(start, end, device=q.device)
+            bias = soft_pair_bias(log_g[:, start:end], log_g[:, :end], q_pos,
+                                  torch.arange(end, device=q.device), window, gate_scale)
+            out, lse = attention_with_lse(q[:, :, start:end], k[:, :, :end], v[:, :, :end],
+                                          scale, causal=False, mask=bias.to(q.dtype).unsqueeze(1))
+            outs.append(out)
+            lses.append(lse)
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        ctx.save_for_backward(q, k, v, log_g, out, lse)
+        ctx.settings = (window, gate_scale, chunk_size, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, log_g, out, lse = ctx.saved_tensors
+        window, gate_scale, chunk_size, scale = ctx.settings
+        b, h, n, d = q.shape
+        rep = h // k.shape[1]
+        k_full, v_full = k.repeat_interleave(rep, 1).float(), v.repeat_interleave(rep, 1).float()
+        grad_out = grad_out.float()
+        delta = (grad_out * out.float()).sum(-1)  # [b, h, n]
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        dk, dv = torch.zeros_like(k_full), torch.zeros_like(v_full)
+        g = log_g.exp()
+        dg = torch.zeros_like(g)
+        for start, end in _chunks(n, chunk_size):
+            q_pos = torch.arange(start, end, device=q.device)
+            causal, local = _causal_local(q_pos, torch.arange(end, device=q.device), window)
+            affinity = torch.bmm(g[:, start:end], g[:, :end].transpose(1, 2))  # [b, c, e]
+            clamped = affinity.clamp_min(_TINY_AFFINITY)
+            bias = torch.where(local, 0.0, gate_scale * clamped.log()).masked_fill(
+                ~causal, float("-inf"))
+            qc, kc, vc = q[:, :, start:end].float(), k_full[:, :, :end], v_full[:, :, :end]
+            probs = torch.exp(qc @ kc.transpose(-1, -2) * scale + bias.unsqueeze(1)
+                              - lse[:, :, start:end, None].float())
+            go = grad_out[:, :, start:end]
+            dv[:, :, :end] += probs.transpose(-1, -2) @ go
+            dscores = probs * (go @ vc.transpose(-1, -2) - delta[:, :, start:end, None])
+            dq[:, :, start:end] = dscores @ kc * scale
+            dk[:, :, :end] += dscores.transpose(-1, -2) @ qc * scale
+            distant = causal & ~local & (affinity > _TINY_AFFINITY)
+            daffinity = torch.where(distant, gate_scale * dscores.sum(1) / clamped, 0.0)
+            dg[:, start:end] += torch.bmm(daffinity, g[:, :end])
+            dg[:, :end] += torch.bmm(daffinity.transpose(1, 2), g[:, start:end])
+        if rep > 1:  # GQA: a key/value group's gradient sums over its query heads
+            dk = dk.unflatten(1, (-1, rep)).sum(2)
+            dv = dv.unflatten(1, (-1, rep)).sum(2)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), (dg * g).to(log_g.dtype),
+                None, None, None, None)

@@ -24,6 +24,8 @@ This is an inference path (no backward through the log-sum-exp); training uses t
 import torch
 import torch.nn.functional as F
 
+from megatron_focus.model.focus_gate import attention_with_lse
+
 # Score given to a query-only token's key inside a bucket: exp() of it is exactly 0 in fp32.
 _EXCLUDED = -1e6
 
@@ -37,32 +39,6 @@ def merge_by_lse(outputs, lses):
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     merged = sum(torch.exp(part - safe).unsqueeze(-1) * out for out, part in zip(outputs, lses))
     return merged, lse
-
-
-def attention_with_lse(q, k, v, scale: float, causal: bool, mask=None):
-    """(output, log-sum-exp) of softmax attention; kv heads may be fewer than q heads (GQA).
-
-    `mask`: additive float mask broadcastable to the scores (-inf removes a pair). Beware: for a
-    query with no key left, the CPU kernel returns output 0 with log-sum-exp 0, not -inf.
-    """
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
-    else:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        scores = (q @ k.transpose(-1, -2)).float() * scale
-        if causal:
-            n = q.shape[2]
-            scores = scores.masked_fill(
-                torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-        if mask is not None:
-            scores = scores + mask
-        lse = scores.logsumexp(-1)
-        probs = torch.where(torch.isfinite(lse).unsqueeze(-1),
-                            (scores - lse.unsqueeze(-1)).exp(), 0.0)
-        out = probs.to(v.dtype) @ v
-    return out, lse
 
 
 def _bucket_part(q, k, v, groups_q, scale):
