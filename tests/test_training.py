@@ -188,3 +188,22 @@ def test_retrofit_trains_only_the_routers(embedded_cache, tmp_path):
     assert len(resumed["losses"]) == 1
     _, after_resume = _router_and_base(retro_ckpt)
     assert all(torch.equal(after_resume[k], w) for k, w in base.items())
+
+
+def test_retrofit_trains_148k_parameters_on_gpt2_124m_shape(single_process):
+    """The paper's count: 12 x (768 x 16 + 4 x 16) = 148,224 router parameters, all else frozen."""
+    from megatron_focus import platform
+    from megatron_focus.arguments import parse_args
+    from megatron_focus.model.gpt import build_model
+
+    platform.manual_seed(0)
+    args = parse_args(["--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12",
+                       "--seq-length", "1024", "--attention", "focus", "--focus-groups", "4",
+                       "--retrofit", "--load", "unused", "--data-path", "x",
+                       "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "y"])
+    model = build_model(args, 50257)
+    router = sum(p.numel() for n, p in model.named_parameters() if ".router." in n)
+    total = sum(p.numel() for p in model.parameters())
+    assert router == 148_224
+    # GPT-2 124M (HF's count, 124,439,808) plus Megatron's vocabulary padding to 50,304 rows
+    assert total - router == 124_439_808 + (50_304 - 50_257) * 768
