@@ -34,6 +34,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--openai-gelu", action="store_true",
+                   help="GELU's tanh approximation (GPT-2's gelu_new) instead of the exact one")
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
@@ -217,6 +219,8 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
             f"--seq-length {args.seq_length} is longer than the learned position table "
             f"(--max-position-embeddings {args.max_position_embeddings})"
         )
+    if args.openai_gelu and args.swiglu:
+        raise ValueError("--openai-gelu chooses the GELU of a GELU MLP: not with --swiglu")
     _validate_training(args, world_size)
     if args.ffn_hidden_size is None:
         if args.swiglu:

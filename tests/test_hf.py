@@ -362,6 +362,11 @@ def _hf_model(name: str):
         "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**small, num_key_value_heads=2)),
         "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=200, n_embd=64, n_layer=2, n_head=4,
                                            n_positions=32, activation_function="gelu")),
+        # the real GPT-2's activation (tanh GELU): --openai-gelu
+        "gpt2-gelu-new": lambda: GPT2LMHeadModel(GPT2Config(
+            vocab_size=200, n_embd=64, n_layer=2, n_head=4, n_positions=32)),
+        "custom-gpt2-rope-gelu-tanh": lambda: MegatronFocusForCausalLM(MegatronFocusConfig(
+            **small, position_embedding_type="rope", activation="gelu_tanh")),
         # GPT-2 family with RoPE and GQA: no stock class, standard attention in the custom one
         "custom-gpt2-rope-gqa": lambda: MegatronFocusForCausalLM(MegatronFocusConfig(
             **small, num_key_value_heads=2, position_embedding_type="rope")),
@@ -374,7 +379,8 @@ def _hf_model(name: str):
     }[name]()
 
 
-HF_MODELS = ["llama-gqa-untied", "llama-biases-tied", "mistral", "qwen2", "gpt2",
+HF_MODELS = ["llama-gqa-untied", "llama-biases-tied", "mistral", "qwen2", "gpt2", "gpt2-gelu-new",
+             "custom-gpt2-rope-gelu-tanh",
              "custom-gpt2-rope-gqa", "custom-llama-xsa-layer-2", "custom-llama-focus-xsa-layer-2"]
 
 
@@ -486,7 +492,7 @@ def test_focus_model_imports_as_focus_only(tmp_path):
 # --- refusals ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("config, message", [
-    ({"model_type": "gpt2", "activation_function": "gelu_new"}, "tanh approximation"),
+    ({"model_type": "gpt2", "activation_function": "relu"}, "'relu': only the exact GELU"),
     ({"model_type": "llama", "rope_parameters": {"rope_type": "linear", "rope_theta": 1e4,
                                                  "factor": 2.0}}, "RoPE scaling"),
     ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window 4096"),
@@ -517,7 +523,8 @@ def test_unmapped_settings_are_refused():
         num_query_groups=4, kv_channels=16, normalization="LayerNorm", norm_epsilon=1e-5,
         swiglu=False, add_bias_linear=True, position_embedding_type="learned_absolute",
         rotary_base=10000, rotary_percent=1.0, max_position_embeddings=32,
-        untie_embeddings_and_output_weights=False, attention="standard", xsa_layers=None)
+        untie_embeddings_and_output_weights=False, attention="standard", xsa_layers=None,
+        openai_gelu=False)
     Architecture.from_model_args(model_args, 200)
     focus = dict(focus_groups=4, focus_dim=16, focus_window=4, focus_tau=0.1,
                  focus_sinkhorn_iters=10, focus_gate_scale=1.0)

@@ -72,6 +72,7 @@ class Architecture:
     rotary_base: int
     max_position_embeddings: int
     untie_embeddings_and_output_weights: bool
+    openai_gelu: bool = False  # GELU MLP with the tanh approximation (GPT-2's gelu_new)
     attention: str = "standard"
     xsa_layers: Optional[Tuple[int, ...]] = None  # 1-based; None: every layer (when xsa)
     focus: Optional[FocusSettings] = None  # exactly when attention is focus or focus+xsa
@@ -143,6 +144,8 @@ class Architecture:
             flags += ["--group-query-attention", "--num-query-groups", self.num_query_groups]
         if self.swiglu:
             flags.append("--swiglu")
+        if self.openai_gelu:
+            flags.append("--openai-gelu")
         if not self.add_bias_linear:
             flags.append("--disable-bias-linear")
         if not self.tied:

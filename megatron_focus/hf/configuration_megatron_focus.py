@@ -11,7 +11,7 @@ variant (`layer_attention`) and, for Focus layers, the `focus_*` settings (`pret
 from transformers import PreTrainedConfig
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-ACTIVATIONS = ("gelu", "swiglu")  # gelu is the exact (erf) GELU
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")  # gelu: the exact (erf) GELU; gelu_tanh: GPT-2's
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 ATTENTION_VARIANTS = ("standard", "xsa", "focus", "focus+xsa")
 FOCUS_MODES = ("soft", "sparse")

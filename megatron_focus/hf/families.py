@@ -114,7 +114,8 @@ def hf_config(family: str, arch: Architecture, special_tokens: dict):
         return GPT2Config(
             vocab_size=arch.vocab_size, n_positions=arch.max_position_embeddings,
             n_embd=arch.hidden_size, n_layer=arch.num_layers, n_head=arch.num_attention_heads,
-            n_inner=arch.ffn_hidden_size, activation_function="gelu",  # exact, as F.gelu
+            n_inner=arch.ffn_hidden_size,
+            activation_function="gelu_new" if arch.openai_gelu else "gelu",  # as F.gelu
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=arch.norm_epsilon,
             tie_word_embeddings=True, **special_tokens,
         )
@@ -123,7 +124,8 @@ def hf_config(family: str, arch: Architecture, special_tokens: dict):
         intermediate_size=arch.ffn_hidden_size, num_hidden_layers=arch.num_layers,
         num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_query_groups,
         head_dim=arch.kv_channels, normalization=arch.normalization, norm_eps=arch.norm_epsilon,
-        activation="swiglu" if arch.swiglu else "gelu", bias=arch.add_bias_linear,
+        activation="swiglu" if arch.swiglu else "gelu_tanh" if arch.openai_gelu else "gelu",
+        bias=arch.add_bias_linear,
         position_embedding_type=arch.position_embedding_type,
         rotary_base=float(arch.rotary_base), max_position_embeddings=arch.max_position_embeddings,
         tie_word_embeddings=arch.tied, layer_attention=arch.layer_attention(),
@@ -189,10 +191,14 @@ def _from_llama_like(config) -> Tuple[str, Architecture, HFBiases]:
     return LLAMA, arch, biases
 
 
+# HF GPT-2's activation names -> our --openai-gelu (both tanh names are the same function)
+GPT2_GELU = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
+
+
 def _from_gpt2(config) -> Architecture:
-    _require(config.activation_function == "gelu",
-             f"activation_function {config.activation_function!r}: Megatron's GELU is the exact "
-             "(erf) one, HF's 'gelu_new' is the tanh approximation")
+    _require(config.activation_function in GPT2_GELU,
+             f"activation_function {config.activation_function!r}: only the exact GELU ('gelu') "
+             "and its tanh approximation ('gelu_new', --openai-gelu) are mapped")
     _require(config.scale_attn_weights and not config.scale_attn_by_inverse_layer_idx,
              "GPT-2 attention scaling other than 1/sqrt(head size)")
     _require(not config.add_cross_attention, "cross attention")
@@ -204,6 +210,7 @@ def _from_gpt2(config) -> Architecture:
         normalization="LayerNorm", norm_epsilon=config.layer_norm_epsilon, swiglu=False,
         add_bias_linear=True, position_embedding_type="learned_absolute", rotary_base=10000,
         max_position_embeddings=config.n_positions, untie_embeddings_and_output_weights=False,
+        openai_gelu=GPT2_GELU[config.activation_function],
     )
 
 
@@ -221,7 +228,8 @@ def _from_custom(config) -> Architecture:
         num_attention_heads=config.num_attention_heads,
         num_query_groups=config.num_key_value_heads, kv_channels=config.head_dim,
         normalization=config.normalization, norm_epsilon=config.norm_eps,
-        swiglu=config.activation == "swiglu", add_bias_linear=config.bias,
+        swiglu=config.activation == "swiglu", openai_gelu=config.activation == "gelu_tanh",
+        add_bias_linear=config.bias,
         position_embedding_type=config.position_embedding_type,
         rotary_base=int(config.rotary_base), max_position_embeddings=config.max_position_embeddings,
         untie_embeddings_and_output_weights=not config.tie_word_embeddings,

@@ -326,6 +326,7 @@ class MLP(nn.Module):
         super().__init__()
         h, f, bias = config.hidden_size, config.intermediate_size, config.bias
         self.swiglu = config.activation == "swiglu"
+        self.gelu_approximate = "tanh" if config.activation == "gelu_tanh" else "none"
         if self.swiglu:
             self.gate_proj = nn.Linear(h, f, bias=bias)
         self.up_proj = nn.Linear(h, f, bias=bias)
@@ -334,7 +335,7 @@ class MLP(nn.Module):
     def forward(self, x):
         if self.swiglu:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(F.gelu(self.up_proj(x)))
+        return self.down_proj(F.gelu(self.up_proj(x), approximate=self.gelu_approximate))
 
 
 class DecoderLayer(nn.Module):

@@ -23,6 +23,11 @@ from megatron_focus.model.focus import FocusConfig
 from megatron_focus.model.specs import block_spec
 
 
+def openai_gelu(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation: GPT-2's `gelu_new`, Megatron-LM's `--openai-gelu`."""
+    return F.gelu(x, approximate="tanh")
+
+
 def padded_vocab_size(vocab_size: int, make_divisible_by: int, tp: int) -> int:
     """Megatron-LM's padding: the embedding rows must split evenly over TP ranks."""
     multiple = make_divisible_by * tp
@@ -44,7 +49,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         layernorm_epsilon=args.norm_epsilon,
         add_bias_linear=args.add_bias_linear,
         gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
+        activation_func=F.silu if args.swiglu else openai_gelu if args.openai_gelu else F.gelu,
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         sequence_parallel=args.sequence_parallel,

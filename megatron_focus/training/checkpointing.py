@@ -30,7 +30,7 @@ SHAPE_KEYS = (
     "kv_channels", "normalization", "swiglu", "position_embedding_type", "add_bias_linear",
     "untie_embeddings_and_output_weights", "max_position_embeddings", "attention",
     "tensor_model_parallel_size", "padded_vocab_size",
-    "norm_epsilon", "rotary_base", "rotary_percent", "xsa_layers",
+    "norm_epsilon", "rotary_base", "rotary_percent", "xsa_layers", "openai_gelu",
 )
 # What a Focus model computes (its top-k, mode and chunk size are inference settings, free to
 # change); the routers' shapes are the first two.
