@@ -9,13 +9,9 @@ Flags follow Megatron-LM's pretrain_gpt.py; `python pretrain_gpt.py --help` list
 import os
 import sys
 import time
-import warnings
 
-# Megatron-Core warns at import that Apex / Transformer Engine are absent; we do not use them.
-warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
-
-from megatron_focus.arguments import parse_args  # noqa: E402
-from megatron_focus.training.trainer import pretrain  # noqa: E402
+from megatron_focus.arguments import parse_args
+from megatron_focus.training.trainer import pretrain
 
 
 def main(argv=None) -> None:

@@ -5,7 +5,8 @@
 
 The checkpoint holds weights only: the training run that loads it starts at iteration 0 with its
 own optimizer and schedule. `--attention xsa` retrofits XSA (no new parameters). Models the native
-model cannot compute exactly (RoPE scaling, sliding windows, GPT-2's tanh GELU, ...) are refused.
+model cannot compute exactly (RoPE scaling, sliding windows, activations other than GELU,
+its tanh approximation and SwiGLU, ...) are refused.
 
 `--attention focus` (or `focus+xsa`) retrofits Focus: the checkpoint is the base model (exactly an
 import with `--attention standard`, or `xsa`), and the printed command is the retrofit run,
@@ -15,12 +16,9 @@ with its routers.
 """
 
 import argparse
-import warnings
 
-warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
-
-from megatron_focus.hf import import_from_hf  # noqa: E402
-from megatron_focus.hf.architecture import SUPPORTED_ATTENTION  # noqa: E402
+from megatron_focus.hf import import_from_hf
+from megatron_focus.hf.architecture import SUPPORTED_ATTENTION
 
 
 def main() -> None:

@@ -14,12 +14,9 @@ settings are not recorded: `--focus-top-k` and `--focus-attention-mode` set them
 """
 
 import argparse
-import warnings
 
-warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
-
-from megatron_focus.data.tokenizer import TOKENIZER_TYPES  # noqa: E402
-from megatron_focus.hf import export_to_hf  # noqa: E402
+from megatron_focus.data.tokenizer import TOKENIZER_TYPES
+from megatron_focus.hf import export_to_hf
 
 
 def main() -> None:

@@ -18,20 +18,16 @@ import math
 import os
 import sys
 import time
-import warnings
 
-warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
-
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_focus import platform  # noqa: E402
 from megatron_focus.arguments import build_parser, validate_args  # noqa: E402
-from megatron_focus.hf import layout  # noqa: E402
-from megatron_focus.hf.native import checkpoint_tag_dir, read_json  # noqa: E402
+from megatron_focus.hf.native import (  # noqa: E402
+    checkpoint_tag_dir, native_model, read_architecture, read_weights)
 from megatron_focus.model.focus import FocusAttention, focus_statistics, set_focus_mode  # noqa: E402
-from megatron_focus.model.gpt import build_model  # noqa: E402
-from megatron_focus.training import checkpointing, trainer  # noqa: E402
+from megatron_focus.training import trainer  # noqa: E402
 
 
 def parse() -> tuple[argparse.Namespace, argparse.Namespace]:
@@ -40,32 +36,9 @@ def parse() -> tuple[argparse.Namespace, argparse.Namespace]:
     p.add_argument("--iteration", type=int, default=None, help="default: the latest")
     p.add_argument("--json", metavar="PATH")
     opts, rest = p.parse_known_args()
-    args = build_parser().parse_args(rest)  # data and evaluation flags, as pretrain_gpt.py's
+    args = build_parser().parse_args(rest)  # data and evaluation flags, as pretrain_gpt.py's;
+    # the model comes from the checkpoint
     return opts, args
-
-
-def model_args(opts, args) -> argparse.Namespace:
-    """The evaluation flags given, with the model of the checkpoint, on one process."""
-    tag_dir = checkpoint_tag_dir(opts.load, opts.iteration)
-    for key, value in read_json(tag_dir, checkpointing.ARGS_FILE).items():
-        setattr(args, key, value)
-    args.tensor_model_parallel_size, args.sequence_parallel = 1, False
-    args.group_query_attention = args.num_query_groups != args.num_attention_heads
-    args.global_batch_size = None
-    args.load = args.save = None
-    if args.max_position_embeddings < args.seq_length and \
-            args.position_embedding_type == "learned_absolute":
-        args.seq_length = args.max_position_embeddings
-    validate_args(args, world_size=1)
-    return args
-
-
-def load_weights(model, tag_dir: str, args, vocab_size: int) -> None:
-    files = sorted(f for f in os.listdir(tag_dir) if f.startswith("mp_rank_"))
-    shards = [torch.load(os.path.join(tag_dir, f), map_location="cpu", weights_only=False)["module"]
-              for f in files]
-    full = layout.merge(shards, args.swiglu, vocab_size)
-    model.load_state_dict(layout.split(full, 1, args.swiglu, args.padded_vocab_size)[0])
 
 
 class AttentionTimer:
@@ -109,33 +82,34 @@ def evaluate(model, batches, timer: AttentionTimer, sparse: bool) -> dict:
 def main() -> None:
     opts, args = parse()
     platform.init_distributed(1)
-    platform.manual_seed(args.seed)
-    args = model_args(opts, args)
+    tag_dir = checkpoint_tag_dir(opts.load, opts.iteration)
     tokenizer = trainer.tokenizer_for(args, rank0=True)
-    args.padded_vocab_size = read_json(checkpoint_tag_dir(opts.load, opts.iteration),
-                                       checkpointing.ARGS_FILE)["padded_vocab_size"]
+    # The checkpoint's model, merged to one process whatever its TP size or ZeRO stage.
+    arch = read_architecture(tag_dir, tokenizer.vocab_size)
+    model = native_model(arch, read_weights(tag_dir, arch, progress=False))
+    if arch.position_embedding_type == "learned_absolute":
+        args.seq_length = min(args.seq_length, arch.max_position_embeddings)
+    validate_args(args, world_size=1)  # the data and evaluation flags
     _, valid = trainer.datasets_for(args, tokenizer)
     if valid is None:
         raise ValueError("--split leaves no validation data, or --eval-iters is 0")
     batches = [trainer.micro_batch(valid, i * args.micro_batch_size, 0, args)
                for i in range(args.eval_iters)]
-    model = build_model(args, tokenizer.vocab_size).eval()
-    load_weights(model, checkpoint_tag_dir(opts.load, opts.iteration), args, tokenizer.vocab_size)
     timer = AttentionTimer(model)
 
     rows = []
-    if args.attention.startswith("focus"):
-        settings = [("soft", None)] + [("sparse", k) for k in range(1, args.focus_groups + 1)]
+    if arch.focus is not None:
+        settings = [("soft", None)] + [("sparse", k) for k in range(1, arch.focus.groups + 1)]
     else:
-        settings = [(args.attention, None)]
+        settings = [(arch.attention, None)]
     for mode, top_k in settings:
-        if args.attention.startswith("focus"):
+        if arch.focus is not None:
             set_focus_mode(model, mode, top_k)
         rows.append({"mode": mode, "top_k": top_k,
                      **evaluate(model, batches, timer, sparse=mode == "sparse")})
 
     tokens = args.eval_iters * args.micro_batch_size * args.seq_length
-    print(f"{opts.load}: {args.attention}, {tokens} validation tokens (seq {args.seq_length})")
+    print(f"{opts.load}: {arch.attention}, {tokens} validation tokens (seq {args.seq_length})")
     print(f"{'mode':<8}{'top-k':>6}{'loss':>9}{'ppl':>10}{'pairs kept':>12}{'attn ms':>10}")
     for r in rows:
         top_k = "" if r["top_k"] is None else r["top_k"]
@@ -143,7 +117,7 @@ def main() -> None:
               f"{r['pairs_kept']:>12.3f}{r['attention_ms']:>10.1f}")
     if opts.json:
         with open(opts.json, "w") as f:
-            json.dump({"load": opts.load, "attention": args.attention, "tokens": tokens,
+            json.dump({"load": opts.load, "attention": arch.attention, "tokens": tokens,
                        "rows": rows}, f, indent=2)
     platform.destroy_distributed()
 

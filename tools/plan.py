@@ -15,10 +15,8 @@ the flags that would make it fit; 2 on invalid flags. The formulas are in megatr
 
 import os
 import sys
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 # The planner computes; it never touches a device. This keeps DeepSpeed's accelerator probe quiet.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
