@@ -495,3 +495,16 @@ def test_compare_runs_needs_the_sequence_length(tmp_path):
     (row,) = json.loads(path.read_text())["groups"]
     assert (row["label"], row["tokens"], row["train_loss"]) == ("mine", 3 * 16 * 100, 7.5)
     assert row["validation_loss"] is None and (tmp_path / "x.svg").exists()
+
+
+def test_cpu_study_script_trains_every_variant_and_compares_them(tmp_path, embedded_cache):
+    """examples/study_cpu.sh itself, shrunk: one seed, 2 iterations, a 1-layer model."""
+    shrink = (f"--data-cache-path {embedded_cache} --num-layers 1 --hidden-size 64 "
+              "--num-attention-heads 4 --micro-batch-size 2 --eval-iters 1 --focus-window 8")
+    out = _script(os.path.join(ROOT, "examples", "study_cpu.sh"), SEEDS="1", ITERS="2",
+                  SEQ_LENGTH="32", OUT=str(tmp_path / "runs"), STUDY_OUT=str(tmp_path / "study"),
+                  EXTRA_ARGS=shrink)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    table = json.load(open(tmp_path / "study.json"))
+    assert os.path.getsize(tmp_path / "study.png") > 10_000
+    assert "focus+xsa" in json.dumps(table) and "standard" in json.dumps(table)
