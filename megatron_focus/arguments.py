@@ -126,6 +126,9 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--retrofit", action="store_true",
                    help="train only the Focus routers (W_g, C) of --load's model, every other "
                         "weight frozen; from a non-Focus checkpoint this implies --finetune")
+    g.add_argument("--save-full", action="store_true",
+                   help="with --retrofit: checkpoints hold the whole model, not only the trained "
+                        "routers and a reference to --load's checkpoint")
 
 
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
@@ -274,5 +277,7 @@ def _validate_training(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError("--retrofit adds Focus routers: it needs --attention focus or focus+xsa")
     if (args.retrofit or args.finetune) and not args.load:
         raise ValueError("--retrofit and --finetune need --load (the pretrained checkpoint)")
+    if args.save_full and not args.retrofit:
+        raise ValueError("--save-full is for --retrofit runs (other runs always save everything)")
     if args.save_interval is not None and args.save is None:
         raise ValueError("--save-interval needs --save")

@@ -1,7 +1,9 @@
 """pretrain_gpt.py end to end on the CPU: DeepSpeed parity, exact resume, bad flags, logs."""
 
+import json
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -158,36 +160,85 @@ def test_focus_training_logs_groups_and_both_validation_modes(embedded_cache, tm
         assert len(largest) == 12 and max(largest) < 2 / 4  # never twice the balanced share
 
 
-def _router_and_base(ckpt, tag=None):
+def _module(ckpt, tag=None):
     tag = tag or open(os.path.join(ckpt, "latest")).read()
     shard = os.path.join(ckpt, tag, "mp_rank_00_model_states.pt")
     module = torch.load(shard, map_location="cpu", weights_only=False)["module"]
-    router = {k: v for k, v in module.items() if ".router." in k}
-    base = {k: v for k, v in module.items() if ".router." not in k and "_extra_state" not in k}
-    return router, base
+    return {k: v for k, v in module.items() if "_extra_state" not in k}
+
+
+def _full_weights(ckpt):
+    """The whole model of a checkpoint as the HF export reads it (a base under trained-only)."""
+    from megatron_focus.hf import native
+
+    tag_dir = native.checkpoint_tag_dir(ckpt)
+    vocab_size, _ = native.checkpoint_vocabulary(tag_dir)
+    return native.read_weights(tag_dir, native.read_architecture(tag_dir, vocab_size),
+                               progress=False)
+
+
+def _optimizer_numel(ckpt):
+    """Elements of the (ZeRO-1) optimizer files' tensors: master weights and Adam moments (the
+    step counters, scalars, aside)."""
+    tag_dir = os.path.join(ckpt, open(os.path.join(ckpt, "latest")).read())
+
+    def numel(obj):
+        if torch.is_tensor(obj):
+            return obj.numel() if obj.ndim else 0
+        if isinstance(obj, dict):
+            return sum(numel(v) for v in obj.values())
+        if isinstance(obj, (list, tuple)):
+            return sum(numel(v) for v in obj)
+        return 0
+
+    files = [f for f in os.listdir(tag_dir) if f.endswith("optim_states.pt")]
+    assert files
+    return sum(numel(torch.load(os.path.join(tag_dir, f), weights_only=False)["optimizer_state_dict"])
+               for f in files)
 
 
 def test_retrofit_trains_only_the_routers(embedded_cache, tmp_path):
-    base_ckpt, retro_ckpt = str(tmp_path / "base"), str(tmp_path / "retro")
+    base_ckpt, retro_ckpt, full_ckpt = (str(tmp_path / d) for d in ("base", "retro", "full"))
     train(1, _argv(embedded_cache, "--save", base_ckpt, iters=3))
-    _, base = _router_and_base(base_ckpt)
+    base = _full_weights(base_ckpt)
     focus = ["--attention", "focus", "--focus-window", "4", "--focus-groups", "4",
              "--eval-interval", "3", "--lr", "1e-2"]
     train(1, _argv(embedded_cache, *focus, "--retrofit", "--load", base_ckpt,
                    "--save", retro_ckpt, "--save-interval", "1", iters=3))
-    first_router, _ = _router_and_base(retro_ckpt, "iter_0000001")
-    router, after = _router_and_base(retro_ckpt)
-    assert after.keys() == base.keys()
+    routers = 2 * (64 * 16 + 4 * 16)
+    # The checkpoint holds the routers only, their optimizer state only, and names its base.
+    first, trained = _module(retro_ckpt, "iter_0000001"), _module(retro_ckpt)
+    assert all(".router." in k for k in trained) and sum(w.numel() for w in trained.values()) == routers
+    assert all(not torch.equal(trained[k], first[k]) for k in trained)  # the routers learn
+    assert _optimizer_numel(retro_ckpt) == 3 * routers  # fp32 master, exp_avg, exp_avg_sq
+    assert _optimizer_numel(base_ckpt) == 3 * sum(w.numel() for w in _module(base_ckpt).values())
+    with open(os.path.join(retro_ckpt, "iter_0000003", "base_checkpoint.json")) as f:
+        assert json.load(f) == {"load": os.path.abspath(base_ckpt), "tag": "iter_0000003"}
+    after = _full_weights(retro_ckpt)  # read through the base, as the HF export reads it
+    assert after.keys() - base.keys() == trained.keys()
     for name, weight in base.items():
         assert torch.equal(after[name], weight), name  # every base weight bit-identical
-    assert sum(p.numel() for p in router.values()) == 2 * (64 * 16 + 4 * 16)
-    assert all(not torch.equal(router[k], first_router[k]) for k in router)  # routers learn
-    # Resuming a retrofit run is an ordinary resume (iteration 3 -> 4, base still frozen).
+    # Resuming a retrofit run is an ordinary resume (iteration 3 -> 4, base still frozen), and
+    # its checkpoints still name the original base.
     resumed = train(1, _argv(embedded_cache, *focus, "--retrofit", "--load", retro_ckpt,
                              "--save", retro_ckpt, iters=4))
     assert len(resumed["losses"]) == 1
-    _, after_resume = _router_and_base(retro_ckpt)
+    with open(os.path.join(retro_ckpt, "iter_0000004", "base_checkpoint.json")) as f:
+        assert json.load(f)["load"] == os.path.abspath(base_ckpt)
+    after_resume = _full_weights(retro_ckpt)
     assert all(torch.equal(after_resume[k], w) for k, w in base.items())
+    assert all(not torch.equal(after_resume[k], after[k]) for k in trained)
+    # --save-full: a complete checkpoint, equal to base + routers.
+    train(1, _argv(embedded_cache, *focus, "--retrofit", "--save-full", "--load", base_ckpt,
+                   "--save", full_ckpt, iters=3))
+    assert not os.path.exists(os.path.join(full_ckpt, "iter_0000003", "base_checkpoint.json"))
+    whole = _module(full_ckpt)
+    assert whole.keys() == after.keys() and sum(".router." in k for k in whole) == len(trained)
+    # A trained-only checkpoint whose base is gone is refused before any weight is read.
+    shutil.rmtree(base_ckpt)
+    with pytest.raises(Exception, match="holds only a retrofit.s routers"):
+        train(1, _argv(embedded_cache, *focus, "--retrofit", "--load", retro_ckpt,
+                       "--save", retro_ckpt, iters=5))
 
 
 def test_retrofit_trains_148k_parameters_on_gpt2_124m_shape(single_process):

@@ -5,7 +5,8 @@ A checkpoint tag (`DIR/iter_XXXXXXX/`, see `training/checkpointing.py`) holds De
 state dict (ZeRO stages 0-2 keep the whole TP shard there; stage 3 writes
 `zero_pp_rank_*` files instead and partitions the weights over its optimizer files, which
 DeepSpeed's `zero_to_fp32` reassembles), plus `model_args.json` and
-`tokenizer_args.json`. `read_weights` returns the full model, `write_checkpoint` writes a
+`tokenizer_args.json` (and a retrofit's trained-only checkpoint, `base_checkpoint.json`).
+`read_weights` returns the full model, `write_checkpoint` writes a
 weights-only checkpoint that `pretrain_gpt.py --load` starts from, and `native_logits` runs the
 native Megatron-Core model of a checkpoint.
 """
@@ -89,7 +90,13 @@ def read_weights(tag_dir: str, arch: Architecture, progress: bool = True) -> Sta
                    for f in tqdm(files, desc="reading TP shards", disable=not progress)]
     else:
         raise ValueError(f"{tag_dir}: {len(files)} model files for tensor-parallel size {tp}")
-    return layout.merge(modules, arch.swiglu, arch.vocab_size)
+    weights = layout.merge(modules, arch.swiglu, arch.vocab_size)
+    base_dir = checkpointing.base_checkpoint(tag_dir)
+    if base_dir is None:
+        return weights
+    # A retrofit's trained-only checkpoint: its routers over the weights of its base checkpoint.
+    base = read_weights(base_dir, read_architecture(base_dir, arch.vocab_size), progress)
+    return {**{k: w for k, w in base.items() if ".router." not in k}, **weights}
 
 
 def write_checkpoint(save_dir: str, args, weights: StateDict, vocab_size: int,

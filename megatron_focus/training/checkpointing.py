@@ -5,6 +5,10 @@ per rank), our `model_args.json`, and in the client state the iteration, consume
 every RNG state; `DIR/latest` names the newest complete tag (DeepSpeed's own pointer, so its tools
 such as `zero_to_fp32.py` work on our checkpoints).
 
+A retrofit run (`--retrofit`) saves, unless `--save-full`, only what it trains (the routers, and
+their optimizer state) plus `base_checkpoint.json`, naming the complete checkpoint that holds the
+frozen weights: loading, resuming and the HF export read the base first, then the routers.
+
 A save is written under `iter_XXXXXXX.partial`, renamed once every rank has finished, and only
 then does `latest` move (itself written to a temporary file and renamed). A crash mid-save leaves
 the previous checkpoint as latest and nothing that looks complete.
@@ -42,6 +46,8 @@ ARGS_FILE = "model_args.json"
 TOKENIZER_FILE = "tokenizer_args.json"
 # Marks a checkpoint that holds weights only (tools/convert_from_hf.py): no optimizer, no run state.
 WEIGHTS_ONLY = "weights_only"
+# In a retrofit's trained-only checkpoint: {"load": DIR, "tag": TAG} of the frozen weights.
+BASE_FILE = "base_checkpoint.json"
 
 
 def tag_for(iteration: int) -> str:
@@ -94,10 +100,13 @@ def save(engine, args: argparse.Namespace, iteration: int, consumed_samples: int
     dist.barrier()
     client_state = {"iteration": iteration, "consumed_samples": consumed_samples,
                     "rng": rng_state()}
+    trained_only = args.retrofit and not args.save_full
     engine.save_checkpoint(args.save, tag=f"{tag}.partial", client_state=client_state,
-                           save_latest=False)
+                           save_latest=False, exclude_frozen_parameters=trained_only)
     dist.barrier()
     if rank0:
+        if trained_only:
+            _write_atomically(os.path.join(partial, BASE_FILE), json.dumps(args.retrofit_base))
         _write_atomically(os.path.join(partial, ARGS_FILE),
                           json.dumps(model_args(args), indent=1, sort_keys=True))
         _write_atomically(os.path.join(partial, TOKENIZER_FILE), json.dumps({
@@ -139,18 +148,27 @@ def check_compatible(args: argparse.Namespace, checkpoint_dir: str,
         raise ValueError(f"checkpoint {checkpoint_dir} is of another model:\n  " + "\n  ".join(diffs))
 
 
-def _load_weights_only(engine, args, checkpoint_dir: str, tag: str,
-                       adding_focus: bool) -> tuple[int, int]:
-    """Model weights only: iteration, optimizer and schedule start fresh.
+def base_checkpoint(checkpoint_dir: str) -> Optional[str]:
+    """The checkpoint holding the frozen weights of a retrofit's trained-only checkpoint, or None
+    for a complete checkpoint."""
+    path = os.path.join(checkpoint_dir, BASE_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        base = json.load(f)
+    base_dir = os.path.join(base["load"], base["tag"])
+    if not os.path.isdir(base_dir):
+        raise FileNotFoundError(f"{checkpoint_dir} holds only a retrofit's routers; the checkpoint "
+                                f"with its other weights, {base_dir}, is gone")
+    return base_dir
 
-    When adding Focus, the checkpoint lacks exactly the routers (freshly initialised); any other
-    missing or extra weight is an error.
-    """
-    check_compatible(args, checkpoint_dir,
-                     ignore=("attention",) + FOCUS_KEYS if adding_focus else ())
-    if args.zero_stage == 3:
-        raise ValueError("loading weights only (an imported model, --finetune, --retrofit) is not "
-                         "supported under ZeRO stage 3: use --zero-stage 2 or lower for this run")
+
+def _adds_focus(args, checkpoint_dir: str) -> bool:
+    return args.retrofit and saved_model_args(checkpoint_dir)["attention"] != args.attention
+
+
+def _check_keys(engine, checkpoint_dir: str, may_miss) -> None:
+    """Refuse a model file whose weights are not this model's (bar those `may_miss(name)` allows)."""
     shard = os.path.join(checkpoint_dir, f"mp_rank_{get_tensor_model_parallel_rank():02d}"
                                          "_model_states.pt")
     if not os.path.isfile(shard):
@@ -158,18 +176,31 @@ def _load_weights_only(engine, args, checkpoint_dir: str, tag: str,
                                 "DeepSpeed's zero_to_fp32.py first)")
     saved = torch.load(shard, map_location="cpu", mmap=True, weights_only=False)["module"].keys()
     ours = engine.module.state_dict().keys()
-    missing = [k for k in ours - saved
-               if not (adding_focus and ".router." in k) and not k.endswith("_extra_state")]
+    missing = [k for k in ours - saved if not may_miss(k) and not k.endswith("_extra_state")]
     unexpected = [k for k in saved - ours if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise ValueError(f"{checkpoint_dir} does not fit this model: missing {sorted(missing)}, "
                          f"unexpected {sorted(unexpected)}")
-    path, _ = engine.load_checkpoint(args.load, tag=tag, load_module_strict=False,
+
+
+def _load_weights_only(engine, args, checkpoint_dir: str, may_miss) -> None:
+    """Model weights only (no optimizer, schedule or run state), checked before they are read."""
+    check_compatible(args, checkpoint_dir,
+                     ignore=("attention",) + FOCUS_KEYS if _adds_focus(args, checkpoint_dir) else ())
+    if args.zero_stage == 3:
+        raise ValueError("loading weights only (an imported model, --finetune, --retrofit) is not "
+                         "supported under ZeRO stage 3: use --zero-stage 2 or lower for this run")
+    _check_keys(engine, checkpoint_dir, may_miss)
+    load_dir, tag = os.path.split(checkpoint_dir)
+    path, _ = engine.load_checkpoint(load_dir, tag=tag, load_module_strict=False,
                                      load_optimizer_states=False,
                                      load_lr_scheduler_states=False, load_module_only=True)
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load {checkpoint_dir}")
-    return 0, 0
+
+
+def _is_router(name: str) -> bool:
+    return ".router." in name
 
 
 def load(engine, args: argparse.Namespace) -> tuple[int, int]:
@@ -180,20 +211,32 @@ def load(engine, args: argparse.Namespace) -> tuple[int, int]:
     """
     resuming_own_run = os.path.abspath(args.load) == os.path.abspath(args.save or "")
     tag = latest_tag(args.load) if os.path.isdir(args.load) else None
-    if tag is None and not resuming_own_run:
+    if tag is None and (not resuming_own_run or args.retrofit or args.finetune):
         raise FileNotFoundError(f"--load {args.load}: no checkpoint there (no '{LATEST}' file)")
     if tag is None:
         return 0, 0
-    checkpoint_dir = os.path.join(args.load, tag)
+    checkpoint_dir = os.path.join(os.path.abspath(args.load), tag)
+    base_dir = base_checkpoint(checkpoint_dir)
+    if args.retrofit:  # what this run's trained-only checkpoints will name as their base
+        load_dir, base_tag = os.path.split(base_dir or checkpoint_dir)
+        args.retrofit_base = {"load": load_dir, "tag": base_tag}
+    if base_dir is not None:  # frozen weights from the base, then the routers from here
+        _load_weights_only(engine, args, base_dir, may_miss=_is_router)
+    # This checkpoint may lack the routers (adding Focus) or hold nothing else (trained-only).
+    adding_focus = _adds_focus(args, checkpoint_dir)
+    may_miss = ((lambda k: not _is_router(k)) if base_dir is not None
+                else (lambda k: adding_focus and _is_router(k)))
     # An imported model (weights only), --finetune, or a retrofit adding Focus to a model without
     # it: weights only, and this run's optimizer and schedule start at iteration 0.
     imported = os.path.isfile(os.path.join(checkpoint_dir, WEIGHTS_ONLY))
-    adding_focus = args.retrofit and saved_model_args(checkpoint_dir)["attention"] != args.attention
     if imported or args.finetune or adding_focus:
-        return _load_weights_only(engine, args, checkpoint_dir, tag, adding_focus)
+        _load_weights_only(engine, args, checkpoint_dir, may_miss)
+        return 0, 0
     check_compatible(args, checkpoint_dir)
+    _check_keys(engine, checkpoint_dir, may_miss)
     path, client_state = engine.load_checkpoint(
-        args.load, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        args.load, tag=tag, load_module_strict=base_dir is None, load_optimizer_states=True,
+        load_lr_scheduler_states=True,
     )
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load {checkpoint_dir}")
