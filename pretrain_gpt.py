@@ -20,7 +20,8 @@ def main(argv=None) -> None:
         # The zero-download default run keeps its curves and checkpoints in one folder.
         run = os.path.join("runs", f"{args.attention}-{time.strftime('%Y%m%d-%H%M%S')}")
         args.tensorboard_dir = os.path.join(run, "tensorboard")
-        args.save = args.load = os.path.join(run, "checkpoints")
+        args.save = os.path.join(run, "checkpoints")
+        args.load = args.load or args.save  # resumable with the same command
     pretrain(args)
 
 

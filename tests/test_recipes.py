@@ -1,4 +1,5 @@
-"""Recipes and tooling: examples/pretrain.sh (+ SLURM), the planner, prepare_fineweb, compare_runs."""
+"""Recipes and tooling: examples/pretrain.sh (+ SLURM), retrofit, the planner, prepare_fineweb,
+compare_runs."""
 
 import importlib.util
 import json
@@ -20,7 +21,7 @@ ATTENTIONS = ("standard", "xsa", "focus", "focus+xsa")
 def _recipe_variables():
     """Every variable the recipe scripts read, and the launcher's: none may leak in from outside."""
     names = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-    for script in ("pretrain.sh", "pretrain.slurm"):
+    for script in ("pretrain.sh", "pretrain.slurm", "retrofit.sh"):
         with open(os.path.join(ROOT, "examples", script)) as f:
             names |= set(re.findall(r"\$\{([A-Z_][A-Z0-9_]*)", f.read()))
     return names - {"PATH", "HOME", "SLURM_SUBMIT_DIR", "BASH_SOURCE"}
@@ -508,3 +509,23 @@ def test_cpu_study_script_trains_every_variant_and_compares_them(tmp_path, embed
     table = json.load(open(tmp_path / "study.json"))
     assert os.path.getsize(tmp_path / "study.png") > 10_000
     assert "focus+xsa" in json.dumps(table) and "standard" in json.dumps(table)
+
+
+@pytest.mark.slow
+def test_retrofit_recipe_smoke_runs_every_step(embedded_cache, tmp_path):
+    """examples/retrofit_gpt2.sh, SMOKE=1: import a GPT-2 built from a config, retrofit, evaluate,
+    export. Sparse mode with top-k = K keeps every causal pair, so it must score the base model's
+    loss exactly (a check on the chain: routers trained, base read through the reference)."""
+    run_dir = tmp_path / "retrofit"
+    out = _script(os.path.join(ROOT, "examples", "retrofit_gpt2.sh"), SMOKE=1,
+                  RUN_DIR=str(run_dir), DATA_CACHE=embedded_cache)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "training 2,176 of" in out.stdout and "validation loss at iteration 0" in out.stdout
+    base = json.load(open(run_dir / "eval-base.json"))["rows"]
+    rows = json.load(open(run_dir / "eval-checkpoints.json"))["rows"]
+    assert [(r["mode"], r["top_k"]) for r in rows] == [("soft", None)] + [
+        ("sparse", k) for k in range(1, 5)]
+    assert rows[-1]["pairs_kept"] == 1.0 and rows[1]["pairs_kept"] < 1.0
+    assert abs(rows[-1]["loss"] - base[0]["loss"]) < 1e-4
+    assert os.path.isfile(run_dir / "checkpoints" / "iter_0000006" / "base_checkpoint.json")
+    assert json.load(open(run_dir / "hf" / "config.json"))["focus_groups"] == 4

@@ -32,9 +32,14 @@ def main() -> None:
     parser.add_argument("--xsa-layers", type=int, nargs="+", default=None,
                         help="with --attention xsa or focus+xsa: the layers (1-based) that use XSA")
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    parser.add_argument("--flags-file", default=None,
+                        help="also write the model flags here, one per line (for scripts)")
     args = parser.parse_args()
     flags = import_from_hf(args.hf_dir, args.save, args.tensor_model_parallel_size,
                            args.attention, args.xsa_layers, args.make_vocab_size_divisible_by)
+    if args.flags_file:
+        with open(args.flags_file, "w") as f:
+            f.write("\n".join(flags) + "\n")
     what = "retrofit Focus onto it" if "--retrofit" in flags else "train from it"
     print(f"wrote {args.save}; {what} with\n  python pretrain_gpt.py {' '.join(flags)} "
           f"--tensor-model-parallel-size {args.tensor_model_parallel_size} --load {args.save} ...")

@@ -34,7 +34,8 @@ DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "megatron-focus"
 
 
 def pretrain(args: argparse.Namespace) -> dict:
-    """Train as the flags say; returns {"losses": [...], "validation": [...]} for this rank."""
+    """Train as the flags say; returns {"losses": [...], "validation": [(iteration, loss)...]}
+    for this rank (a Focus run adds its other mode's, e.g. "validation sparse")."""
     platform.init_distributed(args.tensor_model_parallel_size, args.distributed_timeout_minutes)
     platform.manual_seed(args.seed)
     rank0 = dist.get_rank() == 0
@@ -61,6 +62,9 @@ def pretrain(args: argparse.Namespace) -> dict:
     stop = _SignalFlag(signal.SIGTERM) if args.exit_signal_handler else None
 
     history = {"losses": [], "validation": []}
+    if args.retrofit and iteration == 0 and valid_data is not None:
+        # A retrofit's starting point (the base model with fresh routers) is what it must beat.
+        _validate(engine, valid_data, args, iteration, reporter, history)
     nan_iterations = 0
     window_start, window_losses = time.time(), []  # the log line averages since the last one
     while iteration < args.train_iters:
@@ -83,11 +87,7 @@ def pretrain(args: argparse.Namespace) -> dict:
         if valid_data is not None and (
             iteration % args.eval_interval == 0 or iteration == args.train_iters
         ):
-            history["validation"].append((iteration, evaluate(engine, valid_data, args)))
-            reporter.validation(*history["validation"][-1])
-            if args.attention.startswith("focus"):
-                other = "sparse" if args.focus_attention_mode == "soft" else "soft"
-                reporter.validation(iteration, evaluate(engine, valid_data, args, other), other)
+            _validate(engine, valid_data, args, iteration, reporter, history)
         saved = args.save and (
             (args.save_interval and iteration % args.save_interval == 0)
             or iteration == args.train_iters
@@ -108,6 +108,17 @@ def pretrain(args: argparse.Namespace) -> dict:
     if rank0:
         _print_where(args)
     return history
+
+
+def _validate(engine, dataset, args, iteration: int, reporter, history: dict) -> None:
+    """Validation loss in the run's mode and, for Focus, in the other mode too."""
+    history["validation"].append((iteration, evaluate(engine, dataset, args)))
+    reporter.validation(*history["validation"][-1])
+    if args.attention.startswith("focus"):
+        other = "sparse" if args.focus_attention_mode == "soft" else "soft"
+        loss = evaluate(engine, dataset, args, other)
+        history.setdefault(f"validation {other}", []).append((iteration, loss))
+        reporter.validation(iteration, loss, other)
 
 
 def _save(engine, args, iteration: int, consumed: int, rank0: bool) -> None:
@@ -280,8 +291,7 @@ class _SignalFlag:
 def _print_banner(args: argparse.Namespace, model: torch.nn.Module, iteration: int) -> None:
     params = sum(p.numel() for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    if trained < params:
-        print(f"training {trained:,} of {params:,} parameters (TP rank 0)", flush=True)
+    print(f"training {trained:,} of {params:,} parameters (TP rank 0)", flush=True)
     print(
         f"megatron-focus | attention {args.attention} | {args.num_layers} layers, hidden "
         f"{args.hidden_size}, {args.num_attention_heads} heads | {params / 1e6:.2f}M parameters on "
