@@ -242,6 +242,21 @@ def test_retrofit_trains_only_the_routers(embedded_cache, tmp_path):
 
 
 @pytest.mark.slow
+def test_retrofit_under_tensor_and_sequence_parallelism(embedded_cache, tmp_path):
+    """TP = 2 with SP: the routers stay identical on both ranks (the merge checks it), and the
+    frozen weights bit-identical to the base."""
+    base_ckpt, retro_ckpt = str(tmp_path / "base"), str(tmp_path / "retro")
+    tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--zero-stage", "2"]
+    train(2, _argv(embedded_cache, *tp, "--save", base_ckpt, iters=3))
+    train(2, _argv(embedded_cache, *tp, "--attention", "focus", "--focus-window", "4",
+                   "--focus-groups", "4", "--lr", "1e-2", "--retrofit", "--load", base_ckpt,
+                   "--save", retro_ckpt, iters=3))
+    base, after = _full_weights(base_ckpt), _full_weights(retro_ckpt)
+    assert all(torch.equal(after[k], w) for k, w in base.items())
+    assert len(after.keys() - base.keys()) == 4  # 2 layers x (W_g, C)
+
+
+@pytest.mark.slow
 def test_retrofit_lowers_the_validation_loss(embedded_cache, tmp_path):
     """The paper's claim at our scale: a model pretrained here, Focus added (window 2, so most
     pairs are distant), only the routers trained. The run validates at iteration 0 (the base with

@@ -167,36 +167,43 @@ def _adds_focus(args, checkpoint_dir: str) -> bool:
     return args.retrofit and saved_model_args(checkpoint_dir)["attention"] != args.attention
 
 
-def _check_keys(engine, checkpoint_dir: str, may_miss) -> None:
-    """Refuse a model file whose weights are not this model's (bar those `may_miss(name)` allows)."""
+def _module_file(checkpoint_dir: str) -> str:
     shard = os.path.join(checkpoint_dir, f"mp_rank_{get_tensor_model_parallel_rank():02d}"
                                          "_model_states.pt")
     if not os.path.isfile(shard):
         raise FileNotFoundError(f"{shard} is missing (a ZeRO-3 checkpoint? convert it with "
                                 "DeepSpeed's zero_to_fp32.py first)")
-    saved = torch.load(shard, map_location="cpu", mmap=True, weights_only=False)["module"].keys()
+    return shard
+
+
+def _checked_module(engine, checkpoint_dir: str, may_miss) -> dict:
+    """This rank's saved weights, refused unless they are this model's (bar `may_miss(name)`)."""
+    saved = torch.load(_module_file(checkpoint_dir), map_location="cpu", mmap=True,
+                       weights_only=False)["module"]
     ours = engine.module.state_dict().keys()
-    missing = [k for k in ours - saved if not may_miss(k) and not k.endswith("_extra_state")]
-    unexpected = [k for k in saved - ours if not k.endswith("_extra_state")]
+    missing = [k for k in ours - saved.keys() if not may_miss(k) and not k.endswith("_extra_state")]
+    unexpected = [k for k in saved.keys() - ours if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise ValueError(f"{checkpoint_dir} does not fit this model: missing {sorted(missing)}, "
                          f"unexpected {sorted(unexpected)}")
+    return saved
 
 
 def _load_weights_only(engine, args, checkpoint_dir: str, may_miss) -> None:
-    """Model weights only (no optimizer, schedule or run state), checked before they are read."""
+    """Model weights only (no optimizer, schedule or run state), checked before they are read.
+
+    Loaded here rather than by DeepSpeed's `load_module_only`, which under ZeRO-2 copies frozen
+    weights from the checkpoint's own list of frozen weights: empty when the checkpoint froze
+    nothing, as a retrofit's base did.
+    """
     check_compatible(args, checkpoint_dir,
                      ignore=("attention",) + FOCUS_KEYS if _adds_focus(args, checkpoint_dir) else ())
     if args.zero_stage == 3:
         raise ValueError("loading weights only (an imported model, --finetune, --retrofit) is not "
                          "supported under ZeRO stage 3: use --zero-stage 2 or lower for this run")
-    _check_keys(engine, checkpoint_dir, may_miss)
-    load_dir, tag = os.path.split(checkpoint_dir)
-    path, _ = engine.load_checkpoint(load_dir, tag=tag, load_module_strict=False,
-                                     load_optimizer_states=False,
-                                     load_lr_scheduler_states=False, load_module_only=True)
-    if path is None:
-        raise RuntimeError(f"DeepSpeed could not load {checkpoint_dir}")
+    engine.module.load_state_dict(_checked_module(engine, checkpoint_dir, may_miss), strict=False)
+    if hasattr(engine.optimizer, "refresh_fp32_params"):  # ZeRO's and bf16's fp32 master copies
+        engine.optimizer.refresh_fp32_params()
 
 
 def _is_router(name: str) -> bool:
@@ -233,7 +240,7 @@ def load(engine, args: argparse.Namespace) -> tuple[int, int]:
         _load_weights_only(engine, args, checkpoint_dir, may_miss)
         return 0, 0
     check_compatible(args, checkpoint_dir)
-    _check_keys(engine, checkpoint_dir, may_miss)
+    _checked_module(engine, checkpoint_dir, may_miss)
     path, client_state = engine.load_checkpoint(
         args.load, tag=tag, load_module_strict=base_dir is None, load_optimizer_states=True,
         load_lr_scheduler_states=True,
