@@ -59,7 +59,7 @@ def _add_focus_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--focus-top-k", type=int, default=2, help="groups per query, sparse mode")
     g.add_argument("--focus-gate-scale", type=float, default=1.0,
                    help="lambda: distant pairs get lambda * log(g_i . g_j); 0 = gate open")
-    g.add_argument("--focus-chunk-size", type=int, default=256,
+    g.add_argument("--focus-chunk-size", type=int, default=128,
                    help="queries per chunk of the soft-gate attention (memory ~ chunk x seq)")
     g.add_argument("--focus-attention-mode", choices=("soft", "sparse"), default="soft",
                    help="soft gate (training) or hard top-k rule (sparse inference)")

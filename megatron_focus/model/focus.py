@@ -20,6 +20,7 @@ import math
 from typing import Optional
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from megatron.core.parallel_state import get_tensor_model_parallel_world_size
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
@@ -44,7 +45,7 @@ class FocusConfig:
     sinkhorn_iters: int = 10
     top_k: int = 2  # hard (sparse) mode
     gate_scale: float = 1.0  # lambda in the log gate; 0 opens the gate everywhere
-    chunk_size: int = 256
+    chunk_size: int = 128
     mode: str = "soft"
 
 
@@ -70,7 +71,13 @@ class Router(torch.nn.Module):
             # Each rank then sends back the full gradient of its slice: split, not reduce-scatter.
             r = gather_from_sequence_parallel_region(r, tensor_parallel_output_grad=False)
         scores = (r.float() @ self.centroids.float().t()).transpose(0, 1) / self.focus.tau
-        log_g = causal_sinkhorn(scores, self.focus.sinkhorn_iters)
+        if torch.is_grad_enabled():
+            # Recomputed in backward: its iterations would otherwise keep ~6 [b, s, K] tensors
+            # each, more than the attention's own saved state at K = 8 and 10 iterations.
+            log_g = checkpoint(causal_sinkhorn, scores, self.focus.sinkhorn_iters,
+                               use_reentrant=False)
+        else:
+            log_g = causal_sinkhorn(scores, self.focus.sinkhorn_iters)
         with torch.no_grad():
             self.stats = group_stats(log_g, self.top_k, self.focus.window)
         if self.tp > 1:

@@ -37,15 +37,30 @@ def _causal_local(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int):
     return distance >= 0, distance < window
 
 
-def soft_pair_bias(log_g_q: torch.Tensor, log_g_k: torch.Tensor, q_pos: torch.Tensor,
-                   k_pos: torch.Tensor, window: int, gate_scale: float) -> torch.Tensor:
-    """Additive logit bias [b, nq, nk]: 0 local, lambda * log(g_i . g_j) distant, -inf future."""
-    affinity = torch.bmm(log_g_q.exp(), log_g_k.exp().transpose(1, 2))
-    log_gate = gate_scale * affinity.clamp_min(_TINY_AFFINITY).log()
-    causal, local = _causal_local(q_pos, k_pos, window)
-    bias = torch.where(local, torch.zeros((), dtype=log_gate.dtype, device=log_gate.device),
-                       log_gate)
-    return bias.masked_fill(~causal, float("-inf"))
+def _near_diagonal(start: int, end: int, window: int, device):
+    """For queries [start, end) against keys [0, end): the first key `edge` that is local or in
+    the future for some query (every key before it is distant for all of them), and the
+    (causal, local) masks of keys [edge, end)."""
+    edge = max(0, start - window + 1)
+    causal, local = _causal_local(torch.arange(start, end, device=device),
+                                  torch.arange(edge, end, device=device), window)
+    return edge, causal, local
+
+
+def log_gate(affinity: torch.Tensor, start: int, window: int, gate_scale: float) -> torch.Tensor:
+    """Additive logit bias [b, c, e] of queries [start, start + c) against keys [0, e) from their
+    affinities g_i . g_j: lambda * log(affinity) distant, 0 local, -inf future."""
+    bias = affinity.clamp_min(_TINY_AFFINITY).log_().mul_(gate_scale)
+    edge, causal, local = _near_diagonal(start, affinity.shape[1] + start, window, affinity.device)
+    bias[:, :, edge:].masked_fill_(local, 0.0).masked_fill_(~causal, float("-inf"))
+    return bias
+
+
+def soft_pair_bias(log_g_q: torch.Tensor, log_g_k: torch.Tensor, start: int, window: int,
+                   gate_scale: float) -> torch.Tensor:
+    """The soft rule's bias [b, c, e] for queries [start, start + c) against keys [0, e)."""
+    return log_gate(torch.bmm(log_g_q.exp(), log_g_k.exp().transpose(1, 2)), start, window,
+                    gate_scale)
 
 
 def hard_pair_mask(groups_q: torch.Tensor, top1_k: torch.Tensor, q_pos: torch.Tensor,
@@ -89,8 +104,7 @@ def _attend_chunk(q, k, v, log_g_q, log_g_k, start: int, window: int, gate_scale
     q_pos = torch.arange(start, start + nq, device=q.device)
     k_pos = torch.arange(nk, device=q.device)
     if top_k is None:
-        bias = soft_pair_bias(log_g_q, log_g_k, q_pos, k_pos, window, gate_scale)
-        mask = bias.to(q.dtype).unsqueeze(1)
+        mask = soft_pair_bias(log_g_q, log_g_k, start, window, gate_scale).to(q.dtype).unsqueeze(1)
     else:
         groups_q = top_groups(log_g_q, top_k)
         top1_k = top_groups(log_g_k, 1)[..., 0]
@@ -144,9 +158,7 @@ class _SoftFocusAttention(torch.autograd.Function):
         n = q.shape[2]
         outs, lses = [], []
         for start, end in _chunks(n, chunk_size):
-            q_pos = torch.arange(start, end, device=q.device)
-            bias = soft_pair_bias(log_g[:, start:end], log_g[:, :end], q_pos,
-                                  torch.arange(end, device=q.device), window, gate_scale)
+            bias = soft_pair_bias(log_g[:, start:end], log_g[:, :end], start, window, gate_scale)
             out, lse = attention_with_lse(q[:, :, start:end], k[:, :, :end], v[:, :, :end],
                                           scale, causal=False, mask=bias.to(q.dtype).unsqueeze(1))
             outs.append(out)
@@ -161,35 +173,43 @@ class _SoftFocusAttention(torch.autograd.Function):
         q, k, v, log_g, out, lse = ctx.saved_tensors
         window, gate_scale, chunk_size, scale = ctx.settings
         b, h, n, d = q.shape
-        rep = h // k.shape[1]
-        k_full, v_full = k.repeat_interleave(rep, 1).float(), v.repeat_interleave(rep, 1).float()
-        grad_out = grad_out.float()
-        delta = (grad_out * out.float()).sum(-1)  # [b, h, n]
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        dk, dv = torch.zeros_like(k_full), torch.zeros_like(v_full)
+        groups = k.shape[1]
+        rep = h // groups
+        # Query heads as [b, kv group, rep * positions, d]: a group's heads share its keys, so
+        # every product is a plain batched matmul and dK, dV sum over the group's heads by
+        # themselves (no repeated keys). Each [.., c, e] tensor is built and updated in place.
+        grouped = lambda t: t.float().unflatten(1, (groups, rep))  # noqa: E731
+        qg, og = grouped(q) * scale, grouped(grad_out)
+        lse_g = grouped(lse)
+        delta = (og * grouped(out)).sum(-1)  # [b, g, rep, n]
+        kf, vf = k.float(), v.float()
+        dq = torch.empty_like(qg)
+        dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
         g = log_g.exp()
         dg = torch.zeros_like(g)
         for start, end in _chunks(n, chunk_size):
-            q_pos = torch.arange(start, end, device=q.device)
-            causal, local = _causal_local(q_pos, torch.arange(end, device=q.device), window)
+            c = end - start
             affinity = torch.bmm(g[:, start:end], g[:, :end].transpose(1, 2))  # [b, c, e]
-            clamped = affinity.clamp_min(_TINY_AFFINITY)
-            bias = torch.where(local, 0.0, gate_scale * clamped.log()).masked_fill(
-                ~causal, float("-inf"))
-            qc, kc, vc = q[:, :, start:end].float(), k_full[:, :, :end], v_full[:, :, :end]
-            probs = torch.exp(qc @ kc.transpose(-1, -2) * scale + bias.unsqueeze(1)
-                              - lse[:, :, start:end, None].float())
-            go = grad_out[:, :, start:end]
+            bias = log_gate(affinity, start, window, gate_scale)
+            qc = qg[:, :, :, start:end].flatten(2, 3)  # [b, g, rep * c, d]
+            go = og[:, :, :, start:end].flatten(2, 3)
+            kc, vc = kf[:, :, :end], vf[:, :, :end]
+            probs = qc @ kc.transpose(-1, -2)  # [b, g, rep * c, e]
+            probs4 = probs.view(b, groups, rep, c, end)
+            probs4.sub_(lse_g[:, :, :, start:end, None]).add_(bias[:, None, None]).exp_()
+            dscores = go @ vc.transpose(-1, -2)
+            dscores.view(b, groups, rep, c, end).sub_(delta[:, :, :, start:end, None])
+            dscores.mul_(probs)
             dv[:, :, :end] += probs.transpose(-1, -2) @ go
-            dscores = probs * (go @ vc.transpose(-1, -2) - delta[:, :, start:end, None])
-            dq[:, :, start:end] = dscores @ kc * scale
-            dk[:, :, :end] += dscores.transpose(-1, -2) @ qc * scale
-            distant = causal & ~local & (affinity > _TINY_AFFINITY)
-            daffinity = torch.where(distant, gate_scale * dscores.sum(1) / clamped, 0.0)
+            dq[:, :, :, start:end] = (dscores @ kc).view(b, groups, rep, c, d)
+            dk[:, :, :end] += dscores.transpose(-1, -2) @ qc
+            del probs, probs4
+            # d affinity = lambda * d bias / affinity on distant pairs above the clamp, else 0
+            daffinity = dscores.view(b, groups * rep, c, end).sum(1).mul_(gate_scale)
+            daffinity.div_(affinity).masked_fill_(affinity <= _TINY_AFFINITY, 0.0)
+            edge, causal, local = _near_diagonal(start, end, window, q.device)
+            daffinity[:, :, edge:].masked_fill_(local | ~causal, 0.0)
             dg[:, start:end] += torch.bmm(daffinity, g[:, :end])
             dg[:, :end] += torch.bmm(daffinity.transpose(1, 2), g[:, start:end])
-        if rep > 1:  # GQA: a key/value group's gradient sums over its query heads
-            dk = dk.unflatten(1, (-1, rep)).sum(2)
-            dv = dv.unflatten(1, (-1, rep)).sum(2)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), (dg * g).to(log_g.dtype),
-                None, None, None, None)
+        return ((dq * scale).flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+                (dg * g).to(log_g.dtype), None, None, None, None)
