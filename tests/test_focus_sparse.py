@@ -7,7 +7,6 @@ import torch
 
 from megatron_focus.model.focus_gate import focus_attention
 from megatron_focus.model.focus_sparse import merge_by_lse, sparse_focus_attention
-from megatron_focus.model.sinkhorn import causal_sinkhorn
 
 
 def dense_hard_rule(q, k, v, log_g, window, top_k, scale):

@@ -15,7 +15,7 @@ import glob
 import json
 import os
 import shutil
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 from tqdm import tqdm

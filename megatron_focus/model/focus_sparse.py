@@ -7,11 +7,13 @@ ordinary attention call, merged exactly by per-query log-sum-exp weights:
 * bucket part, one per top-k slot s: query i meets, causally, the keys of group topk(i)[s]. All
   groups of all sequences are packed into one call: tokens are stably sorted by (sequence, group),
   so positions stay increasing inside a bucket and plain causal attention over the bucket is the
-  causal rule. A bucket holds the tokens whose top-1 group it is (their keys count) and, for
-  top-k > 1, tokens that only query it; those keys are removed by one extra head dimension
-  (q: 1, k: -inf-like), so the call stays a plain causal one with no mask tensor.
+  causal rule; q, k and v are each gathered once into the padded [buckets, longest] layout. A
+  bucket holds the tokens whose top-1 group it is (their keys count) and, for top-k > 1, tokens
+  that only query it; those keys are removed by one extra head dimension (q: 1, k: -inf-like), so
+  the call stays a plain causal one with no mask tensor.
 * local part: the window keys whose top-1 group is *not* among the query's top-k (the others are
-  in a bucket already), by query blocks of w against 2w keys: O(n w).
+  in a bucket already), by query blocks of B = 32 against the w + B keys ending with them,
+  overlapping strided windows of one padded copy: O(n (w + B)).
 
 Each key is in exactly one bucket and the local part excludes bucket pairs, so no pair is counted
 twice and nothing is subtracted. Cost: sum over buckets of |bucket|^2 / 2 plus n w, against n^2 / 2
@@ -22,7 +24,6 @@ This is an inference path (no backward through the log-sum-exp); training uses t
 """
 
 import torch
-import torch.nn.functional as F
 
 from megatron_focus.model.focus_gate import attention_with_lse
 
@@ -44,7 +45,7 @@ def merge_by_lse(outputs, lses):
 def _bucket_part(q, k, v, groups_q, scale):
     """Per top-k slot, each query's attention over its bucket: outputs [k][b,h,n,d], lses [k][b,h,n]."""
     b, h, n, d = q.shape
-    kv_heads, top_k = k.shape[1], groups_q.shape[-1]
+    top_k = groups_q.shape[-1]
     num_groups = int(groups_q.max()) + 1
     # One entry per (sequence, token, slot); a token's own key lives in its top-1 bucket (slot 0).
     entry = torch.arange(b * n * top_k, device=q.device)
@@ -54,76 +55,97 @@ def _bucket_part(q, k, v, groups_q, scale):
     sizes = torch.bincount(bucket, minlength=b * num_groups)
     starts = torch.cumsum(sizes, 0) - sizes
     longest = int(sizes.max())  # the one host synchronisation
-    rows = token_row[order]
-    slots = order.new_empty(order.shape)
-    slots[order] = torch.arange(order.numel(), device=q.device)  # entry -> its place in `order`
+    # Entry order[i] goes to place `packed_at[i]` of the [buckets * longest] layout; the places
+    # after a bucket's tokens (padding) read entry 0: as keys they come after every real query
+    # of their bucket (causal), as queries they are never read back.
     packed_at = bucket[order] * longest + torch.arange(order.numel(), device=q.device) \
-        - starts[bucket[order]]  # place in the padded [buckets * longest] layout
+        - starts[bucket[order]]
+    source = order.new_zeros(b * num_groups * longest).index_copy_(0, packed_at, order)
 
-    extra_k = torch.where(slot[order] == 0, 0.0, _EXCLUDED / scale).to(k.dtype)
-
-    def packed(x, extra):  # [b, heads, n, d] -> [buckets, heads, longest, d + 1], zero padded
+    def packed(x, extra=None):  # [b, heads, n, d] -> [buckets, heads, longest, d (+ 1)]
         heads = x.shape[1]
-        entries = x.transpose(1, 2).reshape(b * n, heads, d).index_select(0, rows)
-        extra = extra.view(-1, 1, 1).expand(-1, heads, 1) if extra.dim() else \
-            entries.new_full((entries.shape[0], heads, 1), float(extra))
-        out = x.new_zeros(b * num_groups * longest, heads, d + 1)
-        out.index_copy_(0, packed_at, torch.cat([entries, extra], dim=-1))
-        return out.view(b * num_groups, longest, heads, d + 1).transpose(1, 2)
+        rows = x.transpose(1, 2).reshape(b * n, heads, d)
+        picked = rows.index_select(0, source // top_k)
+        if extra is not None:
+            picked = torch.cat([picked, extra.view(-1, 1, 1).expand(-1, heads, 1)], dim=-1)
+        return picked.view(b * num_groups, longest, heads, -1).transpose(1, 2)
 
-    pq = packed(q, torch.tensor(1.0))
-    pk, pv = packed(k, extra_k), packed(v, torch.tensor(0.0))
-    out, lse = attention_with_lse(pq, pk, pv, scale, causal=True)
-    # Back to [slot][b, h, n, ...]; padding rows (after each bucket's tokens) are never read.
-    back = packed_at.index_select(0, slots)
-    out = out.transpose(1, 2).reshape(-1, h, d + 1).index_select(0, back)[..., :d]
+    if top_k == 1:
+        out, lse = attention_with_lse(packed(q), packed(k), packed(v), scale, causal=True)
+    else:
+        # A bucket also holds tokens that only query it (slots > 0): an extra head dimension
+        # (query 1, such a key -1e6 / scale, else 0) removes their keys, exp() of it being 0.
+        only_queries = slot.index_select(0, source) > 0
+        ones = q.new_ones(source.shape)
+        out, lse = attention_with_lse(
+            packed(q, ones), packed(k, torch.where(only_queries, _EXCLUDED / scale, 0.0).to(k.dtype)),
+            packed(v, torch.zeros_like(ones, dtype=v.dtype)), scale, causal=True)
+        out = out[..., :d]
+    # Back to [slot][b, h, n, ...]: entry e sits at place packed_at[rank of e in `order`].
+    rank = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(),
+                                                                       device=q.device))
+    back = packed_at.index_select(0, rank)
+    out = out.transpose(1, 2).reshape(-1, h, d).index_select(0, back)
     lse = lse.transpose(1, 2).reshape(-1, h).index_select(0, back)
     outs = out.view(b, n, top_k, h, d).permute(2, 0, 3, 1, 4)
     lses = lse.view(b, n, top_k, h).permute(2, 0, 3, 1)
     return list(outs), list(lses)
 
 
-def _blocks(x: torch.Tensor, dim: int, window: int, with_previous: bool = False):
-    """Split `dim` (positions, zero-padded) into blocks of w; optionally prepend the previous block."""
-    n = x.shape[dim]
-    pad = -n % window
-    if pad:
-        shape = list(x.shape)
-        shape[dim] = pad
-        x = torch.cat([x, x.new_zeros(shape)], dim=dim)
-    x = x.unflatten(dim, (-1, window))
-    if with_previous:
-        previous = torch.cat([torch.zeros_like(x.narrow(dim, 0, 1)),
-                              x.narrow(dim, 0, x.shape[dim] - 1)], dim=dim)
-        x = torch.cat([previous, x], dim=dim + 1)
-    return x
+# Queries per block of the local part: each block meets the w + B keys ending with it, so
+# w / (w + B) of the computed pairs are window pairs (50% with B = w).
+_LOCAL_BLOCK = 32
 
 
 def _local_part(q, k, v, groups_q, window: int, scale: float):
-    """Window keys whose top-1 group is not among the query's top-k, by blocks of w queries."""
+    """Window keys whose top-1 group is not among the query's top-k: O(n (w + B)).
+
+    All sequences are laid end to end, each after F >= w zero positions (F and the sequence
+    padded to multiples of B), in one [positions, heads, d] copy; block m's queries are positions
+    [mB + F, mB + F + B) and its keys the overlapping window [mB, mB + F + B), a strided view of
+    that copy (no copy per block). A mask removes keys out of the window, padding, and keys whose
+    top-1 group is one of the query's (the bucket part has those).
+    """
     b, h, n, d = q.shape
-    blocks = -(-n // window)
-    q_pos = torch.arange(blocks * window, device=q.device).view(blocks, window)
-    k_pos = torch.cat([q_pos - window, q_pos], dim=1)  # [blocks, 2w]; padding keys are >= n
-    distance = q_pos[:, :, None] - k_pos[:, None, :]
-    window_pairs = (distance >= 0) & (distance < window) & (k_pos >= 0)[:, None, :] \
-        & (k_pos < n)[:, None, :]
-    groups_qb = _blocks(groups_q, 1, window)  # [b, blocks, w, top_k]
-    top1_kb = _blocks(groups_q[..., 0], 1, window, with_previous=True)  # [b, blocks, 2w]
-    in_bucket = (groups_qb[:, :, :, None, :] == top1_kb[:, :, None, :, None]).any(-1)
-    keep = window_pairs & ~in_bucket  # [b, blocks, w, 2w]
+    block = min(_LOCAL_BLOCK, window)
+    front = -(-window // block) * block  # F
+    length = front + -(-n // block) * block  # L: one sequence with its padding
+    keys = front + block  # per block
+    blocks = (b * length - front) // block  # M (the last F / B blocks are the next padding's)
+
+    def laid_out(x, fill=0):  # [b, n, ...] -> [b * L, ...]: each sequence after its padding
+        out = x.new_full((b, length) + x.shape[2:], fill)
+        out[:, front:front + n] = x
+        return out.flatten(0, 1)
+
+    def windows(x, size, offset):  # [b * L, ...] -> [M, size, ...], block m from mB + offset
+        strides = x.stride()
+        return x.as_strided((blocks, size) + x.shape[1:], (block * strides[0],) + strides,
+                            x.storage_offset() + offset * strides[0])
+
+    def heads_first(x, size, offset):  # [b, heads, n, d] -> [M, heads, size, d]
+        return windows(laid_out(x.transpose(1, 2)), size, offset).transpose(1, 2)
+
+    real = laid_out(torch.ones(b, n, dtype=torch.bool, device=q.device), False)
+    top1 = laid_out(groups_q[..., 0], -1)
+    distance = front + torch.arange(block, device=q.device)[:, None] \
+        - torch.arange(keys, device=q.device)  # [B, F + B], the same for every block
+    in_window = (distance >= 0) & (distance < window)
+    in_bucket = (windows(laid_out(groups_q, -2), block, front)[:, :, None, :]
+                 == windows(top1, keys, 0)[:, None, :, None]).any(-1)  # [M, B, F + B]
+    keep = in_window & windows(real, keys, 0)[:, None, :] & ~in_bucket
     mask = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(~keep, float("-inf"))
+    out, lse = attention_with_lse(heads_first(q, block, front), heads_first(k, keys, 0),
+                                  heads_first(v, keys, 0), scale, causal=False,
+                                  mask=mask.unsqueeze(1))
+    lse = lse.masked_fill(~keep.any(-1).unsqueeze(1), float("-inf"))
 
-    def per_block(x, with_previous):  # [b, heads, n, d] -> [b * blocks, heads, w or 2w, d]
-        x = _blocks(x, 2, window, with_previous)
-        return x.transpose(1, 2).flatten(0, 1)
+    def back(x):  # [M, h, B, ...] -> [b, h, n, ...]
+        x = x.transpose(1, 2).flatten(0, 1)  # positions F .. b * L
+        x = torch.cat([x.new_zeros((front,) + x.shape[1:]), x]).unflatten(0, (b, length))
+        return x[:, front:front + n].transpose(1, 2)
 
-    out, lse = attention_with_lse(per_block(q, False), per_block(k, True), per_block(v, True),
-                                  scale, causal=False, mask=mask.flatten(0, 1).unsqueeze(1))
-    lse = lse.masked_fill(~keep.any(-1).flatten(0, 1).unsqueeze(1), float("-inf"))
-    out = out.unflatten(0, (b, blocks)).transpose(1, 2).flatten(2, 3)[:, :, :n]
-    lse = lse.unflatten(0, (b, blocks)).transpose(1, 2).flatten(2, 3)[:, :, :n]
-    return out, lse
+    return back(out), back(lse)
 
 
 @torch.no_grad()
