@@ -175,14 +175,16 @@ class _SoftFocusAttention(torch.autograd.Function):
         b, h, n, d = q.shape
         groups = k.shape[1]
         rep = h // groups
-        # Query heads as [b, kv group, rep * positions, d]: a group's heads share its keys, so
-        # every product is a plain batched matmul and dK, dV sum over the group's heads by
-        # themselves (no repeated keys). Each [.., c, e] tensor is built and updated in place.
-        grouped = lambda t: t.float().unflatten(1, (groups, rep))  # noqa: E731
-        qg, og = grouped(q) * scale, grouped(grad_out)
-        lse_g = grouped(lse)
-        delta = (og * grouped(out)).sum(-1)  # [b, g, rep, n]
-        kf, vf = k.float(), v.float()
+        # Query heads as [b * kv group, rep * positions, d]: a group's heads share its keys, so
+        # every product is one batched matmul and dK, dV sum over the group's heads by
+        # themselves (no repeated keys). The softmax scale is applied to dQ and dK at the end;
+        # each [.., c, e] tensor is built by a matmul that also subtracts, then updated in place.
+        def grouped(t):  # [b, h, n, ...] -> [b * groups, rep, n, ...]
+            return t.float().unflatten(1, (groups, rep)).flatten(0, 1)
+
+        qg, og, lse_g = grouped(q), grouped(grad_out), grouped(lse)
+        delta = (og * grouped(out)).sum(-1)  # [b * g, rep, n]
+        kf, vf = k.float().flatten(0, 1), v.float().flatten(0, 1)  # [b * g, n, d]
         dq = torch.empty_like(qg)
         dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
         g = log_g.exp()
@@ -191,25 +193,27 @@ class _SoftFocusAttention(torch.autograd.Function):
             c = end - start
             affinity = torch.bmm(g[:, start:end], g[:, :end].transpose(1, 2))  # [b, c, e]
             bias = log_gate(affinity, start, window, gate_scale)
-            qc = qg[:, :, :, start:end].flatten(2, 3)  # [b, g, rep * c, d]
-            go = og[:, :, :, start:end].flatten(2, 3)
-            kc, vc = kf[:, :, :end], vf[:, :, :end]
-            probs = qc @ kc.transpose(-1, -2)  # [b, g, rep * c, e]
-            probs4 = probs.view(b, groups, rep, c, end)
-            probs4.sub_(lse_g[:, :, :, start:end, None]).add_(bias[:, None, None]).exp_()
-            dscores = go @ vc.transpose(-1, -2)
-            dscores.view(b, groups, rep, c, end).sub_(delta[:, :, :, start:end, None])
-            dscores.mul_(probs)
-            dv[:, :, :end] += probs.transpose(-1, -2) @ go
-            dq[:, :, :, start:end] = (dscores @ kc).view(b, groups, rep, c, d)
-            dk[:, :, :end] += dscores.transpose(-1, -2) @ qc
-            del probs, probs4
+            qc, go = (x[:, :, start:end].flatten(1, 2) for x in (qg, og))  # [b * g, rep * c, d]
+            kc, vc = kf[:, :end], vf[:, :end]
+            # P = exp(scale * Q K^T - lse + bias); dS = P * (dO V^T - delta)
+            probs = torch.baddbmm(-lse_g[:, :, start:end].reshape(-1, rep * c, 1), qc,
+                                  kc.transpose(1, 2), alpha=scale)
+            probs.view(b, groups * rep, c, end).add_(bias[:, None]).exp_()
+            dscores = torch.baddbmm(-delta[:, :, start:end].reshape(-1, rep * c, 1), go,
+                                    vc.transpose(1, 2)).mul_(probs)
+            dv[:, :end].baddbmm_(probs.transpose(1, 2), go)
+            del probs
+            dq[:, :, start:end] = torch.bmm(dscores, kc).view(-1, rep, c, d)
+            dk[:, :end].baddbmm_(dscores.transpose(1, 2), qc)
             # d affinity = lambda * d bias / affinity on distant pairs above the clamp, else 0
             daffinity = dscores.view(b, groups * rep, c, end).sum(1).mul_(gate_scale)
+            del dscores
             daffinity.div_(affinity).masked_fill_(affinity <= _TINY_AFFINITY, 0.0)
             edge, causal, local = _near_diagonal(start, end, window, q.device)
             daffinity[:, :, edge:].masked_fill_(local | ~causal, 0.0)
             dg[:, start:end] += torch.bmm(daffinity, g[:, :end])
             dg[:, :end] += torch.bmm(daffinity.transpose(1, 2), g[:, start:end])
-        return ((dq * scale).flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
-                (dg * g).to(log_g.dtype), None, None, None, None)
+        dq = dq.mul_(scale).view(b, h, n, d)
+        dk, dv = dk.mul_(scale).view(k.shape), dv.view(v.shape)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), (dg * g).to(log_g.dtype),
+                None, None, None, None)

@@ -12,7 +12,7 @@ ordinary attention call, merged exactly by per-query log-sum-exp weights:
   that only query it; those keys are removed by one extra head dimension (q: 1, k: -inf-like), so
   the call stays a plain causal one with no mask tensor.
 * local part: the window keys whose top-1 group is *not* among the query's top-k (the others are
-  in a bucket already), by query blocks of B = 32 against the w + B keys ending with them,
+  in a bucket already), by query blocks of B = 16 against the w + B keys ending with them,
   overlapping strided windows of one padded copy: O(n (w + B)).
 
 Each key is in exactly one bucket and the local part excludes bucket pairs, so no pair is counted
@@ -94,7 +94,7 @@ def _bucket_part(q, k, v, groups_q, scale):
 
 # Queries per block of the local part: each block meets the w + B keys ending with it, so
 # w / (w + B) of the computed pairs are window pairs (50% with B = w).
-_LOCAL_BLOCK = 32
+_LOCAL_BLOCK = 16
 
 
 def _local_part(q, k, v, groups_q, window: int, scale: float):
