@@ -130,3 +130,36 @@ def test_eval_ppl_reports_every_top_k(embedded_cache, tmp_path):
     kept = [r["pairs_kept"] for r in rows[1:]]
     assert kept == sorted(kept) and kept[0] < 1.0 and abs(kept[-1] - 1.0) < 1e-6  # top-k = K: all
     assert all(math.isfinite(r["loss"]) for r in rows)
+
+
+def _largest_intermediate(fn, *args, **kwargs) -> int:
+    """Elements of the largest tensor any operation of `fn` produces."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Largest(TorchDispatchMode):
+        most = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            sizes = [t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            Largest.most = max([Largest.most] + sizes)
+            return out
+
+    with Largest():
+        fn(*args, **kwargs)
+    return Largest.most
+
+
+def test_sparse_memory_is_linear_in_sequence_length():
+    """No n x n tensor: 4x the tokens make every intermediate at most ~4x larger (16x if any
+    tensor held all pairs), and the largest stays a few times q's own size."""
+    gen = torch.Generator().manual_seed(0)
+    largest = {}
+    for n in (512, 2048):
+        q, k, v = (torch.randn(1, 2, n, 16, generator=gen) for _ in range(3))
+        log_g = assignments(1, n, 4, gen)
+        largest[n] = _largest_intermediate(sparse_focus_attention, q, k, v, log_g, window=32,
+                                           top_k=2, scale=0.25)
+        assert largest[n] < 8 * q.numel()
+    assert largest[2048] / largest[512] < 4.5

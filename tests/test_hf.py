@@ -422,7 +422,7 @@ def test_imported_model_trains_from_the_hf_loss(embedded_cache, tmp_path):
     """`pretrain_gpt.py --load` of an import (TP=2): its first loss is the HF model's, then it trains."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from megatron_focus.hf import export_to_hf, import_from_hf
+    from megatron_focus.hf import export_to_hf, import_from_hf, native_logits
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
@@ -454,7 +454,7 @@ def test_focus_retrofit_of_an_imported_model(embedded_cache, tmp_path):
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from megatron_focus.hf import export_to_hf, import_from_hf
+    from megatron_focus.hf import export_to_hf, import_from_hf, native_logits
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
@@ -474,8 +474,13 @@ def test_focus_retrofit_of_an_imported_model(embedded_cache, tmp_path):
         embedded_cache, *flags, *FOCUS, "--load", ckpt, "--save", retrofitted, iters=3))
     assert len(history["losses"]) == 3 and all(math.isfinite(x) for x in history["losses"])
     assert export_to_hf(retrofitted, back, progress=False) == "MegatronFocusForCausalLM"
-    exported = _load_hf(back).state_dict()
+    hf_model = _load_hf(back)
+    exported = hf_model.state_dict()
     assert len([name for name in exported if ".router." in name]) == 4
+    # The checkpoint holds the routers only; read through its base, it runs as the export does.
+    tokens = torch.randint(0, 4096, (2, 48), generator=torch.Generator().manual_seed(0))
+    diff = (hf_model(tokens).logits - native_logits(retrofitted, tokens)).abs().max().item()
+    assert diff < 1e-4
     for name, tensor in model.state_dict().items():  # every original weight frozen, bit for bit
         assert torch.equal(exported[name], tensor), name
 
