@@ -422,7 +422,7 @@ def test_imported_model_trains_from_the_hf_loss(embedded_cache, tmp_path):
     """`pretrain_gpt.py --load` of an import (TP=2): its first loss is the HF model's, then it trains."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from megatron_focus.hf import export_to_hf, import_from_hf, native_logits
+    from megatron_focus.hf import export_to_hf, import_from_hf
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
