@@ -15,7 +15,8 @@ Formulas (bytes; Psi = parameters held by one tensor-parallel rank, N_d = data-p
   (fp32 master copy 4 + Adam m 4 + v 4). fp32: weights 4 Psi, gradients 4 Psi, Adam 8 Psi; with
   ZeRO >= 1 DeepSpeed's optimizer also keeps an fp32 copy of its partition (+4 Psi / N_d).
   ZeRO (Rajbhandari et al. 2020): stage 1 divides the optimizer states by N_d, stage 2 also the
-  gradients, stage 3 also the weights.
+  gradients, stage 3 also the weights. With --retrofit only the routers have gradients and
+  optimizer state (the frozen weights have neither).
 * Activations of one micro-batch (b sequences of s tokens, hidden h, e bytes per activation),
   kept for the backward, per layer (Korthikanti et al. 2022, "Reducing Activation Recomputation in
   Large Transformer Models", written for any head count/size, GQA and MLP):
@@ -276,13 +277,16 @@ class Memory:
         return d
 
 
-def model_state_bytes(psi: float, zero_stage: int, data_parallel: int, mixed: bool):
-    """(weights, gradients, optimizer) bytes per GPU for Psi parameters on its TP rank."""
+def model_state_bytes(psi: float, zero_stage: int, data_parallel: int, mixed: bool,
+                      trained: Optional[float] = None):
+    """(weights, gradients, optimizer) bytes per GPU for Psi parameters on its TP rank, of which
+    `trained` (default all) have gradients and optimizer state (a retrofit trains the routers)."""
     n = data_parallel
+    t = psi if trained is None else trained
     if mixed:
-        weights, grads, optim = 2 * psi, 2 * psi, 12 * psi
+        weights, grads, optim = 2 * psi, 2 * t, 12 * t
     else:
-        weights, grads, optim = 4 * psi, 4 * psi, 8 * psi + (4 * psi if zero_stage >= 1 else 0)
+        weights, grads, optim = 4 * psi, 4 * t, 8 * t + (4 * t if zero_stage >= 1 else 0)
     if zero_stage >= 1:
         optim /= n
     if zero_stage >= 2:
@@ -300,7 +304,8 @@ def memory(args: argparse.Namespace, world: int, tp: int, sp: bool, zero_stage: 
     params = count_parameters(args, args.vocab_size, tp)
     psi = params.per_tp_rank(tp)
     mixed = bool(args.bf16 or args.fp16)
-    weights, grads, optim = model_state_bytes(psi, zero_stage, dp, mixed)
+    trained = params.num_layers * params.router_per_layer if args.retrofit else None
+    weights, grads, optim = model_state_bytes(psi, zero_stage, dp, mixed, trained)
     vocab = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)
     act = activation_bytes(args, vocab, micro_batch, tp, sp, materialized_attention)
     total = weights + grads + optim + act
@@ -309,6 +314,8 @@ def memory(args: argparse.Namespace, world: int, tp: int, sp: bool, zero_stage: 
     note = ""
     if zero_stage == 3 and tp > 1:
         note = "ZeRO-3 runs with TP 1 only"
+    elif zero_stage == 3 and args.retrofit:
+        note = "a retrofit loads weights only, which ZeRO-3 does not support"
     elif not accumulation:
         note = (f"global batch {args.global_batch_size} does not split into micro-batch "
                 f"{micro_batch} x {dp} data-parallel ranks")

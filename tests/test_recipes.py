@@ -241,6 +241,24 @@ def _plan_args(*argv):
     return parse_plan_args(list(argv))
 
 
+def test_planner_retrofit_keeps_state_for_the_routers_only():
+    """--retrofit: gradients and optimizer state of the routers only (the checkpoint test measures
+    3 fp32 values per router weight in DeepSpeed's optimizer files), weights of the whole model;
+    ZeRO-3 is refused, as the trainer refuses it."""
+    from megatron_focus.planner import memory
+
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--attention", "focus", "--focus-groups", "4", "--nodes", "1",
+             "--gpus-per-node", "1", "--vocab-size", "4096"]
+    full, retrofit = _plan_args(*flags), _plan_args(*flags, "--retrofit", "--load", "ckpt")
+    routers = 2 * (64 * 16 + 4 * 16)
+    a = memory(full, 1, 1, False, 1, 1, 1e12)
+    r = memory(retrofit, 1, 1, False, 1, 1, 1e12)
+    assert (r.gradients, r.optimizer) == (4 * routers, 12 * routers)
+    assert r.weights == a.weights and a.optimizer == 12 * a.weights / 4
+    assert not memory(retrofit, 1, 1, False, 3, 1, 1e12).fits
+
+
 def test_planner_counts_the_parameters_of_the_built_model(single_process):
     """count_parameters == the GPTModel the trainer builds, for each family and Focus."""
     from megatron_focus.arguments import parse_args
