@@ -9,7 +9,10 @@ import argparse
 import os
 from typing import List, Optional
 
+import torch
+
 from megatron_focus.data.tokenizer import TOKENIZER_TYPES
+from megatron_focus.model.focus_gate import KERNELS
 
 ATTENTION_VARIANTS = ("standard", "xsa", "focus", "focus+xsa")
 
@@ -63,6 +66,9 @@ def _add_focus_args(p: argparse.ArgumentParser) -> None:
                    help="queries per chunk of the soft-gate attention (memory ~ chunk x seq)")
     g.add_argument("--focus-attention-mode", choices=("soft", "sparse"), default="soft",
                    help="soft gate (training) or hard top-k rule (sparse inference)")
+    g.add_argument("--focus-kernel", choices=KERNELS, default="auto",
+                   help="soft gate's kernel: flex (FlexAttention score_mod, fused; GPU only) or "
+                        "chunked; auto = flex on a GPU, chunked on the CPU")
 
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -245,6 +251,9 @@ def _validate_focus(args: argparse.Namespace) -> None:
     if args.focus_tau <= 0 or args.focus_sinkhorn_iters < 0 or args.focus_gate_scale < 0:
         raise ValueError("--focus-tau must be > 0, --focus-sinkhorn-iters and "
                          "--focus-gate-scale >= 0")
+    if args.focus_kernel == "flex" and not torch.cuda.is_available():
+        raise ValueError("--focus-kernel flex needs a GPU: FlexAttention has no CPU backward "
+                         "(use auto or chunked)")
 
 
 def _validate_training(args: argparse.Namespace, world_size: int) -> None:

@@ -47,6 +47,7 @@ class FocusConfig:
     gate_scale: float = 1.0  # lambda in the log gate; 0 opens the gate everywhere
     chunk_size: int = 128
     mode: str = "soft"
+    kernel: str = "auto"  # the soft rule's: focus_gate.KERNELS
 
 
 class Router(torch.nn.Module):
@@ -151,7 +152,7 @@ class FocusAttention(CoreAttention):
             window=self.focus.window, gate_scale=self.focus.gate_scale,
             top_k=self.top_k if self.mode == "sparse" else None,
             chunk_size=self.focus.chunk_size, scale=self.softmax_scale,
-            dropout_p=self.dropout_p if self.training else 0.0,
+            dropout_p=self.dropout_p if self.training else 0.0, kernel=self.focus.kernel,
         )
 
 

@@ -13,7 +13,8 @@ Pair rule, for query i and key j <= i (positions), window w, log-assignments log
 no n x n tensor outlives one chunk: memory is linear in n at a fixed chunk size. The soft rule
 without dropout runs as `_SoftFocusAttention`, flash-attention style: the fused kernel and its
 log-sum-exp forward, each chunk's probabilities rebuilt from them in backward. Otherwise (dropout,
-or the hard rule with gradients) each chunk is a masked SDPA call recomputed in backward.
+or the hard rule with gradients) each chunk is a masked SDPA call recomputed in backward. On a GPU
+the soft rule runs fused instead, as a FlexAttention `score_mod` (flex.py).
 """
 
 from typing import Optional
@@ -22,9 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-# g_i . g_j is a dot product of two distributions: below this it is 0 for every purpose, and the
-# clamp keeps log() and its gradient finite.
-_TINY_AFFINITY = 1e-30
+from megatron_focus.model.flex import TINY_AFFINITY, flex_attention_with_lse, flex_soft_focus
+
+# Kernels for the soft rule: FlexAttention's fused one, or the chunked one below.
+KERNELS = ("auto", "flex", "chunked")
 
 
 def top_groups(log_g: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -50,7 +52,7 @@ def _near_diagonal(start: int, end: int, window: int, device):
 def log_gate(affinity: torch.Tensor, start: int, window: int, gate_scale: float) -> torch.Tensor:
     """Additive logit bias [b, c, e] of queries [start, start + c) against keys [0, e) from their
     affinities g_i . g_j: lambda * log(affinity) distant, 0 local, -inf future."""
-    bias = affinity.clamp_min(_TINY_AFFINITY).log_().mul_(gate_scale)
+    bias = affinity.clamp_min(TINY_AFFINITY).log_().mul_(gate_scale)
     edge, causal, local = _near_diagonal(start, affinity.shape[1] + start, window, affinity.device)
     bias[:, :, edge:].masked_fill_(local, 0.0).masked_fill_(~causal, float("-inf"))
     return bias
@@ -71,30 +73,23 @@ def hard_pair_mask(groups_q: torch.Tensor, top1_k: torch.Tensor, q_pos: torch.Te
     return causal & (local | same_group)
 
 
+def lse_kernel(device: torch.device) -> str:
+    """attention_with_lse's kernel (the sparse path's): the CPU's fused flash kernel, or
+    FlexAttention (linear memory on a GPU)."""
+    return "cpu-flash" if device.type == "cpu" else "flex"
+
+
 def attention_with_lse(q, k, v, scale: float, causal: bool, mask=None):
     """(output, log-sum-exp) of softmax attention; kv heads may be fewer than q heads (GQA).
 
     `mask`: additive float mask broadcastable to the scores (-inf removes a pair). Beware: for a
-    query with no key left, the CPU kernel returns output 0 with log-sum-exp 0, not -inf.
+    query with no key left, the CPU kernel returns output 0 with log-sum-exp 0 (FlexAttention:
+    -inf).
     """
-    if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
-    else:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        scores = (q @ k.transpose(-1, -2)).float() * scale
-        if causal:
-            n = q.shape[2]
-            scores = scores.masked_fill(
-                torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-        if mask is not None:
-            scores = scores + mask
-        lse = scores.logsumexp(-1)
-        probs = torch.where(torch.isfinite(lse).unsqueeze(-1),
-                            (scores - lse.unsqueeze(-1)).exp(), 0.0)
-        out = probs.to(v.dtype) @ v
-    return out, lse
+    if lse_kernel(q.device) == "cpu-flash":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[:2]
+    return flex_attention_with_lse(q, k, v, scale, causal, mask)
 
 
 def _attend_chunk(q, k, v, log_g_q, log_g_k, start: int, window: int, gate_scale: float,
@@ -114,18 +109,34 @@ def _attend_chunk(q, k, v, log_g_q, log_g_k, start: int, window: int, gate_scale
     )
 
 
+def soft_kernel(requested: str, device: torch.device) -> str:
+    """The soft rule's kernel: "auto" is FlexAttention's fused one on a GPU, chunked elsewhere
+    (FlexAttention has no CPU backward)."""
+    if requested not in KERNELS:
+        raise ValueError(f"unknown Focus kernel {requested!r}; choose from {KERNELS}")
+    if requested == "auto":
+        return "flex" if device.type == "cuda" else "chunked"
+    return requested
+
+
 def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor, *,
                     window: int, gate_scale: float, top_k: Optional[int], chunk_size: int,
-                    scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+                    scale: float, dropout_p: float = 0.0, kernel: str = "auto") -> torch.Tensor:
     """Causal Focus attention. q [b, h, n, d], k/v [b, groups, n, d], log_g [b, n, K] -> [b, h, n, d].
 
     `top_k=None` is the soft (training) rule; an integer applies the hard rule with that top-k.
+    FlexAttention has no dropout: with dropout the soft rule runs chunked on every device.
     """
     n = q.shape[2]
     gqa = q.shape[1] != k.shape[1]
     log_g = log_g.float()
-    if top_k is None and dropout_p == 0.0 and torch.is_grad_enabled():
-        return _SoftFocusAttention.apply(q, k, v, log_g, window, gate_scale, chunk_size, scale)
+    if top_k is None and dropout_p == 0.0:
+        if soft_kernel(kernel, q.device) == "flex":
+            return flex_soft_focus(q, k, v, log_g, window=window, gate_scale=gate_scale,
+                                   scale=scale)
+        if torch.is_grad_enabled():
+            return _SoftFocusAttention.apply(q, k, v, log_g, window, gate_scale, chunk_size,
+                                             scale)
     outputs = []
     for start in range(0, n, chunk_size):
         end = min(start + chunk_size, n)
@@ -208,7 +219,7 @@ class _SoftFocusAttention(torch.autograd.Function):
             # d affinity = lambda * d bias / affinity on distant pairs above the clamp, else 0
             daffinity = dscores.view(b, groups * rep, c, end).sum(1).mul_(gate_scale)
             del dscores
-            daffinity.div_(affinity).masked_fill_(affinity <= _TINY_AFFINITY, 0.0)
+            daffinity.div_(affinity).masked_fill_(affinity <= TINY_AFFINITY, 0.0)
             edge, causal, local = _near_diagonal(start, end, window, q.device)
             daffinity[:, :, edge:].masked_fill_(local | ~causal, 0.0)
             dg[:, start:end] += torch.bmm(daffinity, g[:, :end])

@@ -9,8 +9,7 @@ ordinary attention call, merged exactly by per-query log-sum-exp weights:
   so positions stay increasing inside a bucket and plain causal attention over the bucket is the
   causal rule; q, k and v are each gathered once into the padded [buckets, longest] layout. A
   bucket holds the tokens whose top-1 group it is (their keys count) and, for top-k > 1, tokens
-  that only query it; those keys are removed by one extra head dimension (q: 1, k: -inf-like), so
-  the call stays a plain causal one with no mask tensor.
+  that only query it; a [buckets, longest] key mask removes those keys.
 * local part: the window keys whose top-1 group is *not* among the query's top-k (the others are
   in a bucket already), by query blocks of B = 16 against the w + B keys ending with them,
   overlapping strided windows of one padded copy: O(n (w + B)).
@@ -26,10 +25,6 @@ This is an inference path (no backward through the log-sum-exp); training uses t
 import torch
 
 from megatron_focus.model.focus_gate import attention_with_lse
-
-# Score given to a query-only token's key inside a bucket: exp() of it is exactly 0 in fp32.
-_EXCLUDED = -1e6
-
 
 def merge_by_lse(outputs, lses):
     """Exact softmax over the union of disjoint key sets, from each set's output and log-sum-exp.
@@ -62,25 +57,23 @@ def _bucket_part(q, k, v, groups_q, scale):
         - starts[bucket[order]]
     source = order.new_zeros(b * num_groups * longest).index_copy_(0, packed_at, order)
 
-    def packed(x, extra=None):  # [b, heads, n, d] -> [buckets, heads, longest, d (+ 1)]
+    def packed(x):  # [b, heads, n, d] -> [buckets, heads, longest, d]
         heads = x.shape[1]
         rows = x.transpose(1, 2).reshape(b * n, heads, d)
-        picked = rows.index_select(0, source // top_k)
-        if extra is not None:
-            picked = torch.cat([picked, extra.view(-1, 1, 1).expand(-1, heads, 1)], dim=-1)
-        return picked.view(b * num_groups, longest, heads, -1).transpose(1, 2)
+        return rows.index_select(0, source // top_k).view(b * num_groups, longest, heads, d) \
+            .transpose(1, 2)
 
     if top_k == 1:
         out, lse = attention_with_lse(packed(q), packed(k), packed(v), scale, causal=True)
     else:
-        # A bucket also holds tokens that only query it (slots > 0): an extra head dimension
-        # (query 1, such a key -1e6 / scale, else 0) removes their keys, exp() of it being 0.
-        only_queries = slot.index_select(0, source) > 0
-        ones = q.new_ones(source.shape)
-        out, lse = attention_with_lse(
-            packed(q, ones), packed(k, torch.where(only_queries, _EXCLUDED / scale, 0.0).to(k.dtype)),
-            packed(v, torch.zeros_like(ones, dtype=v.dtype)), scale, causal=True)
-        out = out[..., :d]
+        # A bucket also holds tokens that only query it (slots > 0): a key mask removes their
+        # keys, and a query with no key of the group at or before it gets log-sum-exp -inf.
+        member = (slot.index_select(0, source) == 0).view(b * num_groups, longest)
+        mask = torch.zeros(member.shape, dtype=q.dtype, device=q.device)
+        mask.masked_fill_(~member, float("-inf"))
+        out, lse = attention_with_lse(packed(q), packed(k), packed(v), scale, causal=True,
+                                      mask=mask[:, None, None, :])
+        lse = lse.masked_fill(member.cumsum(1).unsqueeze(1) == 0, float("-inf"))
     # Back to [slot][b, h, n, ...]: entry e sits at place packed_at[rank of e in `order`].
     rank = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(),
                                                                        device=q.device))

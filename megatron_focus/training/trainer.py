@@ -24,6 +24,7 @@ from megatron_focus.data.embedded import TOKENIZER_TYPE as EMBEDDED_TOKENIZER_TY
 from megatron_focus.data.embedded import ensure_embedded_data
 from megatron_focus.data.tokenizer import build_tokenizer
 from megatron_focus.model.focus import focus_statistics, set_focus_mode
+from megatron_focus.model.focus_gate import lse_kernel, soft_kernel
 from megatron_focus.model.gpt import build_model, padded_vocab_size
 from megatron_focus.parallel import install_sequence_parallel_grad_allreduce
 from megatron_focus.training import checkpointing
@@ -300,6 +301,10 @@ def _print_banner(args: argparse.Namespace, model: torch.nn.Module, iteration: i
         f"{' '.join(args.data_path)} | starting at iteration {iteration}",
         flush=True,
     )
+    if args.attention.startswith("focus"):
+        device = platform.setup().device
+        print(f"Focus kernels: soft gate {soft_kernel(args.focus_kernel, device)}, sparse "
+              f"{lse_kernel(device)}", flush=True)
 
 
 def _print_where(args: argparse.Namespace) -> None:

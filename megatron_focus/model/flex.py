@@ -1,0 +1,104 @@
+"""FlexAttention kernels for Focus on a GPU: the soft gate fused as a `score_mod`, and attention
+with its log-sum-exp for the sparse path's calls.
+
+Why: on a GPU the chunked autograd Function of focus_gate would run PyTorch ops chunk by chunk;
+FlexAttention compiles the gate into one flash-style Triton kernel, forward and backward, the
+gradient of the assignments included (PyTorch accumulates gradients of captured tensors since
+2.6). Memory stays linear in n: no score matrix exists, and block masks skip the future.
+
+On the CPU, FlexAttention has no backward (torch 2.13), so training there keeps the chunked path.
+These functions still run forward on the CPU, eagerly (a dense evaluation of the same
+`score_mod`), which is how the tests check them against the dense reference; the gradient of
+`gate_score_mod` is checked by differentiating it on dense index grids.
+"""
+
+import functools
+
+import torch
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+
+# g_i . g_j below this is 0 for every purpose (the clamp keeps log() and its gradient finite);
+# the same floor as focus_gate's chunked path.
+TINY_AFFINITY = 1e-30
+
+
+def gate_score_mod(g: torch.Tensor, window: int, gate_scale: float):
+    """The soft rule as a score_mod: a distant pair (i - j >= w) gets lambda * log(g_i . g_j).
+
+    g [b, n, K] are the assignments (probabilities). The K-term dot product is unrolled, so each
+    pair reads 2K numbers; its gradient reaches g through FlexAttention's captured-buffer rule.
+    Causality is the block mask's job, not this function's.
+    """
+    groups = g.shape[-1]
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        affinity = g[b, q_idx, 0] * g[b, kv_idx, 0]
+        for j in range(1, groups):
+            affinity = affinity + g[b, q_idx, j] * g[b, kv_idx, j]
+        bias = gate_scale * torch.log(torch.clamp(affinity, min=TINY_AFFINITY))
+        return torch.where(q_idx - kv_idx >= window, score + bias, score)
+
+    return score_mod
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+@functools.lru_cache(maxsize=32)
+def causal_block_mask(n: int, device: torch.device, block: int = 128) -> BlockMask:
+    """Causal BlockMask of n x n built from its block structure (O((n / block)^2) integers).
+
+    `create_block_mask` would evaluate the mask at every one of the n^2 pairs; here query block i
+    reads kv blocks 0 .. i - 1 whole and block i through the mask.
+    """
+    blocks = -(-n // block)
+    rows = torch.arange(blocks, device=device, dtype=torch.int32)
+    indices = rows.expand(blocks, blocks).contiguous()  # row i: 0, 1, ..., blocks - 1
+    diagonal = indices.diagonal().clone()
+    partial_indices = torch.cat([diagonal[:, None], indices[:, 1:]], dim=1)
+    return BlockMask.from_kv_blocks(
+        kv_num_blocks=torch.ones(1, 1, blocks, dtype=torch.int32, device=device),
+        kv_indices=partial_indices[None, None],
+        full_kv_num_blocks=rows[None, None],
+        full_kv_indices=indices[None, None],
+        BLOCK_SIZE=block, mask_mod=_causal, seq_lengths=(n, n))
+
+
+def _kernel(device: torch.device):
+    """Compiled FlexAttention on a GPU; eager (a dense evaluation, forward only) elsewhere."""
+    return _compiled_flex() if device.type == "cuda" else flex_attention
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex():
+    return torch.compile(flex_attention)
+
+
+def flex_soft_focus(q, k, v, log_g, *, window: int, gate_scale: float, scale: float):
+    """Soft-gate causal Focus attention, fused. q [b,h,n,d], k/v [b,groups,n,d], log_g [b,n,K]."""
+    score_mod = gate_score_mod(log_g.float().exp(), window, gate_scale)
+    return _kernel(q.device)(q, k, v, score_mod=score_mod,
+                             block_mask=causal_block_mask(q.shape[2], q.device), scale=scale,
+                             enable_gqa=q.shape[1] != k.shape[1])
+
+
+def flex_attention_with_lse(q, k, v, scale: float, causal: bool, mask=None):
+    """(output, natural log-sum-exp) like focus_gate.attention_with_lse, by FlexAttention.
+
+    `mask` is additive, broadcastable to [b, h, nq, nk]; a query with no key left gets
+    log-sum-exp -inf and output 0.
+    """
+    score_mod = None
+    if mask is not None:
+        mask = mask.expand(q.shape[0], -1, q.shape[2], k.shape[2])  # heads may stay at 1
+        heads = mask.shape[1]
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + mask[b, h if heads > 1 else 0, q_idx, kv_idx]
+
+    block_mask = causal_block_mask(q.shape[2], q.device) if causal else None
+    out, aux = _kernel(q.device)(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                 scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+                                 return_aux=AuxRequest(lse=True))
+    return out, aux.lse

@@ -1,0 +1,126 @@
+"""The GPU kernels (FlexAttention), checked on the CPU against the dense references.
+
+FlexAttention runs forward on the CPU eagerly (a dense evaluation of the same score_mod and
+masks), so the outputs here test our score_mod, block mask and packing, not the compiled Triton
+kernel. Its backward does not run on the CPU: the gate's gradient is checked by differentiating
+`gate_score_mod` on dense index grids, which is the function FlexAttention differentiates.
+"""
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask
+
+from megatron_focus.model import focus_gate
+from megatron_focus.model.flex import (causal_block_mask, flex_attention_with_lse,
+                                       flex_soft_focus, gate_score_mod)
+from megatron_focus.model.focus_gate import attention_with_lse
+from megatron_focus.model.focus_sparse import sparse_focus_attention
+from megatron_focus.model.sinkhorn import causal_sinkhorn
+from test_focus import reference_focus
+from test_focus_sparse import CASES as SPARSE_CASES
+from test_focus_sparse import assignments, dense_hard_rule
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
+
+SOFT_CASES = [  # (b, heads, kv groups, n, d, K, window)
+    (2, 4, 4, 37, 8, 4, 5),     # n not a multiple of anything
+    (1, 4, 2, 20, 8, 3, 64),    # n < w, GQA
+    (2, 4, 1, 33, 16, 1, 4),    # K = 1, multi-query
+    (1, 2, 2, 300, 8, 8, 6),    # several of FlexAttention's 128-blocks, the last partial
+]
+
+
+def soft_inputs(b, heads, kv, n, d, groups, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, heads, n, d, generator=gen)
+    k, v = (torch.randn(b, kv, n, d, generator=gen) for _ in range(2))
+    log_g = causal_sinkhorn(torch.randn(b, n, groups, generator=gen) * 3, 5)
+    return q, k, v, log_g, gen
+
+
+@pytest.mark.parametrize("b, heads, kv, n, d, groups, window", SOFT_CASES)
+def test_flex_soft_focus_equals_dense_reference(b, heads, kv, n, d, groups, window):
+    q, k, v, log_g, _ = soft_inputs(b, heads, kv, n, d, groups, n + window)
+    kwargs = dict(window=window, gate_scale=0.7, scale=d ** -0.5)
+    out = flex_soft_focus(q, k, v, log_g, **kwargs)
+    ref = reference_focus(q, k, v, log_g, top_k=None, **kwargs)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("b, heads, kv, n, d, groups, window", SOFT_CASES[:3])
+def test_gate_score_mod_gradients_equal_dense_reference(b, heads, kv, n, d, groups, window):
+    """Values and gradients (q, k, v, log g) of attention with gate_score_mod on dense grids."""
+    q, k, v, log_g, gen = soft_inputs(b, heads, kv, n, d, groups, n * window)
+    for t in (q, k, v, log_g):
+        t.requires_grad_()
+    kwargs = dict(window=window, gate_scale=0.7, scale=d ** -0.5)
+    score_mod = gate_score_mod(log_g.exp(), kwargs["window"], kwargs["gate_scale"])
+    rep = heads // kv
+    scores = q @ k.repeat_interleave(rep, 1).transpose(-1, -2) * kwargs["scale"]
+    index = [torch.arange(size).view([-1 if i == dim else 1 for i in range(4)])
+             for dim, size in enumerate(scores.shape)]
+    scores = score_mod(scores, *index).masked_fill(index[3] > index[2], float("-inf"))
+    out = scores.softmax(-1) @ v.repeat_interleave(rep, 1)
+    ref = reference_focus(q, k, v, log_g, top_k=None, **kwargs)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    cotangent = torch.randn(out.shape, generator=gen)
+    grads = torch.autograd.grad(out, (q, k, v, log_g), cotangent)
+    ref_grads = torch.autograd.grad(ref, (q, k, v, log_g), cotangent)
+    for name, got, want in zip("qkvg", grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("n", [1, 100, 128, 300, 513])
+def test_causal_block_mask_equals_create_block_mask(n):
+    ours = causal_block_mask(n, torch.device("cpu"))
+    ref = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, n, n, device="cpu")
+    assert torch.equal(ours.to_dense(), ref.to_dense())
+    assert ours.seq_lengths == (n, n)
+
+
+@pytest.mark.parametrize("causal, mask_shape", [(True, None), (False, None),
+                                                (True, "keys"), (False, "pairs")])
+def test_flex_attention_with_lse_equals_cpu_kernel(causal, mask_shape):
+    gen = torch.Generator().manual_seed(3)
+    b, heads, kv, n, d = 3, 4, 2, 150, 16
+    q = torch.randn(b, heads, n, d, generator=gen)
+    k, v = (torch.randn(b, kv, n, d, generator=gen) for _ in range(2))
+    mask = None
+    if mask_shape is not None:
+        shape = (b, 1, 1, n) if mask_shape == "keys" else (b, 1, n, n)
+        mask = torch.zeros(shape).masked_fill_(torch.rand(shape, generator=gen) < 0.5,
+                                               float("-inf"))
+        mask[0, ..., :] = float("-inf")  # a sequence where no query has a key
+    out, lse = flex_attention_with_lse(q, k, v, 0.25, causal, mask)
+    want_out, want_lse = attention_with_lse(q, k, v, 0.25, causal, mask)
+    has_key = torch.isfinite(lse)
+    if mask is not None:
+        keys = mask.isfinite().expand(b, heads, n, n)
+        if causal:
+            keys = keys.tril()
+        torch.testing.assert_close(has_key, keys.any(-1))  # the CPU kernel says lse 0 there
+    torch.testing.assert_close(lse[has_key], want_lse[has_key], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("b, heads, kv, n, d, groups, window, top_k, how",
+                         [c for c in SPARSE_CASES if c[3] <= 300])
+def test_sparse_dispatch_on_the_flex_kernel_equals_dense(monkeypatch, b, heads, kv, n, d, groups,
+                                                         window, top_k, how):
+    """The sparse path as it runs on a GPU: every call through FlexAttention."""
+    monkeypatch.setattr(focus_gate, "lse_kernel", lambda device: "flex")
+    gen = torch.Generator().manual_seed(n + groups)
+    q = torch.randn(b, heads, n, d, generator=gen)
+    k, v = (torch.randn(b, kv, n, d, generator=gen) for _ in range(2))
+    log_g = assignments(b, n, groups, gen, how)
+    out = sparse_focus_attention(q, k, v, log_g, window=window, top_k=top_k, scale=d ** -0.5)
+    ref = dense_hard_rule(q, k, v, log_g, window, top_k, d ** -0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_soft_kernel_choice():
+    assert focus_gate.soft_kernel("auto", torch.device("cpu")) == "chunked"
+    assert focus_gate.soft_kernel("auto", torch.device("cuda")) == "flex"
+    assert focus_gate.soft_kernel("chunked", torch.device("cuda")) == "chunked"
+    with pytest.raises(ValueError, match="unknown Focus kernel"):
+        focus_gate.soft_kernel("triton", torch.device("cpu"))
