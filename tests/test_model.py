@@ -81,6 +81,7 @@ BASE = ["--num-attention-heads", "4", "--hidden-size", "64"]
     (BASE + ["--tensor-model-parallel-size", "1", "--sequence-parallel"], "needs --tensor-model"),
     (BASE + ["--seq-length", "512", "--max-position-embeddings", "256"], "longer than the learned"),
     (["--hidden-size", "65", "--num-attention-heads", "4"], "--kv-channels"),
+    (BASE + ["--attention", "focus", "--focus-kernel", "flex"], "FlexAttention has no CPU backward"),
 ])
 def test_bad_flags_are_refused(monkeypatch, argv, message):
     monkeypatch.setenv("WORLD_SIZE", "6")
