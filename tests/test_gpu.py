@@ -1,0 +1,97 @@
+"""Focus's GPU kernels on a GPU: compiled FlexAttention against the chunked path and the dense
+references, in fp32 (values and gradients) and bf16, and their memory growth in n.
+
+Skipped without CUDA (CI has none); `benchmarks/gpu_session.sh` runs them on a lent GPU.
+"""
+
+import pytest
+import torch
+
+from megatron_focus.model.focus_gate import focus_attention
+from megatron_focus.model.focus_sparse import sparse_focus_attention
+from megatron_focus.model.sinkhorn import causal_sinkhorn
+from test_focus import reference_focus
+from test_focus_sparse import assignments, dense_hard_rule
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def exact_fp32_matmuls():
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def inputs(b, heads, kv, n, d, groups, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, heads, n, d, generator=gen)
+    k, v = (torch.randn(b, kv, n, d, generator=gen) for _ in range(2))
+    log_g = causal_sinkhorn(torch.randn(b, n, groups, generator=gen) * 3, 5)
+    return [t.cuda().to(dtype).requires_grad_() for t in (q, k, v)] + \
+        [log_g.cuda().requires_grad_()]
+
+
+@pytest.mark.parametrize("b, heads, kv, n, d, groups, window", [
+    (2, 4, 2, 777, 64, 8, 128),   # GQA, n not a multiple of the 128-block
+    (1, 4, 4, 300, 64, 1, 64),    # K = 1
+])
+def test_flex_soft_focus_equals_chunked_path_fp32(b, heads, kv, n, d, groups, window):
+    q, k, v, log_g = inputs(b, heads, kv, n, d, groups)
+    kwargs = dict(window=window, gate_scale=0.7, top_k=None, chunk_size=128, scale=d ** -0.5)
+    flex = focus_attention(q, k, v, log_g, kernel="flex", **kwargs)
+    chunked = focus_attention(q, k, v, log_g, kernel="chunked", **kwargs)
+    torch.testing.assert_close(flex, chunked, rtol=1e-4, atol=1e-4)
+    cotangent = torch.randn_like(flex)
+    grads = torch.autograd.grad(flex, (q, k, v, log_g), cotangent)
+    want = torch.autograd.grad(chunked, (q, k, v, log_g), cotangent)
+    for name, got, ref in zip("qkvg", grads, want):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_flex_soft_focus_bf16_is_close_to_the_dense_reference():
+    q, k, v, log_g = inputs(1, 4, 4, 512, 64, 8, dtype=torch.bfloat16)
+    kwargs = dict(window=64, gate_scale=1.0, scale=0.125)
+    out = focus_attention(q, k, v, log_g, kernel="flex", top_k=None, chunk_size=128, **kwargs)
+    ref = reference_focus(*(t.detach().float().cpu() for t in (q, k, v, log_g)), top_k=None,
+                          **kwargs)
+    torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("n, top_k, how", [(3000, 1, "random"), (3000, 2, "random"),
+                                           (600, 2, "lonely"), (512, 4, "random")])
+def test_sparse_dispatch_on_gpu_equals_dense(n, top_k, how):
+    gen = torch.Generator().manual_seed(n)
+    q = torch.randn(2, 4, n, 64, generator=gen)
+    k, v = (torch.randn(2, 2, n, 64, generator=gen) for _ in range(2))
+    log_g = assignments(2, n, 4, gen, how)
+    out = sparse_focus_attention(q.cuda(), k.cuda(), v.cuda(), log_g.cuda(), window=128,
+                                 top_k=top_k, scale=0.125)
+    ref = dense_hard_rule(q, k, v, log_g, 128, top_k, 0.125)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+
+
+def _peak_bytes(fn) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def test_soft_and_sparse_memory_grow_linearly_on_gpu():
+    def soft_step(n):
+        q, k, v, log_g = inputs(1, 8, 8, n, 64, 8, dtype=torch.bfloat16)
+        return lambda: focus_attention(q, k, v, log_g, kernel="flex", window=128, gate_scale=1.0,
+                                       top_k=None, chunk_size=128, scale=0.125).sum().backward()
+
+    def sparse_call(n):
+        q, k, v, log_g = (t.detach() for t in inputs(1, 8, 8, n, 64, 8, dtype=torch.bfloat16))
+        return lambda: sparse_focus_attention(q, k, v, log_g, window=128, top_k=2, scale=0.125)
+
+    for make, small, large in ((soft_step, 8192, 32768), (sparse_call, 16384, 65536)):
+        make(small)()  # compile first
+        ratio = _peak_bytes(make(large)) / _peak_bytes(make(small))
+        assert ratio < 1.5 * large / small, (make.__name__, ratio)
