@@ -7,7 +7,7 @@ Assignments come from the causal Sinkhorn on random scores, so groups are balanc
 trained model. "ideal" is dense pairs / kept pairs; "of ideal" is measured speedup / ideal.
 
     python benchmarks/focus_sparse_speed.py [--seq-lengths 1024 4096 16384] [--groups 4 8]
-        [--top-k 1 2] [--heads 4 --head-dim 64 --window 128] [--json out.json]
+        [--top-k 1 2] [--heads 4 --head-dim 64 --window 128] [--dtype bf16] [--json out.json]
 """
 
 import argparse
@@ -33,6 +33,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16 is for GPUs (the CPU's flash kernel is fastest in fp32)")
     p.add_argument("--json", metavar="PATH")
     return p.parse_args()
 
@@ -50,7 +52,8 @@ def seconds(fn) -> float:
 def measure(opts, n: int, groups: int, top_k: int) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(n + groups)
-    q, k, v = (torch.randn(1, opts.heads, n, opts.head_dim, generator=gen).to(device)
+    dtype = torch.bfloat16 if opts.dtype == "bf16" else torch.float32
+    q, k, v = (torch.randn(1, opts.heads, n, opts.head_dim, generator=gen).to(device, dtype)
                for _ in range(3))
     log_g = causal_sinkhorn(torch.randn(1, n, groups, generator=gen) * 3, 10).to(device)
     scale = opts.head_dim ** -0.5
@@ -81,7 +84,8 @@ def main() -> None:
     torch.set_grad_enabled(False)
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else \
         f"cpu, {torch.get_num_threads()} threads"
-    print(f"{where}; {opts.heads} heads of {opts.head_dim}, window {opts.window}, batch 1, fp32")
+    print(f"{where}; {opts.heads} heads of {opts.head_dim}, window {opts.window}, batch 1, "
+          f"{opts.dtype}")
     print(f"{'n':>7}{'K':>3}{'top-k':>6}{'dense ms':>10}{'focus ms':>10}{'kept':>7}"
           f"{'speedup':>9}{'ideal':>7}{'of ideal':>9}")
     rows = []
@@ -93,9 +97,10 @@ def main() -> None:
                 print(f"{n:>7}{groups:>3}{top_k:>6}{r['dense_ms']:>10.1f}{r['sparse_ms']:>10.1f}"
                       f"{r['pairs_kept']:>7.3f}{r['speedup']:>8.2f}x{r['ideal_speedup']:>6.1f}x"
                       f"{r['of_ideal']:>8.0%}", flush=True)
-    if opts.json:
-        with open(opts.json, "w") as f:
-            json.dump({"config": {**vars(opts), "device": where}, "results": rows}, f, indent=2)
+                if opts.json:  # after every row: a run cut short keeps what it measured
+                    with open(opts.json, "w") as f:
+                        json.dump({"config": {**vars(opts), "device": where}, "results": rows},
+                                  f, indent=2)
 
 
 if __name__ == "__main__":
