@@ -11,6 +11,7 @@ import subprocess
 
 import numpy as np
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "pretrain.sh")
@@ -282,6 +283,40 @@ def test_planner_counts_the_parameters_of_the_built_model(single_process):
         assert counted.total == sum(p.numel() for p in model.parameters()), argv
         if "--attention" in argv:
             assert counted.router_per_layer == 64 * 16 + 4 * 16
+
+
+def test_retrofit_flops_match_counted_flops(single_process):
+    """flops_per_token: what a retrofit step saves (the frozen weights' gradients) against the
+    matmul FLOPs torch's FlopCounterMode counts in a full and a retrofit step of the built model.
+    The formula leaves out layer 0's input gradients, which a retrofit does not need either
+    (nothing below its router learns): about 3% here."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_focus import platform
+    from megatron_focus.arguments import parse_args
+    from megatron_focus.model.focus import train_routers_only
+    from megatron_focus.model.gpt import build_model
+    from megatron_focus.training.metrics import flops_per_token
+
+    argv = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--attention", "focus", "--focus-groups", "4", "--seq-length", "64",
+            "--hidden-dropout", "0", "--attention-dropout", "0"]
+    vocab, tokens = 256, torch.randint(0, 256, (2, 64))
+    counted = {}
+    for mode in ("full", "retrofit"):
+        args = parse_args(argv + (["--retrofit", "--load", "ckpt"] if mode == "retrofit" else []))
+        platform.manual_seed(1)
+        model = build_model(args, vocab)
+        if mode == "retrofit":
+            train_routers_only(model)
+        with FlopCounterMode(display=False) as counter:
+            positions = torch.arange(64).expand_as(tokens)
+            model(tokens, positions, None, labels=tokens).sum().backward()
+        counted[mode] = counter.get_total_flops()
+        formula = flops_per_token(args, vocab)
+        counted[mode + " formula"] = formula * tokens.numel()
+    saved = counted["full"] - counted["retrofit"]
+    assert saved == pytest.approx(counted["full formula"] - counted["retrofit formula"], rel=0.05)
 
 
 def test_planner_memory_matches_a_hand_computation():

@@ -156,6 +156,12 @@ class FocusAttention(CoreAttention):
         )
 
 
+def train_routers_only(model: torch.nn.Module) -> None:
+    """A retrofit: only the Focus routers learn; every other weight is frozen."""
+    for name, param in model.named_parameters():
+        param.requires_grad = ".router." in name
+
+
 def set_focus_mode(model: torch.nn.Module, mode: str, top_k: Optional[int] = None) -> None:
     """Switch every Focus layer between the soft gate and the hard rule (optionally its top-k)."""
     if mode not in MODES:

@@ -22,6 +22,8 @@ def flops_per_token(args: argparse.Namespace, vocab_size: int) -> float:
 
     Matmuls cost 2 FLOPs per weight per token; causal attention scores and the weighted sum
     cost 2 x 2 x (s/2) x heads x head_dim per token per layer (half the square is computed).
+    A retrofit computes no gradients of its frozen weights, only of their inputs: its weight
+    matmuls cost 2 x forward (the routers' own are negligible and not counted).
     """
     h, heads, groups, d = args.hidden_size, args.num_attention_heads, args.num_query_groups, \
         args.kv_channels
@@ -29,7 +31,8 @@ def flops_per_token(args: argparse.Namespace, vocab_size: int) -> float:
     mlp = h * args.ffn_hidden_size * (3 if args.swiglu else 2)
     matmul_weights = args.num_layers * (qkv_proj + mlp) + h * vocab_size
     attention = args.num_layers * 2 * args.seq_length * heads * d
-    return 3 * (2 * matmul_weights + attention)
+    weight_passes = 2 if getattr(args, "retrofit", False) else 3
+    return weight_passes * 2 * matmul_weights + 3 * attention
 
 
 def peak_memory_bytes() -> tuple[str, int]:

@@ -23,7 +23,7 @@ from megatron_focus.data.datasets import build_datasets
 from megatron_focus.data.embedded import TOKENIZER_TYPE as EMBEDDED_TOKENIZER_TYPE
 from megatron_focus.data.embedded import ensure_embedded_data
 from megatron_focus.data.tokenizer import build_tokenizer
-from megatron_focus.model.focus import focus_statistics, set_focus_mode
+from megatron_focus.model.focus import focus_statistics, set_focus_mode, train_routers_only
 from megatron_focus.model.focus_gate import lse_kernel, soft_kernel
 from megatron_focus.model.gpt import build_model, padded_vocab_size
 from megatron_focus.parallel import install_sequence_parallel_grad_allreduce
@@ -49,9 +49,8 @@ def pretrain(args: argparse.Namespace) -> dict:
     train_data, valid_data = datasets_for(args, tokenizer)
 
     model = build_model(args, tokenizer.vocab_size)
-    if args.retrofit:  # only the Focus routers learn; frozen weights stay out of the optimizer
-        for name, param in model.named_parameters():
-            param.requires_grad = ".router." in name
+    if args.retrofit:  # frozen weights stay out of the optimizer
+        train_routers_only(model)
     install_sequence_parallel_grad_allreduce(model)
     engine = _deepspeed_engine(args, model)
 
