@@ -166,9 +166,6 @@ class _SoftFocusAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, log_g, window, gate_scale, chunk_size, scale):
-        # Megatron hands q, k, v as permuted views of [s, b, heads, d]: one copy each here
-        # instead of one per chunk and matmul.
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         n = q.shape[2]
         outs, lses = [], []
         for start, end in _chunks(n, chunk_size):
@@ -185,7 +182,9 @@ class _SoftFocusAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, log_g, out, lse = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
+        # Megatron hands q, k, v as permuted views of [s, b, heads, d] (saved as such: no extra
+        # memory between forward and backward): one copy each here, not one per chunk and matmul.
+        q, k, v, grad_out = (t.contiguous() for t in (q, k, v, grad_out))
         window, gate_scale, chunk_size, scale = ctx.settings
         b, h, n, d = q.shape
         groups = k.shape[1]
