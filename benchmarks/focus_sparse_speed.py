@@ -7,7 +7,7 @@ Assignments come from the causal Sinkhorn on random scores, so groups are balanc
 trained model. "ideal" is dense pairs / kept pairs; "of ideal" is measured speedup / ideal.
 
     python benchmarks/focus_sparse_speed.py [--seq-lengths 1024 4096 16384] [--groups 4 8]
-        [--top-k 1 2] [--heads 4 --head-dim 64 --window 128] [--dtype bf16] [--json out.json]
+        [--top-k 1 2] [--heads 4 --head-dim 64 --window 128] [--dtype bf16] [--profile] [--json out.json]
 """
 
 import argparse
@@ -33,6 +33,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--profile", action="store_true",
+                   help="also print where the sparse call's time goes (torch.profiler, 3 calls)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                    help="bf16 is for GPUs (the CPU's flash kernel is fastest in fp32)")
     p.add_argument("--json", metavar="PATH")
@@ -71,6 +73,11 @@ def measure(opts, n: int, groups: int, top_k: int) -> dict:
             for name, fn in ((("dense", dense), ("sparse", sparse)) if rep % 2 == 0
                              else (("sparse", sparse), ("dense", dense))):
                 times[name].append(seconds(fn))
+        if opts.profile:
+            with torch.profiler.profile() as prof:
+                for _ in range(3):
+                    sparse()
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
     kept = float(group_stats(log_g, top_k, opts.window)["pairs-kept"])
     dense_s, sparse_s = statistics.median(times["dense"]), statistics.median(times["sparse"])
     speedup = statistics.median(d / s for d, s in zip(times["dense"], times["sparse"]))
