@@ -71,11 +71,22 @@ def test_gate_score_mod_gradients_equal_dense_reference(b, heads, kv, n, d, grou
 
 
 @pytest.mark.parametrize("n", [1, 100, 128, 300, 513])
-def test_causal_block_mask_equals_create_block_mask(n):
-    ours = causal_block_mask(n, torch.device("cpu"))
-    ref = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, n, n, device="cpu")
+@pytest.mark.parametrize("window", [None, 1, 5, 128, 200])
+def test_causal_block_mask_is_exact(n, window):
+    """Blocks present == create_block_mask's (which evaluates every pair); a block marked full
+    holds only kept pairs (FlexAttention skips the mask there)."""
+    w = n if window is None else window
+    ours = causal_block_mask(n, torch.device("cpu"), window)
+    ref = create_block_mask(lambda b, h, q, kv: (q >= kv) & (q - kv < w), None, None, n, n,
+                            device="cpu")
     assert torch.equal(ours.to_dense(), ref.to_dense())
     assert ours.seq_lengths == (n, n)
+    pos = torch.arange(n)
+    kept = (pos[:, None] >= pos) & (pos[:, None] - pos < w)
+    block = ours.BLOCK_SIZE[0]
+    for i in range(ours.full_kv_num_blocks.shape[-1]):
+        for j in ours.full_kv_indices[0, 0, i, :int(ours.full_kv_num_blocks[0, 0, i])].tolist():
+            assert kept[i * block:(i + 1) * block, j * block:(j + 1) * block].all(), (i, j)
 
 
 @pytest.mark.parametrize("causal, mask_shape", [(True, None), (False, None),

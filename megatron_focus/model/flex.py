@@ -13,6 +13,7 @@ These functions still run forward on the CPU, eagerly (a dense evaluation of the
 """
 
 import functools
+from typing import Optional
 
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
@@ -46,23 +47,41 @@ def _causal(b, h, q_idx, kv_idx):
 
 
 @functools.lru_cache(maxsize=32)
-def causal_block_mask(n: int, device: torch.device, block: int = 128) -> BlockMask:
-    """Causal BlockMask of n x n built from its block structure (O((n / block)^2) integers).
+def causal_block_mask(n: int, device: torch.device, window: Optional[int] = None,
+                      block: int = 128) -> BlockMask:
+    """The causal (i - w < j <= i with a window) n x n BlockMask, from its block geometry.
 
-    `create_block_mask` would evaluate the mask at every one of the n^2 pairs; here query block i
-    reads kv blocks 0 .. i - 1 whole and block i through the mask.
+    `create_block_mask` would evaluate the mask at every one of the n^2 pairs. Here a block of
+    queries [a, a'] and keys [c, c'] is skipped unless some pair is causal and in the window
+    (a' >= c and a - c' < w), and whole (no mask evaluated) if every pair is (a >= c' and
+    a' - c < w). Its index tensors hold (n / block)^2 integers.
     """
+    window = n if window is None else window
     blocks = -(-n // block)
-    rows = torch.arange(blocks, device=device, dtype=torch.int32)
-    indices = rows.expand(blocks, blocks).contiguous()  # row i: 0, 1, ..., blocks - 1
-    diagonal = indices.diagonal().clone()
-    partial_indices = torch.cat([diagonal[:, None], indices[:, 1:]], dim=1)
-    return BlockMask.from_kv_blocks(
-        kv_num_blocks=torch.ones(1, 1, blocks, dtype=torch.int32, device=device),
-        kv_indices=partial_indices[None, None],
-        full_kv_num_blocks=rows[None, None],
-        full_kv_indices=indices[None, None],
-        BLOCK_SIZE=block, mask_mod=_causal, seq_lengths=(n, n))
+    first = torch.arange(blocks, device=device) * block
+    last = first + block - 1
+    q_first, q_last, k_first, k_last = first[:, None], last[:, None], first[None], last[None]
+    some = (q_last >= k_first) & (q_first - k_last < window)
+    every = (q_first >= k_last) & (q_last - k_first < window)
+    partial = some & ~every
+
+    def counts_and_indices(kept):  # kept blocks first, in increasing order, in each row
+        order = torch.sort((~kept).to(torch.int8), dim=1, stable=True).indices
+        return (kept.sum(1, dtype=torch.int32)[None, None],
+                order.to(torch.int32)[None, None])
+
+    mask_mod = _causal if window >= n else _causal_window(window)
+    kv_num, kv_indices = counts_and_indices(partial)
+    full_num, full_indices = counts_and_indices(every)
+    return BlockMask.from_kv_blocks(kv_num, kv_indices, full_num, full_indices,
+                                    BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(n, n))
+
+
+def _causal_window(window: int):
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    return mask_mod
 
 
 def _kernel(device: torch.device):
@@ -99,6 +118,28 @@ def flex_attention_with_lse(q, k, v, scale: float, causal: bool, mask=None):
 
     block_mask = causal_block_mask(q.shape[2], q.device) if causal else None
     out, aux = _kernel(q.device)(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                 scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+                                 return_aux=AuxRequest(lse=True))
+    return out, aux.lse
+
+
+def flex_local_part(q, k, v, groups_q, window: int, scale: float):
+    """Sparse Focus's local part in one call over the band (i - w < j <= i): the window keys
+    whose top-1 group is not among the query's top-k groups (those are in the bucket part).
+
+    groups_q [b, n, top_k] (top-1 first). Returns (output, log-sum-exp), -inf where no key is left.
+    """
+    top1 = groups_q[..., 0]
+    slots = groups_q.shape[-1]
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        in_bucket = groups_q[b, q_idx, 0] == top1[b, kv_idx]
+        for s in range(1, slots):
+            in_bucket = in_bucket | (groups_q[b, q_idx, s] == top1[b, kv_idx])
+        return torch.where(in_bucket, float("-inf"), score)
+
+    out, aux = _kernel(q.device)(q, k, v, score_mod=score_mod,
+                                 block_mask=causal_block_mask(q.shape[2], q.device, window),
                                  scale=scale, enable_gqa=q.shape[1] != k.shape[1],
                                  return_aux=AuxRequest(lse=True))
     return out, aux.lse

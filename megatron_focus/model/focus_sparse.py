@@ -12,7 +12,8 @@ ordinary attention call, merged exactly by per-query log-sum-exp weights:
   that only query it; a [buckets, longest] key mask removes those keys.
 * local part: the window keys whose top-1 group is *not* among the query's top-k (the others are
   in a bucket already), by query blocks of B = 16 against the w + B keys ending with them,
-  overlapping strided windows of one padded copy: O(n (w + B)).
+  overlapping strided windows of one padded copy: O(n (w + B)). On a GPU, one FlexAttention call
+  over the band instead (flex.flex_local_part).
 
 Each key is in exactly one bucket and the local part excludes bucket pairs, so no pair is counted
 twice and nothing is subtracted. Cost: sum over buckets of |bucket|^2 / 2 plus n w, against n^2 / 2
@@ -24,6 +25,8 @@ This is an inference path (no backward through the log-sum-exp); training uses t
 
 import torch
 
+from megatron_focus.model import focus_gate
+from megatron_focus.model.flex import flex_local_part
 from megatron_focus.model.focus_gate import attention_with_lse
 
 def merge_by_lse(outputs, lses):
@@ -146,7 +149,10 @@ def sparse_focus_attention(q, k, v, log_g, *, window: int, top_k: int, scale: fl
     """Hard-rule Focus attention computing only kept pairs. q [b,h,n,d], k/v [b,g,n,d], log_g [b,n,K]."""
     groups_q = log_g.topk(top_k, dim=-1).indices  # [b, n, top_k], top-1 first
     bucket_outs, bucket_lses = _bucket_part(q, k, v, groups_q, scale)
-    local_out, local_lse = _local_part(q, k, v, groups_q, window, scale)
+    if focus_gate.lse_kernel(q.device) == "flex":  # a GPU: one call over the band
+        local_out, local_lse = flex_local_part(q, k, v, groups_q, window, scale)
+    else:
+        local_out, local_lse = _local_part(q, k, v, groups_q, window, scale)
     out, _ = merge_by_lse(bucket_outs + [local_out],
                           [lse.float() for lse in bucket_lses + [local_lse]])
     return out.to(q.dtype)
