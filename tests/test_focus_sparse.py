@@ -124,7 +124,9 @@ def test_eval_ppl_reports_every_top_k(embedded_cache, tmp_path):
                           embedded_cache, "--eval-iters", "2", "--micro-batch-size", "2",
                           "--json", report], cwd=root, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = json.load(open(report))["rows"]
+    result = json.load(open(report))
+    assert result["focus_kernels"] == {"soft": "chunked", "sparse": "cpu-flash"}
+    rows = result["rows"]
     assert [(r["mode"], r["top_k"]) for r in rows] == [("soft", None), ("sparse", 1),
                                                         ("sparse", 2), ("sparse", 3)]
     kept = [r["pairs_kept"] for r in rows[1:]]

@@ -27,6 +27,7 @@ from megatron_focus.arguments import build_parser, validate_args  # noqa: E402
 from megatron_focus.hf.native import (  # noqa: E402
     checkpoint_tag_dir, native_model, read_architecture, read_weights)
 from megatron_focus.model.focus import FocusAttention, focus_statistics, set_focus_mode  # noqa: E402
+from megatron_focus.model.focus_gate import lse_kernel, soft_kernel  # noqa: E402
 from megatron_focus.training import trainer  # noqa: E402
 
 
@@ -110,6 +111,12 @@ def main() -> None:
 
     tokens = args.eval_iters * args.micro_batch_size * args.seq_length
     print(f"{opts.load}: {arch.attention}, {tokens} validation tokens (seq {args.seq_length})")
+    kernels = None
+    if arch.focus is not None:
+        layer = next(m for m in model.modules() if isinstance(m, FocusAttention))
+        device = next(model.parameters()).device
+        kernels = {"soft": soft_kernel(layer.focus.kernel, device), "sparse": lse_kernel(device)}
+        print(f"Focus kernels: soft gate {kernels['soft']}, sparse {kernels['sparse']}")
     print(f"{'mode':<8}{'top-k':>6}{'loss':>9}{'ppl':>10}{'pairs kept':>12}{'attn ms':>10}")
     for r in rows:
         top_k = "" if r["top_k"] is None else r["top_k"]
@@ -118,7 +125,7 @@ def main() -> None:
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump({"load": opts.load, "attention": arch.attention, "tokens": tokens,
-                       "rows": rows}, f, indent=2)
+                       "focus_kernels": kernels, "rows": rows}, f, indent=2)
     platform.destroy_distributed()
 
 
