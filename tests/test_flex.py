@@ -12,9 +12,9 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from megatron_focus.model import focus_gate
 from megatron_focus.model.flex import (causal_block_mask, flex_attention_with_lse,
-                                       flex_soft_focus, gate_score_mod)
+                                       flex_soft_focus, gate_score_mod, range_block_mask)
 from megatron_focus.model.focus_gate import attention_with_lse
-from megatron_focus.model.focus_sparse import sparse_focus_attention
+from megatron_focus.model.focus_sparse import _buckets, _key_ranges, sparse_focus_attention
 from megatron_focus.model.sinkhorn import causal_sinkhorn
 from test_focus import reference_focus
 from test_focus_sparse import CASES as SPARSE_CASES
@@ -87,6 +87,25 @@ def test_causal_block_mask_is_exact(n, window):
     for i in range(ours.full_kv_num_blocks.shape[-1]):
         for j in ours.full_kv_indices[0, 0, i, :int(ours.full_kv_num_blocks[0, 0, i])].tolist():
             assert kept[i * block:(i + 1) * block, j * block:(j + 1) * block].all(), (i, j)
+
+
+@pytest.mark.parametrize("n, groups, top_k, how", [(300, 4, 2, "random"), (700, 8, 3, "random"),
+                                                  (400, 4, 2, "lonely"), (129, 1, 1, "random")])
+def test_range_block_mask_covers_every_kept_pair(n, groups, top_k, how):
+    """The bucket part's ranges, as the sparse path sorts them: no kept pair in a skipped block."""
+    gen = torch.Generator().manual_seed(n)
+    groups_q = assignments(2, n, groups, gen, how).topk(top_k, -1).indices
+    _, _, _, starts = _buckets(groups_q, groups)
+    for slot in range(top_k):
+        lo, hi = _key_ranges(groups_q, slot, starts, groups)
+        entries = torch.sort(lo * (2 * n + 1) + hi).indices
+        lo, hi = lo[entries], hi[entries]
+        mask = range_block_mask(lo, hi, 2 * n)
+        keys = torch.arange(2 * n)
+        kept = (keys >= lo[:, None]) & (keys < hi[:, None])
+        present = mask.to_dense()[0, 0].repeat_interleave(128, 0).repeat_interleave(128, 1)
+        assert not (kept & ~present[:2 * n, :2 * n].bool()).any(), slot
+        assert mask.seq_lengths == (2 * n, 2 * n)
 
 
 @pytest.mark.parametrize("causal, mask_shape", [(True, None), (False, None),

@@ -143,3 +143,36 @@ def flex_local_part(q, k, v, groups_q, window: int, scale: float):
                                  scale=scale, enable_gqa=q.shape[1] != k.shape[1],
                                  return_aux=AuxRequest(lse=True))
     return out, aux.lse
+
+
+def range_block_mask(lo: torch.Tensor, hi: torch.Tensor, keys: int, block: int = 128) -> BlockMask:
+    """BlockMask of query e against keys [lo[e], hi[e]) (lo, hi nondecreasing in e): each block
+    of queries reads the key blocks from its first lo to its last hi."""
+    rows = lo.numel()
+    q_blocks, kv_blocks = -(-rows // block), -(-keys // block)
+    firsts = lo[::block]
+    lasts = hi[torch.clamp(torch.arange(1, q_blocks + 1, device=lo.device) * block, max=rows) - 1]
+    start = torch.div(firsts, block, rounding_mode="floor")
+    count = torch.where(lasts > firsts, torch.div(lasts - 1, block, rounding_mode="floor")
+                        - start + 1, 0)
+    indices = torch.clamp(start[:, None] + torch.arange(kv_blocks, device=lo.device),
+                          max=kv_blocks - 1)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx >= lo[q_idx]) & (kv_idx < hi[q_idx])
+
+    return BlockMask.from_kv_blocks(count.to(torch.int32)[None, None],
+                                    indices.to(torch.int32)[None, None], BLOCK_SIZE=block,
+                                    mask_mod=mask_mod, seq_lengths=(rows, keys))
+
+
+def flex_range_attention(q, k, v, lo, hi, scale: float):
+    """Query row e against key rows [lo[e], hi[e]) in one FlexAttention call (the sparse path's
+    bucket part on a GPU: no padding, no bucket squares). q [E, h, d], k/v [M, groups, d] ->
+    (out [E, h, d], lse [E, h], -inf where a range is empty)."""
+    out, aux = _kernel(q.device)(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                 v.transpose(0, 1)[None],
+                                 block_mask=range_block_mask(lo, hi, k.shape[0]), scale=scale,
+                                 enable_gqa=q.shape[1] != k.shape[1],
+                                 return_aux=AuxRequest(lse=True))
+    return out[0].transpose(0, 1), aux.lse[0].transpose(0, 1)

@@ -4,21 +4,25 @@ The hard rule (focus_gate.hard_pair_mask) keeps, for query i, the local keys i -
 the keys whose top-1 group is among i's top-k groups. It is split into disjoint parts, each an
 ordinary attention call, merged exactly by per-query log-sum-exp weights:
 
-* bucket part, one per top-k slot s: query i meets, causally, the keys of group topk(i)[s]. All
-  groups of all sequences are packed into one call: tokens are stably sorted by (sequence, group),
-  so positions stay increasing inside a bucket and plain causal attention over the bucket is the
-  causal rule; q, k and v are each gathered once into the padded [buckets, longest] layout. A
-  bucket holds the tokens whose top-1 group it is (their keys count) and, for top-k > 1, tokens
-  that only query it; a [buckets, longest] key mask removes those keys.
+* bucket part, one per top-k slot s. The keys of all groups of all sequences are laid out in
+  bucket order: tokens stably sorted by (sequence, top-1 group), positions increasing inside a
+  bucket. Query i's keys for slot s are then one contiguous range of that layout: the members of
+  group topk(i)[s] before it (and i itself for its own top-1 group), `_key_ranges`. Slot 0 on
+  the CPU is plain causal attention over each bucket: all buckets packed into one call, q, k, v
+  each gathered once into the padded [buckets, longest] layout. Other slots, and every slot on
+  a GPU, attend their ranges: FlexAttention in one call with a block mask made from the ranges
+  (flex.flex_range_attention), or on the CPU blocks of queries against their blocks' key ranges
+  (`_range_attention`). Work is the kept pairs, not the bucket's square: a token that only
+  queries a bucket adds no keys to it.
 * local part: the window keys whose top-1 group is *not* among the query's top-k (the others are
   in a bucket already), by query blocks of B = 16 against the w + B keys ending with them,
   overlapping strided windows of one padded copy: O(n (w + B)). On a GPU, one FlexAttention call
   over the band instead (flex.flex_local_part).
 
 Each key is in exactly one bucket and the local part excludes bucket pairs, so no pair is counted
-twice and nothing is subtracted. Cost: sum over buckets of |bucket|^2 / 2 plus n w, against n^2 / 2
-dense. Routing (top-k, sort, counts, offsets) stays on the device: no Python loop over groups and
-one host synchronisation per call (the longest bucket, which sizes the packed batch).
+twice and nothing is subtracted. Cost: the kept distant pairs plus n w, against n^2 / 2 dense.
+Routing (top-k, sort, counts, offsets) stays on the device: no Python loop over groups; the CPU
+synchronises with the host for the longest bucket and the key ranges' bounds.
 
 This is an inference path (no backward through the log-sum-exp); training uses the soft gate.
 """
@@ -26,8 +30,9 @@ This is an inference path (no backward through the log-sum-exp); training uses t
 import torch
 
 from megatron_focus.model import focus_gate
-from megatron_focus.model.flex import flex_local_part
+from megatron_focus.model.flex import flex_local_part, flex_range_attention
 from megatron_focus.model.focus_gate import attention_with_lse
+
 
 def merge_by_lse(outputs, lses):
     """Exact softmax over the union of disjoint key sets, from each set's output and log-sum-exp.
@@ -40,52 +45,111 @@ def merge_by_lse(outputs, lses):
     return merged, lse
 
 
+def _buckets(groups_q: torch.Tensor, num_groups: int):
+    """Bucket of each token (sequence * K + top-1 group), the token rows in bucket order (stable:
+    positions increasing) and each bucket's first place in that order."""
+    b, n, _ = groups_q.shape
+    bucket = (torch.arange(b, device=groups_q.device)[:, None] * num_groups
+              + groups_q[..., 0]).reshape(-1)
+    order = torch.sort(bucket, stable=True).indices
+    sizes = torch.bincount(bucket, minlength=b * num_groups)
+    return bucket, order, sizes, torch.cumsum(sizes, 0) - sizes
+
+
+def _key_ranges(groups_q: torch.Tensor, slot: int, starts: torch.Tensor, num_groups: int):
+    """[lo, hi) of each token's slot-`slot` keys in bucket order, [b * n] each: the members of
+    group topk[slot] before the token, and the token itself in its own (top-1) group."""
+    b, n, _ = groups_q.shape
+    onehot = torch.nn.functional.one_hot(groups_q[..., 0], num_groups)
+    before = onehot.cumsum(1) - onehot  # [b, n, K]: members of each group before each position
+    group = groups_q[..., slot:slot + 1]
+    lo = starts.view(b, num_groups).gather(1, group[..., 0])
+    return lo.reshape(-1), (lo + before.gather(-1, group)[..., 0] + (slot == 0)).reshape(-1)
+
+
+def _causal_buckets(rows, order, bucket, sizes, starts, b, h, n, d, scale):
+    """Slot 0 on the CPU: causal attention inside each bucket, all buckets in one padded call."""
+    num_buckets = sizes.numel()
+    longest = int(sizes.max())  # a host synchronisation
+    # Token order[i] goes to place `packed_at[i]` of the [buckets * longest] layout; the places
+    # after a bucket's tokens (padding) read token 0: as keys they come after every real query
+    # of their bucket (causal), as queries they are never read back.
+    sorted_bucket = bucket[order]
+    packed_at = sorted_bucket * longest + torch.arange(order.numel(), device=order.device) \
+        - starts[sorted_bucket]
+    source = order.new_zeros(num_buckets * longest).index_copy_(0, packed_at, order)
+
+    def packed(x):  # [b * n, heads, d] rows -> [buckets, heads, longest, d]
+        return x.index_select(0, source).view(num_buckets, longest, x.shape[1], d).transpose(1, 2)
+
+    out, lse = attention_with_lse(*(packed(x) for x in rows), scale, causal=True)
+    back = torch.empty_like(packed_at).index_copy_(0, order, packed_at)  # token -> its place
+    return (out.transpose(1, 2).reshape(-1, h, d).index_select(0, back),
+            lse.transpose(1, 2).reshape(-1, h).index_select(0, back))
+
+
+# Queries per kernel call of `_range_attention`: each call computes its block's queries against
+# the union of their key ranges, so a larger block wastes more (the ranges' staircase) and a
+# smaller one makes more calls.
+_RANGE_BLOCK = 256
+
+
+def _range_attention(q, k, v, lo, hi, scale: float):
+    """Query row e against key rows [lo[e], hi[e]), lo and hi nondecreasing in e, on the CPU.
+
+    q [E, h, d], k/v [M, groups, d] -> (out [E, h, d], lse [E, h], -inf where a range is empty).
+    Blocks of queries, each against the key rows from its first lo to its last hi (a view), the
+    rest of each range masked.
+    """
+    rows = q.shape[0]
+    out = q.new_zeros(q.shape)
+    lse = torch.full(q.shape[:2], float("-inf"), device=q.device)
+    firsts, lasts = lo.tolist(), hi.tolist()  # a host synchronisation
+    for start in range(0, rows, _RANGE_BLOCK):
+        end = min(start + _RANGE_BLOCK, rows)
+        first, last = firsts[start], lasts[end - 1]
+        if last <= first:
+            continue
+        keys = torch.arange(first, last, device=q.device)
+        kept = (keys >= lo[start:end, None]) & (keys < hi[start:end, None])
+        mask = torch.zeros(kept.shape, dtype=q.dtype, device=q.device)
+        mask.masked_fill_(~kept, float("-inf"))
+        o, l = attention_with_lse(q[start:end].transpose(0, 1)[None],
+                                  k[first:last].transpose(0, 1)[None],
+                                  v[first:last].transpose(0, 1)[None], scale, causal=False,
+                                  mask=mask[None, None])
+        out[start:end] = o[0].transpose(0, 1)
+        lse[start:end] = l[0].transpose(0, 1)
+    return out, lse.masked_fill_((hi <= lo)[:, None], float("-inf"))
+
+
 def _bucket_part(q, k, v, groups_q, scale):
-    """Per top-k slot, each query's attention over its bucket: outputs [k][b,h,n,d], lses [k][b,h,n]."""
+    """Per top-k slot, each query's attention over its keys of that slot's group:
+    outputs [top_k][b, h, n, d], lses [top_k][b, h, n]."""
     b, h, n, d = q.shape
     top_k = groups_q.shape[-1]
     num_groups = int(groups_q.max()) + 1
-    # One entry per (sequence, token, slot); a token's own key lives in its top-1 bucket (slot 0).
-    entry = torch.arange(b * n * top_k, device=q.device)
-    token_row, slot = entry // top_k, entry % top_k  # token_row = sequence * n + position
-    bucket = (token_row // n) * num_groups + groups_q.reshape(-1)
-    order = torch.sort(bucket, stable=True).indices  # positions stay increasing in a bucket
-    sizes = torch.bincount(bucket, minlength=b * num_groups)
-    starts = torch.cumsum(sizes, 0) - sizes
-    longest = int(sizes.max())  # the one host synchronisation
-    # Entry order[i] goes to place `packed_at[i]` of the [buckets * longest] layout; the places
-    # after a bucket's tokens (padding) read entry 0: as keys they come after every real query
-    # of their bucket (causal), as queries they are never read back.
-    packed_at = bucket[order] * longest + torch.arange(order.numel(), device=q.device) \
-        - starts[bucket[order]]
-    source = order.new_zeros(b * num_groups * longest).index_copy_(0, packed_at, order)
-
-    def packed(x):  # [b, heads, n, d] -> [buckets, heads, longest, d]
-        heads = x.shape[1]
-        rows = x.transpose(1, 2).reshape(b * n, heads, d)
-        return rows.index_select(0, source // top_k).view(b * num_groups, longest, heads, d) \
-            .transpose(1, 2)
-
-    if top_k == 1:
-        out, lse = attention_with_lse(packed(q), packed(k), packed(v), scale, causal=True)
-    else:
-        # A bucket also holds tokens that only query it (slots > 0): a key mask removes their
-        # keys, and a query with no key of the group at or before it gets log-sum-exp -inf.
-        member = (slot.index_select(0, source) == 0).view(b * num_groups, longest)
-        mask = torch.zeros(member.shape, dtype=q.dtype, device=q.device)
-        mask.masked_fill_(~member, float("-inf"))
-        out, lse = attention_with_lse(packed(q), packed(k), packed(v), scale, causal=True,
-                                      mask=mask[:, None, None, :])
-        lse = lse.masked_fill(member.cumsum(1).unsqueeze(1) == 0, float("-inf"))
-    # Back to [slot][b, h, n, ...]: entry e sits at place packed_at[rank of e in `order`].
-    rank = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(),
-                                                                       device=q.device))
-    back = packed_at.index_select(0, rank)
-    out = out.transpose(1, 2).reshape(-1, h, d).index_select(0, back)
-    lse = lse.transpose(1, 2).reshape(-1, h).index_select(0, back)
-    outs = out.view(b, n, top_k, h, d).permute(2, 0, 3, 1, 4)
-    lses = lse.view(b, n, top_k, h).permute(2, 0, 3, 1)
-    return list(outs), list(lses)
+    rows = [x.transpose(1, 2).reshape(b * n, x.shape[1], d) for x in (q, k, v)]
+    bucket, order, sizes, starts = _buckets(groups_q, num_groups)
+    flex = focus_gate.lse_kernel(q.device) == "flex"
+    if flex or top_k > 1:
+        members_k, members_v = (x.index_select(0, order) for x in rows[1:])
+    outs, lses = [], []
+    for slot in range(top_k):
+        if slot == 0 and not flex:
+            out, lse = _causal_buckets(rows, order, bucket, sizes, starts, b, h, n, d, scale)
+        else:
+            lo, hi = _key_ranges(groups_q, slot, starts, num_groups)
+            # Queries sorted so that lo and hi both never decrease (slot 0: the bucket order).
+            entries = torch.sort(lo * (b * n + 1) + hi).indices if slot else order
+            attend = flex_range_attention if flex else _range_attention
+            out_sorted, lse_sorted = attend(rows[0].index_select(0, entries), members_k,
+                                            members_v, lo[entries], hi[entries], scale)
+            out = torch.empty_like(out_sorted).index_copy_(0, entries, out_sorted)
+            lse = torch.empty_like(lse_sorted).index_copy_(0, entries, lse_sorted)
+        outs.append(out.view(b, n, h, d).transpose(1, 2))
+        lses.append(lse.view(b, n, h).transpose(1, 2))
+    return outs, lses
 
 
 # Queries per block of the local part: each block meets the w + B keys ending with it, so
