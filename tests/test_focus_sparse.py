@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from megatron_focus.model import focus_gate
 from megatron_focus.model.focus_gate import focus_attention
 from megatron_focus.model.focus_sparse import merge_by_lse, sparse_focus_attention
 
@@ -50,8 +51,16 @@ CASES = [  # b, heads, kv heads, n, d, K, w, top_k, assignment
 ]
 
 
+@pytest.mark.parametrize("kernel", ["cpu-flash", "flex"])
 @pytest.mark.parametrize("b, heads, kv, n, d, groups, window, top_k, how", CASES)
-def test_sparse_dispatch_equals_dense_hard_rule(b, heads, kv, n, d, groups, window, top_k, how):
+def test_sparse_dispatch_equals_dense_hard_rule(monkeypatch, kernel, b, heads, kv, n, d, groups,
+                                                window, top_k, how):
+    """kernel "flex": the sparse path as it runs on a GPU, every call through FlexAttention
+    (here eagerly: a dense evaluation, so only up to a few hundred tokens)."""
+    if kernel == "flex":
+        if n > 300:
+            pytest.skip("eager FlexAttention on the CPU evaluates every pair")
+        monkeypatch.setattr(focus_gate, "lse_kernel", lambda device: "flex")
     gen = torch.Generator().manual_seed(n + groups)
     q = torch.randn(b, heads, n, d, generator=gen)
     k, v = (torch.randn(b, kv, n, d, generator=gen) for _ in range(2))
@@ -59,7 +68,7 @@ def test_sparse_dispatch_equals_dense_hard_rule(b, heads, kv, n, d, groups, wind
     out = sparse_focus_attention(q, k, v, log_g, window=window, top_k=top_k, scale=d ** -0.5)
     ref = dense_hard_rule(q, k, v, log_g, window, top_k, d ** -0.5)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    if n <= 300:  # the chunked masked path (used with gradients) applies the same rule
+    if n <= 300 and kernel == "cpu-flash":  # the masked path (used with gradients): same rule
         masked = focus_attention(q, k, v, log_g, window=window, gate_scale=1.0, top_k=top_k,
                                  chunk_size=32, scale=d ** -0.5)
         torch.testing.assert_close(out, masked, rtol=1e-5, atol=1e-5)
