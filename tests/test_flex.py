@@ -3,8 +3,9 @@
 FlexAttention runs forward on the CPU eagerly (a dense evaluation of the same score_mod and
 masks; pytest.ini silences its warning that it is not compiled), so the outputs here test our
 score_mod and masks, not the compiled Triton kernel; the block masks are checked block by block.
-The sparse path on FlexAttention is tested in test_focus_sparse.py. Its backward does not run on the CPU: the gate's gradient is checked by differentiating
-`gate_score_mod` on dense index grids, which is the function FlexAttention differentiates.
+FlexAttention's backward does not run on the CPU: the gate's gradient is checked by
+differentiating `gate_score_mod` on dense index grids, which is the function FlexAttention
+differentiates. The sparse path on FlexAttention is tested in test_focus_sparse.py.
 """
 
 import pytest
