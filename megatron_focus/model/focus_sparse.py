@@ -123,12 +123,11 @@ def _range_attention(q, k, v, lo, hi, scale: float):
     return out, lse.masked_fill_((hi <= lo)[:, None], float("-inf"))
 
 
-def _bucket_part(q, k, v, groups_q, scale):
+def _bucket_part(q, k, v, groups_q, num_groups: int, scale: float):
     """Per top-k slot, each query's attention over its keys of that slot's group:
     outputs [top_k][b, h, n, d], lses [top_k][b, h, n]."""
     b, h, n, d = q.shape
     top_k = groups_q.shape[-1]
-    num_groups = int(groups_q.max()) + 1
     rows = [x.transpose(1, 2).reshape(b * n, x.shape[1], d) for x in (q, k, v)]
     bucket, order, sizes, starts = _buckets(groups_q, num_groups)
     flex = focus_gate.lse_kernel(q.device) == "flex"
@@ -212,7 +211,7 @@ def _local_part(q, k, v, groups_q, window: int, scale: float):
 def sparse_focus_attention(q, k, v, log_g, *, window: int, top_k: int, scale: float):
     """Hard-rule Focus attention computing only kept pairs. q [b,h,n,d], k/v [b,g,n,d], log_g [b,n,K]."""
     groups_q = log_g.topk(top_k, dim=-1).indices  # [b, n, top_k], top-1 first
-    bucket_outs, bucket_lses = _bucket_part(q, k, v, groups_q, scale)
+    bucket_outs, bucket_lses = _bucket_part(q, k, v, groups_q, log_g.shape[-1], scale)
     if focus_gate.lse_kernel(q.device) == "flex":  # a GPU: one call over the band
         local_out, local_lse = flex_local_part(q, k, v, groups_q, window, scale)
     else:
