@@ -12,7 +12,7 @@ from typing import List, Optional
 import torch
 
 from megatron_focus.data.tokenizer import TOKENIZER_TYPES
-from megatron_focus.model.focus_gate import KERNELS
+from megatron_focus.model.focus_gate import KERNELS, soft_kernel
 
 ATTENTION_VARIANTS = ("standard", "xsa", "focus", "focus+xsa")
 
@@ -254,6 +254,7 @@ def _validate_focus(args: argparse.Namespace) -> None:
     if args.focus_kernel == "flex" and not torch.cuda.is_available():
         raise ValueError("--focus-kernel flex needs a GPU: FlexAttention has no CPU backward "
                          "(use auto or chunked)")
+    soft_kernel(args.focus_kernel, torch.device("cpu"), args.attention_dropout)  # flex: no dropout
 
 
 def _validate_training(args: argparse.Namespace, world_size: int) -> None:

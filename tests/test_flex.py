@@ -136,5 +136,8 @@ def test_soft_kernel_choice():
     assert focus_gate.soft_kernel("auto", torch.device("cpu")) == "chunked"
     assert focus_gate.soft_kernel("auto", torch.device("cuda")) == "flex"
     assert focus_gate.soft_kernel("chunked", torch.device("cuda")) == "chunked"
+    assert focus_gate.soft_kernel("auto", torch.device("cuda"), dropout_p=0.1) == "chunked"
+    with pytest.raises(ValueError, match="needs --attention-dropout 0"):
+        focus_gate.soft_kernel("flex", torch.device("cuda"), dropout_p=0.1)
     with pytest.raises(ValueError, match="unknown Focus kernel"):
         focus_gate.soft_kernel("triton", torch.device("cpu"))

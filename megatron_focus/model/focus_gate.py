@@ -109,13 +109,16 @@ def _attend_chunk(q, k, v, log_g_q, log_g_k, start: int, window: int, gate_scale
     )
 
 
-def soft_kernel(requested: str, device: torch.device) -> str:
-    """The soft rule's kernel: "auto" is FlexAttention's fused one on a GPU, chunked elsewhere
-    (FlexAttention has no CPU backward)."""
+def soft_kernel(requested: str, device: torch.device, dropout_p: float = 0.0) -> str:
+    """The soft rule's kernel: "auto" is FlexAttention's fused one on a GPU without dropout
+    (FlexAttention has no dropout, and no CPU backward), the chunked one otherwise."""
     if requested not in KERNELS:
         raise ValueError(f"unknown Focus kernel {requested!r}; choose from {KERNELS}")
+    if requested == "flex" and dropout_p > 0:
+        raise ValueError("FlexAttention has no attention dropout: --focus-kernel flex needs "
+                         "--attention-dropout 0")
     if requested == "auto":
-        return "flex" if device.type == "cuda" else "chunked"
+        return "flex" if device.type == "cuda" and dropout_p == 0 else "chunked"
     return requested
 
 
@@ -125,16 +128,15 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: to
     """Causal Focus attention. q [b, h, n, d], k/v [b, groups, n, d], log_g [b, n, K] -> [b, h, n, d].
 
     `top_k=None` is the soft (training) rule; an integer applies the hard rule with that top-k.
-    FlexAttention has no dropout: with dropout the soft rule runs chunked on every device.
     """
     n = q.shape[2]
     gqa = q.shape[1] != k.shape[1]
     log_g = log_g.float()
-    if top_k is None and dropout_p == 0.0:
-        if soft_kernel(kernel, q.device) == "flex":
+    if top_k is None:
+        if soft_kernel(kernel, q.device, dropout_p) == "flex":
             return flex_soft_focus(q, k, v, log_g, window=window, gate_scale=gate_scale,
                                    scale=scale)
-        if torch.is_grad_enabled():
+        if dropout_p == 0.0 and torch.is_grad_enabled():
             return _SoftFocusAttention.apply(q, k, v, log_g, window, gate_scale, chunk_size,
                                              scale)
     outputs = []

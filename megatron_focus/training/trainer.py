@@ -302,7 +302,7 @@ def _print_banner(args: argparse.Namespace, model: torch.nn.Module, iteration: i
     )
     if args.attention.startswith("focus"):
         device = platform.setup().device
-        print(f"Focus kernels: soft gate {soft_kernel(args.focus_kernel, device)}, sparse "
+        print(f"Focus kernels: soft gate {soft_kernel(args.focus_kernel, device, args.attention_dropout)}, sparse "
               f"{lse_kernel(device)}", flush=True)
 
 
