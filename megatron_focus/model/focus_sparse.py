@@ -110,10 +110,14 @@ def _range_attention(q, k, v, lo, hi, scale: float):
         first, last = firsts[start], lasts[end - 1]
         if last <= first:
             continue
-        keys = torch.arange(first, last, device=q.device)
-        kept = (keys >= lo[start:end, None]) & (keys < hi[start:end, None])
-        mask = torch.zeros(kept.shape, dtype=q.dtype, device=q.device)
-        mask.masked_fill_(~kept, float("-inf"))
+        # Every query of the block keeps the keys from its last lo to its first hi: only the
+        # columns outside that span need comparing.
+        mask = torch.zeros(end - start, last - first, dtype=q.dtype, device=q.device)
+        inner = (firsts[end - 1] - first, lasts[start] - first)
+        for cols in (range(0, inner[0]), range(max(inner), last - first)):
+            keys = torch.arange(first + cols.start, first + cols.stop, device=q.device)
+            kept = (keys >= lo[start:end, None]) & (keys < hi[start:end, None])
+            mask[:, cols.start:cols.stop].masked_fill_(~kept, float("-inf"))
         o, l = attention_with_lse(q[start:end].transpose(0, 1)[None],
                                   k[first:last].transpose(0, 1)[None],
                                   v[first:last].transpose(0, 1)[None], scale, causal=False,
