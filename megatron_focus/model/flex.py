@@ -46,6 +46,13 @@ def _causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
+def _causal_window(window: int):
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    return mask_mod
+
+
 @functools.lru_cache(maxsize=32)
 def causal_block_mask(n: int, device: torch.device, window: Optional[int] = None,
                       block: int = 128) -> BlockMask:
@@ -75,13 +82,6 @@ def causal_block_mask(n: int, device: torch.device, window: Optional[int] = None
     full_num, full_indices = counts_and_indices(every)
     return BlockMask.from_kv_blocks(kv_num, kv_indices, full_num, full_indices,
                                     BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(n, n))
-
-
-def _causal_window(window: int):
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
-
-    return mask_mod
 
 
 def _kernel(device: torch.device):
