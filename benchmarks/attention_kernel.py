@@ -11,10 +11,11 @@ are (the ideal speedup of sparse Focus counts pairs, as if it were the same).
 import argparse
 import json
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+
+from timing import seconds
 
 
 def parse() -> argparse.Namespace:
@@ -28,25 +29,16 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-def seconds(fn, repeats: int) -> float:
+def median_seconds(fn, repeats: int) -> float:
     fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(seconds(fn) for _ in range(repeats))
 
 
 def measure(opts, length: int) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.randn(opts.tokens // length, opts.heads, length, opts.head_dim, device=device)
-    causal = seconds(lambda: F.scaled_dot_product_attention(x, x, x, is_causal=True), opts.repeats)
-    full = seconds(lambda: F.scaled_dot_product_attention(x, x, x), opts.repeats)
+    causal = median_seconds(lambda: F.scaled_dot_product_attention(x, x, x, is_causal=True), opts.repeats)
+    full = median_seconds(lambda: F.scaled_dot_product_attention(x, x, x), opts.repeats)
     pairs = x.shape[0] * opts.heads * length * (length + 1) / 2
     return {"length": length, "sequences": x.shape[0], "causal_ms": causal * 1e3,
             "full_ms": full * 1e3, "causal_over_full": causal / full,

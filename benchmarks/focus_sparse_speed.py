@@ -13,7 +13,6 @@ trained model. "ideal" is dense pairs / kept pairs; "of ideal" is measured speed
 import argparse
 import json
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 from megatron_focus.model.focus import group_stats
 from megatron_focus.model.focus_sparse import sparse_focus_attention
 from megatron_focus.model.sinkhorn import causal_sinkhorn
+from timing import seconds
 
 
 def parse() -> argparse.Namespace:
@@ -39,16 +39,6 @@ def parse() -> argparse.Namespace:
                    help="bf16 is for GPUs (the CPU's flash kernel is fastest in fp32)")
     p.add_argument("--json", metavar="PATH")
     return p.parse_args()
-
-
-def seconds(fn) -> float:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def measure(opts, n: int, groups: int, top_k: int) -> dict:

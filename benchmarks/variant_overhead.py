@@ -27,13 +27,13 @@ import ctypes.util
 import json
 import re
 import statistics
-import time
 
 import torch
 
 from megatron_focus import platform
 from megatron_focus.arguments import parse_args
 from megatron_focus.model.gpt import build_model
+from timing import seconds
 
 MEMORY_REPETITIONS = 3
 MiB = 2**20
@@ -96,16 +96,6 @@ def step(model, tokens, positions) -> None:
     model(tokens, positions, None, labels=tokens).float().mean().backward()
 
 
-def step_seconds(model, tokens, positions, device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    step(model, tokens, positions)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
-
-
 def step_peak_bytes(model, tokens, positions, device) -> int:
     model.zero_grad(set_to_none=True)  # before the reset: the step's gradients count
     before = reset_peak_memory(device)
@@ -142,8 +132,8 @@ def run(opts: argparse.Namespace, model_argv: list[str], seq_length: int) -> dic
     tokens = torch.randint(0, opts.vocab_size, shape, generator=g).to(device)
     positions = torch.arange(seq_length, device=device).expand(shape)
 
-    seconds = interleaved(lambda model: step_seconds(model, tokens, positions, device), models,
-                          opts.iters, skip=opts.warmup)
+    times = interleaved(lambda model: seconds(lambda: step(model, tokens, positions)), models,
+                        opts.iters, skip=opts.warmup)
     if device.type == "cpu":
         _mmap_large_allocations()
     peaks = interleaved(lambda model: step_peak_bytes(model, tokens, positions, device), models,
@@ -151,12 +141,12 @@ def run(opts: argparse.Namespace, model_argv: list[str], seq_length: int) -> dic
     base = opts.variants[0]
 
     def summary(variant):
-        q1, _, q3 = statistics.quantiles(seconds[variant], n=4)
-        return {"step_ms": 1e3 * statistics.median(seconds[variant]),
+        q1, _, q3 = statistics.quantiles(times[variant], n=4)
+        return {"step_ms": 1e3 * statistics.median(times[variant]),
                 "step_ms_iqr": [1e3 * q1, 1e3 * q3],
                 "peak_step_memory_mib": statistics.median(peaks[variant]) / MiB,
                 "step_time_ratio": statistics.median(
-                    x / b for x, b in zip(seconds[variant], seconds[base])),
+                    x / b for x, b in zip(times[variant], times[base])),
                 "peak_step_memory_ratio": statistics.median(
                     x / b for x, b in zip(peaks[variant], peaks[base]))}
 
