@@ -95,3 +95,29 @@ def test_soft_and_sparse_memory_grow_linearly_on_gpu():
         make(small)()  # compile first
         ratio = _peak_bytes(make(large)) / _peak_bytes(make(small))
         assert ratio < 1.5 * large / small, (make.__name__, ratio)
+
+
+def test_focus_model_step_on_flex_equals_chunked(single_process):
+    """The GPT model as the trainer builds it (Megatron's permuted q, k, v views, the router's
+    gathered assignments): one step's loss and gradients, flex against chunked, fp32."""
+    from megatron_focus import platform
+    from megatron_focus.arguments import parse_args
+    from megatron_focus.model.gpt import build_model
+
+    argv = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
+            "--seq-length", "600", "--max-position-embeddings", "600", "--attention", "focus+xsa",
+            "--focus-window", "64", "--hidden-dropout", "0", "--attention-dropout", "0"]
+    tokens = torch.randint(0, 256, (2, 600), generator=torch.Generator().manual_seed(0)).cuda()
+    positions = torch.arange(600, device="cuda").expand_as(tokens)
+    results = {}
+    for kernel in ("flex", "chunked"):
+        platform.manual_seed(1)
+        model = build_model(parse_args(argv + ["--focus-kernel", kernel]), 256)
+        loss = model(tokens, positions, None, labels=tokens).float().mean()
+        loss.backward()
+        results[kernel] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    torch.testing.assert_close(results["flex"][0], results["chunked"][0], rtol=1e-5, atol=1e-5)
+    for name, grad in results["chunked"][1].items():
+        torch.testing.assert_close(results["flex"][1][name], grad, rtol=1e-3, atol=1e-5,
+                                   msg=name)
+    assert any(".router." in name for name in results["flex"][1])
