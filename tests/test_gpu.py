@@ -118,6 +118,7 @@ def test_focus_model_step_on_flex_equals_chunked(single_process):
         results[kernel] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
     torch.testing.assert_close(results["flex"][0], results["chunked"][0], rtol=1e-5, atol=1e-5)
     for name, grad in results["chunked"][1].items():
+        assert grad is not None, name
         torch.testing.assert_close(results["flex"][1][name], grad, rtol=1e-3, atol=1e-5,
                                    msg=name)
     assert any(".router." in name for name in results["flex"][1])
