@@ -94,9 +94,9 @@ def test_range_block_mask_covers_every_kept_pair(n, groups, top_k, how):
     """The bucket part's ranges, as the sparse path sorts them: no kept pair in a skipped block."""
     gen = torch.Generator().manual_seed(n)
     groups_q = assignments(2, n, groups, gen, how).topk(top_k, -1).indices
-    _, _, _, starts = _buckets(groups_q, groups)
+    _, _, _, starts, before = _buckets(groups_q, groups)
     for slot in range(top_k):
-        lo, hi = _key_ranges(groups_q, slot, starts, groups)
+        lo, hi = _key_ranges(groups_q, slot, starts, before)
         entries = torch.sort(lo * (2 * n + 1) + hi).indices
         lo, hi = lo[entries], hi[entries]
         mask = range_block_mask(lo, hi, 2 * n)

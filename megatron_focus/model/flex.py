@@ -94,6 +94,14 @@ def _compiled_flex():
     return torch.compile(flex_attention)
 
 
+def _attend_with_lse(q, k, v, scale: float, score_mod=None, block_mask=None):
+    """FlexAttention's (output, natural log-sum-exp); kv heads may be fewer than q heads."""
+    out, aux = _kernel(q.device)(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                 scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+                                 return_aux=AuxRequest(lse=True))
+    return out, aux.lse
+
+
 def flex_soft_focus(q, k, v, log_g, *, window: int, gate_scale: float, scale: float):
     """Soft-gate causal Focus attention, fused. q [b,h,n,d], k/v [b,groups,n,d], log_g [b,n,K]."""
     score_mod = gate_score_mod(log_g.float().exp(), window, gate_scale)
@@ -117,10 +125,7 @@ def flex_attention_with_lse(q, k, v, scale: float, causal: bool, mask=None):
             return score + mask[b, h if heads > 1 else 0, q_idx, kv_idx]
 
     block_mask = causal_block_mask(q.shape[2], q.device) if causal else None
-    out, aux = _kernel(q.device)(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                                 scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-                                 return_aux=AuxRequest(lse=True))
-    return out, aux.lse
+    return _attend_with_lse(q, k, v, scale, score_mod, block_mask)
 
 
 def flex_local_part(q, k, v, groups_q, window: int, scale: float):
@@ -138,11 +143,8 @@ def flex_local_part(q, k, v, groups_q, window: int, scale: float):
             in_bucket = in_bucket | (groups_q[b, q_idx, s] == top1[b, kv_idx])
         return torch.where(in_bucket, float("-inf"), score)
 
-    out, aux = _kernel(q.device)(q, k, v, score_mod=score_mod,
-                                 block_mask=causal_block_mask(q.shape[2], q.device, window),
-                                 scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-                                 return_aux=AuxRequest(lse=True))
-    return out, aux.lse
+    return _attend_with_lse(q, k, v, scale, score_mod,
+                            causal_block_mask(q.shape[2], q.device, window))
 
 
 def range_block_mask(lo: torch.Tensor, hi: torch.Tensor, keys: int, block: int = 128) -> BlockMask:
@@ -170,9 +172,6 @@ def flex_range_attention(q, k, v, lo, hi, scale: float):
     """Query row e against key rows [lo[e], hi[e]) in one FlexAttention call (the sparse path's
     bucket part on a GPU: no padding, no bucket squares). q [E, h, d], k/v [M, groups, d] ->
     (out [E, h, d], lse [E, h], -inf where a range is empty)."""
-    out, aux = _kernel(q.device)(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                 v.transpose(0, 1)[None],
-                                 block_mask=range_block_mask(lo, hi, k.shape[0]), scale=scale,
-                                 enable_gqa=q.shape[1] != k.shape[1],
-                                 return_aux=AuxRequest(lse=True))
-    return out[0].transpose(0, 1), aux.lse[0].transpose(0, 1)
+    out, lse = _attend_with_lse(*(x.transpose(0, 1)[None] for x in (q, k, v)), scale,
+                                block_mask=range_block_mask(lo, hi, k.shape[0]))
+    return out[0].transpose(0, 1), lse[0].transpose(0, 1)

@@ -47,28 +47,29 @@ def merge_by_lse(outputs, lses):
 
 def _buckets(groups_q: torch.Tensor, num_groups: int):
     """Bucket of each token (sequence * K + top-1 group), the token rows in bucket order (stable:
-    positions increasing) and each bucket's first place in that order."""
+    positions increasing), each bucket's size and first place in that order, and [b, n, K] how
+    many members each group has before each position."""
     b, n, _ = groups_q.shape
     bucket = (torch.arange(b, device=groups_q.device)[:, None] * num_groups
               + groups_q[..., 0]).reshape(-1)
     order = torch.sort(bucket, stable=True).indices
     sizes = torch.bincount(bucket, minlength=b * num_groups)
-    return bucket, order, sizes, torch.cumsum(sizes, 0) - sizes
+    onehot = torch.nn.functional.one_hot(groups_q[..., 0], num_groups)
+    return bucket, order, sizes, torch.cumsum(sizes, 0) - sizes, onehot.cumsum(1) - onehot
 
 
-def _key_ranges(groups_q: torch.Tensor, slot: int, starts: torch.Tensor, num_groups: int):
+def _key_ranges(groups_q: torch.Tensor, slot: int, starts: torch.Tensor, before: torch.Tensor):
     """[lo, hi) of each token's slot-`slot` keys in bucket order, [b * n] each: the members of
     group topk[slot] before the token, and the token itself in its own (top-1) group."""
-    b, n, _ = groups_q.shape
-    onehot = torch.nn.functional.one_hot(groups_q[..., 0], num_groups)
-    before = onehot.cumsum(1) - onehot  # [b, n, K]: members of each group before each position
+    b = groups_q.shape[0]
     group = groups_q[..., slot:slot + 1]
-    lo = starts.view(b, num_groups).gather(1, group[..., 0])
+    lo = starts.view(b, -1).gather(1, group[..., 0])
     return lo.reshape(-1), (lo + before.gather(-1, group)[..., 0] + (slot == 0)).reshape(-1)
 
 
-def _causal_buckets(rows, order, bucket, sizes, starts, b, h, n, d, scale):
+def _causal_buckets(rows, order, bucket, sizes, starts, scale):
     """Slot 0 on the CPU: causal attention inside each bucket, all buckets in one padded call."""
+    h, d = rows[0].shape[1:]
     num_buckets = sizes.numel()
     longest = int(sizes.max())  # a host synchronisation
     # Token order[i] goes to place `packed_at[i]` of the [buckets * longest] layout; the places
@@ -133,16 +134,16 @@ def _bucket_part(q, k, v, groups_q, num_groups: int, scale: float):
     b, h, n, d = q.shape
     top_k = groups_q.shape[-1]
     rows = [x.transpose(1, 2).reshape(b * n, x.shape[1], d) for x in (q, k, v)]
-    bucket, order, sizes, starts = _buckets(groups_q, num_groups)
+    bucket, order, sizes, starts, before = _buckets(groups_q, num_groups)
     flex = focus_gate.lse_kernel(q.device) == "flex"
     if flex or top_k > 1:
         members_k, members_v = (x.index_select(0, order) for x in rows[1:])
     outs, lses = [], []
     for slot in range(top_k):
         if slot == 0 and not flex:
-            out, lse = _causal_buckets(rows, order, bucket, sizes, starts, b, h, n, d, scale)
+            out, lse = _causal_buckets(rows, order, bucket, sizes, starts, scale)
         else:
-            lo, hi = _key_ranges(groups_q, slot, starts, num_groups)
+            lo, hi = _key_ranges(groups_q, slot, starts, before)
             # Queries sorted so that lo and hi both never decrease (slot 0: the bucket order).
             entries = torch.sort(lo * (b * n + 1) + hi).indices if slot else order
             attend = flex_range_attention if flex else _range_attention
