@@ -4,7 +4,8 @@ Both use the same kernel family: PyTorch's fused CPU attention (`scaled_dot_prod
 with `is_causal=True` for dense; the same flash kernel inside the packed bucket call for Focus).
 Focus's time includes its routing (top-k, the stable sort, packing) and the local window part.
 Assignments come from the causal Sinkhorn on random scores, so groups are balanced as in a
-trained model. "ideal" is dense pairs / kept pairs; "of ideal" is measured speedup / ideal.
+trained model. q, k, v are laid out as the model hands them to both (permuted views of Megatron's
+[s, b, heads, d]). "ideal" is dense pairs / kept pairs; "of ideal" is measured speedup / ideal.
 
     python benchmarks/focus_sparse_speed.py [--seq-lengths 1024 4096 16384] [--groups 4 8]
         [--top-k 1 2] [--heads 4 --head-dim 64 --window 128] [--dtype bf16] [--profile] [--json out.json]
@@ -45,8 +46,9 @@ def measure(opts, n: int, groups: int, top_k: int) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(n + groups)
     dtype = torch.bfloat16 if opts.dtype == "bf16" else torch.float32
-    q, k, v = (torch.randn(1, opts.heads, n, opts.head_dim, generator=gen).to(device, dtype)
-               for _ in range(3))
+    # As the model's core attention hands them: [b, heads, n, d] views of Megatron's [n, b, heads, d].
+    q, k, v = (torch.randn(n, 1, opts.heads, opts.head_dim, generator=gen).to(device, dtype)
+               .permute(1, 2, 0, 3) for _ in range(3))
     log_g = causal_sinkhorn(torch.randn(1, n, groups, generator=gen) * 3, 10).to(device)
     scale = opts.head_dim ** -0.5
 

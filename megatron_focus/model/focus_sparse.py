@@ -37,12 +37,27 @@ from megatron_focus.model.focus_gate import attention_with_lse
 def merge_by_lse(outputs, lses):
     """Exact softmax over the union of disjoint key sets, from each set's output and log-sum-exp.
 
-    outputs: list of [b, h, n, d]; lses: list of [b, h, n] (-inf where a set was empty).
+    outputs: list of [b, h, n, d]; lses: list of [b, h, n] (-inf where a set was empty). One
+    interpolation per set, the running output towards the set's by the set's share of the mass.
     """
-    lse = torch.logsumexp(torch.stack(lses), dim=0)
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    merged = sum(torch.exp(part - safe).unsqueeze(-1) * out for out, part in zip(outputs, lses))
-    return merged, lse
+    out, lse = outputs[0].float(), lses[0]
+    for part_out, part_lse in zip(outputs[1:], lses[1:]):
+        total = torch.logaddexp(lse, part_lse)
+        share = torch.exp(part_lse - total).nan_to_num_(0.0)  # both empty so far: nan -> 0
+        out, lse = torch.lerp(out, part_out.float(), share.unsqueeze(-1)), total
+    return out, lse
+
+
+def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[index] along dim 0, the rest of each row flattened first (several times faster on the
+    CPU than index_select over [rows, heads, d])."""
+    return x.flatten(1).index_select(0, index).view((-1,) + x.shape[1:])
+
+
+def _scatter_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The rows of x placed at `index` (a permutation), flattened likewise."""
+    flat = x.flatten(1)
+    return torch.empty_like(flat).index_copy_(0, index, flat).view(x.shape)
 
 
 def _buckets(groups_q: torch.Tensor, num_groups: int):
@@ -81,12 +96,12 @@ def _causal_buckets(rows, order, bucket, sizes, starts, scale):
     source = order.new_zeros(num_buckets * longest).index_copy_(0, packed_at, order)
 
     def packed(x):  # [b * n, heads, d] rows -> [buckets, heads, longest, d]
-        return x.index_select(0, source).view(num_buckets, longest, x.shape[1], d).transpose(1, 2)
+        return _gather_rows(x, source).view(num_buckets, longest, x.shape[1], d).transpose(1, 2)
 
     out, lse = attention_with_lse(*(packed(x) for x in rows), scale, causal=True)
     back = torch.empty_like(packed_at).index_copy_(0, order, packed_at)  # token -> its place
-    return (out.transpose(1, 2).reshape(-1, h, d).index_select(0, back),
-            lse.transpose(1, 2).reshape(-1, h).index_select(0, back))
+    return (_gather_rows(out.transpose(1, 2).reshape(-1, h, d), back),
+            _gather_rows(lse.transpose(1, 2).reshape(-1, h), back))
 
 
 # Queries per kernel call of `_range_attention`: each call computes its block's queries against
@@ -137,7 +152,7 @@ def _bucket_part(q, k, v, groups_q, num_groups: int, scale: float):
     bucket, order, sizes, starts, before = _buckets(groups_q, num_groups)
     flex = focus_gate.lse_kernel(q.device) == "flex"
     if flex or top_k > 1:
-        members_k, members_v = (x.index_select(0, order) for x in rows[1:])
+        members_k, members_v = (_gather_rows(x, order) for x in rows[1:])
     outs, lses = [], []
     for slot in range(top_k):
         if slot == 0 and not flex:
@@ -147,10 +162,9 @@ def _bucket_part(q, k, v, groups_q, num_groups: int, scale: float):
             # Queries sorted so that lo and hi both never decrease (slot 0: the bucket order).
             entries = torch.sort(lo * (b * n + 1) + hi).indices if slot else order
             attend = flex_range_attention if flex else _range_attention
-            out_sorted, lse_sorted = attend(rows[0].index_select(0, entries), members_k,
+            out_sorted, lse_sorted = attend(_gather_rows(rows[0], entries), members_k,
                                             members_v, lo[entries], hi[entries], scale)
-            out = torch.empty_like(out_sorted).index_copy_(0, entries, out_sorted)
-            lse = torch.empty_like(lse_sorted).index_copy_(0, entries, lse_sorted)
+            out, lse = (_scatter_rows(x, entries) for x in (out_sorted, lse_sorted))
         outs.append(out.view(b, n, h, d).transpose(1, 2))
         lses.append(lse.view(b, n, h).transpose(1, 2))
     return outs, lses
@@ -178,7 +192,9 @@ def _local_part(q, k, v, groups_q, window: int, scale: float):
     blocks = (b * length - front) // block  # M (the last F / B blocks are the next padding's)
 
     def laid_out(x, fill=0):  # [b, n, ...] -> [b * L, ...]: each sequence after its padding
-        out = x.new_full((b, length) + x.shape[2:], fill)
+        out = x.new_empty((b, length) + x.shape[2:])
+        out[:, :front] = fill
+        out[:, front + n:] = fill
         out[:, front:front + n] = x
         return out.flatten(0, 1)
 
@@ -191,23 +207,26 @@ def _local_part(q, k, v, groups_q, window: int, scale: float):
         return windows(laid_out(x.transpose(1, 2)), size, offset).transpose(1, 2)
 
     real = laid_out(torch.ones(b, n, dtype=torch.bool, device=q.device), False)
-    top1 = laid_out(groups_q[..., 0], -1)
     distance = front + torch.arange(block, device=q.device)[:, None] \
         - torch.arange(keys, device=q.device)  # [B, F + B], the same for every block
-    in_window = (distance >= 0) & (distance < window)
-    in_bucket = (windows(laid_out(groups_q, -2), block, front)[:, :, None, :]
-                 == windows(top1, keys, 0)[:, None, :, None]).any(-1)  # [M, B, F + B]
-    keep = in_window & windows(real, keys, 0)[:, None, :] & ~in_bucket
-    mask = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(~keep, float("-inf"))
+    keep = (distance >= 0) & (distance < window) & windows(real, keys, 0)[:, None, :]
+    key_top1 = windows(laid_out(groups_q[..., 0], -1), keys, 0)[:, None, :]  # [M, 1, F + B]
+    query_groups = windows(laid_out(groups_q, -2), block, front)  # [M, B, top_k]
+    for slot in range(query_groups.shape[-1]):  # not the keys in one of the query's buckets
+        keep &= query_groups[..., slot, None] != key_top1
+    mask = torch.where(keep, torch.zeros((), dtype=q.dtype, device=q.device),
+                       torch.full((), float("-inf"), dtype=q.dtype, device=q.device))
     out, lse = attention_with_lse(heads_first(q, block, front), heads_first(k, keys, 0),
                                   heads_first(v, keys, 0), scale, causal=False,
                                   mask=mask.unsqueeze(1))
     lse = lse.masked_fill(~keep.any(-1).unsqueeze(1), float("-inf"))
 
-    def back(x):  # [M, h, B, ...] -> [b, h, n, ...]
-        x = x.transpose(1, 2).flatten(0, 1)  # positions F .. b * L
-        x = torch.cat([x.new_zeros((front,) + x.shape[1:]), x]).unflatten(0, (b, length))
-        return x[:, front:front + n].transpose(1, 2)
+    def back(x):  # [M, h, B, ...] -> [b, h, n, ...], a view
+        x = x.transpose(1, 2).flatten(0, 1)  # positions F .. b * L of the layout
+        # Sequence s's positions are rows [s L, s L + n) here (n <= L - F: inside the rows).
+        x = x.as_strided((b, n) + x.shape[1:], (length * x.stride(0),) + x.stride(),
+                         x.storage_offset())
+        return x.transpose(1, 2)
 
     return back(out), back(lse)
 
