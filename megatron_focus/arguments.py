@@ -12,7 +12,7 @@ from typing import List, Optional
 import torch
 
 from megatron_focus.data.tokenizer import TOKENIZER_TYPES
-from megatron_focus.model.focus_gate import KERNELS, soft_kernel
+from megatron_focus.model.focus_gate import GATES, KERNELS, soft_kernel
 
 ATTENTION_VARIANTS = ("standard", "xsa", "focus", "focus+xsa")
 
@@ -62,6 +62,10 @@ def _add_focus_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--focus-top-k", type=int, default=2, help="groups per query, sparse mode")
     g.add_argument("--focus-gate-scale", type=float, default=1.0,
                    help="lambda: distant pairs get lambda * log(g_i . g_j); 0 = gate open")
+    g.add_argument("--focus-gate", choices=GATES, default="log",
+                   help="the soft gate on distant pairs: log (ours, above) or sigmoid (the "
+                        "paper's logit * sigmoid(lambda g_i . g_j), for ablations; explicit "
+                        "scores per chunk on the CPU, slower)")
     g.add_argument("--focus-chunk-size", type=int, default=128,
                    help="queries per chunk of the soft-gate attention (memory ~ chunk x seq)")
     g.add_argument("--focus-attention-mode", choices=("soft", "sparse"), default="soft",

@@ -37,23 +37,25 @@ def soft_inputs(b, heads, kv, n, d, groups, seed):
     return q, k, v, log_g, gen
 
 
+@pytest.mark.parametrize("gate", ["log", "sigmoid"])
 @pytest.mark.parametrize("b, heads, kv, n, d, groups, window", SOFT_CASES)
-def test_flex_soft_focus_equals_dense_reference(b, heads, kv, n, d, groups, window):
+def test_flex_soft_focus_equals_dense_reference(b, heads, kv, n, d, groups, window, gate):
     q, k, v, log_g, _ = soft_inputs(b, heads, kv, n, d, groups, n + window)
-    kwargs = dict(window=window, gate_scale=0.7, scale=d ** -0.5)
+    kwargs = dict(window=window, gate_scale=0.7, scale=d ** -0.5, gate=gate)
     out = flex_soft_focus(q, k, v, log_g, **kwargs)
     ref = reference_focus(q, k, v, log_g, top_k=None, **kwargs)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("gate", ["log", "sigmoid"])
 @pytest.mark.parametrize("b, heads, kv, n, d, groups, window", SOFT_CASES[:3])
-def test_gate_score_mod_gradients_equal_dense_reference(b, heads, kv, n, d, groups, window):
+def test_gate_score_mod_gradients_equal_dense_reference(b, heads, kv, n, d, groups, window, gate):
     """Values and gradients (q, k, v, log g) of attention with gate_score_mod on dense grids."""
     q, k, v, log_g, gen = soft_inputs(b, heads, kv, n, d, groups, n * window)
     for t in (q, k, v, log_g):
         t.requires_grad_()
-    kwargs = dict(window=window, gate_scale=0.7, scale=d ** -0.5)
-    score_mod = gate_score_mod(log_g.exp(), kwargs["window"], kwargs["gate_scale"])
+    kwargs = dict(window=window, gate_scale=0.7, scale=d ** -0.5, gate=gate)
+    score_mod = gate_score_mod(log_g.exp(), window, kwargs["gate_scale"], gate)
     rep = heads // kv
     scores = q @ k.repeat_interleave(rep, 1).transpose(-1, -2) * kwargs["scale"]
     index = [torch.arange(size).view([-1 if i == dim else 1 for i in range(4)])

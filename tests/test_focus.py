@@ -61,8 +61,9 @@ def test_sinkhorn_balances_a_collapsed_assignment():
 
 # --- the pair rule and the chunked attention, against a dense reference written out here ---
 
-def reference_focus(q, k, v, log_g, window, gate_scale, top_k, scale):
-    """Dense causal attention with the Focus rule; which pairs are which is decided pair by pair."""
+def reference_focus(q, k, v, log_g, window, gate_scale, top_k, scale, gate="log"):
+    """Dense causal attention with the Focus rule; which pairs are which is decided pair by pair.
+    `gate="sigmoid"`: the paper's gate, distant logits times sigmoid(lambda g_i . g_j)."""
     b, h, n, d = q.shape
     rep = h // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
@@ -77,9 +78,16 @@ def reference_focus(q, k, v, log_g, window, gate_scale, top_k, scale):
                 else:
                     distant[bi, i, j] = top_k is None or tops[j][0] in tops[i]
     g = log_g.double().exp()
-    log_gate = gate_scale * torch.einsum("bik,bjk->bij", g, g).log() if top_k is None else 0.0
+    affinity = torch.einsum("bik,bjk->bij", g, g)
+    scores = torch.einsum("bhid,bhjd->bhij", q.double(), k.double()) * scale
+    if gate == "sigmoid":
+        scores = torch.where(distant[:, None], scores * (gate_scale * affinity).sigmoid()[:, None],
+                             scores)
+        log_gate = 0.0
+    else:
+        log_gate = gate_scale * affinity.log() if top_k is None else 0.0
     bias = torch.where(local, 0.0, torch.where(distant, log_gate, float("-inf")))
-    scores = torch.einsum("bhid,bhjd->bhij", q.double(), k.double()) * scale + bias[:, None]
+    scores = scores + bias[:, None]
     return (scores.softmax(-1) @ v.double()).to(q.dtype)
 
 
@@ -115,6 +123,29 @@ def test_chunked_focus_attention_matches_dense_reference(b, heads, kv, n, d, gro
         ref_grads = torch.autograd.grad(ref, (q, k, v, log_g), cotangent)
         for name, got, want in zip("qkvg", grads, ref_grads):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("b, heads, kv, n, d, groups, window, chunk, top_k", CASES[:3])
+def test_sigmoid_gate_matches_dense_reference(b, heads, kv, n, d, groups, window, chunk, top_k):
+    """The paper's gate (an ablation option): values and gradients of the chunked path."""
+    gen = torch.Generator().manual_seed(n + groups)
+    q = torch.randn(b, heads, n, d, dtype=torch.float64, generator=gen, requires_grad=True)
+    k, v = (torch.randn(b, kv, n, d, dtype=torch.float64, generator=gen, requires_grad=True)
+            for _ in range(2))
+    log_g = causal_sinkhorn(torch.randn(b, n, groups, generator=gen, dtype=torch.float64) * 3,
+                            5).requires_grad_()
+    kwargs = dict(window=window, gate_scale=2.5, top_k=None, scale=d ** -0.5, gate="sigmoid")
+    out = focus_attention(q.float(), k.float(), v.float(), log_g.float(), chunk_size=chunk,
+                          **kwargs)
+    ref = reference_focus(q, k, v, log_g, **kwargs)
+    torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-5)
+    cotangent = torch.randn(out.shape, generator=gen)
+    grads = torch.autograd.grad(out, (q, k, v, log_g), cotangent)
+    ref_grads = torch.autograd.grad(ref, (q, k, v, log_g), cotangent.double())
+    for name, got, want in zip("qkvg", grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+    with pytest.raises(ValueError, match="unknown Focus gate"):
+        focus_attention(q, k, v, log_g, chunk_size=chunk, **{**kwargs, "gate": "tanh"})
 
 
 def test_open_gate_is_standard_attention():

@@ -33,13 +33,15 @@ def inputs(b, heads, kv, n, d, groups, dtype=torch.float32, seed=0):
         [log_g.cuda().requires_grad_()]
 
 
+@pytest.mark.parametrize("gate", ["log", "sigmoid"])
 @pytest.mark.parametrize("b, heads, kv, n, d, groups, window", [
     (2, 4, 2, 777, 64, 8, 128),   # GQA, n not a multiple of the 128-block
     (1, 4, 4, 300, 64, 1, 64),    # K = 1
 ])
-def test_flex_soft_focus_equals_chunked_path_fp32(b, heads, kv, n, d, groups, window):
+def test_flex_soft_focus_equals_chunked_path_fp32(b, heads, kv, n, d, groups, window, gate):
     q, k, v, log_g = inputs(b, heads, kv, n, d, groups)
-    kwargs = dict(window=window, gate_scale=0.7, top_k=None, chunk_size=128, scale=d ** -0.5)
+    kwargs = dict(window=window, gate_scale=0.7, top_k=None, chunk_size=128, scale=d ** -0.5,
+                  gate=gate)
     flex = focus_attention(q, k, v, log_g, kernel="flex", **kwargs)
     chunked = focus_attention(q, k, v, log_g, kernel="chunked", **kwargs)
     torch.testing.assert_close(flex, chunked, rtol=1e-4, atol=1e-4)

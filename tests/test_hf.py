@@ -39,6 +39,9 @@ TRAINED_FOCUS = {
     "llama-focus": (LLAMA + GQA + FOCUS_ONLY, 1, "MegatronFocusForCausalLM"),
     "llama-focus-xsa": (LLAMA + GQA + FOCUS_XSA, 1, "MegatronFocusForCausalLM"),
     "llama-focus-xsa-tp2": (LLAMA + GQA + FOCUS_XSA + TP2, 2, "MegatronFocusForCausalLM"),
+    # The paper's gate, an ablation option
+    "gpt2-focus-sigmoid-gate": (FOCUS_ONLY + ["--focus-gate", "sigmoid", "--focus-gate-scale", "3"],
+                                1, "MegatronFocusForCausalLM"),
 }
 
 
@@ -183,9 +186,11 @@ def test_focus_export_computes_what_the_native_model_computes(trained_focus, nam
     config = model.config
     assert (config.focus_groups, config.focus_window, config.focus_top_k,
             config.focus_attention_mode) == (4, 4, 2, "soft")
+    assert config.focus_gate == ("sigmoid" if name.endswith("sigmoid-gate") else "log")
     assert config.layer_attention == {
         "gpt2-focus": ["focus", "focus"], "gpt2-focus-xsa-layer-2": ["focus", "focus+xsa"],
-        "llama-focus": ["focus", "focus"]}.get(name, ["focus+xsa", "focus+xsa"])
+        "llama-focus": ["focus", "focus"], "gpt2-focus-sigmoid-gate": ["focus", "focus"]
+    }.get(name, ["focus+xsa", "focus+xsa"])
     routers = [k for k in model.state_dict() if ".router." in k]
     assert len(routers) == 4  # W_g and the centroids of each layer
 

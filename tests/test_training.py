@@ -73,6 +73,22 @@ def test_checkpoint_of_another_shape_is_refused(embedded_cache, tmp_path):
         train(1, wider)
 
 
+def test_focus_gate_is_recorded_and_older_checkpoints_read_as_log_gate(embedded_cache, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    focus = ["--attention", "focus", "--focus-window", "8", "--focus-groups", "4"]
+    train(1, _argv(embedded_cache, *focus, "--save", ckpt, iters=3))
+    args_file = os.path.join(ckpt, "iter_0000003", "model_args.json")
+    recorded = json.load(open(args_file))
+    assert recorded["focus_gate"] == "log"
+    del recorded["focus_gate"]  # as saved before the gate was recorded
+    json.dump(recorded, open(args_file, "w"))
+    sigmoid = _argv(embedded_cache, *focus, "--focus-gate", "sigmoid", "--load", ckpt, iters=4)
+    with pytest.raises(Exception, match=r"focus_gate: checkpoint 'log', this run 'sigmoid'"):
+        train(1, sigmoid)
+    resumed = train(1, _argv(embedded_cache, *focus, "--load", ckpt, iters=4))
+    assert len(resumed["losses"]) == 1
+
+
 def test_default_run_loss_falls_and_logs_to_tensorboard(embedded_cache, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

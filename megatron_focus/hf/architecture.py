@@ -9,6 +9,8 @@ import argparse
 import dataclasses
 from typing import List, Optional, Tuple
 
+from megatron_focus.model.focus_gate import GATES
+
 SUPPORTED_ATTENTION = ("standard", "xsa", "focus", "focus+xsa")
 # The variant each Focus variant is without its routers (what a retrofit starts from).
 WITHOUT_FOCUS = {"focus": "standard", "focus+xsa": "xsa"}
@@ -18,7 +20,7 @@ WITHOUT_FOCUS = {"focus": "standard", "focus+xsa": "xsa"}
 class FocusSettings:
     """A Focus model's settings, named as `pretrain_gpt.py`'s `--focus-*` flags.
 
-    The first six decide what the model computes and are recorded in `model_args.json`; `top_k`
+    The first seven decide what the model computes and are recorded in `model_args.json`; `top_k`
     and `attention_mode` are inference settings (sparse mode), free to change, not recorded: they
     take `pretrain_gpt.py`'s defaults unless given.
     """
@@ -29,15 +31,18 @@ class FocusSettings:
     tau: float
     sinkhorn_iters: int
     gate_scale: float
+    gate: str = "log"
     top_k: int = 2
     attention_mode: str = "soft"
 
-    RECORDED = ("groups", "dim", "window", "tau", "sinkhorn_iters", "gate_scale")
+    RECORDED = ("groups", "dim", "window", "tau", "sinkhorn_iters", "gate_scale", "gate")
 
     def __post_init__(self):
         if not 1 <= self.top_k <= self.groups:
             raise ValueError(f"Focus top-k {self.top_k} must be between 1 and the groups "
                              f"({self.groups})")
+        if self.gate not in GATES:
+            raise ValueError(f"Focus gate {self.gate!r}: one of {GATES}")
         if self.attention_mode not in ("soft", "sparse"):
             raise ValueError(f"Focus attention mode {self.attention_mode!r}: soft or sparse")
 

@@ -37,13 +37,14 @@ class MegatronFocusConfig(PreTrainedConfig):
     tie_word_embeddings: bool = True
     layer_attention: list[str] | None = None  # one variant per layer; default all "standard"
     # Focus (layers "focus" / "focus+xsa"): K groups, routing dim d_g, local window w, temperature,
-    # causal Sinkhorn iterations, lambda of the soft log-gate; then the inference settings.
+    # causal Sinkhorn iterations, lambda of the soft gate and its form; then the inference settings.
     focus_groups: int = 8
     focus_dim: int = 16
     focus_window: int = 128
     focus_tau: float = 0.1
     focus_sinkhorn_iters: int = 10
     focus_gate_scale: float = 1.0
+    focus_gate: str = "log"  # or "sigmoid": the paper's multiplicative gate (ablations)
     focus_top_k: int = 2
     focus_attention_mode: str = "soft"
     initializer_range: float = 0.02
@@ -82,6 +83,8 @@ def check_focus_inference(config: MegatronFocusConfig) -> None:
     if config.focus_attention_mode not in FOCUS_MODES:
         raise ValueError(f"focus_attention_mode={config.focus_attention_mode!r}; expected one of "
                          f"{FOCUS_MODES}")
+    if config.focus_gate not in ("log", "sigmoid"):
+        raise ValueError(f"focus_gate={config.focus_gate!r}; expected log or sigmoid")
     if not 1 <= config.focus_top_k <= config.focus_groups:
         raise ValueError(f"focus_top_k={config.focus_top_k} must be between 1 and focus_groups "
                          f"({config.focus_groups})")

@@ -17,7 +17,8 @@ token i's assignment depend on tokens <= i only, through one K-vector per Sinkho
 log-sum of exp(L) over the prefix. A Focus layer's cache entry (`FocusCacheLayer`, a DynamicLayer)
 keeps, per cached token, those prefix sums and the token's log-assignment, so decoding token by
 token gives the assignments of a full forward. `config.focus_attention_mode` ("soft" log-gate or
-"sparse" hard top-k rule) and `config.focus_top_k` are read at every forward: change them on a
+"sparse" hard top-k rule; `config.focus_gate` "sigmoid" is the paper's gate, for ablations) and
+`config.focus_top_k` are read at every forward: change them on a
 loaded model (`model.set_focus_mode("sparse")`), even between generation steps.
 """
 
@@ -170,6 +171,13 @@ def soft_gate(log_g_q, log_g_k, local, gate_scale: float):
                        log_gate)
 
 
+def sigmoid_gate(log_g_q, log_g_k, local, gate_scale: float):
+    """The paper's gate, a factor `[b, s, keys]` on the logits: 1 local, sigmoid(lambda * g_i . g_j)
+    distant (megatron_focus/model/focus_gate.py `sigmoid_gate`, `--focus-gate sigmoid`)."""
+    affinity = torch.bmm(log_g_q.exp(), log_g_k.exp().transpose(1, 2))
+    return torch.where(local, 1.0, torch.sigmoid(gate_scale * affinity))
+
+
 def hard_rule(log_g_q, log_g_k, local, top_k: int):
     """Kept pairs `[b, s, keys]`: local, or the key's top-1 group among the query's top-k.
 
@@ -304,6 +312,12 @@ class FocusAttention(Attention):
         local = local_pairs(q.shape[2], k.shape[2], config.focus_window, q.device)
         if config.focus_attention_mode == "sparse":
             attn_mask = mask & hard_rule(log_g_q, log_g_k, local, config.focus_top_k)[:, None]
+        elif config.focus_gate == "sigmoid":  # a factor on the logits: explicit scores
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            factor = sigmoid_gate(log_g_q, log_g_k, local, config.focus_gate_scale)[:, None]
+            logits = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5 * factor
+            return logits.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype) @ v
         else:
             bias = soft_gate(log_g_q, log_g_k, local, config.focus_gate_scale)[:, None]
             attn_mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))

@@ -71,8 +71,8 @@ def checkpoint_vocabulary(tag_dir: str, tokenizer_type: Optional[str] = None,
 def read_architecture(tag_dir: str, vocab_size: int, focus_top_k: Optional[int] = None,
                       focus_attention_mode: Optional[str] = None) -> Architecture:
     """The model of a checkpoint; a Focus model's inference settings as given, or the defaults."""
-    return Architecture.from_model_args(read_json(tag_dir, checkpointing.ARGS_FILE), vocab_size,
-                                        focus_top_k, focus_attention_mode)
+    model_args = checkpointing.with_unrecorded_defaults(read_json(tag_dir, checkpointing.ARGS_FILE))
+    return Architecture.from_model_args(model_args, vocab_size, focus_top_k, focus_attention_mode)
 
 
 def read_weights(tag_dir: str, arch: Architecture, progress: bool = True) -> StateDict:

@@ -23,8 +23,9 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 TINY_AFFINITY = 1e-30
 
 
-def gate_score_mod(g: torch.Tensor, window: int, gate_scale: float):
-    """The soft rule as a score_mod: a distant pair (i - j >= w) gets lambda * log(g_i . g_j).
+def gate_score_mod(g: torch.Tensor, window: int, gate_scale: float, gate: str = "log"):
+    """The soft rule as a score_mod: a distant pair (i - j >= w) gets lambda * log(g_i . g_j)
+    added, or with the paper's gate (`gate="sigmoid"`) its logit times sigmoid(lambda g_i . g_j).
 
     g [b, n, K] are the assignments (probabilities). The K-term dot product is unrolled, so each
     pair reads 2K numbers; its gradient reaches g through FlexAttention's captured-buffer rule.
@@ -36,8 +37,11 @@ def gate_score_mod(g: torch.Tensor, window: int, gate_scale: float):
         affinity = g[b, q_idx, 0] * g[b, kv_idx, 0]
         for j in range(1, groups):
             affinity = affinity + g[b, q_idx, j] * g[b, kv_idx, j]
-        bias = gate_scale * torch.log(torch.clamp(affinity, min=TINY_AFFINITY))
-        return torch.where(q_idx - kv_idx >= window, score + bias, score)
+        if gate == "sigmoid":
+            gated = score * torch.sigmoid(gate_scale * affinity)
+        else:
+            gated = score + gate_scale * torch.log(torch.clamp(affinity, min=TINY_AFFINITY))
+        return torch.where(q_idx - kv_idx >= window, gated, score)
 
     return score_mod
 
@@ -102,9 +106,10 @@ def _attend_with_lse(q, k, v, scale: float, score_mod=None, block_mask=None):
     return out, aux.lse
 
 
-def flex_soft_focus(q, k, v, log_g, *, window: int, gate_scale: float, scale: float):
+def flex_soft_focus(q, k, v, log_g, *, window: int, gate_scale: float, scale: float,
+                    gate: str = "log"):
     """Soft-gate causal Focus attention, fused. q [b,h,n,d], k/v [b,groups,n,d], log_g [b,n,K]."""
-    score_mod = gate_score_mod(log_g.float().exp(), window, gate_scale)
+    score_mod = gate_score_mod(log_g.float().exp(), window, gate_scale, gate)
     return _kernel(q.device)(q, k, v, score_mod=score_mod,
                              block_mask=causal_block_mask(q.shape[2], q.device), scale=scale,
                              enable_gqa=q.shape[1] != k.shape[1])

@@ -45,6 +45,7 @@ class FocusConfig:
     sinkhorn_iters: int = 10
     top_k: int = 2  # hard (sparse) mode
     gate_scale: float = 1.0  # lambda in the log gate; 0 opens the gate everywhere
+    gate: str = "log"  # or "sigmoid", the paper's (focus_gate.GATES)
     chunk_size: int = 128
     mode: str = "soft"
     kernel: str = "auto"  # the soft rule's: focus_gate.KERNELS
@@ -153,6 +154,7 @@ class FocusAttention(CoreAttention):
             top_k=self.top_k if self.mode == "sparse" else None,
             chunk_size=self.focus.chunk_size, scale=self.softmax_scale,
             dropout_p=self.dropout_p if self.training else 0.0, kernel=self.focus.kernel,
+            gate=self.focus.gate,
         )
 
 

@@ -4,8 +4,9 @@ Pair rule, for query i and key j <= i (positions), window w, log-assignments log
 
 * local, i - w < j <= i: the pair keeps its logit;
 * soft (training): a distant pair gets `+ lambda * log(g_i . g_j)`, a log-space gate: an affinity
-  of 0 removes the pair exactly, as the hard rule does (the paper's `q.k * sigmoid(lambda a)` gives
-  a removed pair logit 0, which still takes softmax weight);
+  of 0 removes the pair exactly, as the hard rule does. The paper's gate, `q.k * sigmoid(lambda
+  g_i . g_j)`, is an option for ablations (`gate="sigmoid"`): it gives a removed pair logit 0,
+  which still takes softmax weight, and an unrelated pair half its logit;
 * hard (sparse inference): a distant pair is kept iff j's top-1 group is among i's top-k groups,
   so every key sits in exactly one group bucket and no pair is counted twice.
 
@@ -27,6 +28,8 @@ from megatron_focus.model.flex import TINY_AFFINITY, flex_attention_with_lse, fl
 
 # Kernels for the soft rule: FlexAttention's fused one, or the chunked one below.
 KERNELS = ("auto", "flex", "chunked")
+# The soft rule's gate on distant pairs: ours in log space, or the paper's multiplicative sigmoid.
+GATES = ("log", "sigmoid")
 
 
 def top_groups(log_g: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -65,6 +68,14 @@ def soft_pair_bias(log_g_q: torch.Tensor, log_g_k: torch.Tensor, start: int, win
                     gate_scale)
 
 
+def sigmoid_gate(log_g_q: torch.Tensor, log_g_k: torch.Tensor, local: torch.Tensor,
+                 gate_scale: float) -> torch.Tensor:
+    """The paper's gate, a factor [b, c, e] on the logits: sigmoid(lambda * g_i . g_j) distant,
+    1 local (causality is the caller's mask)."""
+    affinity = torch.bmm(log_g_q.exp(), log_g_k.exp().transpose(1, 2))
+    return torch.where(local, 1.0, torch.sigmoid(gate_scale * affinity))
+
+
 def hard_pair_mask(groups_q: torch.Tensor, top1_k: torch.Tensor, q_pos: torch.Tensor,
                    k_pos: torch.Tensor, window: int) -> torch.Tensor:
     """Kept pairs [b, nq, nk] (bool): causal and (local, or key's top-1 group in query's top-k)."""
@@ -93,11 +104,20 @@ def attention_with_lse(q, k, v, scale: float, causal: bool, mask=None):
 
 
 def _attend_chunk(q, k, v, log_g_q, log_g_k, start: int, window: int, gate_scale: float,
-                  top_k: Optional[int], scale: float, dropout_p: float, gqa: bool):
+                  top_k: Optional[int], scale: float, dropout_p: float, gqa: bool,
+                  gate: str = "log"):
     """Queries [start, start + nq) against keys [0, nk) under the soft or (top_k given) hard rule."""
     nq, nk = q.shape[2], k.shape[2]
     q_pos = torch.arange(start, start + nq, device=q.device)
     k_pos = torch.arange(nk, device=q.device)
+    if top_k is None and gate == "sigmoid":  # a factor on the logits: explicit scores
+        causal, local = _causal_local(q_pos, k_pos, window)
+        if gqa:
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+        logits = (q @ k.transpose(-1, -2)).float().mul_(scale) \
+            * sigmoid_gate(log_g_q, log_g_k, local, gate_scale).unsqueeze(1)
+        probs = logits.masked_fill_(~causal, float("-inf")).softmax(-1)
+        return F.dropout(probs, dropout_p).to(v.dtype) @ v
     if top_k is None:
         mask = soft_pair_bias(log_g_q, log_g_k, start, window, gate_scale).to(q.dtype).unsqueeze(1)
     else:
@@ -124,26 +144,31 @@ def soft_kernel(requested: str, device: torch.device, dropout_p: float = 0.0) ->
 
 def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor, *,
                     window: int, gate_scale: float, top_k: Optional[int], chunk_size: int,
-                    scale: float, dropout_p: float = 0.0, kernel: str = "auto") -> torch.Tensor:
+                    scale: float, dropout_p: float = 0.0, kernel: str = "auto",
+                    gate: str = "log") -> torch.Tensor:
     """Causal Focus attention. q [b, h, n, d], k/v [b, groups, n, d], log_g [b, n, K] -> [b, h, n, d].
 
-    `top_k=None` is the soft (training) rule; an integer applies the hard rule with that top-k.
+    `top_k=None` is the soft (training) rule, with `gate` (GATES) on distant pairs; an integer
+    applies the hard rule with that top-k. The sigmoid gate has no fused CPU kernel: its chunks
+    build their scores explicitly (an ablation's speed).
     """
+    if gate not in GATES:
+        raise ValueError(f"unknown Focus gate {gate!r}; choose from {GATES}")
     n = q.shape[2]
     gqa = q.shape[1] != k.shape[1]
     log_g = log_g.float()
     if top_k is None:
         if soft_kernel(kernel, q.device, dropout_p) == "flex":
             return flex_soft_focus(q, k, v, log_g, window=window, gate_scale=gate_scale,
-                                   scale=scale)
-        if dropout_p == 0.0 and torch.is_grad_enabled():
+                                   scale=scale, gate=gate)
+        if gate == "log" and dropout_p == 0.0 and torch.is_grad_enabled():
             return _SoftFocusAttention.apply(q, k, v, log_g, window, gate_scale, chunk_size,
                                              scale)
     outputs = []
     for start in range(0, n, chunk_size):
         end = min(start + chunk_size, n)
         args = (q[:, :, start:end], k[:, :, :end], v[:, :, :end], log_g[:, start:end],
-                log_g[:, :end], start, window, gate_scale, top_k, scale, dropout_p, gqa)
+                log_g[:, :end], start, window, gate_scale, top_k, scale, dropout_p, gqa, gate)
         if torch.is_grad_enabled():
             # Recompute in backward: only this chunk's scores ever exist at once.
             outputs.append(checkpoint(_attend_chunk, *args, use_reentrant=False))

@@ -69,7 +69,7 @@ def focus_config(args: argparse.Namespace) -> FocusConfig:
     return FocusConfig(
         groups=args.focus_groups, dim=args.focus_dim, window=args.focus_window,
         tau=args.focus_tau, sinkhorn_iters=args.focus_sinkhorn_iters, top_k=args.focus_top_k,
-        gate_scale=args.focus_gate_scale, chunk_size=args.focus_chunk_size,
+        gate_scale=args.focus_gate_scale, gate=args.focus_gate, chunk_size=args.focus_chunk_size,
         mode=args.focus_attention_mode, kernel=args.focus_kernel,
     )
 

@@ -39,7 +39,9 @@ SHAPE_KEYS = (
 # What a Focus model computes (its top-k, mode and chunk size are inference settings, free to
 # change); the routers' shapes are the first two.
 FOCUS_KEYS = ("focus_groups", "focus_dim", "focus_window", "focus_tau",
-                    "focus_sinkhorn_iters", "focus_gate_scale")
+              "focus_sinkhorn_iters", "focus_gate_scale", "focus_gate")
+# Recorded since: what a Focus checkpoint saved before a key was recorded computed.
+FOCUS_BEFORE_RECORDED = {"focus_gate": "log"}
 LATEST = "latest"
 ARGS_FILE = "model_args.json"
 # The tokenizer the model was trained with (for the HF export); not compared on load.
@@ -134,7 +136,14 @@ def latest_tag(load_dir: str) -> Optional[str]:
 
 def saved_model_args(checkpoint_dir: str) -> dict:
     with open(os.path.join(checkpoint_dir, ARGS_FILE)) as f:
-        return json.load(f)
+        return with_unrecorded_defaults(json.load(f))
+
+
+def with_unrecorded_defaults(saved: dict) -> dict:
+    """A checkpoint's model args, with the Focus settings it predates at what it computed."""
+    if str(saved.get("attention", "")).startswith("focus"):
+        saved = {**FOCUS_BEFORE_RECORDED, **saved}
+    return saved
 
 
 def check_compatible(args: argparse.Namespace, checkpoint_dir: str,

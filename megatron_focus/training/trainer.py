@@ -302,7 +302,8 @@ def _print_banner(args: argparse.Namespace, model: torch.nn.Module, iteration: i
     )
     if args.attention.startswith("focus"):
         device = platform.setup().device
-        print(f"Focus kernels: soft gate {soft_kernel(args.focus_kernel, device, args.attention_dropout)}, sparse "
+        soft = soft_kernel(args.focus_kernel, device, args.attention_dropout)
+        print(f"Focus {args.focus_gate} gate | kernels: soft gate {soft}, sparse "
               f"{lse_kernel(device)}", flush=True)
 
 
