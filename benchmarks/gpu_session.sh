@@ -17,10 +17,10 @@ fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch; print('torch', torch.__version__)"; date -u; } | tee "$OUT/machine.txt"
 
-timeout 150 python3 -m pytest -q -rs tests/test_gpu.py 2>&1 | tee "$OUT/tests.txt"
-timeout 170 python3 benchmarks/focus_sparse_speed.py --dtype bf16 --groups 8 --top-k 1 2 \
+timeout 180 python3 -m pytest -q -rs tests/test_gpu.py 2>&1 | tee "$OUT/tests.txt"
+timeout 160 python3 benchmarks/focus_sparse_speed.py --dtype bf16 --groups 8 --top-k 1 2 \
     --seq-lengths 4096 16384 65536 262144 1048576 --json "$OUT/sparse.json" 2>&1 | tee "$OUT/sparse.txt"
-timeout 200 python3 benchmarks/variant_overhead.py --variants standard xsa focus focus+xsa \
+timeout 190 python3 benchmarks/variant_overhead.py --variants standard xsa focus focus+xsa \
     --seq-lengths 2048 4096 8192 --num-layers 4 --hidden-size 1024 --num-attention-heads 16 \
     --micro-batch-size 1 --bf16 --iters 10 --warmup 3 --hidden-dropout 0 --attention-dropout 0 \
     --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.txt"
