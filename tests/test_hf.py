@@ -527,6 +527,7 @@ def test_inexact_hf_models_are_refused(config, message, tmp_path):
 
 def test_unmapped_settings_are_refused():
     from megatron_focus.hf.architecture import Architecture
+    from megatron_focus.training.checkpointing import with_unrecorded_defaults
 
     model_args = dict(
         num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4,
@@ -537,10 +538,12 @@ def test_unmapped_settings_are_refused():
         openai_gelu=False)
     Architecture.from_model_args(model_args, 200)
     focus = dict(focus_groups=4, focus_dim=16, focus_window=4, focus_tau=0.1,
-                 focus_sinkhorn_iters=10, focus_gate_scale=1.0)
-    arch = Architecture.from_model_args({**model_args, **focus, "attention": "focus"}, 200,
-                                        focus_top_k=1)
+                 focus_sinkhorn_iters=10, focus_gate_scale=1.0)  # as saved before focus_gate
+    recorded = with_unrecorded_defaults({**model_args, **focus, "attention": "focus"})
+    arch = Architecture.from_model_args(recorded, 200, focus_top_k=1)
     assert (arch.focus.window, arch.focus.top_k, arch.focus.attention_mode) == (4, 1, "soft")
+    assert arch.focus.gate == "log"
+    assert with_unrecorded_defaults({**recorded, "focus_gate": "sigmoid"})["focus_gate"] == "sigmoid"
     with pytest.raises(ValueError, match="lacks focus_window, focus_tau"):  # an older checkpoint
         Architecture.from_model_args({**model_args, "attention": "focus", "focus_groups": 4,
                                       "focus_dim": 16}, 200)
