@@ -143,3 +143,21 @@ def test_soft_kernel_choice():
         focus_gate.soft_kernel("flex", torch.device("cuda"), dropout_p=0.1)
     with pytest.raises(ValueError, match="unknown Focus kernel"):
         focus_gate.soft_kernel("triton", torch.device("cpu"))
+
+
+def test_compiled_flex_takes_a_new_gate_closure_without_recompiling():
+    """The GPU kernel is compiled once per shape: each call builds a new score_mod closure over
+    new assignments, which must not count against dynamo's recompile limit (past it, calls fall
+    back to eager FlexAttention and its n x n scores). Compiled here for the CPU, forward only."""
+    from megatron_focus.model import flex
+
+    compiled = flex._compiled_flex()
+    assert torch._dynamo.config.recompile_limit >= flex.RECOMPILE_LIMIT
+    mask = causal_block_mask(256, torch.device("cpu"))
+    for seed in range(2):
+        q, k, v, log_g, _ = soft_inputs(1, 2, 2, 256, 16, 4, seed)
+        score_mod = gate_score_mod(log_g.exp(), 32, 0.7)
+        with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=seed > 0):
+            out = compiled(q, k, v, score_mod=score_mod, block_mask=mask, scale=0.25)
+        ref = reference_focus(q, k, v, log_g, window=32, gate_scale=0.7, top_k=None, scale=0.25)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -93,8 +93,19 @@ def _kernel(device: torch.device):
     return _compiled_flex() if device.type == "cuda" else flex_attention
 
 
+# Dynamo compiles flex_attention's one frame again for each score_mod function, grad mode, and
+# shape until shapes turn dynamic (a new closure of the same function is no recompile:
+# tests/test_flex.py). Past its recompile limit (8 by default) a call silently runs eager
+# FlexAttention, which materialises the n x n scores. A Focus run that trains and validates in
+# both modes uses several entries (soft gate with and without grad, the sparse path's range and
+# band calls, each static then dynamic), the GPU tests more than 8.
+RECOMPILE_LIMIT = 64
+
+
 @functools.lru_cache(maxsize=1)
 def _compiled_flex():
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                               RECOMPILE_LIMIT)
     return torch.compile(flex_attention)
 
 
