@@ -60,7 +60,10 @@ def parse() -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--bf16", action="store_true", help="bf16 weights and activations")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", metavar="PATH", help="also write the results here")
-    return p.parse_known_args()  # the rest go to the model, as megatron-focus flags
+    opts, model_argv = p.parse_known_args()  # the rest go to the model, as megatron-focus flags
+    if opts.iters < 2:
+        p.error("--iters must be at least 2 (the table reports quartiles)")
+    return opts, model_argv
 
 
 def _resident_bytes(field: str) -> int:
