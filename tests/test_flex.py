@@ -91,9 +91,11 @@ def test_causal_block_mask_is_exact(n, window):
 
 
 @pytest.mark.parametrize("n, groups, top_k, how", [(300, 4, 2, "random"), (700, 8, 3, "random"),
-                                                  (400, 4, 2, "lonely"), (129, 1, 1, "random")])
+                                                  (400, 4, 2, "lonely"), (129, 1, 1, "random"),
+                                                  (1000, 1, 1, "random")])
 def test_range_block_mask_covers_every_kept_pair(n, groups, top_k, how):
-    """The bucket part's ranges, as the sparse path sorts them: no kept pair in a skipped block."""
+    """The bucket part's ranges, as the sparse path sorts them: no kept pair in a skipped block,
+    only kept pairs in a block marked whole."""
     gen = torch.Generator().manual_seed(n)
     groups_q = assignments(2, n, groups, gen, how).topk(top_k, -1).indices
     _, _, _, starts, before = _buckets(groups_q, groups)
@@ -107,6 +109,12 @@ def test_range_block_mask_covers_every_kept_pair(n, groups, top_k, how):
         present = mask.to_dense()[0, 0].repeat_interleave(128, 0).repeat_interleave(128, 1)
         assert not (kept & ~present[:2 * n, :2 * n].bool()).any(), slot
         assert mask.seq_lengths == (2 * n, 2 * n)
+        whole = 0
+        for i in range(mask.full_kv_num_blocks.shape[-1]):
+            for j in mask.full_kv_indices[0, 0, i, :int(mask.full_kv_num_blocks[0, 0, i])]:
+                assert kept[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].all(), (slot, i, j)
+                whole += 1
+        assert whole > 0 or n < 1000  # 2000 tokens in one group: most blocks are whole
 
 
 @pytest.mark.parametrize("causal, mask_shape", [(True, None), (False, None),

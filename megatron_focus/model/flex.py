@@ -57,6 +57,21 @@ def _causal_window(window: int):
     return mask_mod
 
 
+def _block_mask(some: torch.Tensor, every: torch.Tensor, mask_mod, block: int,
+                seq_lengths: tuple) -> BlockMask:
+    """BlockMask from [query blocks, key blocks] booleans: the blocks with some kept pair, and
+    those whose every pair is kept (whole: FlexAttention evaluates no mask there)."""
+    def counts_and_indices(kept):  # kept blocks first, in increasing order, in each row
+        order = torch.sort((~kept).to(torch.int8), dim=1, stable=True).indices
+        return (kept.sum(1, dtype=torch.int32)[None, None],
+                order.to(torch.int32)[None, None])
+
+    kv_num, kv_indices = counts_and_indices(some & ~every)
+    full_num, full_indices = counts_and_indices(every)
+    return BlockMask.from_kv_blocks(kv_num, kv_indices, full_num, full_indices,
+                                    BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=seq_lengths)
+
+
 @functools.lru_cache(maxsize=32)
 def causal_block_mask(n: int, device: torch.device, window: Optional[int] = None,
                       block: int = 128) -> BlockMask:
@@ -74,18 +89,8 @@ def causal_block_mask(n: int, device: torch.device, window: Optional[int] = None
     q_first, q_last, k_first, k_last = first[:, None], last[:, None], first[None], last[None]
     some = (q_last >= k_first) & (q_first - k_last < window)
     every = (q_first >= k_last) & (q_last - k_first < window)
-    partial = some & ~every
-
-    def counts_and_indices(kept):  # kept blocks first, in increasing order, in each row
-        order = torch.sort((~kept).to(torch.int8), dim=1, stable=True).indices
-        return (kept.sum(1, dtype=torch.int32)[None, None],
-                order.to(torch.int32)[None, None])
-
     mask_mod = _causal if window >= n else _causal_window(window)
-    kv_num, kv_indices = counts_and_indices(partial)
-    full_num, full_indices = counts_and_indices(every)
-    return BlockMask.from_kv_blocks(kv_num, kv_indices, full_num, full_indices,
-                                    BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(n, n))
+    return _block_mask(some, every, mask_mod, block, (n, n))
 
 
 def _kernel(device: torch.device):
@@ -164,24 +169,22 @@ def flex_local_part(q, k, v, groups_q, window: int, scale: float):
 
 
 def range_block_mask(lo: torch.Tensor, hi: torch.Tensor, keys: int, block: int = 128) -> BlockMask:
-    """BlockMask of query e against keys [lo[e], hi[e]) (lo, hi nondecreasing in e): each block
-    of queries reads the key blocks from its first lo to its last hi."""
+    """BlockMask of query e against keys [lo[e], hi[e]) (lo, hi nondecreasing in e): a block of
+    queries reads the key blocks from its first lo to its last hi; those inside every one of its
+    ranges (from its last lo to its first hi) are whole, most of a bucket's blocks."""
     rows = lo.numel()
     q_blocks, kv_blocks = -(-rows // block), -(-keys // block)
-    firsts = lo[::block]
-    lasts = hi[torch.clamp(torch.arange(1, q_blocks + 1, device=lo.device) * block, max=rows) - 1]
-    start = torch.div(firsts, block, rounding_mode="floor")
-    count = torch.where(lasts > firsts, torch.div(lasts - 1, block, rounding_mode="floor")
-                        - start + 1, 0)
-    indices = torch.clamp(start[:, None] + torch.arange(kv_blocks, device=lo.device),
-                          max=kv_blocks - 1)
+    last_row = torch.clamp(torch.arange(1, q_blocks + 1, device=lo.device) * block, max=rows) - 1
+    lo_first, lo_last = lo[::block, None], lo[last_row, None]
+    hi_first, hi_last = hi[::block, None], hi[last_row, None]
+    key_first = torch.arange(kv_blocks, device=lo.device)[None] * block
+    some = (key_first < hi_last) & (key_first + block > lo_first) & (hi_last > lo_first)
+    every = (key_first >= lo_last) & (key_first + block <= hi_first)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return (kv_idx >= lo[q_idx]) & (kv_idx < hi[q_idx])
 
-    return BlockMask.from_kv_blocks(count.to(torch.int32)[None, None],
-                                    indices.to(torch.int32)[None, None], BLOCK_SIZE=block,
-                                    mask_mod=mask_mod, seq_lengths=(rows, keys))
+    return _block_mask(some, every, mask_mod, block, (rows, keys))
 
 
 def flex_range_attention(q, k, v, lo, hi, scale: float):
