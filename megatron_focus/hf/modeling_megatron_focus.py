@@ -16,10 +16,10 @@ Focus (megatron_focus/model/{sinkhorn,focus,focus_gate}.py): the router's causal
 token i's assignment depend on tokens <= i only, through one K-vector per Sinkhorn iteration, the
 log-sum of exp(L) over the prefix. A Focus layer's cache entry (`FocusCacheLayer`, a DynamicLayer)
 keeps, per cached token, those prefix sums and the token's log-assignment, so decoding token by
-token gives the assignments of a full forward. `config.focus_attention_mode` ("soft" log-gate or
-"sparse" hard top-k rule; `config.focus_gate` "sigmoid" is the paper's gate, for ablations) and
-`config.focus_top_k` are read at every forward: change them on a
-loaded model (`model.set_focus_mode("sparse")`), even between generation steps.
+token gives the assignments of a full forward. `config.focus_attention_mode` ("soft" gate or
+"sparse" hard top-k rule) and `config.focus_top_k` are read at every forward: change them on a
+loaded model (`model.set_focus_mode("sparse")`), even between generation steps. The soft gate is
+the log-space one, or with `config.focus_gate = "sigmoid"` the paper's (an ablation setting).
 """
 
 import math
