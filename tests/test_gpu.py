@@ -61,17 +61,22 @@ def test_flex_soft_focus_bf16_is_close_to_the_dense_reference():
     torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("n, top_k, how", [(3000, 1, "random"), (3000, 2, "random"),
-                                           (600, 2, "lonely"), (512, 4, "random")])
-def test_sparse_dispatch_on_gpu_equals_dense(n, top_k, how):
+@pytest.mark.parametrize("n, top_k, how, dtype", [
+    (3000, 1, "random", torch.float32), (3000, 2, "random", torch.float32),
+    (600, 2, "lonely", torch.float32), (512, 4, "random", torch.float32),
+    (3000, 2, "random", torch.bfloat16),
+])
+def test_sparse_dispatch_on_gpu_equals_dense(n, top_k, how, dtype):
     gen = torch.Generator().manual_seed(n)
     q = torch.randn(2, 4, n, 64, generator=gen)
     k, v = (torch.randn(2, 2, n, 64, generator=gen) for _ in range(2))
     log_g = assignments(2, n, 4, gen, how)
-    out = sparse_focus_attention(q.cuda(), k.cuda(), v.cuda(), log_g.cuda(), window=128,
-                                 top_k=top_k, scale=0.125)
-    ref = dense_hard_rule(q, k, v, log_g, 128, top_k, 0.125)
-    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+    out = sparse_focus_attention(*(t.cuda().to(dtype) for t in (q, k, v)), log_g.cuda(),
+                                 window=128, top_k=top_k, scale=0.125)
+    assert out.dtype == dtype
+    ref = dense_hard_rule(*(t.to(dtype).float() for t in (q, k, v)), log_g, 128, top_k, 0.125)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float().cpu(), ref, rtol=tol, atol=tol)
 
 
 def _peak_bytes(fn) -> int:
