@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from megatron_focus.model.focus import group_stats
 from megatron_focus.model.focus_sparse import sparse_focus_attention
+from megatron_focus.model.groups import Routing
 from megatron_focus.model.sinkhorn import causal_sinkhorn
 from timing import seconds
 
@@ -49,14 +50,15 @@ def measure(opts, n: int, groups: int, top_k: int) -> dict:
     # As the model's core attention hands them: [b, heads, n, d] views of Megatron's [n, b, heads, d].
     q, k, v = (torch.randn(n, 1, opts.heads, opts.head_dim, generator=gen).to(device, dtype)
                .permute(1, 2, 0, 3) for _ in range(3))
-    log_g = causal_sinkhorn(torch.randn(1, n, groups, generator=gen) * 3, 10).to(device)
+    routing = Routing.of(causal_sinkhorn(torch.randn(1, n, groups, generator=gen) * 3, 10)
+                         .to(device))
     scale = opts.head_dim ** -0.5
 
     def dense():
         F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
     def sparse():
-        sparse_focus_attention(q, k, v, log_g, window=opts.window, top_k=top_k, scale=scale)
+        sparse_focus_attention(q, k, v, routing, window=opts.window, top_k=top_k, scale=scale)
 
     times = {"dense": [], "sparse": []}
     with torch.no_grad():
@@ -70,7 +72,7 @@ def measure(opts, n: int, groups: int, top_k: int) -> dict:
                 for _ in range(3):
                     sparse()
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
-    kept = float(group_stats(log_g, top_k, opts.window)["pairs-kept"])
+    kept = float(group_stats(routing, top_k, opts.window)["pairs-kept"])
     dense_s, sparse_s = statistics.median(times["dense"]), statistics.median(times["sparse"])
     speedup = statistics.median(d / s for d, s in zip(times["dense"], times["sparse"]))
     return {"n": n, "groups": groups, "top_k": top_k, "dense_ms": dense_s * 1e3,

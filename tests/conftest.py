@@ -22,3 +22,19 @@ def embedded_cache(tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("cache"))
     ensure_embedded_data(cache)
     return cache
+
+
+@pytest.fixture
+def forbid_topk(monkeypatch):
+    """Call it to make torch.topk raise from then on in the test: its order of tied entries
+    depends on k, so no Focus path may rank groups with it (model/groups.py)."""
+    import torch
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.topk called: its tie order depends on k")
+
+    def forbid():
+        monkeypatch.setattr(torch, "topk", refuse)
+        monkeypatch.setattr(torch.Tensor, "topk", refuse)
+
+    return forbid

@@ -17,9 +17,9 @@ from megatron_focus.model.flex import (causal_block_mask, flex_attention_with_ls
                                        flex_soft_focus, gate_score_mod, range_block_mask)
 from megatron_focus.model.focus_gate import attention_with_lse
 from megatron_focus.model.focus_sparse import _buckets, _key_ranges
+from megatron_focus.model.groups import Routing
 from megatron_focus.model.sinkhorn import causal_sinkhorn
-from test_focus import reference_focus
-from test_focus_sparse import assignments
+from reference import assignments, reference_focus
 
 SOFT_CASES = [  # (b, heads, kv groups, n, d, K, window)
     (2, 4, 4, 37, 8, 4, 5),     # n not a multiple of anything
@@ -92,12 +92,13 @@ def test_causal_block_mask_is_exact(n, window):
 
 @pytest.mark.parametrize("n, groups, top_k, how", [(300, 4, 2, "random"), (700, 8, 3, "random"),
                                                   (400, 4, 2, "lonely"), (129, 1, 1, "random"),
-                                                  (1000, 1, 1, "random")])
+                                                  (1000, 1, 1, "random"),
+                                                  (500, 8, 5, "coarse")])
 def test_range_block_mask_covers_every_kept_pair(n, groups, top_k, how):
     """The bucket part's ranges, as the sparse path sorts them: no kept pair in a skipped block,
     only kept pairs in a block marked whole."""
     gen = torch.Generator().manual_seed(n)
-    groups_q = assignments(2, n, groups, gen, how).topk(top_k, -1).indices
+    groups_q = Routing.of(assignments(2, n, groups, gen, how)).top(top_k)
     _, _, _, starts, before = _buckets(groups_q, groups)
     for slot in range(top_k):
         lo, hi = _key_ranges(groups_q, slot, starts, before)

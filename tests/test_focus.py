@@ -7,7 +7,10 @@ import torch
 
 from megatron_focus.model.focus import group_stats
 from megatron_focus.model.focus_gate import focus_attention
+from megatron_focus.model.groups import Routing
 from megatron_focus.model.sinkhorn import causal_sinkhorn
+from megatron_focus.model.groups import rank_groups
+from reference import assignments, reference_focus, reference_ranking
 
 
 def whole_sequence_sinkhorn(scores, iters):
@@ -59,37 +62,19 @@ def test_sinkhorn_balances_a_collapsed_assignment():
     assert argmax_share < 1 / 8 + 0.02
 
 
-# --- the pair rule and the chunked attention, against a dense reference written out here ---
+@pytest.mark.parametrize("how", ["random", "uniform", "duplicated", "coarse"])
+def test_groups_rank_ties_to_the_lowest_index(how):
+    log_g = assignments(3, 50, 8, torch.Generator().manual_seed(0), how)
+    assert torch.equal(rank_groups(log_g), reference_ranking(log_g))
 
-def reference_focus(q, k, v, log_g, window, gate_scale, top_k, scale, gate="log"):
-    """Dense causal attention with the Focus rule; which pairs are which is decided pair by pair.
-    `gate="sigmoid"`: the paper's gate, distant logits times sigmoid(lambda g_i . g_j)."""
-    b, h, n, d = q.shape
-    rep = h // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    local = torch.zeros(b, n, n, dtype=torch.bool)
-    distant = torch.zeros(b, n, n, dtype=torch.bool)  # distant pairs the rule keeps
-    for bi in range(b):
-        tops = log_g[bi].topk(top_k, -1).indices.tolist() if top_k else None
-        for i in range(n):
-            for j in range(i + 1):
-                if i - j < window:
-                    local[bi, i, j] = True
-                else:
-                    distant[bi, i, j] = top_k is None or tops[j][0] in tops[i]
-    g = log_g.double().exp()
-    affinity = torch.einsum("bik,bjk->bij", g, g)
-    scores = torch.einsum("bhid,bhjd->bhij", q.double(), k.double()) * scale
-    if gate == "sigmoid":
-        scores = torch.where(distant[:, None], scores * (gate_scale * affinity).sigmoid()[:, None],
-                             scores)
-        log_gate = 0.0
-    else:
-        log_gate = gate_scale * affinity.log() if top_k is None else 0.0
-    bias = torch.where(local, 0.0, torch.where(distant, log_gate, float("-inf")))
-    scores = scores + bias[:, None]
-    return (scores.softmax(-1) @ v.double()).to(q.dtype)
 
+def test_token_zero_is_uniform_and_ranks_its_groups_in_order():
+    log_g = causal_sinkhorn(torch.randn(2, 10, 8) * 3, 10)
+    assert torch.equal(log_g[:, 0], torch.full((2, 8), log_g[0, 0, 0].item()))
+    assert torch.equal(rank_groups(log_g)[:, 0], torch.arange(8).expand(2, 8))
+
+
+# --- the pair rule and the chunked attention, against the dense reference (tests/reference.py) ---
 
 CASES = [  # (b, heads, kv groups, n, d, K, window, chunk, top_k)
     (2, 4, 4, 37, 8, 4, 5, 16, None),     # n not a multiple of the chunk
@@ -110,7 +95,7 @@ def test_chunked_focus_attention_matches_dense_reference(b, heads, kv, n, d, gro
     k, v = (torch.randn(b, kv, n, d, generator=gen, requires_grad=True) for _ in range(2))
     log_g = causal_sinkhorn(torch.randn(b, n, groups, generator=gen) * 3, 5).requires_grad_()
     kwargs = dict(window=window, gate_scale=0.7, top_k=top_k, scale=d ** -0.5)
-    out = focus_attention(q, k, v, log_g, chunk_size=chunk, **kwargs)
+    out = focus_attention(q, k, v, Routing.of(log_g), chunk_size=chunk, **kwargs)
     ref = reference_focus(q, k, v, log_g, **kwargs)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     if top_k == groups:
@@ -135,8 +120,8 @@ def test_sigmoid_gate_matches_dense_reference(b, heads, kv, n, d, groups, window
     log_g = causal_sinkhorn(torch.randn(b, n, groups, generator=gen, dtype=torch.float64) * 3,
                             5).requires_grad_()
     kwargs = dict(window=window, gate_scale=2.5, top_k=None, scale=d ** -0.5, gate="sigmoid")
-    out = focus_attention(q.float(), k.float(), v.float(), log_g.float(), chunk_size=chunk,
-                          **kwargs)
+    out = focus_attention(q.float(), k.float(), v.float(), Routing.of(log_g.float()),
+                          chunk_size=chunk, **kwargs)
     ref = reference_focus(q, k, v, log_g, **kwargs)
     torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-5)
     cotangent = torch.randn(out.shape, generator=gen)
@@ -145,15 +130,16 @@ def test_sigmoid_gate_matches_dense_reference(b, heads, kv, n, d, groups, window
     for name, got, want in zip("qkvg", grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
     with pytest.raises(ValueError, match="unknown Focus gate"):
-        focus_attention(q, k, v, log_g, chunk_size=chunk, **{**kwargs, "gate": "tanh"})
+        focus_attention(q, k, v, Routing.of(log_g), chunk_size=chunk,
+                        **{**kwargs, "gate": "tanh"})
 
 
 def test_open_gate_is_standard_attention():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 50, 8, generator=gen) for _ in range(3))
     log_g = causal_sinkhorn(torch.randn(2, 50, 4, generator=gen) * 3, 5)
-    out = focus_attention(q, k, v, log_g, window=4, gate_scale=0.0, top_k=None, chunk_size=16,
-                          scale=8 ** -0.5)
+    out = focus_attention(q, k, v, Routing.of(log_g), window=4, gate_scale=0.0, top_k=None,
+                          chunk_size=16, scale=8 ** -0.5)
     full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                             scale=8 ** -0.5)
     torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-6)
@@ -163,13 +149,13 @@ def test_pairs_kept_statistic_counts_the_hard_rule():
     gen = torch.Generator().manual_seed(1)
     n, groups, window, top_k = 60, 4, 7, 2
     log_g = causal_sinkhorn(torch.randn(3, n, groups, generator=gen) * 3, 5)
-    tops = log_g.topk(top_k, -1).indices
+    tops = reference_ranking(log_g)[..., :top_k]
     kept = 0
     for bi in range(3):
         for i in range(n):
             for j in range(i + 1):
                 kept += i - j < window or bool((tops[bi, i] == tops[bi, j, 0]).any())
-    stats = group_stats(log_g, top_k, window)
+    stats = group_stats(Routing.of(log_g), top_k, window)
     assert math.isclose(float(stats["pairs-kept"]), kept / (3 * n * (n + 1) / 2), rel_tol=1e-6)
     top1_share = torch.stack([torch.bincount(t, minlength=groups).max() for t in tops[..., 0]])
     assert math.isclose(float(stats["largest-group"]), float(top1_share.float().mean()) / n,
@@ -194,7 +180,7 @@ def test_soft_gate_memory_is_linear_in_sequence_length():
         q, k, v = (torch.randn(1, 2, n, 8, requires_grad=True) for _ in range(3))
         log_g = causal_sinkhorn(torch.randn(1, n, 4), 3).requires_grad_()
         return _saved_bytes(
-            lambda: focus_attention(q, k, v, log_g, window=16, gate_scale=1.0, top_k=None,
+            lambda: focus_attention(q, k, v, Routing.of(log_g), window=16, gate_scale=1.0, top_k=None,
                                     chunk_size=64, scale=0.3))
 
     small, large = run(512), run(2048)

@@ -8,34 +8,8 @@ import torch
 from megatron_focus.model import focus_gate
 from megatron_focus.model.focus_gate import focus_attention
 from megatron_focus.model.focus_sparse import merge_by_lse, sparse_focus_attention
-
-
-def dense_hard_rule(q, k, v, log_g, window, top_k, scale):
-    """The hard rule as one masked softmax over all pairs (fp64)."""
-    n = q.shape[2]
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1).double(), v.repeat_interleave(rep, 1).double()
-    tops = log_g.topk(top_k, -1).indices
-    pos = torch.arange(n)
-    distance = pos[:, None] - pos[None, :]
-    same = (tops[:, :, None, :] == tops[:, None, :, :1]).any(-1)  # key's top-1 in query's top-k
-    keep = (distance >= 0) & ((distance < window) | same)
-    scores = torch.einsum("bhid,bhjd->bhij", q.double(), k) * scale
-    scores = scores.masked_fill(~keep[:, None], float("-inf"))
-    return (scores.softmax(-1) @ v).to(q.dtype)
-
-
-def assignments(b, n, groups, gen, how="random"):
-    if how == "random":
-        scores = torch.randn(b, n, groups, generator=gen) * 3
-    elif how == "one-group":  # every token's top-1 is group 0
-        scores = torch.randn(b, n, groups, generator=gen)
-        scores[..., 0] += 100
-    elif how == "lonely":  # group 1 holds exactly one token per sequence; others may be empty
-        scores = torch.randn(b, n, groups, generator=gen)
-        scores[..., 0] += 50
-        scores[:, n // 2, 1] += 200
-    return torch.log_softmax(scores, -1)  # raw (unbalanced) assignments are allowed here
+from megatron_focus.model.groups import Routing
+from reference import assignments, dense_hard_rule
 
 
 CASES = [  # b, heads, kv heads, n, d, K, w, top_k, assignment
@@ -48,6 +22,10 @@ CASES = [  # b, heads, kv heads, n, d, K, w, top_k, assignment
     (2, 2, 2, 64, 8, 4, 4, 1, "one-group"),    # all tokens in one group, the others empty
     (2, 2, 2, 64, 8, 4, 4, 2, "lonely"),       # a single-token group
     (1, 4, 2, 2500, 32, 8, 128, 2, "random"),  # several thousand tokens
+    # exact ties everywhere (tests/reference.py): K = 8 with every top-k, GQA, n a multiple of
+    # no block size
+    *[(1, 4, 2, 150, 8, 8, 8, top_k, how)
+      for how in ("uniform", "duplicated", "coarse") for top_k in range(1, 9)],
 ]
 
 
@@ -65,12 +43,13 @@ def test_sparse_dispatch_equals_dense_hard_rule(monkeypatch, kernel, b, heads, k
     q = torch.randn(b, heads, n, d, generator=gen)
     k, v = (torch.randn(b, kv, n, d, generator=gen) for _ in range(2))
     log_g = assignments(b, n, groups, gen, how)
-    out = sparse_focus_attention(q, k, v, log_g, window=window, top_k=top_k, scale=d ** -0.5)
+    out = sparse_focus_attention(q, k, v, Routing.of(log_g), window=window, top_k=top_k,
+                                 scale=d ** -0.5)
     ref = dense_hard_rule(q, k, v, log_g, window, top_k, d ** -0.5)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     if n <= 300 and kernel == "cpu-flash":  # the masked path (used with gradients): same rule
-        masked = focus_attention(q, k, v, log_g, window=window, gate_scale=1.0, top_k=top_k,
-                                 chunk_size=32, scale=d ** -0.5)
+        masked = focus_attention(q, k, v, Routing.of(log_g), window=window, gate_scale=1.0,
+                                 top_k=top_k, chunk_size=32, scale=d ** -0.5)
         torch.testing.assert_close(out, masked, rtol=1e-5, atol=1e-5)
     if top_k == groups:
         full = torch.nn.functional.scaled_dot_product_attention(
@@ -94,24 +73,35 @@ def test_merge_by_lse_is_the_softmax_of_the_union():
 
 
 @pytest.mark.parametrize("attention", ["focus", "focus+xsa"])
-def test_model_in_sparse_mode_dispatch_equals_masked_rule(single_process, attention):
+def test_model_in_sparse_mode_dispatch_equals_masked_rule(single_process, forbid_topk, attention):
+    """The model's two hard-rule paths, for every top-k of K = 8, with duplicated centroids (exact
+    ties between groups 2j and 2j + 1 for every token) and the statistics computed alongside."""
     from megatron_focus import platform
     from megatron_focus.arguments import parse_args
+    from megatron_focus.model.focus import focus_statistics, set_focus_mode
     from megatron_focus.model.gpt import build_model
 
     platform.manual_seed(0)
     args = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                        "--seq-length", "96", "--attention", attention, "--focus-window", "8",
-                       "--focus-groups", "4", "--focus-top-k", "2", "--focus-chunk-size", "32",
+                       "--focus-groups", "8", "--focus-chunk-size", "32",
                        "--focus-attention-mode", "sparse", "--group-query-attention",
                        "--num-query-groups", "2"])
     model = build_model(args, 256).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("router.centroids"):
+                param[1::2] = param[0::2]
     tokens = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(96).expand(2, 96)
-    with torch.no_grad():
-        dispatched = model(tokens, positions, None)
-    masked = model(tokens, positions, None)  # with gradients: the masked-chunk path
-    torch.testing.assert_close(dispatched, masked.detach(), rtol=1e-5, atol=1e-5)
+    forbid_topk()
+    for top_k in range(1, 9):
+        set_focus_mode(model, "sparse", top_k)
+        with torch.no_grad():
+            dispatched = model(tokens, positions, None)
+        masked = model(tokens, positions, None)  # with gradients: the masked-chunk path
+        torch.testing.assert_close(dispatched, masked.detach(), rtol=1e-5, atol=1e-5)
+        assert 0 < focus_statistics(model)["focus/layer01/pairs-kept"] <= 1
 
 
 def test_eval_ppl_reports_every_top_k(embedded_cache, tmp_path):
@@ -169,8 +159,8 @@ def test_sparse_memory_is_linear_in_sequence_length():
     largest = {}
     for n in (512, 2048):
         q, k, v = (torch.randn(1, 2, n, 16, generator=gen) for _ in range(3))
-        log_g = assignments(1, n, 4, gen)
-        largest[n] = _largest_intermediate(sparse_focus_attention, q, k, v, log_g, window=32,
+        routing = Routing.of(assignments(1, n, 4, gen))
+        largest[n] = _largest_intermediate(sparse_focus_attention, q, k, v, routing, window=32,
                                            top_k=2, scale=0.25)
         assert largest[n] < 8 * q.numel()
     assert largest[2048] / largest[512] < 4.5

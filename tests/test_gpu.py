@@ -10,8 +10,8 @@ import torch
 from megatron_focus.model.focus_gate import focus_attention
 from megatron_focus.model.focus_sparse import sparse_focus_attention
 from megatron_focus.model.sinkhorn import causal_sinkhorn
-from test_focus import reference_focus
-from test_focus_sparse import assignments, dense_hard_rule
+from megatron_focus.model.groups import Routing
+from reference import assignments, dense_hard_rule, reference_focus
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -42,8 +42,8 @@ def test_flex_soft_focus_equals_chunked_path_fp32(b, heads, kv, n, d, groups, wi
     q, k, v, log_g = inputs(b, heads, kv, n, d, groups)
     kwargs = dict(window=window, gate_scale=0.7, top_k=None, chunk_size=128, scale=d ** -0.5,
                   gate=gate)
-    flex = focus_attention(q, k, v, log_g, kernel="flex", **kwargs)
-    chunked = focus_attention(q, k, v, log_g, kernel="chunked", **kwargs)
+    flex = focus_attention(q, k, v, Routing.of(log_g), kernel="flex", **kwargs)
+    chunked = focus_attention(q, k, v, Routing.of(log_g), kernel="chunked", **kwargs)
     torch.testing.assert_close(flex, chunked, rtol=1e-4, atol=1e-4)
     cotangent = torch.randn_like(flex)
     grads = torch.autograd.grad(flex, (q, k, v, log_g), cotangent)
@@ -55,7 +55,8 @@ def test_flex_soft_focus_equals_chunked_path_fp32(b, heads, kv, n, d, groups, wi
 def test_flex_soft_focus_bf16_is_close_to_the_dense_reference():
     q, k, v, log_g = inputs(1, 4, 4, 512, 64, 8, dtype=torch.bfloat16)
     kwargs = dict(window=64, gate_scale=1.0, scale=0.125)
-    out = focus_attention(q, k, v, log_g, kernel="flex", top_k=None, chunk_size=128, **kwargs)
+    out = focus_attention(q, k, v, Routing.of(log_g), kernel="flex", top_k=None, chunk_size=128,
+                          **kwargs)
     ref = reference_focus(*(t.detach().float().cpu() for t in (q, k, v, log_g)), top_k=None,
                           **kwargs)
     torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2)
@@ -64,6 +65,7 @@ def test_flex_soft_focus_bf16_is_close_to_the_dense_reference():
 @pytest.mark.parametrize("n, top_k, how, dtype", [
     (3000, 1, "random", torch.float32), (3000, 2, "random", torch.float32),
     (600, 2, "lonely", torch.float32), (512, 4, "random", torch.float32),
+    (700, 3, "coarse", torch.float32),  # exact ties between groups everywhere
     (3000, 2, "random", torch.bfloat16),
 ])
 def test_sparse_dispatch_on_gpu_equals_dense(n, top_k, how, dtype):
@@ -71,7 +73,7 @@ def test_sparse_dispatch_on_gpu_equals_dense(n, top_k, how, dtype):
     q = torch.randn(2, 4, n, 64, generator=gen)
     k, v = (torch.randn(2, 2, n, 64, generator=gen) for _ in range(2))
     log_g = assignments(2, n, 4, gen, how)
-    out = sparse_focus_attention(*(t.cuda().to(dtype) for t in (q, k, v)), log_g.cuda(),
+    out = sparse_focus_attention(*(t.cuda().to(dtype) for t in (q, k, v)), Routing.of(log_g.cuda()),
                                  window=128, top_k=top_k, scale=0.125)
     assert out.dtype == dtype
     ref = dense_hard_rule(*(t.to(dtype).float() for t in (q, k, v)), log_g, 128, top_k, 0.125)
@@ -91,12 +93,14 @@ def _peak_bytes(fn) -> int:
 def test_soft_and_sparse_memory_grow_linearly_on_gpu():
     def soft_step(n):
         q, k, v, log_g = inputs(1, 8, 8, n, 64, 8, dtype=torch.bfloat16)
-        return lambda: focus_attention(q, k, v, log_g, kernel="flex", window=128, gate_scale=1.0,
-                                       top_k=None, chunk_size=128, scale=0.125).sum().backward()
+        return lambda: focus_attention(q, k, v, Routing.of(log_g), kernel="flex", window=128,
+                                       gate_scale=1.0, top_k=None, chunk_size=128,
+                                       scale=0.125).sum().backward()
 
     def sparse_call(n):
         q, k, v, log_g = (t.detach() for t in inputs(1, 8, 8, n, 64, 8, dtype=torch.bfloat16))
-        return lambda: sparse_focus_attention(q, k, v, log_g, window=128, top_k=2, scale=0.125)
+        return lambda: sparse_focus_attention(q, k, v, Routing.of(log_g), window=128, top_k=2,
+                                              scale=0.125)
 
     for make, small, large in ((soft_step, 8192, 32768), (sparse_call, 16384, 65536)):
         make(small)()  # compile first

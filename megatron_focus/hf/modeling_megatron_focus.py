@@ -148,9 +148,10 @@ def causal_sinkhorn(scores, iters, counts, keep=None, prefix=None):
     return log_g, sums
 
 
-def top_groups(log_g, top_k: int):
-    """`[..., top_k]` group indices, most likely first (megatron_focus/model/focus_gate.py)."""
-    return log_g.topk(top_k, dim=-1).indices
+def rank_groups(log_g):
+    """`[..., K]` group indices by decreasing assignment, the lowest index first among equals
+    (megatron_focus/model/groups.py): a token's top-1 group is the same for every top-k asked."""
+    return torch.sort(log_g, dim=-1, descending=True, stable=True).indices
 
 
 def local_pairs(queries: int, keys: int, window: int, device):
@@ -178,16 +179,15 @@ def sigmoid_gate(log_g_q, log_g_k, local, gate_scale: float):
     return torch.where(local, 1.0, torch.sigmoid(gate_scale * affinity))
 
 
-def hard_rule(log_g_q, log_g_k, local, top_k: int):
-    """Kept pairs `[b, s, keys]`: local, or the key's top-1 group among the query's top-k.
+def hard_rule(groups_q, groups_k, local, top_k: int):
+    """Kept pairs `[b, s, keys]`: local, or the key's top-1 group among the query's top-k, from
+    the ranked groups (`rank_groups`) of the queries and the keys.
 
     megatron_focus/model/focus_gate.py `hard_pair_mask`: every key sits in exactly one group. The
     native sparse dispatch (focus_sparse.py) computes only these pairs, by group buckets; here they
     mask a dense attention: the same result, without the speed-up.
     """
-    groups_q = top_groups(log_g_q, top_k)
-    top1_k = top_groups(log_g_k, 1)[..., 0]
-    same_group = (groups_q[:, :, None, :] == top1_k[:, None, :, None]).any(-1)
+    same_group = (groups_q[:, :, None, :top_k] == groups_k[:, None, :, None, 0]).any(-1)
     return local | same_group
 
 
@@ -208,10 +208,10 @@ class Router(nn.Module):
 class FocusCacheLayer(DynamicLayer):
     """A Focus layer's cache entry: keys and values, and the routing state of every cached token.
 
-    `log_g` `[b, n, K]`: each cached token's log-assignment (the soft gate's g_j; its top-1 group
-    for the hard rule). `sums` `[b, n, iters, K]`: per causal-Sinkhorn iteration, the log-sum of
-    exp(L) over the tokens up to this one; the last row is all the next token needs. Both are per
-    token, as keys and values are, so cropping, beam reordering and batch expansion (below) treat
+    `log_g` `[b, n, K]`: each cached token's log-assignment (the soft gate's g_j); `groups`
+    `[b, n, K]`: its ranked groups (the hard rule's top-1). `sums` `[b, n, iters, K]`: per
+    causal-Sinkhorn iteration, the log-sum of exp(L) over the tokens up to this one; the last row
+    is all the next token needs. All are per token, as keys and values are, so cropping, beam reordering and batch expansion (below) treat
     them as DynamicLayer treats keys and values.
     """
 
@@ -219,25 +219,26 @@ class FocusCacheLayer(DynamicLayer):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.log_g = self.sums = None
+        self.log_g = self.groups = self.sums = None
 
     def routing_prefix(self):
         """`[b, iters, K]`: the causal Sinkhorn's running log-sums after the cached tokens."""
         return None if self.log_g is None or self.log_g.shape[1] == 0 else self.sums[:, -1]
 
-    def update_routing(self, log_g, sums):
-        """Appends the new tokens' state; returns every cached token's log-assignment."""
+    def update_routing(self, log_g, groups, sums):
+        """Appends the new tokens' state; returns every cached token's (log_g, groups)."""
         if self.log_g is not None:
-            log_g, sums = torch.cat([self.log_g, log_g], dim=1), torch.cat([self.sums, sums], dim=1)
-        self.log_g, self.sums = log_g, sums
-        return log_g
+            log_g, groups, sums = (torch.cat(pair, dim=1) for pair in (
+                (self.log_g, log_g), (self.groups, groups), (self.sums, sums)))
+        self.log_g, self.groups, self.sums = log_g, groups, sums
+        return log_g, groups
 
     def _map_routing(self, fn):
         if self.log_g is not None:
-            self.log_g, self.sums = fn(self.log_g), fn(self.sums)
+            self.log_g, self.groups, self.sums = fn(self.log_g), fn(self.groups), fn(self.sums)
 
     def reset(self):
-        self.log_g = self.sums = None
+        self.log_g = self.groups = self.sums = None
         super().reset()
 
     def crop(self, tokens_to_remove: int):
@@ -287,7 +288,8 @@ class FocusAttention(Attention):
         self.router = Router(config)
 
     def route(self, x, cache, attention_mask):
-        """(log-assignments of these tokens `[b, s, K]`, of every key `[b, keys, K]`)."""
+        """((log-assignments, ranked groups) of these tokens `[b, s, K]`, the same of every key
+        `[b, keys, K]`): the groups ranked once, here, for every use."""
         b, s, _ = x.shape
         layer = focus_cache_layer(cache, self.layer_idx) if cache is not None else None
         past = layer.get_seq_length() if layer is not None else 0
@@ -303,15 +305,16 @@ class FocusAttention(Attention):
             counts, keep = keep.long().cumsum(-1)[:, past:].clamp_min(1), keep[:, past:]
         log_g, sums = causal_sinkhorn(self.router(x), self.config.focus_sinkhorn_iters, counts,
                                       keep, layer.routing_prefix() if layer is not None else None)
-        return log_g, layer.update_routing(log_g, sums) if layer is not None else log_g
+        queries = (log_g, rank_groups(log_g))
+        return queries, layer.update_routing(*queries, sums) if layer is not None else queries
 
     def attend(self, q, k, v, mask, routing=None):
         config = self.config
         check_focus_inference(config)
-        log_g_q, log_g_k = routing
+        (log_g_q, groups_q), (log_g_k, groups_k) = routing
         local = local_pairs(q.shape[2], k.shape[2], config.focus_window, q.device)
         if config.focus_attention_mode == "sparse":
-            attn_mask = mask & hard_rule(log_g_q, log_g_k, local, config.focus_top_k)[:, None]
+            attn_mask = mask & hard_rule(groups_q, groups_k, local, config.focus_top_k)[:, None]
         elif config.focus_gate == "sigmoid":  # a factor on the logits: explicit scores
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)

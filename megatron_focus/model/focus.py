@@ -4,8 +4,9 @@ Data flow in one layer (TP = tensor-parallel size):
 
     h (normalised hidden state, [s/TP, b, d] under sequence parallelism, else [s, b, d])
       -> router: r = W_g h, gathered along the sequence under SP -> scores r C^T / tau
-         -> causal Sinkhorn -> log-assignments [b, s, K], identical on every TP rank
-      -> SelfAttention as usual (QKV, RoPE), its core attention gets the assignments through
+         -> causal Sinkhorn -> log-assignments [b, s, K], identical on every TP rank, and each
+            token's groups ranked once (groups.Routing)
+      -> SelfAttention as usual (QKV, RoPE), its core attention gets the routing through
          Megatron's `attention_bias` slot and applies the Focus pair rule to its own heads.
 
 `W_g` and `C` are replicated on every TP rank. Each rank's heads send gradient into the shared
@@ -28,8 +29,9 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.attention import SelfAttention
 
 from megatron_focus.model.core_attention import CoreAttention
-from megatron_focus.model.focus_gate import focus_attention, top_groups
+from megatron_focus.model.focus_gate import focus_attention
 from megatron_focus.model.focus_sparse import sparse_focus_attention
+from megatron_focus.model.groups import Routing
 from megatron_focus.model.sinkhorn import causal_sinkhorn
 from megatron_focus.parallel import sum_grad_over_tensor_parallel
 
@@ -67,7 +69,7 @@ class Router(torch.nn.Module):
         self.top_k = focus.top_k  # for the pairs-kept statistic; set_focus_mode may change it
         self.stats: Optional[dict] = None
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor) -> Routing:
         r = self.proj(hidden_states)
         if self.sequence_parallel:
             # Each rank then sends back the full gradient of its slice: split, not reduce-scatter.
@@ -80,14 +82,15 @@ class Router(torch.nn.Module):
                                use_reentrant=False)
         else:
             log_g = causal_sinkhorn(scores, self.focus.sinkhorn_iters)
+        routing = Routing.of(log_g)
         with torch.no_grad():
-            self.stats = group_stats(log_g, self.top_k, self.focus.window)
+            self.stats = group_stats(routing, self.top_k, self.focus.window)
         if self.tp > 1:
-            log_g = sum_grad_over_tensor_parallel(log_g)
-        return log_g
+            routing = routing._replace(log_g=sum_grad_over_tensor_parallel(log_g))
+        return routing
 
 
-def group_stats(log_g: torch.Tensor, top_k: int, window: int) -> dict:
+def group_stats(routing: Routing, top_k: int, window: int) -> dict:
     """Occupancy of the groups and the share of causal pairs the hard top-k rule keeps.
 
     `largest-group`: share of tokens whose top-1 group is the most popular one (1/K is ideal);
@@ -95,8 +98,9 @@ def group_stats(log_g: torch.Tensor, top_k: int, window: int) -> dict:
     `pairs-kept`: kept causal pairs / all causal pairs, counted with per-group prefix counts
     (local pairs, plus distant keys whose top-1 group is among the query's top-k).
     """
+    log_g = routing.log_g
     b, n, groups = log_g.shape
-    top = top_groups(log_g, min(top_k, groups))
+    top = routing.top(min(top_k, groups))
     onehot = torch.nn.functional.one_hot(top[..., 0], groups)
     largest = onehot.sum(1).max(-1).values.float().mean() / n
     occupancy = log_g.exp().mean(dim=(0, 1))

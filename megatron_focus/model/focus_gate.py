@@ -7,8 +7,9 @@ Pair rule, for query i and key j <= i (positions), window w, log-assignments log
   of 0 removes the pair exactly, as the hard rule does. The paper's gate, `q.k * sigmoid(lambda
   g_i . g_j)`, is an option for ablations (`gate="sigmoid"`): it gives a removed pair logit 0,
   which still takes softmax weight, and an unrelated pair half its logit;
-* hard (sparse inference): a distant pair is kept iff j's top-1 group is among i's top-k groups,
-  so every key sits in exactly one group bucket and no pair is counted twice.
+* hard (sparse inference): a distant pair is kept iff j's top-1 group is among i's top-k groups
+  (ranked by groups.rank_groups, ties to the lowest index), so every key sits in exactly one
+  group bucket and no pair is counted twice.
 
 `focus_attention` evaluates the rule over query chunks against the keys up to each chunk's end, so
 no n x n tensor outlives one chunk: memory is linear in n at a fixed chunk size. The soft rule
@@ -25,16 +26,12 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megatron_focus.model.flex import TINY_AFFINITY, flex_attention_with_lse, flex_soft_focus
+from megatron_focus.model.groups import Routing
 
 # Kernels for the soft rule: FlexAttention's fused one, or the chunked one below.
 KERNELS = ("auto", "flex", "chunked")
 # The soft rule's gate on distant pairs: ours in log space, or the paper's multiplicative sigmoid.
 GATES = ("log", "sigmoid")
-
-
-def top_groups(log_g: torch.Tensor, top_k: int) -> torch.Tensor:
-    """[..., n, top_k] group indices, most likely first (index 0 is the token's top-1 group)."""
-    return log_g.topk(top_k, dim=-1).indices
 
 
 def _causal_local(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int):
@@ -103,30 +100,31 @@ def attention_with_lse(q, k, v, scale: float, causal: bool, mask=None):
     return flex_attention_with_lse(q, k, v, scale, causal, mask)
 
 
-def _attend_chunk(q, k, v, log_g_q, log_g_k, start: int, window: int, gate_scale: float,
-                  top_k: Optional[int], scale: float, dropout_p: float, gqa: bool,
-                  gate: str = "log"):
-    """Queries [start, start + nq) against keys [0, nk) under the soft or (top_k given) hard rule."""
-    nq, nk = q.shape[2], k.shape[2]
-    q_pos = torch.arange(start, start + nq, device=q.device)
-    k_pos = torch.arange(nk, device=q.device)
-    if top_k is None and gate == "sigmoid":  # a factor on the logits: explicit scores
-        causal, local = _causal_local(q_pos, k_pos, window)
+def _soft_chunk(q, k, v, log_g_q, log_g_k, start: int, window: int, gate_scale: float,
+                scale: float, dropout_p: float, gqa: bool, gate: str):
+    """Queries [start, start + nq) against keys [0, nk) under the soft rule."""
+    if gate == "sigmoid":  # a factor on the logits: explicit scores
+        causal, local = _causal_local(torch.arange(start, start + q.shape[2], device=q.device),
+                                      torch.arange(k.shape[2], device=q.device), window)
         if gqa:
             k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
         logits = (q @ k.transpose(-1, -2)).float().mul_(scale) \
             * sigmoid_gate(log_g_q, log_g_k, local, gate_scale).unsqueeze(1)
         probs = logits.masked_fill_(~causal, float("-inf")).softmax(-1)
         return F.dropout(probs, dropout_p).to(v.dtype) @ v
-    if top_k is None:
-        mask = soft_pair_bias(log_g_q, log_g_k, start, window, gate_scale).to(q.dtype).unsqueeze(1)
-    else:
-        groups_q = top_groups(log_g_q, top_k)
-        top1_k = top_groups(log_g_k, 1)[..., 0]
-        mask = hard_pair_mask(groups_q, top1_k, q_pos, k_pos, window).unsqueeze(1)
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
-    )
+    mask = soft_pair_bias(log_g_q, log_g_k, start, window, gate_scale).to(q.dtype).unsqueeze(1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                          scale=scale, enable_gqa=gqa)
+
+
+def _hard_chunk(q, k, v, groups_q, top1_k, start: int, window: int, scale: float,
+                dropout_p: float, gqa: bool):
+    """Queries [start, start + nq) (top-k groups `groups_q`) against keys [0, nk) (top-1 groups
+    `top1_k`) under the hard rule."""
+    mask = hard_pair_mask(groups_q, top1_k, torch.arange(start, start + q.shape[2], device=q.device),
+                          torch.arange(k.shape[2], device=q.device), window).unsqueeze(1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                          scale=scale, enable_gqa=gqa)
 
 
 def soft_kernel(requested: str, device: torch.device, dropout_p: float = 0.0) -> str:
@@ -142,11 +140,12 @@ def soft_kernel(requested: str, device: torch.device, dropout_p: float = 0.0) ->
     return requested
 
 
-def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: torch.Tensor, *,
+def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, routing: Routing, *,
                     window: int, gate_scale: float, top_k: Optional[int], chunk_size: int,
                     scale: float, dropout_p: float = 0.0, kernel: str = "auto",
                     gate: str = "log") -> torch.Tensor:
-    """Causal Focus attention. q [b, h, n, d], k/v [b, groups, n, d], log_g [b, n, K] -> [b, h, n, d].
+    """Causal Focus attention. q [b, h, n, d], k/v [b, groups, n, d], routing's tensors [b, n, K]
+    -> [b, h, n, d].
 
     `top_k=None` is the soft (training) rule, with `gate` (GATES) on distant pairs; an integer
     applies the hard rule with that top-k. The sigmoid gate has no fused CPU kernel: its chunks
@@ -156,7 +155,7 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: to
         raise ValueError(f"unknown Focus gate {gate!r}; choose from {GATES}")
     n = q.shape[2]
     gqa = q.shape[1] != k.shape[1]
-    log_g = log_g.float()
+    log_g = routing.log_g.float()
     if top_k is None:
         if soft_kernel(kernel, q.device, dropout_p) == "flex":
             return flex_soft_focus(q, k, v, log_g, window=window, gate_scale=gate_scale,
@@ -164,16 +163,21 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_g: to
         if gate == "log" and dropout_p == 0.0 and torch.is_grad_enabled():
             return _SoftFocusAttention.apply(q, k, v, log_g, window, gate_scale, chunk_size,
                                              scale)
+    groups_q, top1 = routing.top(top_k or 1), routing.groups[..., 0]
     outputs = []
-    for start in range(0, n, chunk_size):
-        end = min(start + chunk_size, n)
-        args = (q[:, :, start:end], k[:, :, :end], v[:, :, :end], log_g[:, start:end],
-                log_g[:, :end], start, window, gate_scale, top_k, scale, dropout_p, gqa, gate)
+    for start, end in _chunks(n, chunk_size):
+        if top_k is None:
+            attend, args = _soft_chunk, (log_g[:, start:end], log_g[:, :end], start, window,
+                                         gate_scale, scale, dropout_p, gqa, gate)
+        else:
+            attend, args = _hard_chunk, (groups_q[:, start:end], top1[:, :end], start, window,
+                                         scale, dropout_p, gqa)
+        args = (q[:, :, start:end], k[:, :, :end], v[:, :, :end]) + args
         if torch.is_grad_enabled():
             # Recompute in backward: only this chunk's scores ever exist at once.
-            outputs.append(checkpoint(_attend_chunk, *args, use_reentrant=False))
+            outputs.append(checkpoint(attend, *args, use_reentrant=False))
         else:
-            outputs.append(_attend_chunk(*args))
+            outputs.append(attend(*args))
     return torch.cat(outputs, dim=2)
 
 

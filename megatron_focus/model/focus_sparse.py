@@ -7,8 +7,8 @@ ordinary attention call, merged exactly by per-query log-sum-exp weights:
 * bucket part, one per top-k slot s. The keys of all groups of all sequences are laid out in
   bucket order: tokens stably sorted by (sequence, top-1 group), positions increasing inside a
   bucket. Query i's keys for slot s are then one contiguous range of that layout: the members of
-  group topk(i)[s] before it (and i itself for its own top-1 group), `_key_ranges`. Slot 0 on
-  the CPU is plain causal attention over each bucket: all buckets packed into one call, q, k, v
+  i's s-th ranked group (groups.py) before it (and i itself for its own top-1 group),
+  `_key_ranges`. Slot 0 on the CPU is plain causal attention over each bucket: all buckets packed into one call, q, k, v
   each gathered once into the padded [buckets, longest] layout. Other slots, and every slot on
   a GPU, attend their ranges: FlexAttention in one call with a block mask made from the ranges
   (flex.flex_range_attention), or on the CPU blocks of queries against their blocks' key ranges
@@ -32,6 +32,7 @@ import torch
 from megatron_focus.model import focus_gate
 from megatron_focus.model.flex import flex_local_part, flex_range_attention
 from megatron_focus.model.focus_gate import attention_with_lse
+from megatron_focus.model.groups import Routing
 
 
 def merge_by_lse(outputs, lses):
@@ -75,7 +76,7 @@ def _buckets(groups_q: torch.Tensor, num_groups: int):
 
 def _key_ranges(groups_q: torch.Tensor, slot: int, starts: torch.Tensor, before: torch.Tensor):
     """[lo, hi) of each token's slot-`slot` keys in bucket order, [b * n] each: the members of
-    group topk[slot] before the token, and the token itself in its own (top-1) group."""
+    the token's slot-th ranked group before it, and the token itself in its own (top-1) group."""
     b = groups_q.shape[0]
     group = groups_q[..., slot:slot + 1]
     lo = starts.view(b, -1).gather(1, group[..., 0])
@@ -232,10 +233,10 @@ def _local_part(q, k, v, groups_q, window: int, scale: float):
 
 
 @torch.no_grad()
-def sparse_focus_attention(q, k, v, log_g, *, window: int, top_k: int, scale: float):
-    """Hard-rule Focus attention computing only kept pairs. q [b,h,n,d], k/v [b,g,n,d], log_g [b,n,K]."""
-    groups_q = log_g.topk(top_k, dim=-1).indices  # [b, n, top_k], top-1 first
-    bucket_outs, bucket_lses = _bucket_part(q, k, v, groups_q, log_g.shape[-1], scale)
+def sparse_focus_attention(q, k, v, routing: Routing, *, window: int, top_k: int, scale: float):
+    """Hard-rule Focus attention computing only kept pairs. q [b,h,n,d], k/v [b,g,n,d]."""
+    groups_q = routing.top(top_k)  # [b, n, top_k], top-1 first
+    bucket_outs, bucket_lses = _bucket_part(q, k, v, groups_q, routing.groups.shape[-1], scale)
     if focus_gate.lse_kernel(q.device) == "flex":  # a GPU: one call over the band
         local_out, local_lse = flex_local_part(q, k, v, groups_q, window, scale)
     else:
