@@ -123,6 +123,9 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--data-cache-path", default=None,
                    help="where dataset indices (and the embedded corpus) are cached")
+    g.add_argument("--num-workers", type=int, default=2,
+                   help="DataLoader worker processes that read and collate batches ahead of the "
+                        "step (0: in the training process)")
 
 
 def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
@@ -293,5 +296,7 @@ def _validate_training(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError("--retrofit and --finetune need --load (the pretrained checkpoint)")
     if args.save_full and not args.retrofit:
         raise ValueError("--save-full is for --retrofit runs (other runs always save everything)")
+    if args.num_workers < 0:
+        raise ValueError(f"--num-workers {args.num_workers} must be 0 or more")
     if args.save_interval is not None and args.save is None:
         raise ValueError("--save-interval needs --save")

@@ -78,7 +78,7 @@ def test_model_in_sparse_mode_dispatch_equals_masked_rule(single_process, forbid
     ties between groups 2j and 2j + 1 for every token) and the statistics computed alongside."""
     from megatron_focus import platform
     from megatron_focus.arguments import parse_args
-    from megatron_focus.model.focus import focus_statistics, set_focus_mode
+    from megatron_focus.model.focus import focus_statistics, recording_statistics, set_focus_mode
     from megatron_focus.model.gpt import build_model
 
     platform.manual_seed(0)
@@ -97,7 +97,7 @@ def test_model_in_sparse_mode_dispatch_equals_masked_rule(single_process, forbid
     forbid_topk()
     for top_k in range(1, 9):
         set_focus_mode(model, "sparse", top_k)
-        with torch.no_grad():
+        with torch.no_grad(), recording_statistics(model):
             dispatched = model(tokens, positions, None)
         masked = model(tokens, positions, None)  # with gradients: the masked-chunk path
         torch.testing.assert_close(dispatched, masked.detach(), rtol=1e-5, atol=1e-5)

@@ -48,14 +48,15 @@ TRAINED_FOCUS = {
 def _train_and_batches(argv):
     """Train, then return the losses and the micro-batches of the first step and the validation."""
     from megatron_focus.arguments import parse_args
+    from megatron_focus.data.loader import micro_batches
     from megatron_focus.training import trainer
 
     args = parse_args(argv)
     history = trainer.pretrain(args)
     train, valid = trainer.datasets_for(args, trainer.tokenizer_for(args, rank0=True))
-    micro_batches = range(args.global_batch_size // args.micro_batch_size)  # one data-parallel rank
-    history["train_batches"] = [trainer.micro_batch(train, 0, m, args) for m in micro_batches]
-    history["valid_batches"] = [trainer.micro_batch(valid, 0, m, args) for m in micro_batches]
+    for name, data in (("train_batches", train), ("valid_batches", valid)):  # one data-parallel rank
+        history[name] = list(micro_batches(data, 0, args.global_batch_size, args.micro_batch_size,
+                                           1, 0))
     return history
 
 

@@ -109,6 +109,61 @@ def test_default_run_loss_falls_and_logs_to_tensorboard(embedded_cache, tmp_path
     assert math.isclose(events.Scalars("lm loss")[-1].value, sum(losses[-3:]) / 3, rel_tol=1e-6)
 
 
+def _host_reads(argv):
+    """pretrain(argv), counting the host reads of tensors that this package's own code makes
+    (.item(), float() / bool() of a tensor, .tolist(), .cpu(), .numpy()): on a GPU each one
+    waits for the device's queue of work. A read is this package's when the innermost frame
+    outside torch that asks for it is in megatron_focus/ (DeepSpeed's own are not counted)."""
+    import sys
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_focus.arguments import parse_args
+    from megatron_focus.training.trainer import pretrain
+
+    counts = {"reads": 0}
+
+    def ours():
+        frame = sys._getframe(2)
+        while frame is not None and f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
+            frame = frame.f_back
+        return frame is not None and f"{os.sep}megatron_focus{os.sep}" in frame.f_code.co_filename
+
+    class ScalarReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default and ours():
+                counts["reads"] += 1
+            return func(*args, **(kwargs or {}))
+
+    def counted(method):
+        def read(self, *args, **kwargs):
+            counts["reads"] += ours()
+            return method(self, *args, **kwargs)
+        return read
+
+    for name in ("tolist", "cpu", "numpy"):
+        setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
+    with ScalarReads():
+        history = pretrain(parse_args(argv))
+    return counts["reads"], len(history["losses"])
+
+
+def test_training_reads_the_device_once_per_logged_iteration(embedded_cache):
+    """Twice the iterations with the same number of log lines: not one host read more; one
+    more log line: exactly one more. Focus+XSA, whose statistics are logged too."""
+    def reads(iters, log_interval):
+        argv = _argv(embedded_cache, "--attention", "focus+xsa", "--focus-window", "8",
+                     "--focus-groups", "4", "--eval-iters", "0", "--log-interval",
+                     str(log_interval), iters=iters)
+        count, steps = run_distributed(_host_reads, 1, argv)
+        assert steps == iters
+        return count
+
+    one_log = reads(8, 8)
+    assert one_log == reads(4, 4)
+    assert reads(8, 4) == one_log + 1
+
+
 @pytest.mark.parametrize("argv, error", [
     (["--micro-batch-size", "3", "--global-batch-size", "8"], "not divisible by --micro-batch"),
     (["--data-path", "nowhere/text_document", "--tokenizer-type", "SentencePieceTokenizer",

@@ -26,7 +26,9 @@ from megatron_focus import platform  # noqa: E402
 from megatron_focus.arguments import build_parser, validate_args  # noqa: E402
 from megatron_focus.hf.native import (  # noqa: E402
     checkpoint_tag_dir, native_model, read_architecture, read_weights)
-from megatron_focus.model.focus import FocusAttention, focus_statistics, set_focus_mode  # noqa: E402
+from megatron_focus.data.loader import micro_batches  # noqa: E402
+from megatron_focus.model.focus import (  # noqa: E402
+    FocusAttention, focus_statistics, recording_statistics, set_focus_mode)
 from megatron_focus.model.focus_gate import lse_kernel, soft_kernel  # noqa: E402
 from megatron_focus.training import trainer  # noqa: E402
 
@@ -71,9 +73,10 @@ def evaluate(model, batches, timer: AttentionTimer, sparse: bool) -> dict:
     timer.seconds, total, kept = 0.0, 0.0, []
     start = time.perf_counter()
     for batch in batches:
-        total += float(trainer.lm_loss(model, batch))
+        with recording_statistics(model):
+            total += float(trainer.lm_loss(model, batch))
         stats = focus_statistics(model)
-        kept += [v for k, v in stats.items() if k.endswith("pairs-kept")]
+        kept += [float(v) for k, v in stats.items() if k.endswith("pairs-kept")]
     loss = total / len(batches)
     return {"loss": loss, "ppl": math.exp(min(loss, 30.0)),
             "pairs_kept": sum(kept) / len(kept) if sparse else 1.0,
@@ -94,8 +97,8 @@ def main() -> None:
     _, valid = trainer.datasets_for(args, tokenizer)
     if valid is None:
         raise ValueError("--split leaves no validation data, or --eval-iters is 0")
-    batches = [trainer.micro_batch(valid, i * args.micro_batch_size, 0, args)
-               for i in range(args.eval_iters)]
+    batches = list(micro_batches(valid, 0, args.eval_iters * args.micro_batch_size,
+                                 args.micro_batch_size, 1, 0))
     timer = AttentionTimer(model)
 
     rows = []

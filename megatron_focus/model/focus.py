@@ -16,6 +16,7 @@ without SP; under SP each rank's `W_g` sees its slice of the sequence only, so `
 `sequence_parallel` and summed over TP like the norms.
 """
 
+import contextlib
 import dataclasses
 import math
 from typing import Optional
@@ -67,6 +68,7 @@ class Router(torch.nn.Module):
         torch.nn.init.normal_(self.centroids, std=1.0 / math.sqrt(focus.dim))
         self.proj.weight.sequence_parallel = config.sequence_parallel
         self.top_k = focus.top_k  # for the pairs-kept statistic; set_focus_mode may change it
+        self.record_stats = False  # set by `recording_statistics`
         self.stats: Optional[dict] = None
 
     def forward(self, hidden_states: torch.Tensor) -> Routing:
@@ -83,8 +85,9 @@ class Router(torch.nn.Module):
         else:
             log_g = causal_sinkhorn(scores, self.focus.sinkhorn_iters)
         routing = Routing.of(log_g)
-        with torch.no_grad():
-            self.stats = group_stats(routing, self.top_k, self.focus.window)
+        if self.record_stats:
+            with torch.no_grad():
+                self.stats = group_stats(routing, self.top_k, self.focus.window)
         if self.tp > 1:
             routing = routing._replace(log_g=sum_grad_over_tensor_parallel(log_g))
         return routing
@@ -101,7 +104,8 @@ def group_stats(routing: Routing, top_k: int, window: int) -> dict:
     log_g = routing.log_g
     b, n, groups = log_g.shape
     top = routing.top(min(top_k, groups))
-    onehot = torch.nn.functional.one_hot(top[..., 0], groups)
+    # (one_hot would check its input's range on the host: a device synchronisation)
+    onehot = (top[..., :1] == torch.arange(groups, device=top.device)).long()
     largest = onehot.sum(1).max(-1).values.float().mean() / n
     occupancy = log_g.exp().mean(dim=(0, 1))
     entropy = -(occupancy * occupancy.clamp_min(1e-30).log()).sum() / math.log(max(groups, 2))
@@ -181,11 +185,26 @@ def set_focus_mode(model: torch.nn.Module, mode: str, top_k: Optional[int] = Non
             module.top_k = top_k
 
 
+@contextlib.contextmanager
+def recording_statistics(model: torch.nn.Module):
+    """Routers compute their statistics in the forwards inside this block only (they are read at
+    log steps; computing them at every forward would cost device work for nothing)."""
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    for router in routers:
+        router.record_stats, router.stats = True, None
+    try:
+        yield
+    finally:
+        for router in routers:
+            router.record_stats = False
+
+
 def focus_statistics(model: torch.nn.Module) -> dict:
-    """{'focus/layer03/largest-group': ..., ...} from each router's last forward."""
+    """{'focus/layer03/largest-group': 0-dim tensor, ...} from each router's last recorded
+    forward (`recording_statistics`); still on the device: reading them is the caller's sync."""
     out = {}
     for module in model.modules():
         if isinstance(module, FocusSelfAttention) and module.router.stats is not None:
             for name, value in module.router.stats.items():
-                out[f"focus/layer{module.layer_number:02d}/{name}"] = float(value)
+                out[f"focus/layer{module.layer_number:02d}/{name}"] = value
     return out

@@ -5,11 +5,12 @@ laptop (one process, CPU, gloo), `torchrun` and the DeepSpeed launcher across no
 """
 
 import argparse
+import contextlib
 import math
 import os
 import signal
 import time
-from typing import Optional
+from typing import Iterator, Optional
 
 import deepspeed
 import torch
@@ -22,8 +23,10 @@ from megatron_focus import platform
 from megatron_focus.data.datasets import build_datasets
 from megatron_focus.data.embedded import TOKENIZER_TYPE as EMBEDDED_TOKENIZER_TYPE
 from megatron_focus.data.embedded import ensure_embedded_data
+from megatron_focus.data.loader import micro_batches, to_device
 from megatron_focus.data.tokenizer import build_tokenizer
-from megatron_focus.model.focus import focus_statistics, set_focus_mode, train_routers_only
+from megatron_focus.model.focus import (focus_statistics, recording_statistics, set_focus_mode,
+                                        train_routers_only)
 from megatron_focus.model.focus_gate import lse_kernel, soft_kernel
 from megatron_focus.model.gpt import build_model, padded_vocab_size
 from megatron_focus.parallel import install_sequence_parallel_grad_allreduce
@@ -62,28 +65,36 @@ def pretrain(args: argparse.Namespace) -> dict:
     stop = _SignalFlag(signal.SIGTERM) if args.exit_signal_handler else None
 
     history = {"losses": [], "validation": []}
+    if valid_data is not None:  # the same batches at every evaluation, read by workers that stay
+        valid_data = data_loader(valid_data, 0, args.eval_iters * args.global_batch_size, args,
+                                 persistent=True)
     if args.retrofit and iteration == 0 and valid_data is not None:
         # A retrofit's starting point (the base model with fresh routers) is what it must beat.
         _validate(engine, valid_data, args, iteration, reporter, history)
-    nan_iterations = 0
-    window_start, window_losses = time.time(), []  # the log line averages since the last one
+    batches = iter(data_loader(train_data, consumed, args.train_iters * args.global_batch_size,
+                               args))
+    unread = _UnreadLosses()
+    window_start = time.time()
     while iteration < args.train_iters:
-        loss, finite = train_step(engine, train_data, consumed, args)
+        log_now = (iteration + 1) % args.log_interval == 0 or iteration + 1 == args.train_iters
+        with recording_statistics(engine.module) if log_now else contextlib.nullcontext():
+            loss = train_step(engine, batches, args)
         iteration += 1
         consumed += args.global_batch_size
-        window_losses.append(loss)
-        if not finite:
-            nan_iterations += 1
-            if rank0:
-                print(f" iteration {iteration}: lm loss is {loss}; the step was skipped", flush=True)
-        history["losses"].append(loss)
+        unread.add(iteration, loss, engine)
 
-        if iteration % args.log_interval == 0 or iteration == args.train_iters:
-            seconds = (time.time() - window_start) / len(window_losses)
-            reporter.train(iteration, consumed, sum(window_losses) / len(window_losses),
-                           engine.get_lr()[0], engine.get_global_grad_norm(), seconds,
-                           engine.skipped_steps, nan_iterations, focus_statistics(engine.module))
-            window_start, window_losses = time.time(), []
+        if log_now:
+            grad_norm = engine.get_global_grad_norm()
+            losses, values = unread.read(history, rank0, {
+                "grad norm": grad_norm if torch.is_tensor(grad_norm) else torch.tensor(
+                    float("nan") if grad_norm is None else float(grad_norm)),
+                **focus_statistics(engine.module)})
+            seconds = (time.time() - window_start) / len(losses)
+            grad_norm = values.pop("grad norm")
+            reporter.train(iteration, consumed, sum(losses) / len(losses), engine.get_lr()[0],
+                           None if math.isnan(grad_norm) else grad_norm, seconds,
+                           engine.skipped_steps, unread.non_finite, values)
+            window_start = time.time()
         if valid_data is not None and (
             iteration % args.eval_interval == 0 or iteration == args.train_iters
         ):
@@ -93,11 +104,13 @@ def pretrain(args: argparse.Namespace) -> dict:
             or iteration == args.train_iters
         )
         if saved:
+            unread.read(history, rank0)  # never save after a step trained on a non-finite loss
             _save(engine, args, iteration, consumed, rank0)
         exit_now = (args.exit_interval and iteration % args.exit_interval == 0) or (
             stop is not None and stop.any_rank()
         )
         if exit_now:
+            unread.read(history, rank0)
             if args.save and not saved:
                 _save(engine, args, iteration, consumed, rank0)
             if rank0:
@@ -110,13 +123,13 @@ def pretrain(args: argparse.Namespace) -> dict:
     return history
 
 
-def _validate(engine, dataset, args, iteration: int, reporter, history: dict) -> None:
+def _validate(engine, batches, args, iteration: int, reporter, history: dict) -> None:
     """Validation loss in the run's mode and, for Focus, in the other mode too."""
-    history["validation"].append((iteration, evaluate(engine, dataset, args)))
+    history["validation"].append((iteration, evaluate(engine, batches, args)))
     reporter.validation(*history["validation"][-1])
     if args.attention.startswith("focus"):
         other = "sparse" if args.focus_attention_mode == "soft" else "soft"
-        loss = evaluate(engine, dataset, args, other)
+        loss = evaluate(engine, batches, args, other)
         history.setdefault(f"validation {other}", []).append((iteration, loss))
         reporter.validation(iteration, loss, other)
 
@@ -127,37 +140,69 @@ def _save(engine, args, iteration: int, consumed: int, rank0: bool) -> None:
         print(f" saved checkpoint {path}", flush=True)
 
 
-def train_step(engine, dataset, consumed: int, args: argparse.Namespace) -> tuple[float, bool]:
+def train_step(engine, batches: Iterator[dict], args: argparse.Namespace) -> torch.Tensor:
     """One global batch: forward/backward per micro-batch, then DeepSpeed's optimizer step.
 
-    Returns the loss averaged over micro-batches and data-parallel ranks, and whether it was
-    finite. A non-finite loss is never trained on: DeepSpeed's overflow check (fp16 loss scaling,
-    bf16 `check_grad_overflow`, or the non-finite gradient norm under ZeRO with clipping) skips the
-    step, and with ZeRO stage 0 in fp32, where DeepSpeed has no such check, training stops.
+    Returns the loss averaged over micro-batches and data-parallel ranks as a device tensor: the
+    step itself never waits for the device (no host read); `_UnreadLosses` reads the losses at
+    log and save steps. A non-finite loss is never trained on: DeepSpeed's overflow check (fp16
+    loss scaling, bf16 `check_grad_overflow`, or the non-finite gradient norm under ZeRO with
+    clipping) skips the step; ZeRO stage 0 in fp32 has no such check, and the run stops at the
+    next read (before any checkpoint is written).
     """
     engine.train()
-    total = torch.zeros((), dtype=torch.float64)
-    micro_batches = engine.gradient_accumulation_steps()
-    for micro in range(micro_batches):
-        batch = micro_batch(dataset, consumed, micro, args)
-        loss = lm_loss(engine, batch)
+    micro = engine.gradient_accumulation_steps()
+    total = torch.zeros((), dtype=torch.float32, device=platform.setup().device)
+    for _ in range(micro):
+        loss = lm_loss(engine, next(batches))
         engine.backward(loss)
-        total += loss.detach().double().cpu()
-        skipped_before = engine.skipped_steps
+        total += loss.detach()
         engine.step()
-    mean = _average_over_data_parallel(total / micro_batches)
-    finite = math.isfinite(mean)
-    if not finite and engine.skipped_steps == skipped_before:
-        raise FloatingPointError(
-            f"lm loss is {mean} and DeepSpeed applied the step (ZeRO stage 0 without fp16 does not "
-            "check for overflow): use --zero-stage 1 or higher, or --fp16"
-        )
-    return mean, finite
+    return _mean_over_data_parallel(total / micro)
+
+
+class _UnreadLosses:
+    """Per-iteration losses kept on the device until a log or save step reads them, together
+    with whatever else that step reports, in one host read: one synchronisation per log."""
+
+    def __init__(self):
+        self.pending = []  # (iteration, loss tensor, whether DeepSpeed skipped the step)
+        self.skipped = None
+        self.non_finite = 0
+
+    def add(self, iteration: int, loss: torch.Tensor, engine) -> None:
+        before = self.skipped if self.skipped is not None else engine.skipped_steps
+        self.skipped = engine.skipped_steps
+        self.pending.append((iteration, loss, self.skipped > before))
+
+    def read(self, history: dict, rank0: bool, extra: Optional[dict] = None):
+        """(the pending losses as floats, `extra`'s tensors as floats); appends the losses to
+        history["losses"]. Raises if a non-finite loss was trained on."""
+        extra = extra or {}
+        tensors = [loss for _, loss, _ in self.pending] + list(extra.values())
+        values = torch.stack([t.detach().double().reshape(()).to(tensors[0].device)
+                              for t in tensors]).tolist() if tensors else []
+        losses = values[:len(self.pending)]
+        for (iteration, _, skipped), loss in zip(self.pending, losses):
+            if math.isfinite(loss):
+                continue
+            if not skipped:
+                raise FloatingPointError(
+                    f"lm loss is {loss} at iteration {iteration} and DeepSpeed applied the step "
+                    "(ZeRO stage 0 without fp16 does not check for overflow): use --zero-stage 1 "
+                    "or higher, or --fp16")
+            self.non_finite += 1
+            if rank0:
+                print(f" iteration {iteration}: lm loss is {loss}; the step was skipped",
+                      flush=True)
+        history["losses"] += losses
+        self.pending = []
+        return losses, dict(zip(extra, values[len(losses):]))
 
 
 @torch.no_grad()
-def evaluate(engine, dataset, args: argparse.Namespace, focus_mode: Optional[str] = None) -> float:
-    """Mean loss over the first `--eval-iters` global batches of the validation split.
+def evaluate(engine, batches, args: argparse.Namespace, focus_mode: Optional[str] = None) -> float:
+    """Mean loss over `batches`, the first `--eval-iters` global batches of the validation split.
 
     Always the same samples, so validation curves of different runs and variants compare.
     `focus_mode` evaluates a Focus model in that mode (soft / sparse) instead of its own.
@@ -165,45 +210,37 @@ def evaluate(engine, dataset, args: argparse.Namespace, focus_mode: Optional[str
     engine.eval()
     if focus_mode is not None:
         set_focus_mode(engine.module, focus_mode)
-    total = torch.zeros((), dtype=torch.float64)
-    micro_batches = engine.gradient_accumulation_steps()
-    for it in range(args.eval_iters):
-        for micro in range(micro_batches):
-            batch = micro_batch(dataset, it * args.global_batch_size, micro, args)
-            total += lm_loss(engine, batch).double().cpu()
+    total = torch.zeros((), dtype=torch.float64, device=platform.setup().device)
+    count = 0
+    for batch in batches:
+        total += lm_loss(engine, batch).double()
+        count += 1
     if focus_mode is not None:
         set_focus_mode(engine.module, args.focus_attention_mode)
     engine.train()
-    return _average_over_data_parallel(total / (args.eval_iters * micro_batches))
+    return _mean_over_data_parallel(total / count).item()
 
 
 def lm_loss(engine, batch: dict) -> torch.Tensor:
-    device = platform.setup().device
-    tokens = batch["tokens"].to(device)
-    per_token = engine(tokens, batch["position_ids"].to(device), None,
-                       labels=batch["labels"].to(device))
-    mask = batch["loss_mask"].to(device=device, dtype=torch.float32)
+    batch = to_device(batch, platform.setup().device)
+    per_token = engine(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    mask = batch["loss_mask"].float()
     return (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
 
 
-def micro_batch(dataset, consumed: int, micro: int, args: argparse.Namespace) -> dict:
-    """The samples of this rank's micro-batch, by position in the sample stream.
-
-    A global batch is samples [consumed, consumed + global batch); micro-batch m of data-parallel
-    rank r takes its slice [m * mbs * dp + r * mbs, ... + mbs). Tensor-parallel ranks of one
-    replica read the same samples. Being a pure function of `consumed`, it resumes exactly.
-    """
-    dp, rank = (parallel_state.get_data_parallel_world_size(),
-                parallel_state.get_data_parallel_rank())
-    start = consumed + (micro * dp + rank) * args.micro_batch_size
-    samples = [dataset[(start + i) % len(dataset)] for i in range(args.micro_batch_size)]
-    return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in samples[0]}
+def data_loader(dataset, consumed: int, total: int, args: argparse.Namespace,
+                persistent: bool = False):
+    """This rank's micro-batches of samples [consumed, total) (data/loader.py): tensor-parallel
+    ranks of one replica read the same samples."""
+    return micro_batches(dataset, consumed, total, args.micro_batch_size,
+                         parallel_state.get_data_parallel_world_size(),
+                         parallel_state.get_data_parallel_rank(), args.num_workers,
+                         pin_memory=platform.setup().is_cuda, persistent=persistent)
 
 
-def _average_over_data_parallel(value: torch.Tensor) -> float:
-    value = value.to(platform.setup().device, torch.float64)
+def _mean_over_data_parallel(value: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
-    return value.item() / parallel_state.get_data_parallel_world_size()
+    return value / parallel_state.get_data_parallel_world_size()
 
 
 def tokenizer_for(args: argparse.Namespace, rank0: bool):
@@ -277,15 +314,17 @@ class _SignalFlag:
 
     def __init__(self, signum: int):
         self.received = False
+        # Asked every iteration: a CPU flag reduced over gloo never waits for the GPU's queue.
+        self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         signal.signal(signum, self._handler)
 
     def _handler(self, *_):
         self.received = True
 
     def any_rank(self) -> bool:
-        flag = torch.tensor([int(self.received)], device=platform.setup().device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        flag = torch.tensor([int(self.received)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag[0])
 
 
 def _print_banner(args: argparse.Namespace, model: torch.nn.Module, iteration: int) -> None:
