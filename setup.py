@@ -2,11 +2,12 @@
 
 from setuptools import find_packages, setup
 
-# torch is pinned exactly: a bare `torch` requirement pulls a multi-GB CUDA build on a CPU machine.
-# On a GPU cluster, install the CUDA build of the same version first; pip then keeps it.
+# torch is a range: a GPU cluster keeps the CUDA build it already has (2.11 is the oldest the
+# suite passes on, 2.15 the newest tested). The CPU install pins the CPU build through
+# constraints/cpu.txt (a bare `torch` from PyPI is a multi-GB CUDA build).
 INSTALL_REQUIRES = [
-    "torch==2.13.0",
-    "megatron-core==0.16.1",  # 0.17+ needs Python 3.12
+    "torch>=2.11,<2.16",
+    "megatron-core==0.16.1",  # what platform.py is written against
     "deepspeed==0.19.8",
     "sentencepiece==0.2.3",
     "tokenizers>=0.21,<0.24",
@@ -28,7 +29,7 @@ setup(
     version="0.1.0",
     description="Focus (learned sparse) and XSA (exclusive self) attention on Megatron-Core",
     packages=find_packages(include=["megatron_focus", "megatron_focus.*"]),
-    python_requires=">=3.10,<3.12",
+    python_requires=">=3.10,<3.13",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
 )

@@ -1,26 +1,79 @@
 #!/usr/bin/env bash
-# A lent GPU's checks in one run (~9 minutes on an H200), results under $OUT (default gpu-results/):
-# the GPU tests (FlexAttention paths against the chunked path and dense references), sparse Focus
-# against dense causal attention up to 1M tokens (bf16), and the training step of each variant.
-#   here, with network:  benchmarks/gpu_wheels.sh
-#   device:              run(command="bash benchmarks/gpu_session.sh", carry=[".whl"], timeout_s=600)
-# Each part has its own time limit, so one that hangs or fails leaves the others' results.
+# The GPU check in one command (under 9 minutes on one H200), each part under its own time limit
+# so that one that hangs or fails leaves the others' results; JSON per part and a summary table
+# under $OUT (default gpu-results/):
+#   tests      tests/test_gpu.py: FlexAttention soft gate and sparse dispatch against the chunked
+#              and dense references (fp32, bf16, both gates), memory growth, a model step
+#   e2e-*      the product end to end on CUDA (benchmarks/end_to_end.py): deepspeed --num_gpus 1
+#              pretrain_gpt.py --bf16, --save, a resume that continues the same losses,
+#              tools/eval_ppl.py (soft and sparse rows), tools/convert_to_hf.py and generate;
+#              focus+xsa, and standard (flash-attn when installed, SDPA otherwise)
+#   sparse     sparse Focus against dense causal attention, bf16, 4K..1M tokens
+#   overhead   the training step of each variant against standard, hidden 1024, bf16
+#   recipe     the 0.7B recipe's shape on one GPU, standard and focus+xsa: tokens/s, TFLOP/s,
+#              MFU, peak memory
+#
+# On a machine without network, first `bash benchmarks/gpu_wheels.sh` where there is network,
+# and carry .whl/: what the machine lacks is installed from it, its own torch is kept.
+# GPU_SESSION_REHEARSAL=1 runs exactly these steps with tiny sizes on the CPU (CI does, under the
+# oldest supported torch), so the script cannot rot between GPU sessions.
 set -uo pipefail
+cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
+REHEARSAL=${GPU_SESSION_REHEARSAL:-0}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then  # the machine's own torch stays; only what it lacks is installed
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+LOG="$OUT/session.log"
+: > "$LOG"
+: > "$OUT/parts.tsv"
+
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
+    export PYTHONPATH="/tmp/site:$PYTHONPATH" PATH="/tmp/site/bin:$PATH"
 fi
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c "import torch; print('torch', torch.__version__)"; date -u; } | tee "$OUT/machine.txt"
 
-timeout 180 python3 -m pytest -q -rs tests/test_gpu.py 2>&1 | tee "$OUT/tests.txt"
-timeout 160 python3 benchmarks/focus_sparse_speed.py --dtype bf16 --groups 8 --top-k 1 2 \
-    --seq-lengths 4096 16384 65536 262144 1048576 --json "$OUT/sparse.json" 2>&1 | tee "$OUT/sparse.txt"
-timeout 190 python3 benchmarks/variant_overhead.py --variants standard xsa focus focus+xsa \
-    --seq-lengths 2048 4096 8192 --num-layers 4 --hidden-size 1024 --num-attention-heads 16 \
-    --micro-batch-size 1 --bf16 --iters 10 --warmup 3 --hidden-dropout 0 --attention-dropout 0 \
-    --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.txt"
+# part NAME SECONDS COMMAND...: runs COMMAND under its limit, its output into the log, and
+# records its exit status and time in parts.tsv.
+part() {
+    local name=$1 limit=$2 start rc
+    shift 2
+    echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
+    start=$(date +%s)
+    timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
+    rc=${PIPESTATUS[0]}
+    printf '%s\t%s\t%s\n' "$name" "$rc" "$(($(date +%s) - start))" >> "$OUT/parts.tsv"
+}
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null \
+      || echo "no GPU (rehearsal: $REHEARSAL)"
+  python3 -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__)"
+  date -u; } | tee -a "$LOG"
+
+if [ "$REHEARSAL" = 1 ]; then  # the same steps, sized for a CPU
+    E2E=(--tiny --iters 4)
+    SPARSE=(--seq-lengths 1024 2048 --groups 4 --top-k 1 2 --repeats 1)
+    OVERHEAD=(--seq-lengths 256 --num-layers 1 --hidden-size 64 --num-attention-heads 4
+              --micro-batch-size 1 --iters 2 --warmup 1)
+    RECIPE=(--smoke --iters 3 --warmup 1)
+else
+    E2E=(--iters 30)
+    SPARSE=(--dtype bf16 --groups 4 8 --top-k 1 2
+            --seq-lengths 1024 4096 16384 32768 65536 262144 1048576)
+    OVERHEAD=(--seq-lengths 2048 8192 --num-layers 4 --hidden-size 1024
+              --num-attention-heads 16 --micro-batch-size 1 --bf16 --iters 10 --warmup 3)
+    RECIPE=(--model 0.7b --iters 8 --warmup 3)
+fi
+
+part tests 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py
+part e2e-focus-xsa 100 python3 benchmarks/end_to_end.py --attention focus+xsa "${E2E[@]}" \
+    --json "$OUT/e2e-focus-xsa.json"
+part e2e-standard 60 python3 benchmarks/end_to_end.py --attention standard "${E2E[@]}" \
+    --json "$OUT/e2e-standard.json"
+part sparse 80 python3 benchmarks/focus_sparse_speed.py "${SPARSE[@]}" --json "$OUT/sparse.json"
+part overhead 80 python3 benchmarks/variant_overhead.py --variants standard xsa focus focus+xsa \
+    --hidden-dropout 0 --attention-dropout 0 "${OVERHEAD[@]}" --json "$OUT/overhead.json"
+part recipe 80 python3 benchmarks/recipe_speed.py --variants standard focus+xsa "${RECIPE[@]}" \
+    --json "$OUT/recipe.json"
+
+python3 benchmarks/session_summary.py "$OUT" | tee "$OUT/summary.txt"

@@ -18,6 +18,8 @@ from typing import Optional
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
+from megatron_focus.model.kernels import raise_recompile_limit
+
 # g_i . g_j below this is 0 for every purpose (the clamp keeps log() and its gradient finite);
 # the same floor as focus_gate's chunked path.
 TINY_AFFINITY = 1e-30
@@ -109,8 +111,7 @@ RECOMPILE_LIMIT = 64
 
 @functools.lru_cache(maxsize=1)
 def _compiled_flex():
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                               RECOMPILE_LIMIT)
+    raise_recompile_limit(RECOMPILE_LIMIT)
     return torch.compile(flex_attention)
 
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megatron_focus.model.flex import TINY_AFFINITY, flex_attention_with_lse, flex_soft_focus
+from megatron_focus.model.kernels import cpu_attention_with_lse
 from megatron_focus.model.groups import Routing
 
 # Kernels for the soft rule: FlexAttention's fused one, or the chunked one below.
@@ -95,8 +96,7 @@ def attention_with_lse(q, k, v, scale: float, causal: bool, mask=None):
     -inf).
     """
     if lse_kernel(q.device) == "cpu-flash":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[:2]
+        return cpu_attention_with_lse(q, k, v, scale, causal, mask)
     return flex_attention_with_lse(q, k, v, scale, causal, mask)
 
 

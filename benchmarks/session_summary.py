@@ -1,0 +1,79 @@
+"""The summary table of a benchmarks/gpu_session.sh run: each part's status and time, and its
+headline figures from the part's JSON. Exits 1 if any part failed or ran out of time.
+
+    python benchmarks/session_summary.py OUT_DIR
+"""
+
+import json
+import os
+import sys
+
+
+def _load(out: str, name: str):
+    path = os.path.join(out, f"{name}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def e2e(result: dict) -> str:
+    losses, rows = result["losses"], result["eval_ppl"]
+    sparse = [r for r in rows if r["mode"] == "sparse"]
+    text = (f"loss {losses[0]:.2f} -> {losses[-1]:.2f}, resume |diff| "
+            f"{result['resume_max_abs_diff']:.1e}, ppl {rows[0]['ppl']:.1f}")
+    if sparse:
+        text += f" (sparse top-1 {sparse[0]['ppl']:.1f})"
+    return text + f", HF generate on {result['generate']['device']}"
+
+
+def sparse(result: dict) -> str:
+    rows = result["results"]
+    longest = max(r["n"] for r in rows)
+    return f"at {longest} tokens: " + ", ".join(
+        f"K={r['groups']} top-{r['top_k']} {r['speedup']:.2f}x ({r['of_ideal']:.0%} of ideal)"
+        for r in rows if r["n"] == longest)
+
+
+def overhead(result: dict) -> str:
+    worst = {}
+    for run in result["runs"]:
+        for variant, r in run["results"].items():
+            ratios = (r["step_time_ratio"], r["peak_step_memory_ratio"])
+            worst[variant] = tuple(map(max, zip(worst.get(variant, (0, 0)), ratios)))
+    return ", ".join(f"{v} {t:.2f}x time {m:.2f}x memory" for v, (t, m) in worst.items()
+                     if v != result["config"]["variants"][0])
+
+
+def recipe(result: dict) -> str:
+    return ", ".join(f"{r['attention']} {r['tokens_per_s']:.0f} tok/s"
+                     + (f" MFU {r['mfu']:.0%}" if r["mfu"] is not None else "")
+                     for r in result["rows"])
+
+
+HEADLINES = {"e2e": e2e, "sparse": sparse, "overhead": overhead, "recipe": recipe}
+
+
+def main() -> int:
+    out = sys.argv[1]
+    failed = 0
+    print(f"{'part':<16}{'status':<10}{'seconds':>8}  figures")
+    with open(os.path.join(out, "parts.tsv")) as f:
+        for line in f:
+            name, rc, took = line.rstrip("\n").split("\t")
+            status = {"0": "ok", "124": "TIMEOUT"}.get(rc, f"FAILED {rc}")
+            failed += rc != "0"
+            result = _load(out, name)
+            headline = HEADLINES.get(name.split("-")[0])
+            figures = ""
+            if result is not None and headline is not None:
+                try:
+                    figures = headline(result)
+                except (KeyError, IndexError, TypeError, ValueError) as e:
+                    figures = f"(unreadable: {e!r})"
+            print(f"{name:<16}{status:<10}{took:>8}  {figures}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
