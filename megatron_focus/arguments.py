@@ -11,10 +11,19 @@ from typing import List, Optional
 
 import torch
 
+from megatron_focus.data.mqar import check_mqar
 from megatron_focus.data.tokenizer import TOKENIZER_TYPES
 from megatron_focus.model.focus_gate import GATES, KERNELS, soft_kernel
 
 ATTENTION_VARIANTS = ("standard", "xsa", "focus", "focus+xsa")
+
+
+def int_tuple(text: str) -> tuple:
+    """Megatron-LM's tuple flags: "127,0" or "(127,0)" -> (127, 0)."""
+    try:
+        return tuple(int(x) for x in text.strip("()[] ").split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected integers, e.g. 127,0") from None
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -45,6 +54,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--window-size", type=int_tuple, default=None, metavar="LEFT,RIGHT",
+                   help="sliding-window attention (standard and xsa): query i sees keys "
+                        "i - LEFT .. i; RIGHT must be 0 (causal); as Megatron-LM's")
     g.add_argument("--attention", choices=ATTENTION_VARIANTS, default="standard",
                    help="core attention variant (megatron-focus)")
     g.add_argument("--xsa-layers", type=int, nargs="+", default=None, metavar="N",
@@ -66,6 +78,9 @@ def _add_focus_args(p: argparse.ArgumentParser) -> None:
                    help="the soft gate on distant pairs: log (ours, above) or sigmoid (the "
                         "paper's logit * sigmoid(lambda g_i . g_j), for ablations; explicit "
                         "scores per chunk on the CPU, slower)")
+    g.add_argument("--focus-sink-tokens", type=int, default=0,
+                   help="the first s tokens of every sequence are kept for every query, in both "
+                        "modes, as local pairs are (an attention sink)")
     g.add_argument("--focus-chunk-size", type=int, default=128,
                    help="queries per chunk of the soft-gate attention (memory ~ chunk x seq)")
     g.add_argument("--focus-attention-mode", choices=("soft", "sparse"), default="soft",
@@ -123,6 +138,15 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--data-cache-path", default=None,
                    help="where dataset indices (and the embedded corpus) are cached")
+    g.add_argument("--mqar", action="store_true",
+                   help="train and validate on synthetic multi-query associative recall "
+                        "(data/mqar.py: key-value pairs, then queries far after them) instead of "
+                        "--data-path (megatron-focus)")
+    g.add_argument("--mqar-pairs", type=int, default=32, help="key-value pairs per sequence")
+    g.add_argument("--mqar-vocab-size", type=int, default=512,
+                   help="ids: the filler, keys in the lower half, values in the upper")
+    g.add_argument("--mqar-min-distance", type=int, default=256,
+                   help="tokens at least between the pairs and the first query")
     g.add_argument("--num-workers", type=int, default=2,
                    help="DataLoader worker processes that read and collate batches ahead of the "
                         "step (0: in the training process)")
@@ -235,6 +259,13 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
             f"--seq-length {args.seq_length} is longer than the learned position table "
             f"(--max-position-embeddings {args.max_position_embeddings})"
         )
+    if args.window_size is not None:
+        if len(args.window_size) != 2 or args.window_size[1] != 0 or args.window_size[0] < 0:
+            raise ValueError(f"--window-size {args.window_size}: give LEFT,0 with LEFT >= 0 "
+                             "(a causal window of LEFT + 1 keys)")
+        if args.attention.startswith("focus"):
+            raise ValueError("--window-size is for standard and xsa attention: Focus has its own "
+                             "local window (--focus-window)")
     if args.openai_gelu and args.swiglu:
         raise ValueError("--openai-gelu chooses the GELU of a GELU MLP: not with --swiglu")
     _validate_training(args, world_size)
@@ -255,6 +286,8 @@ def _validate_focus(args: argparse.Namespace) -> None:
     for flag in ("focus_dim", "focus_window", "focus_chunk_size"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.focus_sink_tokens < 0:
+        raise ValueError(f"--focus-sink-tokens {args.focus_sink_tokens} must be 0 or more")
     if args.focus_tau <= 0 or args.focus_sinkhorn_iters < 0 or args.focus_gate_scale < 0:
         raise ValueError("--focus-tau must be > 0, --focus-sinkhorn-iters and "
                          "--focus-gate-scale >= 0")
@@ -283,6 +316,10 @@ def _validate_training(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError("--lr-warmup-iters must be shorter than the decay (--lr-decay-iters, default --train-iters)")
     if args.min_lr > args.lr:
         raise ValueError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+    if args.mqar:
+        if args.data_path or args.tokenizer_model:
+            raise ValueError("--mqar makes its own data: not with --data-path or --tokenizer-model")
+        check_mqar(args.seq_length, args.mqar_pairs, args.mqar_vocab_size, args.mqar_min_distance)
     if bool(args.tokenizer_model) != bool(args.data_path):
         raise ValueError(
             "--data-path and --tokenizer-model go together: give both, or neither to use the "

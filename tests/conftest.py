@@ -38,3 +38,20 @@ def forbid_topk(monkeypatch):
         monkeypatch.setattr(torch.Tensor, "topk", refuse)
 
     return forbid
+
+
+@pytest.fixture
+def run_tool():
+    """`run_tool("tools/eval_ppl.py", *args)`: a script of this repository in a subprocess, from
+    its root, without this test process's torch.distributed rendezvous variables."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+
+    def run(script, *args):
+        return subprocess.run([sys.executable, script, *map(str, args)], cwd=root, env=env,
+                              capture_output=True, text=True)
+
+    return run

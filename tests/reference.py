@@ -18,9 +18,10 @@ def reference_ranking(log_g: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(rank).scatter_(-1, rank, index.expand_as(rank))
 
 
-def reference_focus(q, k, v, log_g, window, gate_scale, top_k, scale, gate="log"):
+def reference_focus(q, k, v, log_g, window, gate_scale, top_k, scale, gate="log", sink=0):
     """Dense causal attention with the Focus rule; which pairs are which is decided pair by pair.
-    `gate="sigmoid"`: the paper's gate, distant logits times sigmoid(lambda g_i . g_j)."""
+    `gate="sigmoid"`: the paper's gate, distant logits times sigmoid(lambda g_i . g_j); `sink`:
+    the first tokens are local to every query."""
     b, h, n, d = q.shape
     rep = h // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
@@ -30,7 +31,7 @@ def reference_focus(q, k, v, log_g, window, gate_scale, top_k, scale, gate="log"
         ranked = reference_ranking(log_g[bi].detach()).tolist() if top_k else None
         for i in range(n):
             for j in range(i + 1):
-                if i - j < window:
+                if i - j < window or j < sink:
                     local[bi, i, j] = True
                 else:
                     distant[bi, i, j] = top_k is None or ranked[j][0] in ranked[i][:top_k]
@@ -48,7 +49,7 @@ def reference_focus(q, k, v, log_g, window, gate_scale, top_k, scale, gate="log"
     return (scores.softmax(-1) @ v.double()).to(q.dtype)
 
 
-def dense_hard_rule(q, k, v, log_g, window, top_k, scale):
+def dense_hard_rule(q, k, v, log_g, window, top_k, scale, sink=0):
     """The hard rule as one masked softmax over all pairs (fp64)."""
     n = q.shape[2]
     rep = q.shape[1] // k.shape[1]
@@ -58,7 +59,7 @@ def dense_hard_rule(q, k, v, log_g, window, top_k, scale):
     pos = torch.arange(n, device=q.device)
     distance = pos[:, None] - pos[None, :]
     same = (tops[:, :, None, :] == ranked[:, None, :, :1]).any(-1)  # key's top-1 in query's top-k
-    keep = (distance >= 0) & ((distance < window) | same)
+    keep = (distance >= 0) & ((distance < window) | same | (pos[None, :] < sink))
     scores = torch.einsum("bhid,bhjd->bhij", q.double(), k) * scale
     scores = scores.masked_fill(~keep[:, None], float("-inf"))
     return (scores.softmax(-1) @ v).to(q.dtype)

@@ -21,11 +21,12 @@ from megatron_focus.model.groups import Routing
 from megatron_focus.model.sinkhorn import causal_sinkhorn
 from reference import assignments, reference_focus
 
-SOFT_CASES = [  # (b, heads, kv groups, n, d, K, window)
-    (2, 4, 4, 37, 8, 4, 5),     # n not a multiple of anything
-    (1, 4, 2, 20, 8, 3, 64),    # n < w, GQA
-    (2, 4, 1, 33, 16, 1, 4),    # K = 1, multi-query
-    (1, 2, 2, 300, 8, 8, 6),    # several of FlexAttention's 128-blocks, the last partial
+SOFT_CASES = [  # (b, heads, kv groups, n, d, K, window, sink tokens)
+    (2, 4, 4, 37, 8, 4, 5, 0),     # n not a multiple of anything
+    (1, 4, 2, 20, 8, 3, 64, 0),    # n < w, GQA
+    (2, 4, 1, 33, 16, 1, 4, 0),    # K = 1, multi-query
+    (2, 4, 2, 40, 8, 4, 5, 3),     # sinks
+    (1, 2, 2, 300, 8, 8, 6, 2),    # several of FlexAttention's 128-blocks, the last partial
 ]
 
 
@@ -38,24 +39,25 @@ def soft_inputs(b, heads, kv, n, d, groups, seed):
 
 
 @pytest.mark.parametrize("gate", ["log", "sigmoid"])
-@pytest.mark.parametrize("b, heads, kv, n, d, groups, window", SOFT_CASES)
-def test_flex_soft_focus_equals_dense_reference(b, heads, kv, n, d, groups, window, gate):
+@pytest.mark.parametrize("b, heads, kv, n, d, groups, window, sink", SOFT_CASES)
+def test_flex_soft_focus_equals_dense_reference(b, heads, kv, n, d, groups, window, sink, gate):
     q, k, v, log_g, _ = soft_inputs(b, heads, kv, n, d, groups, n + window)
-    kwargs = dict(window=window, gate_scale=0.7, scale=d ** -0.5, gate=gate)
+    kwargs = dict(window=window, gate_scale=0.7, scale=d ** -0.5, gate=gate, sink=sink)
     out = flex_soft_focus(q, k, v, log_g, **kwargs)
     ref = reference_focus(q, k, v, log_g, top_k=None, **kwargs)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("gate", ["log", "sigmoid"])
-@pytest.mark.parametrize("b, heads, kv, n, d, groups, window", SOFT_CASES[:3])
-def test_gate_score_mod_gradients_equal_dense_reference(b, heads, kv, n, d, groups, window, gate):
+@pytest.mark.parametrize("b, heads, kv, n, d, groups, window, sink", SOFT_CASES[:4])
+def test_gate_score_mod_gradients_equal_dense_reference(b, heads, kv, n, d, groups, window, sink,
+                                                        gate):
     """Values and gradients (q, k, v, log g) of attention with gate_score_mod on dense grids."""
     q, k, v, log_g, gen = soft_inputs(b, heads, kv, n, d, groups, n * window)
     for t in (q, k, v, log_g):
         t.requires_grad_()
-    kwargs = dict(window=window, gate_scale=0.7, scale=d ** -0.5, gate=gate)
-    score_mod = gate_score_mod(log_g.exp(), window, kwargs["gate_scale"], gate)
+    kwargs = dict(window=window, gate_scale=0.7, scale=d ** -0.5, gate=gate, sink=sink)
+    score_mod = gate_score_mod(log_g.exp(), window, kwargs["gate_scale"], gate, sink)
     rep = heads // kv
     scores = q @ k.repeat_interleave(rep, 1).transpose(-1, -2) * kwargs["scale"]
     index = [torch.arange(size).view([-1 if i == dim else 1 for i in range(4)])

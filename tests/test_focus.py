@@ -76,25 +76,28 @@ def test_token_zero_is_uniform_and_ranks_its_groups_in_order():
 
 # --- the pair rule and the chunked attention, against the dense reference (tests/reference.py) ---
 
-CASES = [  # (b, heads, kv groups, n, d, K, window, chunk, top_k)
-    (2, 4, 4, 37, 8, 4, 5, 16, None),     # n not a multiple of the chunk
-    (1, 4, 2, 20, 8, 3, 64, 8, None),     # n < w, GQA
-    (2, 4, 1, 33, 16, 1, 4, 7, None),     # K = 1, multi-query
-    (1, 2, 2, 48, 8, 8, 6, 48, None),     # one chunk
-    (2, 4, 2, 37, 8, 4, 5, 16, 1),        # hard, top-1
-    (1, 4, 4, 40, 8, 4, 3, 9, 2),         # hard, top-2
-    (1, 2, 1, 30, 8, 4, 3, 8, 4),         # hard, top-k = K: full causal attention
+CASES = [  # (b, heads, kv groups, n, d, K, window, chunk, top_k, sink tokens)
+    (2, 4, 4, 37, 8, 4, 5, 16, None, 0),     # n not a multiple of the chunk
+    (1, 4, 2, 20, 8, 3, 64, 8, None, 0),     # n < w, GQA
+    (2, 4, 1, 33, 16, 1, 4, 7, None, 0),     # K = 1, multi-query
+    (1, 2, 2, 48, 8, 8, 6, 48, None, 0),     # one chunk
+    (2, 4, 2, 37, 8, 4, 5, 16, 1, 0),        # hard, top-1
+    (1, 4, 4, 40, 8, 4, 3, 9, 2, 0),         # hard, top-2
+    (1, 2, 1, 30, 8, 4, 3, 8, 4, 0),         # hard, top-k = K: full causal attention
+    (2, 4, 2, 45, 8, 4, 5, 16, None, 3),     # sinks, soft
+    (1, 4, 4, 40, 8, 4, 3, 9, None, 12),     # more sinks than the window and the chunk
+    (2, 4, 2, 37, 8, 4, 5, 16, 1, 4),        # sinks, hard
 ]
 
 
-@pytest.mark.parametrize("b, heads, kv, n, d, groups, window, chunk, top_k", CASES)
+@pytest.mark.parametrize("b, heads, kv, n, d, groups, window, chunk, top_k, sink", CASES)
 def test_chunked_focus_attention_matches_dense_reference(b, heads, kv, n, d, groups, window,
-                                                         chunk, top_k):
+                                                         chunk, top_k, sink):
     gen = torch.Generator().manual_seed(n * groups + window)
     q = torch.randn(b, heads, n, d, generator=gen, requires_grad=True)
     k, v = (torch.randn(b, kv, n, d, generator=gen, requires_grad=True) for _ in range(2))
     log_g = causal_sinkhorn(torch.randn(b, n, groups, generator=gen) * 3, 5).requires_grad_()
-    kwargs = dict(window=window, gate_scale=0.7, top_k=top_k, scale=d ** -0.5)
+    kwargs = dict(window=window, gate_scale=0.7, top_k=top_k, scale=d ** -0.5, sink=sink)
     out = focus_attention(q, k, v, Routing.of(log_g), chunk_size=chunk, **kwargs)
     ref = reference_focus(q, k, v, log_g, **kwargs)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -110,8 +113,10 @@ def test_chunked_focus_attention_matches_dense_reference(b, heads, kv, n, d, gro
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("b, heads, kv, n, d, groups, window, chunk, top_k", CASES[:3])
-def test_sigmoid_gate_matches_dense_reference(b, heads, kv, n, d, groups, window, chunk, top_k):
+@pytest.mark.parametrize("b, heads, kv, n, d, groups, window, chunk, top_k, sink",
+                         CASES[:3] + CASES[7:8])
+def test_sigmoid_gate_matches_dense_reference(b, heads, kv, n, d, groups, window, chunk, top_k,
+                                              sink):
     """The paper's gate (an ablation option): values and gradients of the chunked path."""
     gen = torch.Generator().manual_seed(n + groups)
     q = torch.randn(b, heads, n, d, dtype=torch.float64, generator=gen, requires_grad=True)
@@ -119,7 +124,8 @@ def test_sigmoid_gate_matches_dense_reference(b, heads, kv, n, d, groups, window
             for _ in range(2))
     log_g = causal_sinkhorn(torch.randn(b, n, groups, generator=gen, dtype=torch.float64) * 3,
                             5).requires_grad_()
-    kwargs = dict(window=window, gate_scale=2.5, top_k=None, scale=d ** -0.5, gate="sigmoid")
+    kwargs = dict(window=window, gate_scale=2.5, top_k=None, scale=d ** -0.5, gate="sigmoid",
+                  sink=sink)
     out = focus_attention(q.float(), k.float(), v.float(), Routing.of(log_g.float()),
                           chunk_size=chunk, **kwargs)
     ref = reference_focus(q, k, v, log_g, **kwargs)
@@ -145,7 +151,8 @@ def test_open_gate_is_standard_attention():
     torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-6)
 
 
-def test_pairs_kept_statistic_counts_the_hard_rule():
+@pytest.mark.parametrize("sink", [0, 3, 20])
+def test_pairs_kept_statistic_counts_the_hard_rule(sink):
     gen = torch.Generator().manual_seed(1)
     n, groups, window, top_k = 60, 4, 7, 2
     log_g = causal_sinkhorn(torch.randn(3, n, groups, generator=gen) * 3, 5)
@@ -154,8 +161,8 @@ def test_pairs_kept_statistic_counts_the_hard_rule():
     for bi in range(3):
         for i in range(n):
             for j in range(i + 1):
-                kept += i - j < window or bool((tops[bi, i] == tops[bi, j, 0]).any())
-    stats = group_stats(Routing.of(log_g), top_k, window)
+                kept += i - j < window or j < sink or bool((tops[bi, i] == tops[bi, j, 0]).any())
+    stats = group_stats(Routing.of(log_g), top_k, window, sink)
     assert math.isclose(float(stats["pairs-kept"]), kept / (3 * n * (n + 1) / 2), rel_tol=1e-6)
     top1_share = torch.stack([torch.bincount(t, minlength=groups).max() for t in tops[..., 0]])
     assert math.isclose(float(stats["largest-group"]), float(top1_share.float().mean()) / n,

@@ -12,7 +12,7 @@ from megatron_focus.model.groups import Routing
 from reference import assignments, dense_hard_rule
 
 
-CASES = [  # b, heads, kv heads, n, d, K, w, top_k, assignment
+NO_SINK = [  # b, heads, kv heads, n, d, K, w, top_k, assignment
     (1, 2, 2, 1, 8, 4, 4, 1, "random"),
     (2, 4, 4, 37, 8, 4, 5, 1, "random"),
     (1, 4, 2, 40, 8, 4, 64, 2, "random"),      # n < w
@@ -27,12 +27,21 @@ CASES = [  # b, heads, kv heads, n, d, K, w, top_k, assignment
     *[(1, 4, 2, 150, 8, 8, 8, top_k, how)
       for how in ("uniform", "duplicated", "coarse") for top_k in range(1, 9)],
 ]
+CASES = [case + (0,) for case in NO_SINK] + [  # ..., the first s tokens kept for every query
+    (2, 4, 2, 200, 8, 4, 16, 1, "random", 4),
+    (1, 4, 1, 100, 8, 8, 8, 2, "coarse", 1),     # token 0 alone, ties
+    (1, 2, 2, 60, 8, 4, 70, 2, "random", 3),     # n < w
+    (2, 4, 4, 150, 8, 4, 8, 4, "random", 20),    # top-k = K: full causal attention
+    (1, 2, 2, 50, 8, 4, 4, 1, "one-group", 10),
+    (1, 2, 2, 12, 8, 4, 4, 1, "random", 20),     # s > n: every pair
+    (1, 4, 2, 300, 8, 4, 8, 2, "random", 32),    # s > w
+]
 
 
 @pytest.mark.parametrize("kernel", ["cpu-flash", "flex"])
-@pytest.mark.parametrize("b, heads, kv, n, d, groups, window, top_k, how", CASES)
+@pytest.mark.parametrize("b, heads, kv, n, d, groups, window, top_k, how, sink", CASES)
 def test_sparse_dispatch_equals_dense_hard_rule(monkeypatch, kernel, b, heads, kv, n, d, groups,
-                                                window, top_k, how):
+                                                window, top_k, how, sink):
     """kernel "flex": the sparse path as it runs on a GPU, every call through FlexAttention
     (here eagerly: a dense evaluation, so only up to a few hundred tokens)."""
     if kernel == "flex":
@@ -44,14 +53,14 @@ def test_sparse_dispatch_equals_dense_hard_rule(monkeypatch, kernel, b, heads, k
     k, v = (torch.randn(b, kv, n, d, generator=gen) for _ in range(2))
     log_g = assignments(b, n, groups, gen, how)
     out = sparse_focus_attention(q, k, v, Routing.of(log_g), window=window, top_k=top_k,
-                                 scale=d ** -0.5)
-    ref = dense_hard_rule(q, k, v, log_g, window, top_k, d ** -0.5)
+                                 scale=d ** -0.5, sink=sink)
+    ref = dense_hard_rule(q, k, v, log_g, window, top_k, d ** -0.5, sink)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     if n <= 300 and kernel == "cpu-flash":  # the masked path (used with gradients): same rule
         masked = focus_attention(q, k, v, Routing.of(log_g), window=window, gate_scale=1.0,
-                                 top_k=top_k, chunk_size=32, scale=d ** -0.5)
+                                 top_k=top_k, chunk_size=32, scale=d ** -0.5, sink=sink)
         torch.testing.assert_close(out, masked, rtol=1e-5, atol=1e-5)
-    if top_k == groups:
+    if top_k == groups or sink >= n:
         full = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=d ** -0.5, enable_gqa=heads != kv)
         torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-5)
@@ -104,33 +113,47 @@ def test_model_in_sparse_mode_dispatch_equals_masked_rule(single_process, forbid
         assert 0 < focus_statistics(model)["focus/layer01/pairs-kept"] <= 1
 
 
-def test_eval_ppl_reports_every_top_k(embedded_cache, tmp_path):
-    """tools/eval_ppl.py on a trained Focus checkpoint: soft, then top-k = 1..K in sparse mode."""
+EVAL = ["--eval-iters", "2", "--micro-batch-size", "2"]
+
+
+def test_eval_ppl_reports_every_top_k_at_every_length(embedded_cache, tmp_path, run_tool):
+    """tools/eval_ppl.py on a trained Focus checkpoint (RoPE, trained at 32 tokens): soft, then
+    top-k = 1..K in sparse mode, at 16, 32 and 64 tokens (beyond the training length)."""
     import json
-    import os
-    import subprocess
-    import sys
 
     from test_training import _argv, train
 
     ckpt, report = str(tmp_path / "ckpt"), str(tmp_path / "ppl.json")
     train(1, _argv(embedded_cache, "--attention", "focus", "--focus-window", "4",
-                   "--focus-groups", "3", "--save", ckpt, iters=3))
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "tools/eval_ppl.py", "--load", ckpt, "--data-cache-path",
-                          embedded_cache, "--eval-iters", "2", "--micro-batch-size", "2",
-                          "--json", report], cwd=root, env=env, capture_output=True, text=True)
+                   "--focus-groups", "3", "--position-embedding-type", "rope", "--save", ckpt,
+                   iters=3))
+    out = run_tool("tools/eval_ppl.py", "--load", ckpt, "--data-cache-path", embedded_cache,
+                   *EVAL, "--seq-lengths", "16", "32", "64", "--json", report)
     assert out.returncode == 0, out.stderr[-2000:]
+    assert "ppl@64" in out.stdout
     result = json.load(open(report))
     assert result["focus_kernels"] == {"soft": "chunked", "sparse": "cpu-flash"}
     rows = result["rows"]
-    assert [(r["mode"], r["top_k"]) for r in rows] == [("soft", None), ("sparse", 1),
-                                                        ("sparse", 2), ("sparse", 3)]
-    kept = [r["pairs_kept"] for r in rows[1:]]
-    assert kept == sorted(kept) and kept[0] < 1.0 and abs(kept[-1] - 1.0) < 1e-6  # top-k = K: all
+    assert [(r["mode"], r["top_k"], r["seq_length"]) for r in rows] == [
+        (mode, top_k, n) for mode, top_k in [("soft", None), ("sparse", 1), ("sparse", 2),
+                                             ("sparse", 3)] for n in (16, 32, 64)]
+    for n in (16, 32, 64):
+        kept = [r["pairs_kept"] for r in rows if r["mode"] == "sparse" and r["seq_length"] == n]
+        assert kept == sorted(kept) and kept[0] < 1.0 and abs(kept[-1] - 1.0) < 1e-6  # K: all
+    longest = [r["pairs_kept"] for r in rows if r["top_k"] == 1]
+    assert longest[0] > longest[-1]  # a window of 4 keeps less of a longer sequence
     assert all(math.isfinite(r["loss"]) for r in rows)
+
+
+def test_eval_ppl_refuses_lengths_beyond_learned_positions(embedded_cache, tmp_path, run_tool):
+    from test_training import _argv, train
+
+    ckpt = str(tmp_path / "ckpt")
+    train(1, _argv(embedded_cache, "--save", ckpt, iters=3))  # learned positions, 32 of them
+    out = run_tool("tools/eval_ppl.py", "--load", ckpt, "--data-cache-path", embedded_cache,
+                   *EVAL, "--seq-lengths", "16", "64")
+    assert out.returncode != 0
+    assert "error: --seq-lengths 64: the model's learned position table has 32" in out.stderr
 
 
 def _largest_intermediate(fn, *args, **kwargs) -> int:

@@ -34,14 +34,16 @@ def inputs(b, heads, kv, n, d, groups, dtype=torch.float32, seed=0):
 
 
 @pytest.mark.parametrize("gate", ["log", "sigmoid"])
-@pytest.mark.parametrize("b, heads, kv, n, d, groups, window", [
-    (2, 4, 2, 777, 64, 8, 128),   # GQA, n not a multiple of the 128-block
-    (1, 4, 4, 300, 64, 1, 64),    # K = 1
+@pytest.mark.parametrize("b, heads, kv, n, d, groups, window, sink", [
+    (2, 4, 2, 777, 64, 8, 128, 0),   # GQA, n not a multiple of the 128-block
+    (1, 4, 4, 300, 64, 1, 64, 0),    # K = 1
+    (1, 4, 2, 500, 64, 4, 64, 4),    # sinks
 ])
-def test_flex_soft_focus_equals_chunked_path_fp32(b, heads, kv, n, d, groups, window, gate):
+def test_flex_soft_focus_equals_chunked_path_fp32(b, heads, kv, n, d, groups, window, sink,
+                                                  gate):
     q, k, v, log_g = inputs(b, heads, kv, n, d, groups)
     kwargs = dict(window=window, gate_scale=0.7, top_k=None, chunk_size=128, scale=d ** -0.5,
-                  gate=gate)
+                  gate=gate, sink=sink)
     flex = focus_attention(q, k, v, Routing.of(log_g), kernel="flex", **kwargs)
     chunked = focus_attention(q, k, v, Routing.of(log_g), kernel="chunked", **kwargs)
     torch.testing.assert_close(flex, chunked, rtol=1e-4, atol=1e-4)
@@ -62,21 +64,23 @@ def test_flex_soft_focus_bf16_is_close_to_the_dense_reference():
     torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("n, top_k, how, dtype", [
-    (3000, 1, "random", torch.float32), (3000, 2, "random", torch.float32),
-    (600, 2, "lonely", torch.float32), (512, 4, "random", torch.float32),
-    (700, 3, "coarse", torch.float32),  # exact ties between groups everywhere
-    (3000, 2, "random", torch.bfloat16),
+@pytest.mark.parametrize("n, top_k, how, dtype, sink", [
+    (3000, 1, "random", torch.float32, 0), (3000, 2, "random", torch.float32, 0),
+    (600, 2, "lonely", torch.float32, 0), (512, 4, "random", torch.float32, 0),
+    (700, 3, "coarse", torch.float32, 0),  # exact ties between groups everywhere
+    (3000, 2, "random", torch.bfloat16, 0),
+    (1000, 2, "random", torch.float32, 4),  # sinks
 ])
-def test_sparse_dispatch_on_gpu_equals_dense(n, top_k, how, dtype):
+def test_sparse_dispatch_on_gpu_equals_dense(n, top_k, how, dtype, sink):
     gen = torch.Generator().manual_seed(n)
     q = torch.randn(2, 4, n, 64, generator=gen)
     k, v = (torch.randn(2, 2, n, 64, generator=gen) for _ in range(2))
     log_g = assignments(2, n, 4, gen, how)
     out = sparse_focus_attention(*(t.cuda().to(dtype) for t in (q, k, v)), Routing.of(log_g.cuda()),
-                                 window=128, top_k=top_k, scale=0.125)
+                                 window=128, top_k=top_k, scale=0.125, sink=sink)
     assert out.dtype == dtype
-    ref = dense_hard_rule(*(t.to(dtype).float() for t in (q, k, v)), log_g, 128, top_k, 0.125)
+    ref = dense_hard_rule(*(t.to(dtype).float() for t in (q, k, v)), log_g, 128, top_k, 0.125,
+                          sink)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float().cpu(), ref, rtol=tol, atol=tol)
 

@@ -29,6 +29,8 @@ TRAINED = {
     "llama": (LLAMA + GQA, 1, "LlamaForCausalLM"),
     "llama-xsa": (LLAMA + GQA + XSA, 1, "MegatronFocusForCausalLM"),
     "llama-xsa-tp2": (LLAMA + GQA + XSA + TP2, 2, "MegatronFocusForCausalLM"),
+    # Sliding-window attention (8 keys of the 32 tokens): no stock class holds it
+    "llama-window": (LLAMA + GQA + ["--window-size", "7,0"], 1, "MegatronFocusForCausalLM"),
 }
 # Focus with a window of 4 keys on 32 tokens: most pairs are distant, so the router decides them.
 FOCUS = ["--focus-window", "4", "--focus-groups", "4", "--focus-chunk-size", "16"]
@@ -42,6 +44,9 @@ TRAINED_FOCUS = {
     # The paper's gate, an ablation option
     "gpt2-focus-sigmoid-gate": (FOCUS_ONLY + ["--focus-gate", "sigmoid", "--focus-gate-scale", "3"],
                                 1, "MegatronFocusForCausalLM"),
+    # The first 3 tokens kept for every query
+    "llama-focus-sinks": (LLAMA + GQA + FOCUS_ONLY + ["--focus-sink-tokens", "3"], 1,
+                          "MegatronFocusForCausalLM"),
 }
 
 
@@ -190,8 +195,10 @@ def test_focus_export_computes_what_the_native_model_computes(trained_focus, nam
     assert config.focus_gate == ("sigmoid" if name.endswith("sigmoid-gate") else "log")
     assert config.layer_attention == {
         "gpt2-focus": ["focus", "focus"], "gpt2-focus-xsa-layer-2": ["focus", "focus+xsa"],
-        "llama-focus": ["focus", "focus"], "gpt2-focus-sigmoid-gate": ["focus", "focus"]
+        "llama-focus": ["focus", "focus"], "gpt2-focus-sigmoid-gate": ["focus", "focus"],
+        "llama-focus-sinks": ["focus", "focus"],
     }.get(name, ["focus+xsa", "focus+xsa"])
+    assert config.focus_sink_tokens == (3 if name.endswith("sinks") else 0)
     routers = [k for k in model.state_dict() if ".router." in k]
     assert len(routers) == 4  # W_g and the centroids of each layer
 
@@ -273,11 +280,13 @@ def _custom_focus_model(**overrides):
     return MegatronFocusForCausalLM(MegatronFocusConfig(**{**config, **overrides}))
 
 
+@pytest.mark.parametrize("sinks", [0, 2])
 @pytest.mark.parametrize("mode", ["soft", "sparse"])
-def test_focus_generate_left_padded_batch_equals_each_sequence(mode):
-    """Padding is no token to the router: left-padded batches generate as each sequence alone."""
+def test_focus_generate_left_padded_batch_equals_each_sequence(mode, sinks):
+    """Padding is no token to the router, nor a sink: left-padded batches generate as each
+    sequence alone."""
     torch.manual_seed(0)
-    model = _custom_focus_model().eval()
+    model = _custom_focus_model(focus_sink_tokens=sinks).eval()
     model.set_focus_mode(mode)
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None

@@ -36,14 +36,18 @@ def test_cpu_rng_tracker_streams(single_process):
         assert not torch.equal(torch.rand(5), inside)  # the stream advances across forks
 
 
-def _reference_attention(q, k, v, scale):
-    """Dense causal softmax attention written out, GQA by repeating key/value heads."""
+def _reference_attention(q, k, v, scale, left=None):
+    """Dense causal softmax attention written out, GQA by repeating key/value heads; `left`: a
+    sliding window, query i sees keys i - left .. i only."""
     sq, b, heads, hn = q.shape
     rep = heads // k.shape[2]
     k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     scores = torch.einsum("qbhd,kbhd->bhqk", q, k) * scale
-    causal = torch.triu(torch.ones(sq, sq, dtype=torch.bool), 1)
-    probs = scores.masked_fill(causal, -math.inf).softmax(-1)
+    removed = torch.zeros(sq, sq, dtype=torch.bool)
+    for i in range(sq):
+        for j in range(sq):
+            removed[i, j] = j > i or (left is not None and i - j > left)
+    probs = scores.masked_fill(removed, -math.inf).softmax(-1)
     return torch.einsum("bhqk,kbhd->qbhd", probs, v).reshape(sq, b, heads * hn)
 
 
@@ -64,6 +68,32 @@ def test_core_attention_matches_dense_reference(single_process, groups):
     # An explicit Megatron mask (True = removed) gives the same as the implicit causal one.
     mask = torch.triu(torch.ones(12, 12, dtype=torch.bool), 1)
     torch.testing.assert_close(attn(q, k, v, mask), out, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("left, groups", [(0, 4), (3, 2), (40, 1)])
+def test_sliding_window_matches_dense_reference(single_process, left, groups):
+    """--window-size LEFT,0 (Megatron's): query i sees keys i - LEFT .. i; LEFT >= seq: causal."""
+    from megatron_focus.model.core_attention import CoreAttention
+    from megatron_focus.model.gpt import transformer_config
+
+    args = parse_args(["--hidden-size", "64", "--num-attention-heads", "4", "--window-size",
+                       f"{left},0", "--group-query-attention", "--num-query-groups", str(groups)])
+    attn = CoreAttention(transformer_config(args), layer_number=1, attn_mask_type=None).eval()
+    g = torch.Generator().manual_seed(left)
+    q = torch.randn(12, 2, 4, 16, generator=g)
+    k, v = (torch.randn(12, 2, groups, 16, generator=g) for _ in range(2))
+    torch.testing.assert_close(attn(q, k, v, None), _reference_attention(q, k, v, 0.25, left),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--window-size", "7,3"], "give LEFT,0"),
+    (["--window-size", "7"], "give LEFT,0"),
+    (["--window-size", "7,0", "--attention", "focus"], "Focus has its own local window"),
+])
+def test_bad_window_sizes_are_refused(argv, error):
+    with pytest.raises(ValueError, match=error):
+        parse_args(BASE + argv)
 
 
 def test_vocab_padding_follows_megatron():

@@ -20,7 +20,7 @@ WITHOUT_FOCUS = {"focus": "standard", "focus+xsa": "xsa"}
 class FocusSettings:
     """A Focus model's settings, named as `pretrain_gpt.py`'s `--focus-*` flags.
 
-    The first seven decide what the model computes and are recorded in `model_args.json`; `top_k`
+    The first eight decide what the model computes and are recorded in `model_args.json`; `top_k`
     and `attention_mode` are inference settings (sparse mode), free to change, not recorded: they
     take `pretrain_gpt.py`'s defaults unless given.
     """
@@ -32,10 +32,12 @@ class FocusSettings:
     sinkhorn_iters: int
     gate_scale: float
     gate: str = "log"
+    sink_tokens: int = 0
     top_k: int = 2
     attention_mode: str = "soft"
 
-    RECORDED = ("groups", "dim", "window", "tau", "sinkhorn_iters", "gate_scale", "gate")
+    RECORDED = ("groups", "dim", "window", "tau", "sinkhorn_iters", "gate_scale", "gate",
+                "sink_tokens")
 
     def __post_init__(self):
         if not 1 <= self.top_k <= self.groups:
@@ -80,6 +82,7 @@ class Architecture:
     openai_gelu: bool = False  # GELU MLP with the tanh approximation (GPT-2's gelu_new)
     attention: str = "standard"
     xsa_layers: Optional[Tuple[int, ...]] = None  # 1-based; None: every layer (when xsa)
+    window_size: Optional[Tuple[int, int]] = None  # sliding window (left, 0): keys i - left .. i
     focus: Optional[FocusSettings] = None  # exactly when attention is focus or focus+xsa
 
     def __post_init__(self):
@@ -118,6 +121,9 @@ class Architecture:
         `focus_top_k` / `focus_attention_mode`: a Focus model's inference settings (not recorded;
         default `pretrain_gpt.py`'s).
         """
+        from megatron_focus.training.checkpointing import with_unrecorded_defaults
+
+        model_args = with_unrecorded_defaults(model_args)  # what older checkpoints computed
         own = [f.name for f in dataclasses.fields(cls) if f.name not in ("vocab_size", "focus")]
         missing = [name for name in own if name not in model_args]
         if missing:
@@ -126,8 +132,9 @@ class Architecture:
         if model_args.get("rotary_percent", 1.0) != 1.0:
             raise NotImplementedError("--rotary-percent below 1 (partial rotary) is not mapped")
         kwargs = {name: model_args[name] for name in own}
-        if kwargs["xsa_layers"] is not None:
-            kwargs["xsa_layers"] = tuple(kwargs["xsa_layers"])
+        for name in ("xsa_layers", "window_size"):
+            if kwargs[name] is not None:
+                kwargs[name] = tuple(kwargs[name])
         if kwargs["attention"] in SUPPORTED_ATTENTION and kwargs["attention"].startswith("focus"):
             kwargs["focus"] = FocusSettings.from_model_args(
                 model_args, top_k=focus_top_k, attention_mode=focus_attention_mode)
@@ -157,6 +164,8 @@ class Architecture:
             flags.append("--untie-embeddings-and-output-weights")
         if self.xsa_layers is not None:
             flags += ["--xsa-layers", *self.xsa_layers]
+        if self.window_size is not None:
+            flags += ["--window-size", ",".join(map(str, self.window_size))]
         if self.focus is not None:
             flags += self.focus.flags()
         return [str(flag) for flag in flags]

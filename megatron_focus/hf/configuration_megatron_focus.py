@@ -36,6 +36,7 @@ class MegatronFocusConfig(PreTrainedConfig):
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = True
     layer_attention: list[str] | None = None  # one variant per layer; default all "standard"
+    sliding_window: int | None = None  # standard / xsa layers: query i sees keys i - w < j <= i
     # Focus (layers "focus" / "focus+xsa"): K groups, routing dim d_g, local window w, temperature,
     # causal Sinkhorn iterations, lambda of the soft gate and its form; then the inference settings.
     focus_groups: int = 8
@@ -45,6 +46,7 @@ class MegatronFocusConfig(PreTrainedConfig):
     focus_sinkhorn_iters: int = 10
     focus_gate_scale: float = 1.0
     focus_gate: str = "log"  # or "sigmoid": the paper's multiplicative gate (ablations)
+    focus_sink_tokens: int = 0  # the first s tokens (of each unpadded sequence): kept, as local
     focus_top_k: int = 2
     focus_attention_mode: str = "soft"
     initializer_range: float = 0.02
@@ -71,6 +73,11 @@ class MegatronFocusConfig(PreTrainedConfig):
         if unknown or len(self.layer_attention) != self.num_hidden_layers:
             raise ValueError(f"layer_attention must name one of {ATTENTION_VARIANTS} per layer "
                              f"({self.num_hidden_layers}), got {self.layer_attention}")
+        if self.sliding_window is not None and (
+                self.sliding_window < 1
+                or any(kind.startswith("focus") for kind in self.layer_attention)):
+            raise ValueError(f"sliding_window={self.sliding_window}: a positive window, for "
+                             "standard and xsa layers (Focus has focus_window)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_key_value_heads must divide num_attention_heads")
         if any(kind.startswith("focus") for kind in self.layer_attention):

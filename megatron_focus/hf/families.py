@@ -61,6 +61,8 @@ class HFBiases:
 def _not_llama(arch: Architecture) -> Optional[str]:
     if arch.attention != "standard":
         return f"--attention {arch.attention}"
+    if arch.window_size is not None:
+        return "sliding-window attention"
     if (arch.normalization, arch.swiglu, arch.position_embedding_type) != ("RMSNorm", True, "rope"):
         return "not RMSNorm + SwiGLU + RoPE"
     if arch.hidden_size % arch.num_attention_heads:
@@ -71,6 +73,8 @@ def _not_llama(arch: Architecture) -> Optional[str]:
 def _not_gpt2(arch: Architecture) -> Optional[str]:
     if arch.attention != "standard":
         return f"--attention {arch.attention}"
+    if arch.window_size is not None:
+        return "sliding-window attention"
     gpt2 = (arch.normalization == "LayerNorm" and not arch.swiglu and arch.add_bias_linear
             and arch.position_embedding_type == "learned_absolute" and arch.tied)
     if not gpt2:
@@ -129,6 +133,8 @@ def hf_config(family: str, arch: Architecture, special_tokens: dict):
         position_embedding_type=arch.position_embedding_type,
         rotary_base=float(arch.rotary_base), max_position_embeddings=arch.max_position_embeddings,
         tie_word_embeddings=arch.tied, layer_attention=arch.layer_attention(),
+        # HF counts a window's keys (as Mistral's sliding_window), Megatron the ones before i
+        sliding_window=None if arch.window_size is None else arch.window_size[0] + 1,
         **_focus_config(arch.focus), **special_tokens,
     )
 
@@ -235,6 +241,7 @@ def _from_custom(config) -> Architecture:
         untie_embeddings_and_output_weights=not config.tie_word_embeddings,
         attention=attention,
         xsa_layers=None if len(xsa) in (0, config.num_hidden_layers) else tuple(xsa),
+        window_size=None if config.sliding_window is None else (config.sliding_window - 1, 0),
         focus=FocusSettings(**{field.name: getattr(config, f"focus_{field.name}")
                                for field in dataclasses.fields(FocusSettings)})
         if any(focus) else None,

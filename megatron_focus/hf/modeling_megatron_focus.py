@@ -289,7 +289,9 @@ class FocusAttention(Attention):
 
     def route(self, x, cache, attention_mask):
         """((log-assignments, ranked groups) of these tokens `[b, s, K]`, the same of every key
-        `[b, keys, K]`): the groups ranked once, here, for every use."""
+        `[b, keys, K]`, which keys are sinks `[b, keys]`): the groups ranked once, here, for
+        every use. The sinks are the first `focus_sink_tokens` tokens of each sequence, padding
+        not counted."""
         b, s, _ = x.shape
         layer = focus_cache_layer(cache, self.layer_idx) if cache is not None else None
         past = layer.get_seq_length() if layer is not None else 0
@@ -306,13 +308,19 @@ class FocusAttention(Attention):
         log_g, sums = causal_sinkhorn(self.router(x), self.config.focus_sinkhorn_iters, counts,
                                       keep, layer.routing_prefix() if layer is not None else None)
         queries = (log_g, rank_groups(log_g))
-        return queries, layer.update_routing(*queries, sums) if layer is not None else queries
+        keys = layer.update_routing(*queries, sums) if layer is not None else queries
+        real = (attention_mask[:, -(past + s):].bool() if attention_mask is not None
+                else torch.ones(b, past + s, dtype=torch.bool, device=x.device))
+        sinks = real & (real.long().cumsum(-1) <= self.config.focus_sink_tokens)
+        return queries, keys, sinks
 
     def attend(self, q, k, v, mask, routing=None):
         config = self.config
         check_focus_inference(config)
-        (log_g_q, groups_q), (log_g_k, groups_k) = routing
-        local = local_pairs(q.shape[2], k.shape[2], config.focus_window, q.device)
+        (log_g_q, groups_q), (log_g_k, groups_k), sinks = routing
+        # local pairs: the window, and every query's sinks (as the native rule's)
+        local = local_pairs(q.shape[2], k.shape[2], config.focus_window, q.device) \
+            | sinks[:, None, :]
         if config.focus_attention_mode == "sparse":
             attn_mask = mask & hard_rule(groups_q, groups_k, local, config.focus_top_k)[:, None]
         elif config.focus_gate == "sigmoid":  # a factor on the logits: explicit scores
@@ -415,14 +423,15 @@ class MegatronFocusModel(MegatronFocusPreTrainedModel):
             position_ids = torch.arange(past, past + s, device=x.device).expand(b, s)
         if self.config.position_embedding_type == "learned_absolute":
             x = x + self.embed_positions(position_ids)
-        mask = causal_mask(s, past, attention_mask, x.device)
+        mask = causal_mask(s, past, attention_mask, x.device, self.config.sliding_window)
         for layer in self.layers:
             x = layer(x, position_ids, mask, cache if use_cache else None, attention_mask)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(x), cache=cache if use_cache else None)
 
 
-def causal_mask(s: int, past: int, attention_mask, device) -> torch.Tensor:
-    """`[b or 1, 1, s, past + s]`, True where query i (at position past + i) may see the key.
+def causal_mask(s: int, past: int, attention_mask, device, window=None) -> torch.Tensor:
+    """`[b or 1, 1, s, past + s]`, True where query i (at position past + i) may see the key:
+    the keys up to it, the last `window` of them with a sliding window.
 
     A 2D `attention_mask` (1 keep, 0 padding) removes padded keys; each query always keeps its own
     key, so a padded query's (ignored) output stays finite.
@@ -430,7 +439,10 @@ def causal_mask(s: int, past: int, attention_mask, device) -> torch.Tensor:
     keys = past + s
     query_pos = torch.arange(past, keys, device=device)[:, None]
     key_pos = torch.arange(keys, device=device)[None, :]
-    mask = (key_pos <= query_pos)[None, None]
+    mask = key_pos <= query_pos
+    if window is not None:
+        mask = mask & (key_pos > query_pos - window)
+    mask = mask[None, None]
     if attention_mask is not None:
         mask = (mask & attention_mask[:, None, None, -keys:].bool()) | (key_pos == query_pos)
     return mask

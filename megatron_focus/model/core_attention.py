@@ -61,6 +61,8 @@ class CoreAttention(MegatronModule):
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
+        # Sliding window (left, 0): query i sees keys i - left .. i.
+        self.window = None if config.window_size is None else config.window_size[0]
 
     def forward(
         self,
@@ -90,13 +92,18 @@ class CoreAttention(MegatronModule):
             out = flash_attn_func(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 dropout_p=dropout, softmax_scale=self.softmax_scale, causal=True,
+                window_size=(-1 if self.window is None else self.window, 0),
             )
             return out.transpose(1, 2)
+        # Megatron's masks are True where a pair is *removed*; SDPA's where it is kept.
+        keep = None if attention_mask is None else ~attention_mask
+        if self.window is not None:
+            keep = causal_window(q.shape[2], k.shape[2], self.window, q.device) & (
+                True if keep is None else keep)
         return F.scaled_dot_product_attention(
             q, k, v,
-            # Megatron's masks are True where a pair is *removed*; SDPA's where it is kept.
-            attn_mask=None if attention_mask is None else ~attention_mask,
-            is_causal=attention_mask is None,
+            attn_mask=keep,
+            is_causal=keep is None,
             dropout_p=dropout,
             scale=self.softmax_scale,
             enable_gqa=self.groups != self.heads,
@@ -104,6 +111,14 @@ class CoreAttention(MegatronModule):
 
     def project(self, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return y
+
+
+def causal_window(queries: int, keys: int, left: int, device) -> torch.Tensor:
+    """[queries, keys] True where the pair is kept: the last `queries` positions against all keys,
+    key j visible to query i iff i - left <= j <= i."""
+    distance = torch.arange(keys - queries, keys, device=device)[:, None] \
+        - torch.arange(keys, device=device)[None, :]
+    return (distance >= 0) & (distance <= left)
 
 
 def _use_flash_attn(q: torch.Tensor) -> bool:

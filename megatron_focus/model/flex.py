@@ -25,9 +25,11 @@ from megatron_focus.model.kernels import raise_recompile_limit
 TINY_AFFINITY = 1e-30
 
 
-def gate_score_mod(g: torch.Tensor, window: int, gate_scale: float, gate: str = "log"):
-    """The soft rule as a score_mod: a distant pair (i - j >= w) gets lambda * log(g_i . g_j)
-    added, or with the paper's gate (`gate="sigmoid"`) its logit times sigmoid(lambda g_i . g_j).
+def gate_score_mod(g: torch.Tensor, window: int, gate_scale: float, gate: str = "log",
+                   sink: int = 0):
+    """The soft rule as a score_mod: a distant pair (i - j >= w, j not one of the first `sink`
+    tokens) gets lambda * log(g_i . g_j) added, or with the paper's gate (`gate="sigmoid"`) its
+    logit times sigmoid(lambda g_i . g_j).
 
     g [b, n, K] are the assignments (probabilities). The K-term dot product is unrolled, so each
     pair reads 2K numbers; its gradient reaches g through FlexAttention's captured-buffer rule.
@@ -43,7 +45,7 @@ def gate_score_mod(g: torch.Tensor, window: int, gate_scale: float, gate: str = 
             gated = score * torch.sigmoid(gate_scale * affinity)
         else:
             gated = score + gate_scale * torch.log(torch.clamp(affinity, min=TINY_AFFINITY))
-        return torch.where(q_idx - kv_idx >= window, gated, score)
+        return torch.where((q_idx - kv_idx >= window) & (kv_idx >= sink), gated, score)
 
     return score_mod
 
@@ -124,9 +126,9 @@ def _attend_with_lse(q, k, v, scale: float, score_mod=None, block_mask=None):
 
 
 def flex_soft_focus(q, k, v, log_g, *, window: int, gate_scale: float, scale: float,
-                    gate: str = "log"):
+                    gate: str = "log", sink: int = 0):
     """Soft-gate causal Focus attention, fused. q [b,h,n,d], k/v [b,groups,n,d], log_g [b,n,K]."""
-    score_mod = gate_score_mod(log_g.float().exp(), window, gate_scale, gate)
+    score_mod = gate_score_mod(log_g.float().exp(), window, gate_scale, gate, sink)
     return _kernel(q.device)(q, k, v, score_mod=score_mod,
                              block_mask=causal_block_mask(q.shape[2], q.device), scale=scale,
                              enable_gqa=q.shape[1] != k.shape[1])

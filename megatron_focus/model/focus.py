@@ -49,6 +49,7 @@ class FocusConfig:
     top_k: int = 2  # hard (sparse) mode
     gate_scale: float = 1.0  # lambda in the log gate; 0 opens the gate everywhere
     gate: str = "log"  # or "sigmoid", the paper's (focus_gate.GATES)
+    sink_tokens: int = 0  # the first s tokens, kept for every query (as local pairs)
     chunk_size: int = 128
     mode: str = "soft"
     kernel: str = "auto"  # the soft rule's: focus_gate.KERNELS
@@ -87,19 +88,21 @@ class Router(torch.nn.Module):
         routing = Routing.of(log_g)
         if self.record_stats:
             with torch.no_grad():
-                self.stats = group_stats(routing, self.top_k, self.focus.window)
+                self.stats = group_stats(routing, self.top_k, self.focus.window,
+                                         self.focus.sink_tokens)
         if self.tp > 1:
             routing = routing._replace(log_g=sum_grad_over_tensor_parallel(log_g))
         return routing
 
 
-def group_stats(routing: Routing, top_k: int, window: int) -> dict:
+def group_stats(routing: Routing, top_k: int, window: int, sink: int = 0) -> dict:
     """Occupancy of the groups and the share of causal pairs the hard top-k rule keeps.
 
     `largest-group`: share of tokens whose top-1 group is the most popular one (1/K is ideal);
     `group-entropy`: entropy of the soft occupancy / log K (1 is perfectly balanced);
     `pairs-kept`: kept causal pairs / all causal pairs, counted with per-group prefix counts
-    (local pairs, plus distant keys whose top-1 group is among the query's top-k).
+    (local pairs, distant sinks, plus distant non-sink keys whose top-1 group is among the
+    query's top-k).
     """
     log_g = routing.log_g
     b, n, groups = log_g.shape
@@ -112,10 +115,12 @@ def group_stats(routing: Routing, top_k: int, window: int) -> dict:
     positions = torch.arange(n, device=log_g.device)
     local = torch.clamp(positions + 1, max=window)
     distant_end = positions - window  # keys j <= i - w are distant
-    prefix = onehot.cumsum(1)  # [b, n, K] tokens <= t per top-1 group
+    members = onehot * (positions >= sink)[:, None]  # sinks are in no group
+    prefix = members.cumsum(1)  # [b, n, K] non-sink tokens <= t per top-1 group
     counts = prefix[:, distant_end.clamp(min=0)]  # [b, n, K]
     distant = counts.gather(-1, top).sum(-1) * (distant_end >= 0)
-    kept = (local + distant).sum(-1).float().mean() / (n * (n + 1) / 2)
+    distant_sinks = torch.clamp(torch.clamp(distant_end + 1, max=sink), min=0)
+    kept = (local + distant + distant_sinks).sum(-1).float().mean() / (n * (n + 1) / 2)
     return {"largest-group": largest, "group-entropy": entropy, "pairs-kept": kept}
 
 
@@ -155,14 +160,15 @@ class FocusAttention(CoreAttention):
             raise NotImplementedError("Focus attention is causal only (no custom attention mask)")
         if self.mode == "sparse" and not torch.is_grad_enabled():
             return sparse_focus_attention(q, k, v, routing, window=self.focus.window,
-                                          top_k=self.top_k, scale=self.softmax_scale)
+                                          top_k=self.top_k, scale=self.softmax_scale,
+                                          sink=self.focus.sink_tokens)
         return focus_attention(
             q, k, v, routing,
             window=self.focus.window, gate_scale=self.focus.gate_scale,
             top_k=self.top_k if self.mode == "sparse" else None,
             chunk_size=self.focus.chunk_size, scale=self.softmax_scale,
             dropout_p=self.dropout_p if self.training else 0.0, kernel=self.focus.kernel,
-            gate=self.focus.gate,
+            gate=self.focus.gate, sink=self.focus.sink_tokens,
         )
 
 

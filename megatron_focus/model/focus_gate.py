@@ -1,8 +1,9 @@
 """Which (query, key) pairs Focus keeps, and causal attention with that rule, chunked.
 
-Pair rule, for query i and key j <= i (positions), window w, log-assignments log g:
+Pair rule, for query i and key j <= i (positions), window w, sink s, log-assignments log g:
 
-* local, i - w < j <= i: the pair keeps its logit;
+* local, i - w < j <= i, or a sink, j < s (the first s tokens, `--focus-sink-tokens`, visible to
+  every query): the pair keeps its logit;
 * soft (training): a distant pair gets `+ lambda * log(g_i . g_j)`, a log-space gate: an affinity
   of 0 removes the pair exactly, as the hard rule does. The paper's gate, `q.k * sigmoid(lambda
   g_i . g_j)`, is an option for ablations (`gate="sigmoid"`): it gives a removed pair logit 0,
@@ -35,35 +36,40 @@ KERNELS = ("auto", "flex", "chunked")
 GATES = ("log", "sigmoid")
 
 
-def _causal_local(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int):
+def _causal_local(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, sink: int = 0):
+    """(causal, local) [nq, nk]: local is the window, i - w < j, or a sink key, j < s."""
     distance = q_pos[:, None] - k_pos[None, :]
-    return distance >= 0, distance < window
+    return distance >= 0, (distance < window) | (k_pos[None, :] < sink)
 
 
-def _near_diagonal(start: int, end: int, window: int, device):
-    """For queries [start, end) against keys [0, end): the first key `edge` that is local or in
-    the future for some query (every key before it is distant for all of them), and the
-    (causal, local) masks of keys [edge, end)."""
+def _near_diagonal(start: int, end: int, window: int, device, sink: int = 0):
+    """For queries [start, end) against keys [0, end): the first key `edge` that is in a window or
+    in the future for some query (every key before it is causal for all of them, and distant
+    unless a sink: keys [0, min(sink, edge)) are the sinks there), and the (causal, local) masks
+    of keys [edge, end)."""
     edge = max(0, start - window + 1)
     causal, local = _causal_local(torch.arange(start, end, device=device),
-                                  torch.arange(edge, end, device=device), window)
+                                  torch.arange(edge, end, device=device), window, sink)
     return edge, causal, local
 
 
-def log_gate(affinity: torch.Tensor, start: int, window: int, gate_scale: float) -> torch.Tensor:
+def log_gate(affinity: torch.Tensor, start: int, window: int, gate_scale: float,
+             sink: int = 0) -> torch.Tensor:
     """Additive logit bias [b, c, e] of queries [start, start + c) against keys [0, e) from their
-    affinities g_i . g_j: lambda * log(affinity) distant, 0 local, -inf future."""
+    affinities g_i . g_j: lambda * log(affinity) distant, 0 local (window or sink), -inf future."""
     bias = affinity.clamp_min(TINY_AFFINITY).log_().mul_(gate_scale)
-    edge, causal, local = _near_diagonal(start, affinity.shape[1] + start, window, affinity.device)
+    edge, causal, local = _near_diagonal(start, affinity.shape[1] + start, window,
+                                         affinity.device, sink)
     bias[:, :, edge:].masked_fill_(local, 0.0).masked_fill_(~causal, float("-inf"))
+    bias[:, :, :min(sink, edge)] = 0.0
     return bias
 
 
 def soft_pair_bias(log_g_q: torch.Tensor, log_g_k: torch.Tensor, start: int, window: int,
-                   gate_scale: float) -> torch.Tensor:
+                   gate_scale: float, sink: int = 0) -> torch.Tensor:
     """The soft rule's bias [b, c, e] for queries [start, start + c) against keys [0, e)."""
     return log_gate(torch.bmm(log_g_q.exp(), log_g_k.exp().transpose(1, 2)), start, window,
-                    gate_scale)
+                    gate_scale, sink)
 
 
 def sigmoid_gate(log_g_q: torch.Tensor, log_g_k: torch.Tensor, local: torch.Tensor,
@@ -75,9 +81,10 @@ def sigmoid_gate(log_g_q: torch.Tensor, log_g_k: torch.Tensor, local: torch.Tens
 
 
 def hard_pair_mask(groups_q: torch.Tensor, top1_k: torch.Tensor, q_pos: torch.Tensor,
-                   k_pos: torch.Tensor, window: int) -> torch.Tensor:
-    """Kept pairs [b, nq, nk] (bool): causal and (local, or key's top-1 group in query's top-k)."""
-    causal, local = _causal_local(q_pos, k_pos, window)
+                   k_pos: torch.Tensor, window: int, sink: int = 0) -> torch.Tensor:
+    """Kept pairs [b, nq, nk] (bool): causal and (local or a sink, or key's top-1 group in
+    query's top-k)."""
+    causal, local = _causal_local(q_pos, k_pos, window, sink)
     same_group = (groups_q[:, :, None, :] == top1_k[:, None, :, None]).any(-1)
     return causal & (local | same_group)
 
@@ -100,29 +107,29 @@ def attention_with_lse(q, k, v, scale: float, causal: bool, mask=None):
     return flex_attention_with_lse(q, k, v, scale, causal, mask)
 
 
-def _soft_chunk(q, k, v, log_g_q, log_g_k, start: int, window: int, gate_scale: float,
-                scale: float, dropout_p: float, gqa: bool, gate: str):
+def _soft_chunk(q, k, v, log_g_q, log_g_k, start: int, window: int, sink: int,
+                gate_scale: float, scale: float, dropout_p: float, gqa: bool, gate: str):
     """Queries [start, start + nq) against keys [0, nk) under the soft rule."""
     if gate == "sigmoid":  # a factor on the logits: explicit scores
         causal, local = _causal_local(torch.arange(start, start + q.shape[2], device=q.device),
-                                      torch.arange(k.shape[2], device=q.device), window)
+                                      torch.arange(k.shape[2], device=q.device), window, sink)
         if gqa:
             k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
         logits = (q @ k.transpose(-1, -2)).float().mul_(scale) \
             * sigmoid_gate(log_g_q, log_g_k, local, gate_scale).unsqueeze(1)
         probs = logits.masked_fill_(~causal, float("-inf")).softmax(-1)
         return F.dropout(probs, dropout_p).to(v.dtype) @ v
-    mask = soft_pair_bias(log_g_q, log_g_k, start, window, gate_scale).to(q.dtype).unsqueeze(1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                          scale=scale, enable_gqa=gqa)
+    mask = soft_pair_bias(log_g_q, log_g_k, start, window, gate_scale, sink)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype).unsqueeze(1),
+                                          dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
 
 
-def _hard_chunk(q, k, v, groups_q, top1_k, start: int, window: int, scale: float,
+def _hard_chunk(q, k, v, groups_q, top1_k, start: int, window: int, sink: int, scale: float,
                 dropout_p: float, gqa: bool):
     """Queries [start, start + nq) (top-k groups `groups_q`) against keys [0, nk) (top-1 groups
     `top1_k`) under the hard rule."""
     mask = hard_pair_mask(groups_q, top1_k, torch.arange(start, start + q.shape[2], device=q.device),
-                          torch.arange(k.shape[2], device=q.device), window).unsqueeze(1)
+                          torch.arange(k.shape[2], device=q.device), window, sink).unsqueeze(1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                           scale=scale, enable_gqa=gqa)
 
@@ -143,13 +150,14 @@ def soft_kernel(requested: str, device: torch.device, dropout_p: float = 0.0) ->
 def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, routing: Routing, *,
                     window: int, gate_scale: float, top_k: Optional[int], chunk_size: int,
                     scale: float, dropout_p: float = 0.0, kernel: str = "auto",
-                    gate: str = "log") -> torch.Tensor:
+                    gate: str = "log", sink: int = 0) -> torch.Tensor:
     """Causal Focus attention. q [b, h, n, d], k/v [b, groups, n, d], routing's tensors [b, n, K]
     -> [b, h, n, d].
 
     `top_k=None` is the soft (training) rule, with `gate` (GATES) on distant pairs; an integer
-    applies the hard rule with that top-k. The sigmoid gate has no fused CPU kernel: its chunks
-    build their scores explicitly (an ablation's speed).
+    applies the hard rule with that top-k. The first `sink` tokens are kept for every query, as
+    local pairs are. The sigmoid gate has no fused CPU kernel: its chunks build their scores
+    explicitly (an ablation's speed).
     """
     if gate not in GATES:
         raise ValueError(f"unknown Focus gate {gate!r}; choose from {GATES}")
@@ -159,19 +167,19 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, routing: 
     if top_k is None:
         if soft_kernel(kernel, q.device, dropout_p) == "flex":
             return flex_soft_focus(q, k, v, log_g, window=window, gate_scale=gate_scale,
-                                   scale=scale, gate=gate)
+                                   scale=scale, gate=gate, sink=sink)
         if gate == "log" and dropout_p == 0.0 and torch.is_grad_enabled():
             return _SoftFocusAttention.apply(q, k, v, log_g, window, gate_scale, chunk_size,
-                                             scale)
+                                             scale, sink)
     groups_q, top1 = routing.top(top_k or 1), routing.groups[..., 0]
     outputs = []
     for start, end in _chunks(n, chunk_size):
         if top_k is None:
             attend, args = _soft_chunk, (log_g[:, start:end], log_g[:, :end], start, window,
-                                         gate_scale, scale, dropout_p, gqa, gate)
+                                         sink, gate_scale, scale, dropout_p, gqa, gate)
         else:
             attend, args = _hard_chunk, (groups_q[:, start:end], top1[:, :end], start, window,
-                                         scale, dropout_p, gqa)
+                                         sink, scale, dropout_p, gqa)
         args = (q[:, :, start:end], k[:, :, :end], v[:, :, :end]) + args
         if torch.is_grad_enabled():
             # Recompute in backward: only this chunk's scores ever exist at once.
@@ -196,18 +204,19 @@ class _SoftFocusAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, log_g, window, gate_scale, chunk_size, scale):
+    def forward(ctx, q, k, v, log_g, window, gate_scale, chunk_size, scale, sink):
         n = q.shape[2]
         outs, lses = [], []
         for start, end in _chunks(n, chunk_size):
-            bias = soft_pair_bias(log_g[:, start:end], log_g[:, :end], start, window, gate_scale)
+            bias = soft_pair_bias(log_g[:, start:end], log_g[:, :end], start, window, gate_scale,
+                                  sink)
             out, lse = attention_with_lse(q[:, :, start:end], k[:, :, :end], v[:, :, :end],
                                           scale, causal=False, mask=bias.to(q.dtype).unsqueeze(1))
             outs.append(out)
             lses.append(lse)
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, log_g, out, lse)
-        ctx.settings = (window, gate_scale, chunk_size, scale)
+        ctx.settings = (window, gate_scale, chunk_size, scale, sink)
         return out
 
     @staticmethod
@@ -216,7 +225,7 @@ class _SoftFocusAttention(torch.autograd.Function):
         # Megatron hands q, k, v as permuted views of [s, b, heads, d] (saved as such: no extra
         # memory between forward and backward): one copy each here, not one per chunk and matmul.
         q, k, v, grad_out = (t.contiguous() for t in (q, k, v, grad_out))
-        window, gate_scale, chunk_size, scale = ctx.settings
+        window, gate_scale, chunk_size, scale, sink = ctx.settings
         b, h, n, d = q.shape
         groups = k.shape[1]
         rep = h // groups
@@ -237,7 +246,7 @@ class _SoftFocusAttention(torch.autograd.Function):
         for start, end in _chunks(n, chunk_size):
             c = end - start
             affinity = torch.bmm(g[:, start:end], g[:, :end].transpose(1, 2))  # [b, c, e]
-            bias = log_gate(affinity, start, window, gate_scale)
+            bias = log_gate(affinity, start, window, gate_scale, sink)
             qc, go = (x[:, :, start:end].flatten(1, 2) for x in (qg, og))  # [b * g, rep * c, d]
             kc, vc = kf[:, :end], vf[:, :end]
             # P = exp(scale * Q K^T - lse + bias); dS = P * (dO V^T - delta)
@@ -254,11 +263,12 @@ class _SoftFocusAttention(torch.autograd.Function):
             daffinity = dscores.view(b, groups * rep, c, end).sum(1).mul_(gate_scale)
             del dscores
             daffinity.div_(affinity).masked_fill_(affinity <= TINY_AFFINITY, 0.0)
-            edge, causal, local = _near_diagonal(start, end, window, q.device)
+            edge, causal, local = _near_diagonal(start, end, window, q.device, sink)
             daffinity[:, :, edge:].masked_fill_(local | ~causal, 0.0)
+            daffinity[:, :, :min(sink, edge)] = 0.0
             dg[:, start:end] += torch.bmm(daffinity, g[:, :end])
             dg[:, :end] += torch.bmm(daffinity.transpose(1, 2), g[:, start:end])
         dq = dq.mul_(scale).view(b, h, n, d)
         dk, dv = dk.mul_(scale).view(k.shape), dv.view(v.shape)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), (dg * g).to(log_g.dtype),
-                None, None, None, None)
+                None, None, None, None, None)

@@ -19,6 +19,11 @@ ordinary attention call, merged exactly by per-query log-sum-exp weights:
   overlapping strided windows of one padded copy: O(n (w + B)). On a GPU, one FlexAttention call
   over the band instead (flex.flex_local_part).
 
+* sinks (`sink` > 0: the first s tokens, kept for every query): they join no group bucket. A sink
+  query's slot 0 is the sinks' own bucket (causal attention over the sinks before it: all its
+  keys); other queries see the sinks in their window through the local part and the distant
+  ones through a sink part, one call of every query against the s sink keys.
+
 Each key is in exactly one bucket and the local part excludes bucket pairs, so no pair is counted
 twice and nothing is subtracted. Cost: the kept distant pairs plus n w, against n^2 / 2 dense.
 Routing (top-k, sort, counts, offsets) stays on the device: no Python loop over groups; the CPU
@@ -232,15 +237,37 @@ def _local_part(q, k, v, groups_q, window: int, scale: float):
     return back(out), back(lse)
 
 
+def _sink_part(q, k, v, window: int, sink: int, scale: float):
+    """Every query i >= s against the sinks j < s outside its window (i - j >= w)."""
+    n = q.shape[2]
+    positions = torch.arange(n, device=q.device)[:, None]
+    keep = (positions >= sink) & (positions - torch.arange(sink, device=q.device) >= window)
+    mask = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(
+        ~keep, float("-inf"))
+    out, lse = attention_with_lse(q, k[:, :, :sink], v[:, :, :sink], scale, causal=False,
+                                  mask=mask[None, None])
+    return out, lse.masked_fill(~keep.any(-1), float("-inf"))
+
+
 @torch.no_grad()
-def sparse_focus_attention(q, k, v, routing: Routing, *, window: int, top_k: int, scale: float):
+def sparse_focus_attention(q, k, v, routing: Routing, *, window: int, top_k: int, scale: float,
+                           sink: int = 0):
     """Hard-rule Focus attention computing only kept pairs. q [b,h,n,d], k/v [b,g,n,d]."""
     groups_q = routing.top(top_k)  # [b, n, top_k], top-1 first
-    bucket_outs, bucket_lses = _bucket_part(q, k, v, groups_q, routing.groups.shape[-1], scale)
+    num_groups = routing.groups.shape[-1]
+    sink = min(sink, q.shape[2])
+    if sink:  # the sinks' bucket is group K: their slot 0, and no other query's group
+        groups_q = groups_q.clone()
+        groups_q[:, :sink, 0] = num_groups
+        num_groups += 1
+    bucket_outs, bucket_lses = _bucket_part(q, k, v, groups_q, num_groups, scale)
     if focus_gate.lse_kernel(q.device) == "flex":  # a GPU: one call over the band
         local_out, local_lse = flex_local_part(q, k, v, groups_q, window, scale)
     else:
         local_out, local_lse = _local_part(q, k, v, groups_q, window, scale)
-    out, _ = merge_by_lse(bucket_outs + [local_out],
-                          [lse.float() for lse in bucket_lses + [local_lse]])
+    outs, lses = bucket_outs + [local_out], bucket_lses + [local_lse]
+    if sink and q.shape[2] > window:
+        sink_out, sink_lse = _sink_part(q, k, v, window, sink, scale)
+        outs, lses = outs + [sink_out], lses + [sink_lse]
+    out, _ = merge_by_lse(outs, [lse.float() for lse in lses])
     return out.to(q.dtype)

@@ -51,6 +51,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else openai_gelu if args.openai_gelu else F.gelu,
         init_method_std=args.init_method_std,
+        window_size=args.window_size,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
         use_cpu_initialization=True,
@@ -69,7 +70,8 @@ def focus_config(args: argparse.Namespace) -> FocusConfig:
     return FocusConfig(
         groups=args.focus_groups, dim=args.focus_dim, window=args.focus_window,
         tau=args.focus_tau, sinkhorn_iters=args.focus_sinkhorn_iters, top_k=args.focus_top_k,
-        gate_scale=args.focus_gate_scale, gate=args.focus_gate, chunk_size=args.focus_chunk_size,
+        gate_scale=args.focus_gate_scale, gate=args.focus_gate, sink_tokens=args.focus_sink_tokens,
+        chunk_size=args.focus_chunk_size,
         mode=args.focus_attention_mode, kernel=args.focus_kernel,
     )
 

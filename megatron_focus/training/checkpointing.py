@@ -34,14 +34,15 @@ SHAPE_KEYS = (
     "kv_channels", "normalization", "swiglu", "position_embedding_type", "add_bias_linear",
     "untie_embeddings_and_output_weights", "max_position_embeddings", "attention",
     "tensor_model_parallel_size", "padded_vocab_size",
-    "norm_epsilon", "rotary_base", "rotary_percent", "xsa_layers", "openai_gelu",
+    "norm_epsilon", "rotary_base", "rotary_percent", "xsa_layers", "openai_gelu", "window_size",
 )
 # What a Focus model computes (its top-k, mode and chunk size are inference settings, free to
 # change); the routers' shapes are the first two.
 FOCUS_KEYS = ("focus_groups", "focus_dim", "focus_window", "focus_tau",
-              "focus_sinkhorn_iters", "focus_gate_scale", "focus_gate")
-# Recorded since: what a Focus checkpoint saved before a key was recorded computed.
-FOCUS_BEFORE_RECORDED = {"focus_gate": "log"}
+              "focus_sinkhorn_iters", "focus_gate_scale", "focus_gate", "focus_sink_tokens")
+# Recorded since: what a checkpoint saved before a key was recorded computed.
+BEFORE_RECORDED = {"window_size": None}
+FOCUS_BEFORE_RECORDED = {"focus_gate": "log", "focus_sink_tokens": 0}
 LATEST = "latest"
 ARGS_FILE = "model_args.json"
 # The tokenizer the model was trained with (for the HF export); not compared on load.
@@ -57,8 +58,10 @@ def tag_for(iteration: int) -> str:
 
 
 def model_args(args: argparse.Namespace) -> dict:
+    """What decides the model, as `model_args.json` holds it (tuples as lists)."""
     keys = SHAPE_KEYS + (FOCUS_KEYS if args.attention.startswith("focus") else ())
-    return {key: getattr(args, key) for key in keys}
+    values = {key: getattr(args, key) for key in keys}
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
 
 
 def rng_state() -> dict:
@@ -112,8 +115,9 @@ def save(engine, args: argparse.Namespace, iteration: int, consumed_samples: int
         _write_atomically(os.path.join(partial, ARGS_FILE),
                           json.dumps(model_args(args), indent=1, sort_keys=True))
         _write_atomically(os.path.join(partial, TOKENIZER_FILE), json.dumps({
-            "tokenizer_type": args.tokenizer_type,
-            "tokenizer_model": os.path.abspath(args.tokenizer_model),
+            "tokenizer_type": args.tokenizer_type,  # none for synthetic data (--mqar)
+            "tokenizer_model": args.tokenizer_model and os.path.abspath(args.tokenizer_model),
+            "vocab_size": args.vocab_size,
         }, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
@@ -140,7 +144,8 @@ def saved_model_args(checkpoint_dir: str) -> dict:
 
 
 def with_unrecorded_defaults(saved: dict) -> dict:
-    """A checkpoint's model args, with the Focus settings it predates at what it computed."""
+    """A checkpoint's model args, with the settings it predates at what it computed."""
+    saved = {**BEFORE_RECORDED, **saved}
     if str(saved.get("attention", "")).startswith("focus"):
         saved = {**FOCUS_BEFORE_RECORDED, **saved}
     return saved

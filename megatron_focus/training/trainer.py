@@ -24,6 +24,7 @@ from megatron_focus.data.datasets import build_datasets
 from megatron_focus.data.embedded import TOKENIZER_TYPE as EMBEDDED_TOKENIZER_TYPE
 from megatron_focus.data.embedded import ensure_embedded_data
 from megatron_focus.data.loader import micro_batches, to_device
+from megatron_focus.data.mqar import MQARDataset, MQARVocabulary
 from megatron_focus.data.tokenizer import build_tokenizer
 from megatron_focus.model.focus import (focus_statistics, recording_statistics, set_focus_mode,
                                         train_routers_only)
@@ -46,6 +47,7 @@ def pretrain(args: argparse.Namespace) -> dict:
 
     # Data first: a wrong path or a tokenizer that does not fit the data fails before any compute.
     tokenizer = tokenizer_for(args, rank0)
+    args.vocab_size = tokenizer.vocab_size  # recorded with checkpoints
     args.padded_vocab_size = padded_vocab_size(
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
     )
@@ -244,6 +246,8 @@ def _mean_over_data_parallel(value: torch.Tensor) -> torch.Tensor:
 
 
 def tokenizer_for(args: argparse.Namespace, rank0: bool):
+    if args.mqar:
+        return MQARVocabulary(args.mqar_vocab_size)
     if args.data_path is None:
         # The zero-download default: rank 0 builds the cache, the others wait and reuse it.
         cache = args.data_cache_path or DEFAULT_CACHE
@@ -259,6 +263,13 @@ def tokenizer_for(args: argparse.Namespace, rank0: bool):
 
 def datasets_for(args: argparse.Namespace, tokenizer):
     valid_samples = args.eval_iters * args.global_batch_size if args.eval_iters else 0
+    if args.mqar:
+        def mqar(samples, split):
+            return MQARDataset(samples, args.seq_length, args.mqar_pairs, args.mqar_vocab_size,
+                               args.mqar_min_distance, args.seed, split)
+
+        return (mqar(args.train_iters * args.global_batch_size, "train"),
+                mqar(valid_samples, "valid") if valid_samples else None)
     cache = os.path.join(args.data_cache_path or DEFAULT_CACHE, "indices")
     train, valid, _ = build_datasets(
         args.data_path, args.split, args.seq_length, args.seed, tokenizer,
@@ -336,7 +347,7 @@ def _print_banner(args: argparse.Namespace, model: torch.nn.Module, iteration: i
         f"{args.hidden_size}, {args.num_attention_heads} heads | {params / 1e6:.2f}M parameters on "
         f"TP rank 0 | TP {args.tensor_model_parallel_size}, DP "
         f"{parallel_state.get_data_parallel_world_size()}, ZeRO {args.zero_stage} | data "
-        f"{' '.join(args.data_path)} | starting at iteration {iteration}",
+        f"{_data_name(args)} | starting at iteration {iteration}",
         flush=True,
     )
     if args.attention.startswith("focus"):
@@ -344,6 +355,13 @@ def _print_banner(args: argparse.Namespace, model: torch.nn.Module, iteration: i
         soft = soft_kernel(args.focus_kernel, device, args.attention_dropout)
         print(f"Focus {args.focus_gate} gate | kernels: soft gate {soft}, sparse "
               f"{lse_kernel(device)}", flush=True)
+
+
+def _data_name(args: argparse.Namespace) -> str:
+    if args.mqar:
+        return (f"MQAR ({args.mqar_pairs} pairs, vocabulary {args.mqar_vocab_size}, queries "
+                f">= {args.mqar_min_distance} tokens after them)")
+    return " ".join(args.data_path)
 
 
 def _print_where(args: argparse.Namespace) -> None:
