@@ -51,6 +51,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--focus-window", type=int, default=64)
     p.add_argument("--focus-groups", type=int, default=4)
     p.add_argument("--mqar-pairs", type=int, default=16)
+    p.add_argument("--mqar-queries", type=int, default=None)
+    p.add_argument("--mqar-two-token-pairs", action="store_true",
+                   help="zoology's form (key, value as two tokens): a two-hop recall that takes "
+                        "far more training than a CPU study affords; default: packed pairs")
     p.add_argument("--mqar-vocab-size", type=int, default=256)
     p.add_argument("--mqar-min-distance", type=int, default=256)
     p.add_argument("--eval-iters", type=int, default=8)
@@ -76,8 +80,11 @@ def variant_flags(name: str, opts) -> list:
 def data_flags(opts) -> list:
     if opts.task == "corpus":
         return ["--data-cache-path", os.path.join(opts.out, "cache")]
+    extra = ["--mqar-queries", str(opts.mqar_queries)] if opts.mqar_queries else []
+    extra += [] if opts.mqar_two_token_pairs else ["--mqar-packed"]
     return ["--mqar", "--mqar-pairs", str(opts.mqar_pairs), "--mqar-vocab-size",
-            str(opts.mqar_vocab_size), "--mqar-min-distance", str(opts.mqar_min_distance)]
+            str(opts.mqar_vocab_size), "--mqar-min-distance", str(opts.mqar_min_distance),
+            *extra]
 
 
 def run(cmd: list, log: str) -> None:

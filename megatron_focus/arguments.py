@@ -143,6 +143,12 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
                         "(data/mqar.py: key-value pairs, then queries far after them) instead of "
                         "--data-path (megatron-focus)")
     g.add_argument("--mqar-pairs", type=int, default=32, help="key-value pairs per sequence")
+    g.add_argument("--mqar-queries", type=int, default=None,
+                   help="queries per sequence: every key once, then random keys (default: one "
+                        "per pair)")
+    g.add_argument("--mqar-packed", action="store_true",
+                   help="each pair one token (key x value): recall in one attention hop, which a "
+                        "tiny model learns on a CPU")
     g.add_argument("--mqar-vocab-size", type=int, default=512,
                    help="ids: the filler, keys in the lower half, values in the upper")
     g.add_argument("--mqar-min-distance", type=int, default=256,
@@ -319,7 +325,8 @@ def _validate_training(args: argparse.Namespace, world_size: int) -> None:
     if args.mqar:
         if args.data_path or args.tokenizer_model:
             raise ValueError("--mqar makes its own data: not with --data-path or --tokenizer-model")
-        check_mqar(args.seq_length, args.mqar_pairs, args.mqar_vocab_size, args.mqar_min_distance)
+        check_mqar(args.seq_length, args.mqar_pairs, args.mqar_vocab_size, args.mqar_min_distance,
+                   args.mqar_queries, args.mqar_packed)
     if bool(args.tokenizer_model) != bool(args.data_path):
         raise ValueError(
             "--data-path and --tokenizer-model go together: give both, or neither to use the "

@@ -15,20 +15,54 @@ def test_sequences_hold_pairs_then_far_queries_and_only_values_count():
     for index in range(len(data)):
         sample = data[index]
         tokens = torch.cat([sample["tokens"], sample["labels"][-1:]]).tolist()
-        keys, values = tokens[0:16:2], tokens[1:16:2]
+        assert tokens[0] == FILLER  # the start token
+        keys, values = tokens[1:17:2], tokens[2:17:2]
         assert len(set(keys)) == 8 and all(1 <= k < 32 for k in keys)
         assert all(32 <= v < 64 for v in values)
         counted = sample["loss_mask"].nonzero().flatten().tolist()
         assert len(counted) == 8
         for q in counted:  # each counted position is a key asked again; its label its value
             key = tokens[q]
-            assert key in keys and q - 2 * keys.index(key) > 40
+            assert key in keys and q - (1 + 2 * keys.index(key)) > 40
             assert sample["labels"][q] == values[keys.index(key)]
         asked = [tokens[q] for q in counted]
         assert sorted(asked) == sorted(keys)
-        rest = set(range(16, 129)) - set(counted) - {q + 1 for q in counted}
+        rest = set(range(17, 129)) - set(counted) - {q + 1 for q in counted}
         assert all(tokens[i] == FILLER for i in rest)
         assert torch.equal(sample["position_ids"], torch.arange(128))
+
+
+def test_more_queries_ask_every_key_then_random_ones():
+    data = MQARDataset(5, seq_length=200, pairs=6, vocab_size=40, min_distance=30, seed=0,
+                       queries=20)
+    for index in range(len(data)):
+        sample = data[index]
+        tokens = sample["tokens"].tolist()
+        keys, values = tokens[1:13:2], tokens[2:13:2]
+        counted = sample["loss_mask"].nonzero().flatten().tolist()
+        assert len(counted) == 20 and set(tokens[q] for q in counted) == set(keys)
+        assert all(sample["labels"][q] == values[keys.index(tokens[q])] for q in counted)
+    with pytest.raises(ValueError, match="at least one per pair"):
+        MQARDataset(5, 200, 6, 40, 30, seed=0, queries=5)
+
+
+def test_packed_pairs_are_one_token_each():
+    data = MQARDataset(4, seq_length=100, pairs=5, vocab_size=49, min_distance=30, seed=2,
+                       packed=True)
+    n = 6  # floor(sqrt(49)) - 1 keys and values
+    for index in range(len(data)):
+        sample = data[index]
+        tokens = sample["tokens"].tolist()
+        pairs = tokens[1:6]
+        assert all(n + 1 <= t < n + 1 + n * n for t in pairs)
+        key_of = {(t - n - 1) // n + 1: (t - n - 1) % n for t in pairs}  # key -> value choice
+        counted = sample["loss_mask"].nonzero().flatten().tolist()
+        assert sorted(tokens[q] for q in counted) == sorted(key_of)
+        for q in counted:
+            assert sample["labels"][q] == n + 1 + n * n + key_of[tokens[q]]
+            assert q - 5 > 30
+    with pytest.raises(ValueError, match="needs --mqar-vocab-size >= 36"):
+        check_mqar(100, 5, 35, 30, packed=True)
 
 
 def test_samples_are_a_pure_function_of_seed_split_and_index():
@@ -41,7 +75,7 @@ def test_samples_are_a_pure_function_of_seed_split_and_index():
 
 @pytest.mark.parametrize("settings, error", [
     ((96, 4, 8, 30), "needs --mqar-vocab-size >= 10"),
-    ((40, 8, 64, 20), "needs --seq-length >= 52"),
+    ((40, 8, 64, 20), "needs --seq-length >= 53"),
     ((96, 4, 64, 0), "needs --seq-length"),
 ])
 def test_impossible_settings_are_refused(settings, error):
@@ -54,7 +88,7 @@ def test_pretrain_and_eval_ppl_on_mqar(tmp_path, run_tool):
     in each Focus mode."""
     from test_training import TINY, train
 
-    mqar = ["--mqar", "--mqar-pairs", "4", "--mqar-vocab-size", "64", "--mqar-min-distance", "16"]
+    mqar = ["--mqar", "--mqar-pairs", "4", "--mqar-vocab-size", "64", "--mqar-min-distance", "15"]
     ckpt = str(tmp_path / "ckpt")
     history = train(1, TINY + mqar + ["--attention", "focus", "--focus-window", "8",
                                       "--focus-groups", "2", "--train-iters", "3", "--save", ckpt,

@@ -266,7 +266,8 @@ def datasets_for(args: argparse.Namespace, tokenizer):
     if args.mqar:
         def mqar(samples, split):
             return MQARDataset(samples, args.seq_length, args.mqar_pairs, args.mqar_vocab_size,
-                               args.mqar_min_distance, args.seed, split)
+                               args.mqar_min_distance, args.seed, split, args.mqar_queries,
+                               args.mqar_packed)
 
         return (mqar(args.train_iters * args.global_batch_size, "train"),
                 mqar(valid_samples, "valid") if valid_samples else None)
@@ -359,8 +360,9 @@ def _print_banner(args: argparse.Namespace, model: torch.nn.Module, iteration: i
 
 def _data_name(args: argparse.Namespace) -> str:
     if args.mqar:
-        return (f"MQAR ({args.mqar_pairs} pairs, vocabulary {args.mqar_vocab_size}, queries "
-                f">= {args.mqar_min_distance} tokens after them)")
+        return (f"MQAR ({args.mqar_pairs} {'packed ' if args.mqar_packed else ''}pairs, "
+                f"vocabulary {args.mqar_vocab_size}, queries >= {args.mqar_min_distance} tokens "
+                "after them)")
     return " ".join(args.data_path)
 
 
