@@ -6,6 +6,7 @@ itself reported; Focus in both of its modes, and generating with its incremental
 models built from small configs (nothing is downloaded) go HF -> native -> HF.
 """
 
+import json
 import os
 
 import pytest
@@ -321,6 +322,26 @@ def test_focus_routing_state_follows_beam_search_and_crop(mode):
     torch.testing.assert_close(again, whole[:, 15:], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["soft", "sparse"])
+def test_cache_given_as_past_key_values_is_used(mode):
+    """`past_key_values=`, as callers of the stock classes pass it, continues the sequence."""
+    from transformers import DynamicCache
+
+    torch.manual_seed(0)
+    model = _custom_focus_model().eval()
+    model.set_focus_mode(mode)
+    tokens = TOKENS[:, :12] % 200
+    with torch.no_grad():
+        whole = model(tokens).logits
+        first = model(tokens[:, :9], use_cache=True)
+        rest = model(tokens[:, 9:], past_key_values=first.past_key_values, use_cache=True)
+        torch.testing.assert_close(rest.logits, whole[:, 9:], rtol=0, atol=1e-5)
+        assert rest.past_key_values.get_seq_length() == 12
+        with pytest.raises(ValueError, match="not both"):
+            model(tokens[:, 9:], cache=DynamicCache(config=model.config),
+                  past_key_values=DynamicCache(config=model.config))
+
+
 def test_focus_mode_and_settings_are_checked():
     model = _custom_focus_model().eval()
     with pytest.raises(ValueError, match="focus_attention_mode='hard'"):
@@ -429,6 +450,12 @@ def test_hf_to_native_to_hf(name, tmp_path):
         f"model.layers.{i}.{m}.bias" for i in range(2)
         for m in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")})
     assert all(not exported[k].any() for k in added)
+    # the special ids the original config gave, where they name a token (GPT-2's 50256 does not)
+    with open(tmp_path / "hf" / "config.json") as f, open(tmp_path / "back" / "config.json") as g:
+        before, after = json.load(f), json.load(g)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        kept = before.get(key) if isinstance(before.get(key), int) and before[key] < 200 else None
+        assert after.get(key) == kept, key
 
 
 @pytest.mark.slow
@@ -606,9 +633,84 @@ def test_hf_tokenizer_json_is_exported(tmp_path):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     bpe.save(str(tmp_path / "tokenizer.json"))
     ours = build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "tokenizer.json"))
-    ids = save_hf_tokenizer(ours, str(tmp_path / "hf"))
+    ids = save_hf_tokenizer(ours, str(tmp_path / "hf"), max_length=64)
     theirs = AutoTokenizer.from_pretrained(tmp_path / "hf")
-    assert ids == {"eos_token_id": ours.eod, "pad_token_id": ours.pad}
-    assert theirs.eos_token_id == ours.eod
+    # no bos of its own: sequences begin with the end-of-document token, as GPT-2's do
+    eod = ours.eod
+    assert ids == {"bos_token_id": eod, "eos_token_id": eod, "pad_token_id": ours.pad}
+    assert (theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id) == (eod, eod, eod)
     for text in ("Hello world, numbers 42", "unseen: Zürich ☃"):
         assert theirs(text)["input_ids"] == ours.tokenize(text)
+    assert theirs.model_max_length == 64
+    assert len(theirs(" ".join(PROBES * 5), truncation=True)["input_ids"]) == 64
+
+
+def _bpe_with_config(folder, config: dict):
+    """A byte-level BPE `tokenizer.json` with Llama-3's special tokens, and `config` beside it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from megatron_focus.hf.tokenizer import PROBES
+
+    folder.mkdir()
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(PROBES * 10, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|begin_of_text|>", "<|end_of_text|>",
+                                        "<|finetune_right_pad_id|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return bpe
+
+
+def test_hf_tokenizer_config_names_the_special_tokens(tmp_path):
+    """Llama-3 style: `tokenizer_config.json` names bos, eos and pad (a string or an AddedToken),
+    though `<|endoftext|>` is also in the vocabulary; export keeps them and the chat template."""
+    from transformers import AutoTokenizer
+
+    from megatron_focus.data.tokenizer import build_tokenizer
+    from megatron_focus.hf.tokenizer import save_hf_tokenizer
+
+    template = "{% for m in messages %}{{ m['content'] }}<|end_of_text|>{% endfor %}"
+    bpe = _bpe_with_config(tmp_path / "tok", {
+        "bos_token": "<|begin_of_text|>", "eos_token": {"content": "<|end_of_text|>"},
+        "pad_token": "<|finetune_right_pad_id|>", "chat_template": template})
+    ours = build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "tok"))
+    ids = [bpe.token_to_id(t) for t in ("<|begin_of_text|>", "<|end_of_text|>",
+                                        "<|finetune_right_pad_id|>")]
+    assert [ours.bos, ours.eod, ours.pad] == ids
+    save_hf_tokenizer(ours, str(tmp_path / "hf"), max_length=128)
+    theirs = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert [theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id] == ids
+    assert theirs.chat_template == template
+    assert theirs.apply_chat_template([{"role": "user", "content": "Hello world"}],
+                                      tokenize=False) == "Hello world<|end_of_text|>"
+
+
+def test_imported_tokenizer_config_survives_export(tmp_path):
+    """HF -> native -> HF keeps the tokenizer's bos/eos/pad, in the tokenizer and the config."""
+    from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from megatron_focus.hf import export_to_hf, import_from_hf
+
+    bpe = _bpe_with_config(tmp_path / "hf", {"bos_token": "<|begin_of_text|>",
+                                             "eos_token": "<|end_of_text|>"})
+    bos, eos = bpe.token_to_id("<|begin_of_text|>"), bpe.token_to_id("<|end_of_text|>")
+    LlamaForCausalLM(LlamaConfig(vocab_size=400, hidden_size=64, intermediate_size=96,
+                                 num_hidden_layers=1, num_attention_heads=4, bos_token_id=bos,
+                                 eos_token_id=eos)).save_pretrained(tmp_path / "hf")
+    import_from_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), progress=False)
+    export_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "back"), progress=False)
+    config, tokenizer = (cls.from_pretrained(tmp_path / "back")
+                         for cls in (AutoConfig, AutoTokenizer))
+    assert (config.bos_token_id, config.eos_token_id) == (bos, eos)
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (bos, eos)
+
+
+def test_hf_tokenizer_config_naming_an_absent_token_is_refused(tmp_path):
+    from megatron_focus.data.tokenizer import build_tokenizer
+
+    _bpe_with_config(tmp_path / "tok", {"eos_token": "<|eot_id|>"})
+    with pytest.raises(ValueError, match="names '<\\|eot_id\\|>' as its eos token"):
+        build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "tok" / "tokenizer.json"))

@@ -8,8 +8,10 @@ code works with them. They wrap the sentencepiece and HF `tokenizers` libraries 
 because Megatron's own wrappers rewrite whitespace (sentencepiece) or need `transformers` (HF).
 """
 
+import json
 import os
 from collections import OrderedDict
+from typing import Optional
 
 import sentencepiece
 import tokenizers
@@ -17,8 +19,10 @@ from megatron.core.tokenizers import MegatronTokenizerBase
 
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer")
 
-# Tried in order: the first one in the vocabulary marks document ends.
+# Without a `tokenizer_config.json` naming its eos token, tried in order: the first one in the
+# vocabulary marks document ends.
 HF_EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>")
+HF_TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 class _Tokenizer(MegatronTokenizerBase):
@@ -76,18 +80,59 @@ class SentencePieceTokenizer(_Tokenizer):
     def pad(self) -> int:
         return self._sp.pad_id() if self._sp.pad_id() >= 0 else self.eod
 
+    @property
+    def bos(self) -> Optional[int]:
+        return self._sp.bos_id() if self._sp.bos_id() >= 0 else None
+
+
+def special_token_names(config_path: str) -> dict:
+    """`{"bos": str, "eos": str, "pad": str}` as far as an HF `tokenizer_config.json` names them
+    (a plain string or an AddedToken dict)."""
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{config_path}: not a readable tokenizer config ({e})") from None
+    names = {}
+    for role in ("bos", "eos", "pad"):
+        token = config.get(f"{role}_token") if isinstance(config, dict) else None
+        if isinstance(token, dict):
+            token = token.get("content")
+        if isinstance(token, str):
+            names[role] = token
+    return names
+
 
 class HuggingFaceTokenizer(_Tokenizer):
-    """A `tokenizer.json` from the HF `tokenizers` library (no `transformers` needed)."""
+    """A `tokenizer.json` from the HF `tokenizers` library (no `transformers` needed).
+
+    Its special tokens are those the `tokenizer_config.json` beside it names (as `AutoTokenizer`
+    reads them: Llama-3's `<|end_of_text|>`, Qwen's `<|endoftext|>`); without one, the first of
+    `HF_EOD_TOKENS` in the vocabulary ends documents and `<pad>` pads, if present.
+    """
 
     def __init__(self, tokenizer_type: str, model_path: str) -> None:
         super().__init__(tokenizer_type, model_path)
         self._tok = tokenizers.Tokenizer.from_file(model_path)
-        found = [self._tok.token_to_id(t) for t in HF_EOD_TOKENS if self._tok.token_to_id(t) is not None]
-        if not found:
-            raise ValueError(f"{model_path} has none of the end-of-document tokens {HF_EOD_TOKENS}")
-        self._eod = found[0]
-        self._pad = self._tok.token_to_id("<pad>")
+        config = os.path.join(os.path.dirname(model_path), HF_TOKENIZER_CONFIG)
+        self.config_path = config if os.path.isfile(config) else None
+        names = special_token_names(config) if self.config_path else {}
+        ids = {role: self._tok.token_to_id(token) for role, token in names.items()}
+        for role, token in names.items():
+            if ids[role] is None:
+                raise ValueError(f"{config} names {token!r} as its {role} token, but "
+                                 f"{model_path} has no such token")
+        if "eos" in ids:
+            self._eod = ids["eos"]
+        else:
+            found = [self._tok.token_to_id(t) for t in HF_EOD_TOKENS
+                     if self._tok.token_to_id(t) is not None]
+            if not found:
+                raise ValueError(f"{model_path} has none of the end-of-document tokens "
+                                 f"{HF_EOD_TOKENS} and no {HF_TOKENIZER_CONFIG} naming its eos")
+            self._eod = found[0]
+        self._pad = ids.get("pad", self._tok.token_to_id("<pad>"))
+        self._bos = ids.get("bos")
 
     def tokenize(self, text: str) -> list[int]:
         # No post-processor BOS/EOS: document ends are marked by EOD (preprocess --append-eod).
@@ -115,6 +160,10 @@ class HuggingFaceTokenizer(_Tokenizer):
     @property
     def pad(self) -> int:
         return self._pad if self._pad is not None else self._eod
+
+    @property
+    def bos(self) -> Optional[int]:
+        return self._bos
 
 
 def build_tokenizer(tokenizer_type: str, tokenizer_model: str) -> _Tokenizer:

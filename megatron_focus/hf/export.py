@@ -13,7 +13,7 @@ import torch
 
 from megatron_focus.hf import families, native
 from megatron_focus.hf.mapping import native_to_hf
-from megatron_focus.hf.tokenizer import save_hf_tokenizer
+from megatron_focus.hf.tokenizer import SPECIAL_TOKEN_IDS, save_hf_tokenizer
 
 
 def export_to_hf(load_dir: str, save_dir: str, iteration: Optional[int] = None,
@@ -35,7 +35,12 @@ def export_to_hf(load_dir: str, save_dir: str, iteration: Optional[int] = None,
         print(f"{tag_dir} -> {families.HF_CLASS[family]}: {why}", flush=True)
 
     os.makedirs(save_dir, exist_ok=True)
-    special_tokens = save_hf_tokenizer(tokenizer, save_dir) if tokenizer is not None else {}
+    if tokenizer is not None:
+        special_tokens = save_hf_tokenizer(tokenizer, save_dir, arch.max_position_embeddings)
+    else:  # e.g. an imported model without a tokenizer: the ids its HF config had. None is
+        # written too: a stock config's defaults (GPT-2's 50256) lie outside a small vocabulary.
+        special_tokens = {**dict.fromkeys(SPECIAL_TOKEN_IDS),
+                          **native.recorded_special_tokens(tag_dir)}
     config = families.hf_config(family, arch, special_tokens)
     rules = families.rules(family, arch, families.HFBiases.every(arch.add_bias_linear))
     weights = native_to_hf(native.read_weights(tag_dir, arch, progress), rules, progress)
@@ -66,5 +71,5 @@ def _model_holding(family: str, config, weights: dict):
                            f"{result.missing_keys}, unexpected {result.unexpected_keys}")
     model.tie_weights()
     model.generation_config = GenerationConfig(
-        **{k: getattr(config, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+        **{k: getattr(config, k, None) for k in SPECIAL_TOKEN_IDS})
     return model.eval()

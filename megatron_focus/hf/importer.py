@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 from megatron_focus.hf import families, native
 from megatron_focus.hf.architecture import WITHOUT_FOCUS
 from megatron_focus.hf.mapping import hf_to_native
-from megatron_focus.hf.tokenizer import find_hf_tokenizer
+from megatron_focus.hf.tokenizer import SPECIAL_TOKEN_IDS, find_hf_tokenizer
 
 
 def _hf_config(hf_dir: str):
@@ -56,6 +56,13 @@ def _hf_weights(hf_dir: str) -> dict:
     return weights
 
 
+def _special_token_ids(config, vocab_size: int) -> dict:
+    """The config's bos/eos/pad ids that name a token of the vocabulary (GPT-2's config defaults
+    name 50256 whatever the vocabulary)."""
+    ids = {name: getattr(config, name, None) for name in SPECIAL_TOKEN_IDS}
+    return {name: i for name, i in ids.items() if isinstance(i, int) and 0 <= i < vocab_size}
+
+
 def import_from_hf(hf_dir: str, save_dir: str, tensor_model_parallel_size: int = 1,
                    attention: Optional[str] = None, xsa_layers: Optional[Sequence[int]] = None,
                    make_vocab_size_divisible_by: int = 128, progress: bool = True) -> list:
@@ -64,7 +71,8 @@ def import_from_hf(hf_dir: str, save_dir: str, tensor_model_parallel_size: int =
     For a Focus retrofit (`attention` focus or focus+xsa, the HF model without Focus) they are the
     flags of the retrofit run, `--retrofit` included; add `--focus-*` settings to taste.
     """
-    family, arch, biases = families.from_hf_config(_hf_config(hf_dir))
+    config = _hf_config(hf_dir)
+    family, arch, biases = families.from_hf_config(config)
     retrofit = None
     if attention is not None:
         if arch.focus is not None and not attention.startswith("focus"):
@@ -86,7 +94,7 @@ def import_from_hf(hf_dir: str, save_dir: str, tensor_model_parallel_size: int =
 
     tokenizer_type, tokenizer_file = find_hf_tokenizer(hf_dir)
     native.write_checkpoint(save_dir, args, native_weights, arch.vocab_size, tokenizer_type,
-                            tokenizer_file, progress)
+                            tokenizer_file, _special_token_ids(config, arch.vocab_size), progress)
     flags = arch.flags()
     if retrofit is not None:
         flags[flags.index("--attention") + 1] = retrofit

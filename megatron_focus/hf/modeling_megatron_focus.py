@@ -413,6 +413,7 @@ class MegatronFocusModel(MegatronFocusPreTrainedModel):
                 inputs_embeds=None, use_cache=None, **kwargs) -> BaseModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        cache = one_cache(cache, kwargs)
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
@@ -427,6 +428,15 @@ class MegatronFocusModel(MegatronFocusPreTrainedModel):
         for layer in self.layers:
             x = layer(x, position_ids, mask, cache if use_cache else None, attention_mask)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(x), cache=cache if use_cache else None)
+
+
+def one_cache(cache, kwargs: dict):
+    """The cache passed as `cache` or, as most callers and older transformers name it,
+    `past_key_values` (a cache under that name must never be ignored)."""
+    legacy = kwargs.pop("past_key_values", None)
+    if legacy is not None and cache is not None:
+        raise ValueError("pass the cache as cache or as past_key_values, not both")
+    return cache if legacy is None else legacy
 
 
 def causal_mask(s: int, past: int, attention_mask, device, window=None) -> torch.Tensor:
@@ -461,8 +471,8 @@ class MegatronFocusForCausalLM(MegatronFocusPreTrainedModel, GenerationMixin):
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0,
                 **kwargs) -> CausalLMOutputWithPast:
         out = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=position_ids, cache=cache, inputs_embeds=inputs_embeds,
-                         use_cache=use_cache)
+                         position_ids=position_ids, cache=one_cache(cache, kwargs),
+                         inputs_embeds=inputs_embeds, use_cache=use_cache)
         hidden = out.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]

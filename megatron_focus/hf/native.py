@@ -20,7 +20,7 @@ from typing import Dict, Optional
 import torch
 from tqdm import tqdm
 
-from megatron_focus.data.tokenizer import build_tokenizer
+from megatron_focus.data.tokenizer import HF_TOKENIZER_CONFIG, build_tokenizer
 from megatron_focus.hf import layout
 from megatron_focus.hf.architecture import Architecture
 from megatron_focus.training import checkpointing
@@ -68,6 +68,12 @@ def checkpoint_vocabulary(tag_dir: str, tokenizer_type: Optional[str] = None,
     return recorded.get("vocab_size", tokenizer.vocab_size), tokenizer
 
 
+def recorded_special_tokens(tag_dir: str) -> dict:
+    """The bos/eos/pad ids an imported model's HF config gave (`{"bos_token_id": 1, ...}`), for
+    exporting a checkpoint that has no tokenizer."""
+    return read_json(tag_dir, checkpointing.TOKENIZER_FILE).get("special_token_ids", {})
+
+
 def read_architecture(tag_dir: str, vocab_size: int, focus_top_k: Optional[int] = None,
                       focus_attention_mode: Optional[str] = None) -> Architecture:
     """The model of a checkpoint; a Focus model's inference settings as given, or the defaults."""
@@ -101,14 +107,14 @@ def read_weights(tag_dir: str, arch: Architecture, progress: bool = True) -> Sta
 
 def write_checkpoint(save_dir: str, args, weights: StateDict, vocab_size: int,
                      tokenizer_type: Optional[str] = None, tokenizer_file: Optional[str] = None,
-                     progress: bool = True) -> str:
+                     special_token_ids: Optional[dict] = None, progress: bool = True) -> str:
     """A weights-only checkpoint (iteration 0) of the model of `args` for `pretrain_gpt.py --load`.
 
     `args` are the model's validated `pretrain_gpt.py` arguments (`Architecture.native_args`),
     so `model_args.json` is what a training run with the same flags writes. The weight files are
     what DeepSpeed's `load_checkpoint(load_module_only=True)` reads; the `weights_only` marker
     tells `checkpointing.load` to start the run's optimizer and schedule fresh. The tokenizer
-    file, if any, is copied in, so the checkpoint does not depend on where it came from.
+    file, if any, is copied in (with an HF tokenizer's config), so the checkpoint does not depend on where it came from.
     """
     import deepspeed
 
@@ -122,11 +128,14 @@ def write_checkpoint(save_dir: str, args, weights: StateDict, vocab_size: int,
                     "ds_version": deepspeed.__version__},
                    os.path.join(tag_dir, f"mp_rank_{rank:02d}_model_states.pt"))
     tokenizer_args = {"tokenizer_type": tokenizer_type, "tokenizer_model": None,
-                      "vocab_size": vocab_size}
+                      "vocab_size": vocab_size, "special_token_ids": special_token_ids or {}}
     if tokenizer_file is not None:
         copied = os.path.abspath(os.path.join(tag_dir, os.path.basename(tokenizer_file)))
         shutil.copyfile(tokenizer_file, copied)
         tokenizer_args["tokenizer_model"] = copied
+        config = os.path.join(os.path.dirname(tokenizer_file), HF_TOKENIZER_CONFIG)
+        if os.path.isfile(config):  # the special tokens and chat template travel with it
+            shutil.copyfile(config, os.path.join(tag_dir, HF_TOKENIZER_CONFIG))
     files = {checkpointing.ARGS_FILE: checkpointing.model_args(args),
              checkpointing.TOKENIZER_FILE: tokenizer_args,
              checkpointing.WEIGHTS_ONLY: {"iteration": 0}}

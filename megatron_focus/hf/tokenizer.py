@@ -7,9 +7,12 @@ must encode probe texts exactly as the training tokenizer did, or the export sto
 the HF folder's tokenizer file and keeps a copy with the native checkpoint.
 """
 
+import json
 import os
 import shutil
 from typing import Optional, Tuple
+
+SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 # Texts that exercise what tokenizers disagree on: leading and repeated spaces, newlines and tabs,
 # digits, bytes outside the vocabulary (byte fallback), end-of-text.
@@ -33,8 +36,14 @@ def _sentencepiece_to_fast(model_path: str):
     return SpmConverter.build_tokenizer_from_spm_proto(proto, vocab, legacy=True)
 
 
-def save_hf_tokenizer(tokenizer, out_dir: str) -> dict:
-    """Write `tokenizer` (megatron_focus.data.tokenizer) to `out_dir`; returns its special ids."""
+def save_hf_tokenizer(tokenizer, out_dir: str, max_length: int) -> dict:
+    """Write `tokenizer` (megatron_focus.data.tokenizer) to `out_dir`; returns its special ids.
+
+    `max_length`: the model's positions, so that `truncation=True` cuts prompts to what the model
+    can read. A tokenizer without a bos token of its own begins sequences with its end-of-document
+    token, as GPT-2's does: that token is what precedes every document the model was trained on.
+    A chat template of the imported tokenizer's config is kept.
+    """
     import tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -46,19 +55,23 @@ def save_hf_tokenizer(tokenizer, out_dir: str) -> dict:
         if ours != theirs:
             raise ValueError(f"the HF tokenizer made from {tokenizer.path} encodes {text!r} as "
                              f"{theirs}, the training tokenizer as {ours}: not exported")
-    ids = {"eos_token_id": tokenizer.eod, "pad_token_id": tokenizer.pad}
-    specials = {"eos_token": fast.id_to_token(tokenizer.eod),
-                "pad_token": fast.id_to_token(tokenizer.pad)}
+    bos = tokenizer.bos if tokenizer.bos is not None else tokenizer.eod
+    ids = dict(zip(SPECIAL_TOKEN_IDS, (bos, tokenizer.eod, tokenizer.pad)))
+    specials = {f"{name[:-3]}": fast.id_to_token(i) for name, i in ids.items()}
+    extra = {}
     if is_sentencepiece:
         import sentencepiece
 
         model = sentencepiece.SentencePieceProcessor(model_file=tokenizer.path)
-        bos, unk = model.bos_id(), model.unk_id()
-        if bos >= 0:
-            ids["bos_token_id"], specials["bos_token"] = bos, fast.id_to_token(bos)
-        specials["unk_token"] = fast.id_to_token(unk)
+        specials["unk_token"] = fast.id_to_token(model.unk_id())
         shutil.copyfile(tokenizer.path, os.path.join(out_dir, "tokenizer.model"))
-    PreTrainedTokenizerFast(tokenizer_object=fast, **specials).save_pretrained(out_dir)
+    elif tokenizer.config_path is not None:
+        with open(tokenizer.config_path) as f:
+            template = json.load(f).get("chat_template")
+        if template is not None:
+            extra["chat_template"] = template
+    PreTrainedTokenizerFast(tokenizer_object=fast, model_max_length=max_length, **specials,
+                            **extra).save_pretrained(out_dir)
     return ids
 
 
