@@ -172,6 +172,10 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-full", action="store_true",
                    help="with --retrofit: checkpoints hold the whole model, not only the trained "
                         "routers and a reference to --load's checkpoint")
+    g.add_argument("--allow-unsafe-checkpoints", action="store_true",
+                   help="load checkpoint files that hold pickled objects other than tensors and "
+                        "DeepSpeed's own records (a file can run code as it loads): only for "
+                        "files from a source you trust")
 
 
 def _add_logging_args(p: argparse.ArgumentParser) -> None:

@@ -45,7 +45,8 @@ def test_native_checkpoint_and_export_answer_alike(embedded_cache, tmp_path, run
     results = {}
     for source, path in (("--load", ckpt), ("--hf", hf)):
         report = str(tmp_path / f"{source[2:]}.json")
-        out = run_tool("tools/eval_passkey.py", source, path, "--lengths", "100", "160",
+        trust = ["--trust-remote-code"] if source == "--hf" else []
+        out = run_tool("tools/eval_passkey.py", source, path, *trust, "--lengths", "100", "160",
                        "--depths", "0", "1", "--trials", "2", "--top-k", "1", "--json", report)
         assert out.returncode == 0, out.stderr[-2000:]
         results[source] = json.load(open(report))["rows"]

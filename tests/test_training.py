@@ -33,6 +33,38 @@ def _argv(cache, *extra, iters=4):
     return TINY + ["--data-cache-path", cache, "--train-iters", str(iters)] + list(extra)
 
 
+class _Payload:
+    """Pickled, it creates `path` as it is unpickled: code that a checkpoint runs at load."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def test_checkpoints_with_pickled_code_are_refused(embedded_cache, tmp_path):
+    """Resume (our read and DeepSpeed's) and export read tensors and DeepSpeed's records only."""
+    from megatron_focus.hf import export_to_hf
+
+    ckpt, marker = tmp_path / "ckpt", tmp_path / "ran"
+    train(1, _argv(embedded_cache, "--save", str(ckpt), "--exit-interval", "3", iters=4))
+    tag = ckpt / "iter_0000003"
+    files = sorted(f for f in os.listdir(tag) if f.endswith(".pt"))
+    assert files == ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    for name in files:  # each file DeepSpeed reads: the model's and the optimizer's
+        original = torch.load(tag / name, weights_only=False)
+        torch.save({**original, "extra": _Payload(str(marker))}, tag / name)
+        with pytest.raises(Exception, match=f"{name} holds pickled objects that could run code"):
+            train(1, _argv(embedded_cache, "--save", str(ckpt), "--load", str(ckpt), iters=4))
+        torch.save(original, tag / name)
+    torch.save({**torch.load(tag / files[0], weights_only=False), "extra": _Payload(str(marker))},
+               tag / files[0])
+    with pytest.raises(ValueError, match="--allow-unsafe-checkpoints"):
+        export_to_hf(str(ckpt), str(tmp_path / "hf"), progress=False)
+    assert not marker.exists()
+
+
 @pytest.mark.slow
 def test_zero_data_parallel_matches_one_process(embedded_cache):
     """ZeRO-2 and ZeRO-3 over 2 data-parallel ranks == one process accumulating 2 micro-batches."""
@@ -63,6 +95,18 @@ def test_resume_is_exact_with_dropout(embedded_cache, tmp_path):
     entries = os.listdir(ckpt)
     assert sorted(e for e in entries if e.startswith("iter_")) == ["iter_0000003", "iter_0000006"]
     assert open(os.path.join(ckpt, "latest")).read() == "iter_0000006"
+
+
+def test_zero3_resume_is_exact_over_two_ranks(embedded_cache, tmp_path):
+    """ZeRO-3's weights live partitioned in its optimizer files: a run stopped at 3 continues as
+    if uninterrupted, as every other stage does."""
+    flags = ["--zero-stage", "3"]
+    straight = train(2, _argv(embedded_cache, *flags, iters=5))
+    ckpt = str(tmp_path / "ckpt")
+    first = train(2, _argv(embedded_cache, *flags, "--save", ckpt, "--exit-interval", "3",
+                           iters=5))
+    second = train(2, _argv(embedded_cache, *flags, "--save", ckpt, "--load", ckpt, iters=5))
+    assert first["losses"] + second["losses"] == straight["losses"]
 
 
 def test_checkpoint_of_another_shape_is_refused(embedded_cache, tmp_path):

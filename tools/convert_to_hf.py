@@ -34,11 +34,15 @@ def main() -> None:
                         help="Focus models: groups per query in sparse mode (default 2)")
     parser.add_argument("--focus-attention-mode", choices=("soft", "sparse"), default=None,
                         help="Focus models: the mode the HF model starts in (default soft)")
+    parser.add_argument("--allow-unsafe-checkpoints", action="store_true",
+                        help="read checkpoint files holding pickled objects other than tensors "
+                             "(they can run code as they load): only from a source you trust")
     args = parser.parse_args()
     name = export_to_hf(args.load, args.save_dir, args.iteration, args.tokenizer_type,
                         args.tokenizer_model, args.max_shard_size,
                         focus_top_k=args.focus_top_k,
-                        focus_attention_mode=args.focus_attention_mode)
+                        focus_attention_mode=args.focus_attention_mode,
+                        allow_unsafe=args.allow_unsafe_checkpoints)
     print(f"wrote {name} to {args.save_dir}")
 
 

@@ -37,6 +37,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--top-k", type=int, nargs="+", default=[1, 2],
                    help="Focus: the sparse mode's top-k values to evaluate")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="--hf: run the model code the folder ships (exports of Focus, XSA and "
+                        "other custom models need it)")
+    p.add_argument("--allow-unsafe-checkpoints", action="store_true",
+                   help="--load: read files holding pickled objects other than tensors (they "
+                        "can run code as they load): only from a source you trust")
     p.add_argument("--json", metavar="PATH")
     opts = p.parse_args()
     if opts.trials < 1 or min(opts.lengths) < 1:
@@ -61,7 +67,8 @@ class Native:
             raise SystemExit(f"error: {tag_dir} records no tokenizer (synthetic data or an "
                              "import without one): passkey prompts are text")
         self.arch = read_architecture(tag_dir, self.vocab)
-        self.model = native_model(self.arch, read_weights(tag_dir, self.arch, progress=False))
+        self.model = native_model(self.arch, read_weights(
+            tag_dir, self.arch, progress=False, allow_unsafe=opts.allow_unsafe_checkpoints))
         self.device = next(self.model.parameters()).device
         self.focus_groups = self.arch.focus.groups if self.arch.focus else None
         self.positions = (self.arch.max_position_embeddings
@@ -89,10 +96,11 @@ class HF:
     def __init__(self, opts):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(opts.hf, trust_remote_code=True)
+        self.tokenizer = AutoTokenizer.from_pretrained(opts.hf,
+                                                       trust_remote_code=opts.trust_remote_code)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model = AutoModelForCausalLM.from_pretrained(
-            opts.hf, trust_remote_code=True).to(self.device).eval()
+            opts.hf, trust_remote_code=opts.trust_remote_code).to(self.device).eval()
         config = self.model.config
         kinds = getattr(config, "layer_attention", None) or []
         self.focus_groups = config.focus_groups if any(k.startswith("focus") for k in kinds) \

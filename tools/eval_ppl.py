@@ -125,7 +125,8 @@ def main() -> None:
         batches[n] = list(micro_batches(valid, 0, args.eval_iters * args.micro_batch_size,
                                         args.micro_batch_size, 1, 0))
     # The checkpoint's model, merged to one process whatever its TP size or ZeRO stage.
-    model = native_model(arch, read_weights(tag_dir, arch, progress=False))
+    model = native_model(arch, read_weights(tag_dir, arch, progress=False,
+                                            allow_unsafe=args.allow_unsafe_checkpoints))
     timer = AttentionTimer(model)
 
     rows = []
@@ -137,9 +138,10 @@ def main() -> None:
         if arch.focus is not None:
             set_focus_mode(model, mode, top_k)
         for n in lengths:
-            rows.append({"mode": mode, "top_k": top_k, "seq_length": n,
-                         **evaluate(model, batches[n], timer, mode == "sparse",
-                                    tokenizer.vocab_size)})
+            row = evaluate(model, batches[n], timer, mode == "sparse", tokenizer.vocab_size)
+            if arch.window_size is not None:  # a sliding window keeps its band
+                row["pairs_kept"] = window_share(n, arch.window_size[0])
+            rows.append({"mode": mode, "top_k": top_k, "seq_length": n, **row})
 
     sequences = args.eval_iters * args.micro_batch_size
     print(f"{opts.load}: {arch.attention}, {sequences} validation sequences per length")
@@ -156,6 +158,11 @@ def main() -> None:
                        "seq_lengths": lengths, "focus_kernels": kernels, "rows": rows}, f,
                       indent=2)
     platform.destroy_distributed()
+
+
+def window_share(n: int, left: int) -> float:
+    """Causal pairs a sliding window (keys i - left .. i) keeps, of all n (n + 1) / 2."""
+    return sum(min(i + 1, left + 1) for i in range(n)) / (n * (n + 1) / 2)
 
 
 def table(rows: list, lengths: list) -> str:

@@ -20,7 +20,7 @@ def export_to_hf(load_dir: str, save_dir: str, iteration: Optional[int] = None,
                  tokenizer_type: Optional[str] = None, tokenizer_model: Optional[str] = None,
                  max_shard_size: str = "5GB", progress: bool = True,
                  focus_top_k: Optional[int] = None,
-                 focus_attention_mode: Optional[str] = None) -> str:
+                 focus_attention_mode: Optional[str] = None, allow_unsafe: bool = False) -> str:
     """Export the checkpoint (latest, or `iteration`) of `load_dir`; returns the HF class name.
 
     A Focus model's top-k and mode (inference settings, not in the checkpoint) go into the HF
@@ -43,7 +43,8 @@ def export_to_hf(load_dir: str, save_dir: str, iteration: Optional[int] = None,
                           **native.recorded_special_tokens(tag_dir)}
     config = families.hf_config(family, arch, special_tokens)
     rules = families.rules(family, arch, families.HFBiases.every(arch.add_bias_linear))
-    weights = native_to_hf(native.read_weights(tag_dir, arch, progress), rules, progress)
+    weights = native_to_hf(native.read_weights(tag_dir, arch, progress, allow_unsafe), rules,
+                           progress)
     model = _model_holding(family, config, weights)
     model.save_pretrained(save_dir, max_shard_size=max_shard_size)
     return families.HF_CLASS[family]

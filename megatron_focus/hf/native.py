@@ -81,18 +81,21 @@ def read_architecture(tag_dir: str, vocab_size: int, focus_top_k: Optional[int] 
     return Architecture.from_model_args(model_args, vocab_size, focus_top_k, focus_attention_mode)
 
 
-def read_weights(tag_dir: str, arch: Architecture, progress: bool = True) -> StateDict:
-    """The full, unpadded weights (Megatron's names) of a checkpoint of `arch`."""
+def read_weights(tag_dir: str, arch: Architecture, progress: bool = True,
+                 allow_unsafe: bool = False) -> StateDict:
+    """The full, unpadded weights (Megatron's names) of a checkpoint of `arch`; files holding
+    pickled objects are refused unless `allow_unsafe` (see `checkpointing.load_file`)."""
     tp = read_json(tag_dir, checkpointing.ARGS_FILE)["tensor_model_parallel_size"]
     files = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
     if not files and glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_model_states.pt")):
         # ZeRO-3 (TP = 1) partitions the weights over its optimizer files; DeepSpeed reassembles them.
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+        checkpointing.check_safe_to_load(tag_dir, allow_unsafe)  # DeepSpeed reads with pickle
         load_dir, tag = os.path.split(os.path.normpath(tag_dir))
         modules = [get_fp32_state_dict_from_zero_checkpoint(load_dir, tag)]
     elif len(files) == tp:
-        modules = [torch.load(f, map_location="cpu", weights_only=False)["module"]
+        modules = [checkpointing.load_file(f, allow_unsafe)["module"]
                    for f in tqdm(files, desc="reading TP shards", disable=not progress)]
     else:
         raise ValueError(f"{tag_dir}: {len(files)} model files for tensor-parallel size {tp}")
@@ -101,7 +104,8 @@ def read_weights(tag_dir: str, arch: Architecture, progress: bool = True) -> Sta
     if base_dir is None:
         return weights
     # A retrofit's trained-only checkpoint: its routers over the weights of its base checkpoint.
-    base = read_weights(base_dir, read_architecture(base_dir, arch.vocab_size), progress)
+    base = read_weights(base_dir, read_architecture(base_dir, arch.vocab_size), progress,
+                        allow_unsafe)
     return {**{k: w for k, w in base.items() if ".router." not in k}, **weights}
 
 

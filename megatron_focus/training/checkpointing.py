@@ -17,6 +17,7 @@ the previous checkpoint as latest and nothing that looks complete.
 import argparse
 import json
 import os
+import pickle
 import random
 import shutil
 from typing import Optional
@@ -64,10 +65,48 @@ def model_args(args: argparse.Namespace) -> dict:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
 
 
+def _deepspeed_records() -> list:
+    """The classes DeepSpeed pickles into its checkpoint files besides tensors (loss scalers, the
+    ZeRO stage, fragment addresses): plain records, allowed by name so that nothing else in a
+    file can run code as it loads."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def load_file(path: str, allow_unsafe: bool = False, mmap: bool = False):
+    """`torch.load` of a checkpoint file: tensors, containers and `_deepspeed_records` only,
+    unless `allow_unsafe` (`--allow-unsafe-checkpoints`)."""
+    if allow_unsafe:
+        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=False)
+    try:
+        with torch.serialization.safe_globals(_deepspeed_records()):
+            return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+    except pickle.UnpicklingError as e:
+        what = next((line.strip() for line in str(e).splitlines()
+                     if "Unsupported global" in line or "got <class" in line), "")
+        raise ValueError(f"{path} holds pickled objects that could run code as it loads ({what}); "
+                         "if you trust its source, pass --allow-unsafe-checkpoints") from None
+
+
+def check_safe_to_load(checkpoint_dir: str, allow_unsafe: bool) -> None:
+    """Every `.pt` file of a checkpoint that DeepSpeed will read itself (with pickle allowed),
+    read first as `load_file` reads it; memory-mapped, so the tensors are not read twice."""
+    if allow_unsafe:
+        return
+    for name in sorted(os.listdir(checkpoint_dir)):
+        if name.endswith(".pt"):
+            load_file(os.path.join(checkpoint_dir, name), mmap=True)
+
+
 def rng_state() -> dict:
+    name, keys, position, has_gauss, gauss = np.random.get_state()
     state = {
         "random": random.getstate(),
-        "numpy": np.random.get_state(),
+        # as a tensor: a numpy array would need pickle to load
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, gauss),
         "torch": torch.get_rng_state(),
         "tracker": get_cuda_rng_tracker().get_states(),
     }
@@ -78,7 +117,8 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
+    name, keys, position, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     get_cuda_rng_tracker().set_states(state["tracker"])
     if "cuda" in state:
@@ -181,19 +221,28 @@ def _adds_focus(args, checkpoint_dir: str) -> bool:
     return args.retrofit and saved_model_args(checkpoint_dir)["attention"] != args.attention
 
 
-def _module_file(checkpoint_dir: str) -> str:
-    shard = os.path.join(checkpoint_dir, f"mp_rank_{get_tensor_model_parallel_rank():02d}"
-                                         "_model_states.pt")
-    if not os.path.isfile(shard):
-        raise FileNotFoundError(f"{shard} is missing (a ZeRO-3 checkpoint? convert it with "
-                                "DeepSpeed's zero_to_fp32.py first)")
-    return shard
+def _module_file(checkpoint_dir: str, weights: bool) -> str:
+    """This TP rank's model file: `mp_rank_XX_model_states.pt`, or under ZeRO-3, whose weights
+    are partitioned over the optimizer files, data-parallel rank 0's (every name, no values)."""
+    tp = get_tensor_model_parallel_rank()
+    shard = os.path.join(checkpoint_dir, f"mp_rank_{tp:02d}_model_states.pt")
+    zero3 = os.path.join(checkpoint_dir, f"zero_pp_rank_0_mp_rank_{tp:02d}_model_states.pt")
+    if os.path.isfile(shard):
+        return shard
+    if not os.path.isfile(zero3):
+        raise FileNotFoundError(f"{shard} is missing: not a complete checkpoint")
+    if weights:
+        raise ValueError(f"{checkpoint_dir} is a ZeRO-3 checkpoint, whose weights are "
+                         "partitioned: resume it as it is, or export it (tools/convert_to_hf.py) "
+                         "and import that to load its weights alone")
+    return zero3
 
 
-def _checked_module(engine, checkpoint_dir: str, may_miss) -> dict:
-    """This rank's saved weights, refused unless they are this model's (bar `may_miss(name)`)."""
-    saved = torch.load(_module_file(checkpoint_dir), map_location="cpu", mmap=True,
-                       weights_only=False)["module"]
+def _checked_module(engine, checkpoint_dir: str, may_miss, allow_unsafe: bool,
+                    weights: bool = True) -> dict:
+    """This rank's saved weights, refused unless they are this model's (bar `may_miss(name)`);
+    `weights=False`: only their names are checked (a ZeRO-3 checkpoint holds no values there)."""
+    saved = load_file(_module_file(checkpoint_dir, weights), allow_unsafe, mmap=True)["module"]
     ours = engine.module.state_dict().keys()
     missing = [k for k in ours - saved.keys() if not may_miss(k) and not k.endswith("_extra_state")]
     unexpected = [k for k in saved.keys() - ours if not k.endswith("_extra_state")]
@@ -215,7 +264,8 @@ def _load_weights_only(engine, args, checkpoint_dir: str, may_miss) -> None:
     if args.zero_stage == 3:
         raise ValueError("loading weights only (an imported model, --finetune, --retrofit) is not "
                          "supported under ZeRO stage 3: use --zero-stage 2 or lower for this run")
-    engine.module.load_state_dict(_checked_module(engine, checkpoint_dir, may_miss), strict=False)
+    saved = _checked_module(engine, checkpoint_dir, may_miss, args.allow_unsafe_checkpoints)
+    engine.module.load_state_dict(saved, strict=False)
     if hasattr(engine.optimizer, "refresh_fp32_params"):  # ZeRO's and bf16's fp32 master copies
         engine.optimizer.refresh_fp32_params()
 
@@ -254,7 +304,9 @@ def load(engine, args: argparse.Namespace) -> tuple[int, int]:
         _load_weights_only(engine, args, checkpoint_dir, may_miss)
         return 0, 0
     check_compatible(args, checkpoint_dir)
-    _checked_module(engine, checkpoint_dir, may_miss)
+    _checked_module(engine, checkpoint_dir, may_miss, args.allow_unsafe_checkpoints,
+                    weights=False)
+    check_safe_to_load(checkpoint_dir, args.allow_unsafe_checkpoints)
     path, client_state = engine.load_checkpoint(
         args.load, tag=tag, load_module_strict=base_dir is None, load_optimizer_states=True,
         load_lr_scheduler_states=True,
