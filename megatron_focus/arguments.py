@@ -126,6 +126,9 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                    help="save (with --save) and exit when the iteration is a multiple of this")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM, save a checkpoint and exit cleanly")
+    g.add_argument("--max-skipped-steps", type=int, default=10,
+                   help="stop with an error, saving nothing more, after this many consecutive "
+                        "steps skipped for a non-finite loss (0: never stop)")
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
@@ -211,10 +214,42 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
+# The least value each numeric flag may take (flags left unset, None, are not checked).
+AT_LEAST = {
+    **dict.fromkeys(("num_layers", "hidden_size", "num_attention_heads", "kv_channels",
+                     "ffn_hidden_size", "num_query_groups", "seq_length",
+                     "max_position_embeddings", "make_vocab_size_divisible_by",
+                     "micro_batch_size", "global_batch_size", "tensor_model_parallel_size",
+                     "train_iters", "lr_decay_iters", "log_interval", "eval_interval",
+                     "save_interval", "exit_interval", "focus_groups", "focus_dim",
+                     "focus_window", "focus_chunk_size"), 1),
+    **dict.fromkeys(("lr", "min_lr", "clip_grad", "lr_warmup_iters", "eval_iters",
+                     "num_workers", "max_skipped_steps", "focus_sink_tokens",
+                     "focus_sinkhorn_iters", "focus_gate_scale", "init_method_std",
+                     "hidden_dropout", "attention_dropout", "weight_decay"), 0),
+}
+# Flags bounded above too: (whether a value is allowed, the rule in words).
+WITHIN = {"rotary_percent": (lambda v: 0 < v <= 1, "above 0 and at most 1"),
+          "hidden_dropout": (lambda v: v < 1, "below 1"),
+          "attention_dropout": (lambda v: v < 1, "below 1")}
+
+
+def _check_ranges(args: argparse.Namespace) -> None:
+    """Refuse values no run can use (a zero size, a negative interval) by flag name."""
+    for dest, least in AT_LEAST.items():
+        value = getattr(args, dest)
+        if value is not None and value < least:
+            raise ValueError(f"--{dest.replace('_', '-')} {value}: must be at least {least}")
+    for dest, (allowed, words) in WITHIN.items():
+        if not allowed(getattr(args, dest)):
+            raise ValueError(f"--{dest.replace('_', '-')} {getattr(args, dest)}: must be {words}")
+
+
 def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) -> None:
     """Fill derived defaults and refuse what cannot run, before any model is built."""
     if world_size is None:  # as a launcher (torchrun, deepspeed) tells it
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    _check_ranges(args)
     tp = args.tensor_model_parallel_size
     _validate_focus(args)
     if args.xsa_layers is not None:
@@ -293,14 +328,8 @@ def _validate_focus(args: argparse.Namespace) -> None:
             f"--focus-top-k {args.focus_top_k} must be between 1 and --focus-groups "
             f"{args.focus_groups}"
         )
-    for flag in ("focus_dim", "focus_window", "focus_chunk_size"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
-    if args.focus_sink_tokens < 0:
-        raise ValueError(f"--focus-sink-tokens {args.focus_sink_tokens} must be 0 or more")
-    if args.focus_tau <= 0 or args.focus_sinkhorn_iters < 0 or args.focus_gate_scale < 0:
-        raise ValueError("--focus-tau must be > 0, --focus-sinkhorn-iters and "
-                         "--focus-gate-scale >= 0")
+    if args.focus_tau <= 0:
+        raise ValueError(f"--focus-tau {args.focus_tau}: must be above 0")
     if args.focus_kernel == "flex" and not torch.cuda.is_available():
         raise ValueError("--focus-kernel flex needs a GPU: FlexAttention has no CPU backward "
                          "(use auto or chunked)")
@@ -344,7 +373,5 @@ def _validate_training(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError("--retrofit and --finetune need --load (the pretrained checkpoint)")
     if args.save_full and not args.retrofit:
         raise ValueError("--save-full is for --retrofit runs (other runs always save everything)")
-    if args.num_workers < 0:
-        raise ValueError(f"--num-workers {args.num_workers} must be 0 or more")
     if args.save_interval is not None and args.save is None:
         raise ValueError("--save-interval needs --save")

@@ -220,6 +220,57 @@ def test_bad_flags_are_refused_before_any_model(argv, error):
     assert "build_model" not in str(failure.value)  # refused before the model was built
 
 
+@pytest.mark.parametrize("flag, value", [
+    ("--seq-length", "0"), ("--num-layers", "0"), ("--hidden-size", "0"),
+    ("--num-attention-heads", "0"), ("--kv-channels", "0"), ("--micro-batch-size", "0"),
+    ("--tensor-model-parallel-size", "0"), ("--make-vocab-size-divisible-by", "0"),
+    ("--log-interval", "0"), ("--eval-interval", "0"), ("--exit-interval", "-1"),
+    ("--clip-grad", "-1.0"), ("--rotary-percent", "0.0"), ("--rotary-percent", "1.5"),
+    ("--hidden-dropout", "1.0"), ("--max-skipped-steps", "-1"), ("--lr", "-0.001"),
+    ("--focus-groups", "0"), ("--focus-tau", "0.0")])
+def test_values_no_run_can_use_are_refused_by_name(flag, value):
+    """Checked as the flags are parsed: before data, model or engine."""
+    from megatron_focus.arguments import parse_args
+
+    with pytest.raises(ValueError, match=f"^{flag} {value}: must be"):
+        parse_args([flag, value])
+
+
+def test_range_checks_name_real_flags():
+    from megatron_focus.arguments import AT_LEAST, WITHIN, build_parser
+
+    dests = {action.dest for action in build_parser()._actions}
+    assert set(AT_LEAST) | set(WITHIN) <= dests
+
+
+def test_skipped_steps_in_a_row_stop_the_run(embedded_cache, tmp_path):
+    """A loss that is NaN at every step (weights of std 1e30): each step is skipped, and the
+    third in a row stops the run before another checkpoint."""
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(Exception, match=r"non-finite for 3 steps in a row \(iterations 1-3\)"):
+        train(1, _argv(embedded_cache, "--init-method-std", "1e30", "--max-skipped-steps", "3",
+                       "--save", str(ckpt), "--save-interval", "1", iters=30))
+    assert (ckpt / "latest").read_text() == "iter_0000002"
+    assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000001", "iter_0000002"]
+
+
+def test_checkpoint_folders_are_checked_before_any_model(embedded_cache, tmp_path):
+    """A --save that cannot be written, and complete checkpoints without `latest` (resuming
+    would start from scratch and overwrite them), are refused before the model is built."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(Exception, match="--save .*a-file/ckpt: cannot write there") as failure:
+        train(1, _argv(embedded_cache, "--save", str(blocker / "ckpt")))
+    assert "build_model" not in str(failure.value)
+    ckpt = tmp_path / "ckpt"
+    train(1, _argv(embedded_cache, "--save", str(ckpt), "--exit-interval", "2"))
+    (ckpt / "latest").unlink()
+    before = sorted(str(p) for p in ckpt.rglob("*"))
+    with pytest.raises(Exception, match="holds checkpoints iter_0000002 but no 'latest' file"):
+        train(1, _argv(embedded_cache, "--save", str(ckpt), "--load", str(ckpt)))
+    assert sorted(str(p) for p in ckpt.rglob("*")) == before
+
+
 def test_unknown_tokenizer_type_is_refused(capsys):
     from megatron_focus.arguments import parse_args
 

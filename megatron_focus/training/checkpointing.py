@@ -19,7 +19,9 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
+import tempfile
 from typing import Optional
 
 import numpy as np
@@ -176,6 +178,29 @@ def latest_tag(load_dir: str) -> Optional[str]:
     if not os.path.isdir(os.path.join(load_dir, tag)):
         raise FileNotFoundError(f"{pointer} names {tag!r}, which is not in {load_dir}")
     return tag
+
+
+def preflight(args: argparse.Namespace) -> None:
+    """What would fail at the first save or at load, refused before any compute: a `--save` that
+    cannot be written, and a folder of complete checkpoints whose `latest` is gone (which would
+    otherwise start from scratch and overwrite them)."""
+    if args.save:
+        try:
+            os.makedirs(args.save, exist_ok=True)
+            with tempfile.TemporaryFile(dir=args.save):
+                pass
+        except OSError as e:
+            raise ValueError(f"--save {args.save}: cannot write there ({e.strerror})") from None
+    for folder in {args.load, args.save} - {None}:
+        if not os.path.isdir(folder) or os.path.isfile(os.path.join(folder, LATEST)):
+            continue
+        complete = sorted(name for name in os.listdir(folder) if re.fullmatch(r"iter_\d{7}", name)
+                          and os.path.isdir(os.path.join(folder, name)))
+        if complete:
+            raise ValueError(
+                f"{folder} holds checkpoints {', '.join(complete)} but no '{LATEST}' file: write "
+                f"the tag to resume from into {os.path.join(folder, LATEST)} (e.g. "
+                f"{complete[-1]}), or save this run elsewhere")
 
 
 def saved_model_args(checkpoint_dir: str) -> dict:

@@ -52,6 +52,7 @@ def pretrain(args: argparse.Namespace) -> dict:
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
     )
     train_data, valid_data = datasets_for(args, tokenizer)
+    checkpointing.preflight(args)
 
     model = build_model(args, tokenizer.vocab_size)
     if args.retrofit:  # frozen weights stay out of the optimizer
@@ -75,7 +76,7 @@ def pretrain(args: argparse.Namespace) -> dict:
         _validate(engine, valid_data, args, iteration, reporter, history)
     batches = iter(data_loader(train_data, consumed, args.train_iters * args.global_batch_size,
                                args))
-    unread = _UnreadLosses()
+    unread = _UnreadLosses(engine.skipped_steps, args.max_skipped_steps)
     window_start = time.time()
     while iteration < args.train_iters:
         log_now = (iteration + 1) % args.log_interval == 0 or iteration + 1 == args.train_iters
@@ -167,14 +168,14 @@ class _UnreadLosses:
     """Per-iteration losses kept on the device until a log or save step reads them, together
     with whatever else that step reports, in one host read: one synchronisation per log."""
 
-    def __init__(self):
+    def __init__(self, skipped: int, max_skipped: int):
         self.pending = []  # (iteration, loss tensor, whether DeepSpeed skipped the step)
-        self.skipped = None
+        self.skipped = skipped  # DeepSpeed's count before the next step
         self.non_finite = 0
+        self.max_skipped, self.in_a_row = max_skipped, 0
 
     def add(self, iteration: int, loss: torch.Tensor, engine) -> None:
-        before = self.skipped if self.skipped is not None else engine.skipped_steps
-        self.skipped = engine.skipped_steps
+        before, self.skipped = self.skipped, engine.skipped_steps
         self.pending.append((iteration, loss, self.skipped > before))
 
     def read(self, history: dict, rank0: bool, extra: Optional[dict] = None):
@@ -187,16 +188,24 @@ class _UnreadLosses:
         losses = values[:len(self.pending)]
         for (iteration, _, skipped), loss in zip(self.pending, losses):
             if math.isfinite(loss):
+                self.in_a_row = 0
                 continue
             if not skipped:
                 raise FloatingPointError(
                     f"lm loss is {loss} at iteration {iteration} and DeepSpeed applied the step "
-                    "(ZeRO stage 0 without fp16 does not check for overflow): use --zero-stage 1 "
-                    "or higher, or --fp16")
+                    "(ZeRO stage 0 in fp32 does not check gradients for overflow): use "
+                    "--zero-stage 1 or higher, or --bf16 / --fp16")
             self.non_finite += 1
+            self.in_a_row += 1
             if rank0:
                 print(f" iteration {iteration}: lm loss is {loss}; the step was skipped",
                       flush=True)
+            if self.in_a_row == self.max_skipped:
+                raise FloatingPointError(
+                    f"lm loss non-finite for {self.in_a_row} steps in a row (iterations "
+                    f"{iteration - self.in_a_row + 1}-{iteration}), each skipped: stopping "
+                    "without a further checkpoint (--max-skipped-steps); lower --lr or check the "
+                    "data")
         history["losses"] += losses
         self.pending = []
         return losses, dict(zip(extra, values[len(losses):]))
