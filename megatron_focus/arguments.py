@@ -6,7 +6,9 @@ anything is built, with a message that says which flag to change.
 """
 
 import argparse
+import difflib
 import os
+import warnings
 from typing import List, Optional
 
 import torch
@@ -106,11 +108,13 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                    help="default micro batch x data-parallel size (no accumulation)")
     g.add_argument("--train-iters", type=int, default=300)
     g.add_argument("--lr", type=float, default=3e-3)
-    g.add_argument("--min-lr", type=float, default=3e-4)
+    g.add_argument("--min-lr", type=float, default=None,
+                   help="default 0 (Megatron-LM's); the demo's: --lr / 10")
     g.add_argument("--lr-warmup-iters", type=int, default=None,
-                   help="default 10%% of --train-iters")
+                   help="default 0 (Megatron-LM's); the demo's: 10%% of --train-iters")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
-    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="cosine")
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default=None,
+                   help="default linear (Megatron-LM's); the demo's: cosine")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -183,16 +187,35 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
 
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, default=10)
-    g.add_argument("--eval-interval", type=int, default=100)
-    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--log-interval", type=int, default=None,
+                   help="default 100 (Megatron-LM's); the demo's: 10")
+    g.add_argument("--eval-interval", type=int, default=None,
+                   help="default 1000 (Megatron-LM's); the demo's: 100")
+    g.add_argument("--eval-iters", type=int, default=None,
+                   help="default 100 (Megatron-LM's); the demo's: 10")
     g.add_argument("--tensorboard-dir", default=None)
+
+
+class _Parser(argparse.ArgumentParser):
+    """A refusal in one line, naming the closest known flag, instead of the whole usage."""
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments: "):
+            known = [o for action in self._actions for o in action.option_strings]
+            words = []
+            for flag in message.split(": ", 1)[1].split():
+                close = difflib.get_close_matches(flag.split("=")[0], known, n=1, cutoff=0.8)
+                if flag.startswith("-"):
+                    words.append(flag + (f" (did you mean {close[0]}?)" if close else ""))
+            message = f"unknown flag{'s' if len(words) > 1 else ''} {', '.join(words)}; " \
+                      f"{self.prog} --help lists them"
+        self.exit(2, f"error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     import deepspeed
 
-    p = argparse.ArgumentParser(
+    p = _Parser(
         description="megatron-focus: GPT pretraining with Focus and XSA attention",
         allow_abbrev=False,
     )
@@ -234,6 +257,25 @@ WITHIN = {"rotary_percent": (lambda v: 0 < v <= 1, "above 0 and at most 1"),
           "attention_dropout": (lambda v: v < 1, "below 1")}
 
 
+# Flags left unset take Megatron-LM 0.16's default, except in the demo (no --data-path: the
+# embedded corpus or --mqar), whose short runs want a warmup, frequent logs and a short validation.
+DEFAULTS = {  # dest: (Megatron-LM's, the demo's)
+    "min_lr": (lambda a: 0.0, lambda a: a.lr / 10),
+    "lr_decay_style": (lambda a: "linear", lambda a: "cosine"),
+    "lr_warmup_iters": (lambda a: 0, lambda a: a.train_iters // 10),
+    "log_interval": (lambda a: 100, lambda a: 10),
+    "eval_interval": (lambda a: 1000, lambda a: 100),
+    "eval_iters": (lambda a: 100, lambda a: 10),
+}
+
+
+def _fill_defaults(args: argparse.Namespace) -> None:
+    demo = not args.data_path
+    for dest, (megatron, ours) in DEFAULTS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, (ours if demo else megatron)(args))
+
+
 def _check_ranges(args: argparse.Namespace) -> None:
     """Refuse values no run can use (a zero size, a negative interval) by flag name."""
     for dest, least in AT_LEAST.items():
@@ -249,6 +291,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     """Fill derived defaults and refuse what cannot run, before any model is built."""
     if world_size is None:  # as a launcher (torchrun, deepspeed) tells it
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    _fill_defaults(args)
     _check_ranges(args)
     tp = args.tensor_model_parallel_size
     _validate_focus(args)
@@ -287,8 +330,10 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
             f"--num-query-groups {args.num_query_groups} must be a multiple or a divisor of "
             f"--tensor-model-parallel-size {tp}"
         )
-    if args.sequence_parallel and tp == 1:
-        raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if args.sequence_parallel and tp == 1:  # Megatron-LM turns it off too (launch scripts set it)
+        warnings.warn("--sequence-parallel has no effect with --tensor-model-parallel-size 1: "
+                      "turned off")
+        args.sequence_parallel = False
     if args.sequence_parallel and args.seq_length % tp:
         raise ValueError(
             f"--sequence-parallel splits --seq-length {args.seq_length} over "
@@ -349,8 +394,6 @@ def _validate_training(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError("ZeRO stage 3 is supported with --tensor-model-parallel-size 1 only")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_iters is None:
-        args.lr_warmup_iters = args.train_iters // 10
     if args.lr_warmup_iters >= args.lr_decay_iters:
         raise ValueError("--lr-warmup-iters must be shorter than the decay (--lr-decay-iters, default --train-iters)")
     if args.min_lr > args.lr:

@@ -108,7 +108,6 @@ BASE = ["--num-attention-heads", "4", "--hidden-size", "64"]
 @pytest.mark.parametrize("argv, message", [
     (BASE + ["--tensor-model-parallel-size", "3"], "not divisible by --tensor-model-parallel"),
     (BASE + ["--group-query-attention", "--num-query-groups", "3"], "does not divide"),
-    (BASE + ["--tensor-model-parallel-size", "1", "--sequence-parallel"], "needs --tensor-model"),
     (BASE + ["--seq-length", "512", "--max-position-embeddings", "256"], "longer than the learned"),
     (["--hidden-size", "65", "--num-attention-heads", "4"], "--kv-channels"),
     (BASE + ["--attention", "focus", "--focus-kernel", "flex"], "FlexAttention has no CPU backward"),
@@ -117,6 +116,37 @@ def test_bad_flags_are_refused(monkeypatch, argv, message):
     monkeypatch.setenv("WORLD_SIZE", "6")
     with pytest.raises(ValueError, match=message):
         parse_args(argv)
+
+
+def test_sequence_parallel_without_tensor_parallel_is_turned_off():
+    """As Megatron-LM does: its launch scripts pass --sequence-parallel whatever the TP size."""
+    with pytest.warns(UserWarning, match="--sequence-parallel has no effect"):
+        args = parse_args(BASE + ["--sequence-parallel"])
+    assert args.sequence_parallel is False
+
+
+def test_unset_schedule_and_logging_flags_take_megatrons_defaults():
+    """Megatron-LM 0.16's defaults for a run on its own data; the demo's (embedded corpus) where
+    the user left them unset, relative to what the user gave (--lr 1e-4 alone is valid)."""
+    data = ["--data-path", "x_text_document", "--tokenizer-type", "HuggingFaceTokenizer",
+            "--tokenizer-model", "x.json"]
+    ours = parse_args(BASE + data + ["--lr", "1e-4"])
+    assert (ours.min_lr, ours.lr_decay_style, ours.lr_warmup_iters, ours.log_interval,
+            ours.eval_interval, ours.eval_iters) == (0.0, "linear", 0, 100, 1000, 100)
+    demo = parse_args(BASE + ["--lr", "1e-4", "--train-iters", "50"])
+    assert (demo.min_lr, demo.lr_decay_style, demo.lr_warmup_iters, demo.log_interval,
+            demo.eval_interval, demo.eval_iters) == (1e-5, "cosine", 5, 10, 100, 10)
+    given = parse_args(BASE + ["--lr-decay-style", "linear", "--min-lr", "0", "--log-interval", "7"])
+    assert (given.lr_decay_style, given.min_lr, given.log_interval) == ("linear", 0.0, 7)
+
+
+def test_unknown_flags_are_named_with_the_closest_known_one(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--num-layer", "2", "--lr-warmup-iter=5", "--frobnicate"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "usage:" not in err and err.count("\n") == 1
+    assert err.startswith("error: unknown flags --num-layer (did you mean --num-layers?), "
+                          "--lr-warmup-iter=5 (did you mean --lr-warmup-iters?), --frobnicate;")
 
 
 def test_unknown_attention_is_refused(capsys):
