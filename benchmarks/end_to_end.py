@@ -121,7 +121,7 @@ def main() -> None:
     with open(eval_json) as f:
         result["eval_ppl"] = json.load(f)["rows"]
     seconds["export"] = run([sys.executable, "tools/convert_to_hf.py", "--load", ckpt,
-                             "--save-dir", hf], opts, log)
+                             "--save-dir", hf, "--overwrite"], opts, log)
     start = time.time()
     result["generate"] = generate(hf, "cuda" if cuda else "cpu")
     seconds["generate"] = time.time() - start

@@ -141,7 +141,7 @@ if step eval; then
 fi
 
 if step export; then
-  "$PYTHON" "$ROOT/tools/convert_to_hf.py" --load "$CKPT" --save-dir "$HF_OUT"
+  "$PYTHON" "$ROOT/tools/convert_to_hf.py" --load "$CKPT" --save-dir "$HF_OUT" --overwrite
   TASKS=hellaswag,arc_easy,piqa,lambada_openai
   LM_EVAL=(lm_eval --model hf --model_args "pretrained=$HF_OUT,trust_remote_code=True"
            --tasks "$TASKS" --batch-size 8 --output_path "$RUN_DIR/lm-eval")

@@ -714,3 +714,56 @@ def test_hf_tokenizer_config_naming_an_absent_token_is_refused(tmp_path):
     _bpe_with_config(tmp_path / "tok", {"eos_token": "<|eot_id|>"})
     with pytest.raises(ValueError, match="names '<\\|eot_id\\|>' as its eos token"):
         build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "tok" / "tokenizer.json"))
+
+
+def _tree(folder) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+def test_tools_never_write_over_a_folder_that_holds_files(tmp_path, monkeypatch):
+    """Import into an existing run and export into another model's folder are refused before
+    any weight is read; a failed export leaves nothing; --overwrite replaces only at the end."""
+    from megatron_focus.hf import export, export_to_hf, import_from_hf
+
+    _hf_model("llama-gqa-untied").save_pretrained(tmp_path / "hf")
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    import_from_hf(str(tmp_path / "hf"), str(ckpt), progress=False)
+    (out / "other-model").mkdir(parents=True)
+    (out / "other-model" / "config.json").write_text("{}")
+    before = {folder: _tree(folder) for folder in (ckpt, out)}
+    with pytest.raises(FileExistsError, match="is not empty.*--overwrite"):
+        import_from_hf(str(tmp_path / "hf"), str(ckpt), progress=False)
+    with pytest.raises(FileExistsError, match="is not empty.*--overwrite"):
+        export_to_hf(str(ckpt), str(out), progress=False)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(export, "_model_holding", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        export_to_hf(str(ckpt), str(out), progress=False, overwrite=True)
+    with pytest.raises(RuntimeError, match="disk full"):
+        export_to_hf(str(ckpt), str(tmp_path / "new"), progress=False)
+    assert {folder: _tree(folder) for folder in (ckpt, out)} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf", "out"]
+    monkeypatch.undo()
+
+    export_to_hf(str(ckpt), str(out), progress=False, overwrite=True)
+    assert "other-model" not in os.listdir(out) and (out / "model.safetensors").is_file()
+
+
+def test_an_imported_checkpoint_can_be_moved(tmp_path):
+    """Its tokenizer is recorded relative to the checkpoint."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megatron_focus.hf import export_to_hf, import_from_hf
+
+    _bpe_with_config(tmp_path / "hf", {"eos_token": "<|end_of_text|>"})
+    LlamaForCausalLM(LlamaConfig(vocab_size=400, hidden_size=64, intermediate_size=96,
+                                 num_hidden_layers=1, num_attention_heads=4)).save_pretrained(
+        tmp_path / "hf")
+    import_from_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), progress=False)
+    os.rename(tmp_path / "ckpt", tmp_path / "moved")
+    export_to_hf(str(tmp_path / "moved"), str(tmp_path / "back"), progress=False)
+    assert (tmp_path / "back" / "tokenizer.json").is_file()

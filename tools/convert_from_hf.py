@@ -34,9 +34,12 @@ def main() -> None:
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     parser.add_argument("--flags-file", default=None,
                         help="also write the model flags here, one per line (for scripts)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace --save if it holds files (once the import is complete)")
     args = parser.parse_args()
     flags = import_from_hf(args.hf_dir, args.save, args.tensor_model_parallel_size,
-                           args.attention, args.xsa_layers, args.make_vocab_size_divisible_by)
+                           args.attention, args.xsa_layers, args.make_vocab_size_divisible_by,
+                           overwrite=args.overwrite)
     if args.flags_file:
         with open(args.flags_file, "w") as f:
             f.write("\n".join(flags) + "\n")

@@ -37,12 +37,14 @@ def main() -> None:
     parser.add_argument("--allow-unsafe-checkpoints", action="store_true",
                         help="read checkpoint files holding pickled objects other than tensors "
                              "(they can run code as they load): only from a source you trust")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace --save-dir if it holds files (once the export is complete)")
     args = parser.parse_args()
     name = export_to_hf(args.load, args.save_dir, args.iteration, args.tokenizer_type,
                         args.tokenizer_model, args.max_shard_size,
                         focus_top_k=args.focus_top_k,
                         focus_attention_mode=args.focus_attention_mode,
-                        allow_unsafe=args.allow_unsafe_checkpoints)
+                        allow_unsafe=args.allow_unsafe_checkpoints, overwrite=args.overwrite)
     print(f"wrote {name} to {args.save_dir}")
 
 

@@ -6,7 +6,6 @@ so `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` loads 
 class is chosen, and the tokenizer checked, before any weight is read.
 """
 
-import os
 from typing import Optional
 
 import torch
@@ -14,19 +13,23 @@ import torch
 from megatron_focus.hf import families, native
 from megatron_focus.hf.mapping import native_to_hf
 from megatron_focus.hf.tokenizer import SPECIAL_TOKEN_IDS, save_hf_tokenizer
+from megatron_focus.outputs import check_fresh, fresh_folder
 
 
 def export_to_hf(load_dir: str, save_dir: str, iteration: Optional[int] = None,
                  tokenizer_type: Optional[str] = None, tokenizer_model: Optional[str] = None,
                  max_shard_size: str = "5GB", progress: bool = True,
                  focus_top_k: Optional[int] = None,
-                 focus_attention_mode: Optional[str] = None, allow_unsafe: bool = False) -> str:
+                 focus_attention_mode: Optional[str] = None, allow_unsafe: bool = False,
+                 overwrite: bool = False) -> str:
     """Export the checkpoint (latest, or `iteration`) of `load_dir`; returns the HF class name.
 
     A Focus model's top-k and mode (inference settings, not in the checkpoint) go into the HF
     config as given, else as `pretrain_gpt.py`'s defaults (2, soft); both can be changed on the
-    loaded model (`model.config.focus_attention_mode = "sparse"`).
+    loaded model (`model.config.focus_attention_mode = "sparse"`). The folder is written whole
+    or not at all; one that holds files is replaced only with `overwrite`.
     """
+    check_fresh(save_dir, overwrite)
     tag_dir = native.checkpoint_tag_dir(load_dir, iteration)
     vocab_size, tokenizer = native.checkpoint_vocabulary(tag_dir, tokenizer_type, tokenizer_model)
     arch = native.read_architecture(tag_dir, vocab_size, focus_top_k, focus_attention_mode)
@@ -34,19 +37,19 @@ def export_to_hf(load_dir: str, save_dir: str, iteration: Optional[int] = None,
     if progress:
         print(f"{tag_dir} -> {families.HF_CLASS[family]}: {why}", flush=True)
 
-    os.makedirs(save_dir, exist_ok=True)
-    if tokenizer is not None:
-        special_tokens = save_hf_tokenizer(tokenizer, save_dir, arch.max_position_embeddings)
-    else:  # e.g. an imported model without a tokenizer: the ids its HF config had. None is
-        # written too: a stock config's defaults (GPT-2's 50256) lie outside a small vocabulary.
-        special_tokens = {**dict.fromkeys(SPECIAL_TOKEN_IDS),
-                          **native.recorded_special_tokens(tag_dir)}
-    config = families.hf_config(family, arch, special_tokens)
-    rules = families.rules(family, arch, families.HFBiases.every(arch.add_bias_linear))
-    weights = native_to_hf(native.read_weights(tag_dir, arch, progress, allow_unsafe), rules,
-                           progress)
-    model = _model_holding(family, config, weights)
-    model.save_pretrained(save_dir, max_shard_size=max_shard_size)
+    with fresh_folder(save_dir, overwrite) as partial:
+        if tokenizer is not None:
+            special_tokens = save_hf_tokenizer(tokenizer, partial, arch.max_position_embeddings)
+        else:  # e.g. an imported model without a tokenizer: the ids its HF config had. None is
+            # written too: a stock config's defaults (GPT-2's 50256) lie outside a small vocabulary.
+            special_tokens = {**dict.fromkeys(SPECIAL_TOKEN_IDS),
+                              **native.recorded_special_tokens(tag_dir)}
+        config = families.hf_config(family, arch, special_tokens)
+        rules = families.rules(family, arch, families.HFBiases.every(arch.add_bias_linear))
+        weights = native_to_hf(native.read_weights(tag_dir, arch, progress, allow_unsafe), rules,
+                               progress)
+        model = _model_holding(family, config, weights)
+        model.save_pretrained(partial, max_shard_size=max_shard_size)
     return families.HF_CLASS[family]
 
 

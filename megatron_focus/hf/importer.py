@@ -22,6 +22,7 @@ from megatron_focus.hf import families, native
 from megatron_focus.hf.architecture import WITHOUT_FOCUS
 from megatron_focus.hf.mapping import hf_to_native
 from megatron_focus.hf.tokenizer import SPECIAL_TOKEN_IDS, find_hf_tokenizer
+from megatron_focus.outputs import check_fresh
 
 
 def _hf_config(hf_dir: str):
@@ -65,12 +66,14 @@ def _special_token_ids(config, vocab_size: int) -> dict:
 
 def import_from_hf(hf_dir: str, save_dir: str, tensor_model_parallel_size: int = 1,
                    attention: Optional[str] = None, xsa_layers: Optional[Sequence[int]] = None,
-                   make_vocab_size_divisible_by: int = 128, progress: bool = True) -> list:
+                   make_vocab_size_divisible_by: int = 128, progress: bool = True,
+                   overwrite: bool = False) -> list:
     """Write the native checkpoint; returns the `pretrain_gpt.py` model flags that load it.
 
     For a Focus retrofit (`attention` focus or focus+xsa, the HF model without Focus) they are the
     flags of the retrofit run, `--retrofit` included; add `--focus-*` settings to taste.
     """
+    check_fresh(save_dir, overwrite)  # before any weight is read
     config = _hf_config(hf_dir)
     family, arch, biases = families.from_hf_config(config)
     retrofit = None
@@ -94,7 +97,8 @@ def import_from_hf(hf_dir: str, save_dir: str, tensor_model_parallel_size: int =
 
     tokenizer_type, tokenizer_file = find_hf_tokenizer(hf_dir)
     native.write_checkpoint(save_dir, args, native_weights, arch.vocab_size, tokenizer_type,
-                            tokenizer_file, _special_token_ids(config, arch.vocab_size), progress)
+                            tokenizer_file, _special_token_ids(config, arch.vocab_size), progress,
+                            overwrite)
     flags = arch.flags()
     if retrofit is not None:
         flags[flags.index("--attention") + 1] = retrofit

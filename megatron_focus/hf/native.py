@@ -23,6 +23,7 @@ from tqdm import tqdm
 from megatron_focus.data.tokenizer import HF_TOKENIZER_CONFIG, build_tokenizer
 from megatron_focus.hf import layout
 from megatron_focus.hf.architecture import Architecture
+from megatron_focus.outputs import fresh_folder
 from megatron_focus.training import checkpointing
 
 StateDict = Dict[str, torch.Tensor]
@@ -59,6 +60,7 @@ def checkpoint_vocabulary(tag_dir: str, tokenizer_type: Optional[str] = None,
         tokenizer_type, tokenizer_model = recorded["tokenizer_type"], recorded["tokenizer_model"]
         if tokenizer_model is None:
             return recorded["vocab_size"], None
+        tokenizer_model = os.path.join(tag_dir, tokenizer_model)  # unless recorded absolute
         if not os.path.isfile(tokenizer_model):
             raise FileNotFoundError(f"the checkpoint's tokenizer {tokenizer_model} is gone; pass "
                                     "--tokenizer-type and --tokenizer-model")
@@ -111,21 +113,32 @@ def read_weights(tag_dir: str, arch: Architecture, progress: bool = True,
 
 def write_checkpoint(save_dir: str, args, weights: StateDict, vocab_size: int,
                      tokenizer_type: Optional[str] = None, tokenizer_file: Optional[str] = None,
-                     special_token_ids: Optional[dict] = None, progress: bool = True) -> str:
+                     special_token_ids: Optional[dict] = None, progress: bool = True,
+                     overwrite: bool = False) -> str:
     """A weights-only checkpoint (iteration 0) of the model of `args` for `pretrain_gpt.py --load`.
 
     `args` are the model's validated `pretrain_gpt.py` arguments (`Architecture.native_args`),
     so `model_args.json` is what a training run with the same flags writes. The weight files are
     what DeepSpeed's `load_checkpoint(load_module_only=True)` reads; the `weights_only` marker
     tells `checkpointing.load` to start the run's optimizer and schedule fresh. The tokenizer
-    file, if any, is copied in (with an HF tokenizer's config), so the checkpoint does not depend on where it came from.
+    file, if any, is copied in (with an HF tokenizer's config) and recorded by its name, so the
+    checkpoint does not depend on where it came from, nor on where it is moved. The folder is
+    written whole or not at all (`outputs.fresh_folder`).
     """
+    with fresh_folder(save_dir, overwrite) as partial:
+        _write_checkpoint(partial, args, weights, vocab_size, tokenizer_type, tokenizer_file,
+                          special_token_ids, progress)
+    return os.path.join(save_dir, checkpointing.tag_for(0))
+
+
+def _write_checkpoint(save_dir, args, weights, vocab_size, tokenizer_type, tokenizer_file,
+                      special_token_ids, progress) -> None:
     import deepspeed
 
     tp = args.tensor_model_parallel_size
     tag = checkpointing.tag_for(0)
     tag_dir = os.path.join(save_dir, tag)
-    os.makedirs(tag_dir, exist_ok=True)
+    os.makedirs(tag_dir)
     shards = layout.split(weights, tp, args.swiglu, args.padded_vocab_size)
     for rank, shard in enumerate(tqdm(shards, desc="writing TP shards", disable=not progress)):
         torch.save({"module": shard, "dp_world_size": 1, "mp_world_size": tp,
@@ -134,8 +147,8 @@ def write_checkpoint(save_dir: str, args, weights: StateDict, vocab_size: int,
     tokenizer_args = {"tokenizer_type": tokenizer_type, "tokenizer_model": None,
                       "vocab_size": vocab_size, "special_token_ids": special_token_ids or {}}
     if tokenizer_file is not None:
-        copied = os.path.abspath(os.path.join(tag_dir, os.path.basename(tokenizer_file)))
-        shutil.copyfile(tokenizer_file, copied)
+        copied = os.path.basename(tokenizer_file)  # read relative to the checkpoint
+        shutil.copyfile(tokenizer_file, os.path.join(tag_dir, copied))
         tokenizer_args["tokenizer_model"] = copied
         config = os.path.join(os.path.dirname(tokenizer_file), HF_TOKENIZER_CONFIG)
         if os.path.isfile(config):  # the special tokens and chat template travel with it
@@ -148,7 +161,6 @@ def write_checkpoint(save_dir: str, args, weights: StateDict, vocab_size: int,
             json.dump(content, f, indent=1, sort_keys=True)
     with open(os.path.join(save_dir, checkpointing.LATEST), "w") as f:
         f.write(tag)
-    return tag_dir
 
 
 def native_model(arch: Architecture, weights: StateDict) -> torch.nn.Module:
