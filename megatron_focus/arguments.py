@@ -179,6 +179,13 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-full", action="store_true",
                    help="with --retrofit: checkpoints hold the whole model, not only the trained "
                         "routers and a reference to --load's checkpoint")
+    schedule = g.add_mutually_exclusive_group()
+    schedule.add_argument("--override-opt_param-scheduler", action="store_true",
+                          help="on resume, this run's schedule flags (--lr, --min-lr, warmup, "
+                               "decay, --weight-decay, --train-iters) replace the checkpoint's")
+    schedule.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                          help="on resume, keep the checkpoint's schedule whatever the flags say "
+                               "(default: a difference is an error)")
     g.add_argument("--allow-unsafe-checkpoints", action="store_true",
                    help="load checkpoint files that hold pickled objects other than tensors and "
                         "DeepSpeed's own records (a file can run code as it loads): only for "

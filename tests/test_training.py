@@ -109,6 +109,27 @@ def test_zero3_resume_is_exact_over_two_ranks(embedded_cache, tmp_path):
     assert first["losses"] + second["losses"] == straight["losses"]
 
 
+def test_a_changed_schedule_on_resume_is_refused_unless_chosen(embedded_cache, tmp_path):
+    """As Megatron-LM: --lr or --train-iters changed on resume is an error, unless
+    --override-opt_param-scheduler (this run's values) or --use-checkpoint-opt_param-scheduler
+    (the checkpoint's); the LR the resumed run logs shows which won."""
+    ckpt = str(tmp_path / "ckpt")
+    base = ["--save", ckpt, "--lr-decay-style", "constant", "--lr-warmup-iters", "0",
+            "--min-lr", "0"]
+    train(1, _argv(embedded_cache, *base, "--lr", "1e-3", "--exit-interval", "2"))
+    with pytest.raises(Exception, match=r"schedule differs from the checkpoint's: --lr 0.002 "
+                                        r"\(checkpoint: 0.001\), --lr-decay-iters 6"):
+        train(1, _argv(embedded_cache, *base, "--lr", "2e-3", "--load", ckpt, iters=6))
+    runs = {}
+    for choice in ("--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"):
+        shutil.copytree(ckpt, tmp_path / choice)
+        runs[choice] = train(1, _argv(embedded_cache, *base[2:], "--save", str(tmp_path / choice),
+                                      "--load", str(tmp_path / choice), "--lr", "2e-3", choice,
+                                      iters=3))
+    assert runs["--override-opt_param-scheduler"]["lr"] == [2e-3]
+    assert runs["--use-checkpoint-opt_param-scheduler"]["lr"] == [1e-3]
+
+
 def test_checkpoint_of_another_shape_is_refused(embedded_cache, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     train(1, _argv(embedded_cache, "--save", ckpt, iters=3))
@@ -129,7 +150,8 @@ def test_focus_gate_is_recorded_and_older_checkpoints_read_as_log_gate(embedded_
     sigmoid = _argv(embedded_cache, *focus, "--focus-gate", "sigmoid", "--load", ckpt, iters=4)
     with pytest.raises(Exception, match=r"focus_gate: checkpoint 'log', this run 'sigmoid'"):
         train(1, sigmoid)
-    resumed = train(1, _argv(embedded_cache, *focus, "--load", ckpt, iters=4))
+    resumed = train(1, _argv(embedded_cache, *focus, "--load", ckpt,
+                             "--override-opt_param-scheduler", iters=4))  # one more iteration
     assert len(resumed["losses"]) == 1
 
 
@@ -387,7 +409,7 @@ def test_retrofit_trains_only_the_routers(embedded_cache, tmp_path):
     # Resuming a retrofit run is an ordinary resume (iteration 3 -> 4, base still frozen), and
     # its checkpoints still name the original base.
     resumed = train(1, _argv(embedded_cache, *focus, "--retrofit", "--load", retro_ckpt,
-                             "--save", retro_ckpt, iters=4))
+                             "--save", retro_ckpt, "--override-opt_param-scheduler", iters=4))
     assert len(resumed["losses"]) == 1
     with open(os.path.join(retro_ckpt, "iter_0000004", "base_checkpoint.json")) as f:
         assert json.load(f)["load"] == os.path.abspath(base_ckpt)

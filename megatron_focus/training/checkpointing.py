@@ -263,18 +263,42 @@ def _module_file(checkpoint_dir: str, weights: bool) -> str:
     return zero3
 
 
-def _checked_module(engine, checkpoint_dir: str, may_miss, allow_unsafe: bool,
-                    weights: bool = True) -> dict:
-    """This rank's saved weights, refused unless they are this model's (bar `may_miss(name)`);
-    `weights=False`: only their names are checked (a ZeRO-3 checkpoint holds no values there)."""
-    saved = load_file(_module_file(checkpoint_dir, weights), allow_unsafe, mmap=True)["module"]
+def _checked_file(engine, checkpoint_dir: str, may_miss, allow_unsafe: bool,
+                  weights: bool = True) -> dict:
+    """This rank's model file, refused unless its weights are this model's (bar
+    `may_miss(name)`); `weights=False`: only their names are checked (a ZeRO-3 checkpoint holds
+    no values there)."""
+    saved_file = load_file(_module_file(checkpoint_dir, weights), allow_unsafe, mmap=True)
+    saved = saved_file["module"]
     ours = engine.module.state_dict().keys()
     missing = [k for k in ours - saved.keys() if not may_miss(k) and not k.endswith("_extra_state")]
     unexpected = [k for k in saved.keys() - ours if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise ValueError(f"{checkpoint_dir} does not fit this model: missing {sorted(missing)}, "
                          f"unexpected {sorted(unexpected)}")
-    return saved
+    return saved_file
+
+
+# Megatron's OptimizerParamScheduler state: the flag that sets each value.
+SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
+                  "lr_decay_steps": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style",
+                  "start_wd": "--weight-decay", "end_wd": "--weight-decay",
+                  "wd_incr_steps": "--train-iters"}
+
+
+def check_schedule(saved: dict, ours: dict, args: argparse.Namespace, checkpoint_dir: str) -> None:
+    """Refuse, as Megatron-LM does, a resume whose schedule flags differ from the checkpoint's,
+    unless the user chose whose values win (which Megatron's scheduler then applies)."""
+    if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
+        return
+    differ = sorted({f"{flag} {ours[key]} (checkpoint: {saved[key]})"
+                     for key, flag in SCHEDULE_FLAGS.items()
+                     if key in saved and saved[key] != ours[key]})
+    if differ:
+        raise ValueError(f"{checkpoint_dir}: this run's schedule differs from the checkpoint's: "
+                         f"{', '.join(differ)}; pass --override-opt_param-scheduler to use this "
+                         "run's values, or --use-checkpoint-opt_param-scheduler to keep the "
+                         "checkpoint's")
 
 
 def _load_weights_only(engine, args, checkpoint_dir: str, may_miss) -> None:
@@ -289,8 +313,8 @@ def _load_weights_only(engine, args, checkpoint_dir: str, may_miss) -> None:
     if args.zero_stage == 3:
         raise ValueError("loading weights only (an imported model, --finetune, --retrofit) is not "
                          "supported under ZeRO stage 3: use --zero-stage 2 or lower for this run")
-    saved = _checked_module(engine, checkpoint_dir, may_miss, args.allow_unsafe_checkpoints)
-    engine.module.load_state_dict(saved, strict=False)
+    saved = _checked_file(engine, checkpoint_dir, may_miss, args.allow_unsafe_checkpoints)
+    engine.module.load_state_dict(saved["module"], strict=False)
     if hasattr(engine.optimizer, "refresh_fp32_params"):  # ZeRO's and bf16's fp32 master copies
         engine.optimizer.refresh_fp32_params()
 
@@ -329,8 +353,9 @@ def load(engine, args: argparse.Namespace) -> tuple[int, int]:
         _load_weights_only(engine, args, checkpoint_dir, may_miss)
         return 0, 0
     check_compatible(args, checkpoint_dir)
-    _checked_module(engine, checkpoint_dir, may_miss, args.allow_unsafe_checkpoints,
-                    weights=False)
+    saved = _checked_file(engine, checkpoint_dir, may_miss, args.allow_unsafe_checkpoints,
+                          weights=False)
+    check_schedule(saved["lr_scheduler"], engine.lr_scheduler.state_dict(), args, checkpoint_dir)
     check_safe_to_load(checkpoint_dir, args.allow_unsafe_checkpoints)
     path, client_state = engine.load_checkpoint(
         args.load, tag=tag, load_module_strict=base_dir is None, load_optimizer_states=True,

@@ -39,8 +39,9 @@ DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "megatron-focus"
 
 
 def pretrain(args: argparse.Namespace) -> dict:
-    """Train as the flags say; returns {"losses": [...], "validation": [(iteration, loss)...]}
-    for this rank (a Focus run adds its other mode's, e.g. "validation sparse")."""
+    """Train as the flags say; returns {"losses": [...], "validation": [(iteration, loss)...],
+    "lr": [the LR at each log step]} for this rank (a Focus run adds its other mode's
+    validation, e.g. "validation sparse")."""
     platform.init_distributed(args.tensor_model_parallel_size, args.distributed_timeout_minutes)
     platform.manual_seed(args.seed)
     rank0 = dist.get_rank() == 0
@@ -67,7 +68,7 @@ def pretrain(args: argparse.Namespace) -> dict:
         _print_banner(args, model, iteration)
     stop = _SignalFlag(signal.SIGTERM) if args.exit_signal_handler else None
 
-    history = {"losses": [], "validation": []}
+    history = {"losses": [], "validation": [], "lr": []}
     if valid_data is not None:  # the same batches at every evaluation, read by workers that stay
         valid_data = data_loader(valid_data, 0, args.eval_iters * args.global_batch_size, args,
                                  persistent=True)
@@ -94,7 +95,8 @@ def pretrain(args: argparse.Namespace) -> dict:
                 **focus_statistics(engine.module)})
             seconds = (time.time() - window_start) / len(losses)
             grad_norm = values.pop("grad norm")
-            reporter.train(iteration, consumed, sum(losses) / len(losses), engine.get_lr()[0],
+            history["lr"].append(engine.get_lr()[0])
+            reporter.train(iteration, consumed, sum(losses) / len(losses), history["lr"][-1],
                            None if math.isnan(grad_norm) else grad_norm, seconds,
                            engine.skipped_steps, unread.non_finite, values)
             window_start = time.time()
@@ -302,6 +304,8 @@ def _deepspeed_engine(args: argparse.Namespace, model: torch.nn.Module):
         lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.lr_decay_iters,
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
         wd_incr_steps=args.train_iters, wd_incr_style="constant",
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
     )
     config = deepspeed_config(args, parallel_state.get_data_parallel_world_size())
     engine, _, _, _ = deepspeed.initialize(
