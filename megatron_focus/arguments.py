@@ -16,6 +16,7 @@ import torch
 from megatron_focus.data.mqar import check_mqar
 from megatron_focus.data.tokenizer import TOKENIZER_TYPES
 from megatron_focus.model.focus_gate import GATES, KERNELS, soft_kernel
+from megatron_focus.training.deepspeed_config import deepspeed_config
 
 ATTENTION_VARIANTS = ("standard", "xsa", "focus", "focus+xsa")
 
@@ -366,6 +367,8 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     if args.openai_gelu and args.swiglu:
         raise ValueError("--openai-gelu chooses the GELU of a GELU MLP: not with --swiglu")
     _validate_training(args, world_size)
+    deepspeed_config(args, world_size // tp)  # the JSON checked now, and its ZeRO stage and
+    # precision taken into args, before any data or model
     if args.ffn_hidden_size is None:
         if args.swiglu:
             # Megatron-LM's rule: keep the MLP's parameter count that of a 4h GELU MLP.

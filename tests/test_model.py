@@ -149,6 +149,30 @@ def test_unknown_flags_are_named_with_the_closest_known_one(capsys):
                           "--lr-warmup-iter=5 (did you mean --lr-warmup-iters?), --frobnicate;")
 
 
+@pytest.mark.parametrize("text, message", [
+    ('{"zero_optimization": {"stage": 2},}', "not valid JSON: .* line 1"),
+    ('[{"bf16": {"enabled": true}}]', "must be an object of sections, not a list"),
+    ('{"zero_optimization": {"stage": 7}}', "stage must be 0, 1, 2 or 3, not 7"),
+    ('{"optimizer": {"type": "Adam", "params": {"lr": 1e-4}}}', "'optimizer' is not used here"),
+    ('{"scheduler": {"type": "WarmupLR"}}', "'scheduler' is not used here.*--lr-warmup-iters"),
+    ('{"zero_optimisation": {"stage": 3}}', "unknown section 'zero_optimisation' .*'zero_opt"),
+    ('{"train_batch_size": 64}', "sets train_batch_size=64 but the flags give 8"),
+])
+def test_deepspeed_json_is_checked_as_flags_are_parsed(tmp_path, text, message):
+    path = tmp_path / "ds.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message) as error:
+        parse_args(BASE + ["--micro-batch-size", "8", "--deepspeed_config", str(path)])
+    assert str(path) in str(error.value) or "train_batch_size" in message
+
+
+def test_deepspeed_json_sets_stage_and_precision_at_parse_time(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 2}, "bf16": {"enabled": true}}')
+    args = parse_args(BASE + ["--deepspeed_config", str(path)])
+    assert (args.zero_stage, args.bf16, args.fp16) == (2, True, False)
+
+
 def test_unknown_attention_is_refused(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--attention", "linear"])
