@@ -2,6 +2,7 @@
 
 import argparse
 import collections
+import glob
 import gzip
 import json
 import os
@@ -285,6 +286,43 @@ def _build_on_rank(sp_model, data_path, cache_dir):
 def test_build_datasets_on_two_ranks(sp_model, sp_data, tmp_path):
     rank0, rank1 = run_distributed(_build_on_rank, 2, sp_model, ["1", sp_data[0], "1", sp_data[1]], str(tmp_path))
     assert rank0 == rank1 and len(rank0) >= 60
+
+
+def _build_alone(sp_model, data_path, cache_dir):
+    tok = build_tokenizer(SP, sp_model)
+    train, _, _ = build_datasets(data_path, "98,1,1", 16, 11, tok, (3000, 4, 4), cache_dir)
+    return [train[i]["tokens"].tolist() for i in (0, 1234, 2999)]
+
+
+def test_two_jobs_building_one_index_cache_at_once(sp_model, sp_data, tmp_path):
+    """Each builds under the cache folder's lock; the later one reads whole files."""
+    import concurrent.futures
+    import multiprocessing
+
+    blend = ["1", sp_data[0], "1", sp_data[1]]
+    with concurrent.futures.ProcessPoolExecutor(
+            2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        jobs = [pool.submit(_build_alone, sp_model, blend, str(tmp_path)) for _ in range(2)]
+        first, second = (job.result(timeout=300) for job in jobs)
+    assert first == second
+
+
+def test_damaged_index_cache_is_rebuilt_and_a_pickled_one_refused(sp_model, sp_data, tmp_path):
+    tok = build_tokenizer(SP, sp_model)
+
+    def build():
+        train, _, _ = build_datasets(sp_data[:1], "98,1,1", 16, 3, tok, (50, 4, 4), str(tmp_path))
+        return [train[i]["tokens"].tolist() for i in range(len(train))]
+
+    fresh = build()
+    shuffle = sorted(glob.glob(str(tmp_path / "*shuffle_index.npy")))[0]
+    with open(shuffle, "r+b") as f:  # as a build killed mid-write leaves it
+        f.truncate(os.path.getsize(shuffle) // 2)
+    with pytest.warns(UserWarning, match="is damaged .* rebuilding its set"):
+        assert build() == fresh
+    np.save(shuffle, np.array([{"code": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(ValueError, match="holds pickled objects"):
+        build()
 
 
 def test_build_datasets_rejects_bad_splits(sp_model, tmp_path):

@@ -1,12 +1,16 @@
 """Train/valid/test GPT datasets from `--data-path` and `--split`, as Megatron-LM builds them.
 
 Everything here is Megatron-Core's GPTDataset and BlendedMegatronDatasetBuilder; the glue adds
-checks that turn its silent failure modes into errors (see `_check_splits`) and lets it run in
-a single process without torch.distributed.
+checks that turn its silent failure modes into errors (see `_check_splits`), lets it run in
+a single process without torch.distributed, and guards its index cache (`_guarded_cache`).
 """
 
 import contextlib
+import fcntl
+import glob
+import os
 import re
+import warnings
 from typing import Optional, Sequence
 
 import numpy as np
@@ -60,9 +64,58 @@ def build_datasets(
         create_attention_mask=False,
     )
     _check_splits(blend[0], config.split_matrix, split)
-    with _process_group():
+    with _process_group(), _guarded_cache(cache_dir):
         train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, list(sizes), lambda: True, config).build()
     return train, valid, test
+
+
+@contextlib.contextmanager
+def _guarded_cache(cache_dir: Optional[str]):
+    """Megatron-Core (0.16.1) writes its index cache in place and trusts any file it finds there,
+    reading it with pickle allowed: two jobs sharing a cache folder can read each other's
+    half-written indices, a killed build leaves truncated ones that break every later run, and
+    a crafted file runs code. The rank that builds (global rank 0, one per job) holds an
+    exclusive lock on the folder while it checks the cached files and builds; a truncated or
+    unreadable set is removed (rebuilt), one that needs pickle is refused."""
+    builds = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    if cache_dir is None or not builds:
+        yield
+        return
+    os.makedirs(cache_dir, exist_ok=True)
+    with open(os.path.join(cache_dir, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        _check_cached_indices(cache_dir)
+        yield
+
+
+def _check_cached_indices(cache_dir: str) -> None:
+    for path in sorted(glob.glob(os.path.join(cache_dir, "*.npy"))):
+        problem = _npy_problem(path)
+        if problem == "pickle":
+            raise ValueError(f"index cache {path} holds pickled objects (Megatron-Core writes "
+                             "plain arrays): remove it if you trust nothing else there")
+        if problem is not None:
+            warnings.warn(f"index cache {path} is damaged ({problem}): rebuilding its set")
+            for sibling in glob.glob(path.rsplit("-", 1)[0] + "-*"):  # the set one dataset wrote
+                os.remove(sibling)
+
+
+def _npy_problem(path: str) -> Optional[str]:
+    """None for a whole array of plain numbers; "pickle" for objects; else what is wrong."""
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                           else np.lib.format.read_array_header_2_0)
+            shape, _, dtype = read_header(f)
+            data_start = f.tell()
+    except (ValueError, EOFError, OSError) as e:
+        return f"unreadable header: {e}"
+    if dtype.hasobject:
+        return "pickle"
+    expected = data_start + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    actual = os.path.getsize(path)
+    return None if actual == expected else f"{actual} bytes, {expected} expected"
 
 
 def _check_splits(prefixes: list[str], split_matrix, split: str) -> None:
