@@ -153,6 +153,26 @@ def test_preprocess_globs_keys_workers_and_no_eod(sp_model, tmp_path):
     assert _read_back(one.prefixes[0]) == _read_back(two.prefixes[0]) == expected  # sorted glob order, no EOD
 
 
+def test_files_left_by_a_killed_preprocessing_run_are_removed(sp_model, tmp_path, capsys):
+    """Those of a process that is gone; a running one's (here the parent's pid) are its own."""
+    import subprocess
+    import sys
+
+    docs = _write(tmp_path / "in.jsonl", ["one doc", "two docs"])
+    prefix = str(tmp_path / "out_text_document")
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    stale = [f"{prefix}.tmp{gone}.bin", f"{prefix}.tmp{gone}.idx"]
+    running = f"{prefix}.tmp{os.getppid()}.bin"
+    for path in stale + [running]:
+        open(path, "wb").write(b"partial")
+    preprocess([docs], str(tmp_path / "out"), SP, sp_model, append_eod=True)
+    assert "left by an interrupted run" in capsys.readouterr().out
+    assert sorted(os.listdir(tmp_path)) == sorted(["in.jsonl", "out_text_document.bin",
+                                                   "out_text_document.idx",
+                                                   os.path.basename(running)])
+
+
 def test_empty_documents_are_skipped_and_counted(sp_model, tmp_path):
     corpus = _write(tmp_path / "docs.jsonl", ["", "hello", "", ""])
     stats = preprocess([corpus], str(tmp_path / "out"), SP, sp_model, append_eod=True)

@@ -5,8 +5,10 @@ empty documents are skipped (not written as zero-length documents), and outputs 
 under temporary names and renamed at the end, so an interrupted run leaves nothing that looks valid.
 """
 
+import glob
 import multiprocessing
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -48,6 +50,21 @@ def _encode(texts: tuple[str, ...]) -> list[np.ndarray]:
     return encoded
 
 
+def _remove_stale_partials(prefix: str) -> None:
+    """Remove what a killed run left (`PREFIX.tmpPID.bin/.idx` of a process that is gone)."""
+    for path in glob.glob(glob.escape(prefix) + ".tmp*"):
+        pid = re.fullmatch(r"\.tmp(\d+)\.(bin|idx)", path[len(prefix):])
+        if pid is None:
+            continue
+        try:
+            os.kill(int(pid.group(1)), 0)  # still running: another preprocessing run's file
+        except ProcessLookupError:
+            print(f"removing {path}, left by an interrupted run", flush=True)
+            os.remove(path)
+        except PermissionError:
+            pass
+
+
 def preprocess(
     inputs: Sequence[str],
     output_prefix: str,
@@ -67,6 +84,8 @@ def preprocess(
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
 
     stats = PreprocessStats(prefixes=[output_prefix_for(output_prefix, key) for key in json_keys])
+    for prefix in stats.prefixes:
+        _remove_stale_partials(prefix)
     tmp_prefixes = [f"{prefix}.tmp{os.getpid()}" for prefix in stats.prefixes]
     init_args = (tokenizer_type, tokenizer_model, append_eod)
     builders, pool = [], None
