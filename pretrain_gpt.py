@@ -10,6 +10,7 @@ import os
 import sys
 import time
 
+from megatron_focus import cli
 from megatron_focus.arguments import parse_args
 from megatron_focus.training.trainer import pretrain
 
@@ -26,4 +27,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    cli.run(main, sys.argv[1:])

@@ -17,6 +17,7 @@ with its routers.
 
 import argparse
 
+from megatron_focus import cli
 from megatron_focus.hf import import_from_hf
 from megatron_focus.hf.architecture import SUPPORTED_ATTENTION
 
@@ -49,4 +50,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

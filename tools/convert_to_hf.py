@@ -15,6 +15,7 @@ settings are not recorded: `--focus-top-k` and `--focus-attention-mode` set them
 
 import argparse
 
+from megatron_focus import cli
 from megatron_focus.data.tokenizer import TOKENIZER_TYPES
 from megatron_focus.hf import export_to_hf
 
@@ -49,4 +50,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

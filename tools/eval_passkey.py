@@ -19,6 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron_focus import cli  # noqa: E402
 from megatron_focus.evaluation.passkey import (  # noqa: E402
     greedy, keys, passkey_prompt, retrieved)
 
@@ -171,4 +172,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

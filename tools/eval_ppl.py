@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_focus import platform  # noqa: E402
+from megatron_focus import cli, platform  # noqa: E402
 from megatron_focus.arguments import build_parser, validate_args  # noqa: E402
 from megatron_focus.hf.native import (  # noqa: E402
     checkpoint_tag_dir, native_model, read_architecture, read_weights)
@@ -188,4 +188,4 @@ def table(rows: list, lengths: list) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -45,6 +45,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_focus import cli  # noqa: E402
 from megatron_focus.data.tokenizer import TOKENIZER_TYPES  # noqa: E402
 
 
@@ -155,4 +156,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

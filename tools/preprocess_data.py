@@ -8,6 +8,7 @@ writes data/fineweb_text_document.{bin,idx}; pass data/fineweb_text_document as 
 
 import argparse
 
+from megatron_focus import cli
 from megatron_focus.data.preprocess import preprocess
 from megatron_focus.data.tokenizer import TOKENIZER_TYPES
 
@@ -34,4 +35,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

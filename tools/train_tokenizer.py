@@ -7,6 +7,7 @@ writes tok.model (use with --tokenizer-type GPTSentencePieceTokenizer --tokenize
 
 import argparse
 
+from megatron_focus import cli
 from megatron_focus.data.sentencepiece_trainer import MODEL_TYPES, train_sentencepiece
 
 
@@ -29,4 +30,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

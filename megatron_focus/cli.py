@@ -1,0 +1,34 @@
+"""How the commands end on a user's mistake: one line starting `error:`, not a traceback.
+
+An error this project raises while checking the user's input (a flag, a file, a checkpoint, a
+config) ends the command with `error: <message>` and exit code 2; a run stopped by its own
+safety checks (non-finite losses) exits 1. Any error raised elsewhere (a library, a bug) keeps
+its traceback.
+"""
+
+import os
+import sys
+
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotImplementedError,
+               FloatingPointError)
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _raised_here(error: BaseException) -> bool:
+    """Whether the innermost frame of `error` is this repository's code."""
+    tb, where = error.__traceback__, ""
+    while tb is not None:
+        where, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
+    where = os.path.abspath(where)
+    return where.startswith(_ROOT + os.sep) and "site-packages" not in where
+
+
+def run(main, *args):
+    """`main(*args)`, with the user's errors reported in one line."""
+    try:
+        return main(*args)
+    except USER_ERRORS as e:
+        if not _raised_here(e):
+            raise
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1 if isinstance(e, FloatingPointError) else 2)

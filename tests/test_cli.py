@@ -1,0 +1,35 @@
+"""Commands end a user's mistake in one line and exit code 2, having written nothing."""
+
+import json
+import os
+
+import pytest
+
+from megatron_focus import cli
+
+
+@pytest.mark.parametrize("command", [
+    ["pretrain_gpt.py", "--num-layers", "0"],
+    ["pretrain_gpt.py", "--num-layer", "2"],
+    ["pretrain_gpt.py", "--deepspeed_config", "{tmp}/missing.json"],
+    ["pretrain_gpt.py", "--data-path", "{tmp}/none_text_document", "--tokenizer-type",
+     "SentencePieceTokenizer", "--tokenizer-model", "{tmp}/none.model"],
+    ["tools/convert_to_hf.py", "--load", "{tmp}/no-run", "--save-dir", "{tmp}/out"],
+    ["tools/convert_from_hf.py", "--hf-dir", "{tmp}/no-model", "--save", "{tmp}/out"],
+    ["tools/eval_ppl.py", "--load", "{tmp}/no-run"],
+    ["tools/preprocess_data.py", "--input", "{tmp}/none-*.jsonl", "--output-prefix", "{tmp}/out",
+     "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "{tmp}/none.model"],
+], ids=lambda c: " ".join(c[:2]).replace("{tmp}/", ""))
+def test_bad_input_is_one_error_line_and_exit_code_2(run_tool, tmp_path, command):
+    out = run_tool(*[part.format(tmp=tmp_path) for part in command])
+    lines = [line for line in out.stderr.splitlines() if "[WARNING]" not in line
+             and "warn" not in line.lower()]
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    assert os.listdir(tmp_path) == []  # nothing written
+
+
+def test_errors_raised_in_libraries_keep_their_traceback():
+    with pytest.raises(json.JSONDecodeError):
+        cli.run(json.loads, "{")
