@@ -52,6 +52,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--openai-gelu", action="store_true",
                    help="GELU's tanh approximation (GPT-2's gelu_new) instead of the exact one")
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="a bias on the QKV projection even with --disable-bias-linear (Qwen2)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)

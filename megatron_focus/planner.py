@@ -188,7 +188,7 @@ def count_parameters(args: argparse.Namespace, vocab_size: int, tp: int = 1) -> 
     norm = 2 * h if args.normalization == "LayerNorm" else h
     fc1_out = ffn * (2 if args.swiglu else 1)
     # Sharded: QKV (weight, bias), output projection weight, fc1 (weight, bias), fc2 weight.
-    qkv = h * (heads + 2 * groups) * d + (heads + 2 * groups) * d * bias
+    qkv = h * (heads + 2 * groups) * d + (heads + 2 * groups) * d * (bias or args.add_qkv_bias)
     layer_sharded = qkv + heads * d * h + h * fc1_out + fc1_out * bias + ffn * h
     # Replicated: the two norms, the row-parallel biases (output projection, fc2), the router.
     router = 0

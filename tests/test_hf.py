@@ -395,6 +395,9 @@ def _hf_model(name: str):
         "mistral": lambda: MistralForCausalLM(MistralConfig(**small, num_key_value_heads=2,
                                                     sliding_window=None, head_dim=32)),
         "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**small, num_key_value_heads=2)),
+        # Mistral-7B-v0.1's shape of window: 8 keys, on 16 tokens
+        "mistral-window": lambda: MistralForCausalLM(MistralConfig(
+            **small, num_key_value_heads=2, sliding_window=8, head_dim=16)),
         "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=200, n_embd=64, n_layer=2, n_head=4,
                                            n_positions=32, activation_function="gelu")),
         # the real GPT-2's activation (tanh GELU): --openai-gelu
@@ -409,14 +412,19 @@ def _hf_model(name: str):
             **small, num_key_value_heads=1, normalization="RMSNorm", activation="swiglu",
             bias=False, position_embedding_type="rope", tie_word_embeddings=False,
             layer_attention=["standard", "xsa"])),
+        # a Qwen2 retrofitted with XSA: the QKV bias alone
+        "custom-qwen2-xsa": lambda: MegatronFocusForCausalLM(MegatronFocusConfig(
+            **small, num_key_value_heads=2, normalization="RMSNorm", activation="swiglu",
+            bias=False, qkv_bias=True, position_embedding_type="rope",
+            layer_attention=["xsa", "xsa"])),
         # Focus (routers replicated over TP=2), XSA on the second layer
         "custom-llama-focus-xsa-layer-2": _custom_focus_model,
     }[name]()
 
 
-HF_MODELS = ["llama-gqa-untied", "llama-biases-tied", "mistral", "qwen2", "gpt2", "gpt2-gelu-new",
-             "custom-gpt2-rope-gelu-tanh",
-             "custom-gpt2-rope-gqa", "custom-llama-xsa-layer-2", "custom-llama-focus-xsa-layer-2"]
+HF_MODELS = ["llama-gqa-untied", "llama-biases-tied", "mistral", "mistral-window", "qwen2",
+             "gpt2", "gpt2-gelu-new", "custom-gpt2-rope-gelu-tanh", "custom-gpt2-rope-gqa",
+             "custom-llama-xsa-layer-2", "custom-qwen2-xsa", "custom-llama-focus-xsa-layer-2"]
 
 
 @pytest.mark.parametrize("name", HF_MODELS)
@@ -439,17 +447,16 @@ def test_hf_to_native_to_hf(name, tmp_path):
         reference = model(tokens).logits
     assert (native_logits(ckpt, tokens) - reference).abs().max() < 1e-4
 
-    # Mistral and Qwen2 come back as the Llama that computes the same (Qwen2's absent biases: 0)
+    # Each comes back as its own class, but a Mistral without a window: the Llama it computes
     hf_class = export_to_hf(ckpt, back, progress=False)
-    assert hf_class == ("LlamaForCausalLM" if name in ("mistral", "qwen2") else type(model).__name__)
+    assert hf_class == ("LlamaForCausalLM" if name == "mistral" else type(model).__name__)
     original, exported = (load_file(os.path.join(d, "model.safetensors"))
                           for d in (tmp_path / "hf", back))
+    assert exported.keys() == original.keys()
     assert all(torch.equal(exported[k], v) for k, v in original.items())
-    added = exported.keys() - original.keys()
-    assert added == (set() if name != "qwen2" else {
-        f"model.layers.{i}.{m}.bias" for i in range(2)
-        for m in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")})
-    assert all(not exported[k].any() for k in added)
+    if name == "mistral-window":
+        with open(os.path.join(back, "config.json")) as f:
+            assert json.load(f)["sliding_window"] == 8
     # the special ids the original config gave, where they name a token (GPT-2's 50256 does not)
     with open(tmp_path / "hf" / "config.json") as f, open(tmp_path / "back" / "config.json") as g:
         before, after = json.load(f), json.load(g)
@@ -568,7 +575,6 @@ def test_focus_model_imports_as_focus_only(tmp_path):
     ({"model_type": "gpt2", "activation_function": "relu"}, "'relu': only the exact GELU"),
     ({"model_type": "llama", "rope_parameters": {"rope_type": "linear", "rope_theta": 1e4,
                                                  "factor": 2.0}}, "RoPE scaling"),
-    ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window 4096"),
     ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
     ({"model_type": "bert"}, "not supported"),
 ])

@@ -273,6 +273,8 @@ def test_planner_counts_the_parameters_of_the_built_model(single_process):
         small + ["--group-query-attention", "--num-query-groups", "2", "--swiglu", "--normalization",
                  "RMSNorm", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
                  "--ffn-hidden-size", "176", "--position-embedding-type", "rope"],
+        small + ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
+                 "--add-qkv-bias", "--position-embedding-type", "rope"],  # Qwen2
     ]
     if not _focus_refused():
         families.append(small + ["--attention", "focus+xsa", "--focus-groups", "4"])

@@ -83,6 +83,7 @@ class Architecture:
     attention: str = "standard"
     xsa_layers: Optional[Tuple[int, ...]] = None  # 1-based; None: every layer (when xsa)
     window_size: Optional[Tuple[int, int]] = None  # sliding window (left, 0): keys i - left .. i
+    add_qkv_bias: bool = False  # a QKV bias without add_bias_linear (Qwen2)
     focus: Optional[FocusSettings] = None  # exactly when attention is focus or focus+xsa
 
     def __post_init__(self):
@@ -160,6 +161,8 @@ class Architecture:
             flags.append("--openai-gelu")
         if not self.add_bias_linear:
             flags.append("--disable-bias-linear")
+        if self.add_qkv_bias:
+            flags.append("--add-qkv-bias")
         if not self.tied:
             flags.append("--untie-embeddings-and-output-weights")
         if self.xsa_layers is not None:

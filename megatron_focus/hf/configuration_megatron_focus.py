@@ -31,6 +31,7 @@ class MegatronFocusConfig(PreTrainedConfig):
     norm_eps: float = 1e-5
     activation: str = "gelu"
     bias: bool = True  # on every linear layer but the output layer, as Megatron's add_bias_linear
+    qkv_bias: bool = False  # on the q, k, v projections even without `bias` (--add-qkv-bias)
     position_embedding_type: str = "learned_absolute"
     rotary_base: float = 10000.0
     max_position_embeddings: int = 2048

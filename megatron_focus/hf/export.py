@@ -45,7 +45,7 @@ def export_to_hf(load_dir: str, save_dir: str, iteration: Optional[int] = None,
             special_tokens = {**dict.fromkeys(SPECIAL_TOKEN_IDS),
                               **native.recorded_special_tokens(tag_dir)}
         config = families.hf_config(family, arch, special_tokens)
-        rules = families.rules(family, arch, families.HFBiases.every(arch.add_bias_linear))
+        rules = families.rules(family, arch, families.HFBiases.of(arch))
         weights = native_to_hf(native.read_weights(tag_dir, arch, progress, allow_unsafe), rules,
                                progress)
         model = _model_holding(family, config, weights)
@@ -55,12 +55,14 @@ def export_to_hf(load_dir: str, save_dir: str, iteration: Optional[int] = None,
 
 def _model_holding(family: str, config, weights: dict):
     """The HF model built around `weights` (no second copy, no random initialisation)."""
-    from transformers import GenerationConfig, GPT2LMHeadModel, LlamaForCausalLM
+    from transformers import (GenerationConfig, GPT2LMHeadModel, LlamaForCausalLM,
+                              MistralForCausalLM, Qwen2ForCausalLM)
 
     from megatron_focus.hf.configuration_megatron_focus import MegatronFocusConfig
     from megatron_focus.hf.modeling_megatron_focus import MegatronFocusForCausalLM
 
-    cls = {families.LLAMA: LlamaForCausalLM, families.GPT2: GPT2LMHeadModel,
+    cls = {families.LLAMA: LlamaForCausalLM, families.QWEN2: Qwen2ForCausalLM,
+           families.MISTRAL: MistralForCausalLM, families.GPT2: GPT2LMHeadModel,
            families.CUSTOM: MegatronFocusForCausalLM}[family]
     if family == families.CUSTOM:  # save_pretrained then copies the code and writes auto_map
         MegatronFocusConfig.register_for_auto_class()

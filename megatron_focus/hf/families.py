@@ -1,10 +1,12 @@
 """The HF model classes a native model maps to, each with its config and its weight rules.
 
 Export picks the stock class that computes exactly what the native model computes:
-`LlamaForCausalLM` (RMSNorm, SwiGLU, RoPE; biases via `attention_bias`/`mlp_bias`) or
-`GPT2LMHeadModel` (LayerNorm, exact GELU, biases, learned positions, tied embeddings, no GQA);
-anything else, XSA and Focus included, goes to this project's own `MegatronFocusForCausalLM`,
-which covers both families and every attention variant. Import reads Llama, Mistral, Qwen2,
+`LlamaForCausalLM` (RMSNorm, SwiGLU, RoPE; biases via `attention_bias`/`mlp_bias`),
+`Qwen2ForCausalLM` (the same with a QKV bias alone, `--add-qkv-bias`), `MistralForCausalLM` (the
+same without biases, with a sliding window, `--window-size`) or `GPT2LMHeadModel` (LayerNorm,
+exact GELU, biases, learned positions, tied embeddings, no GQA); anything else, XSA and Focus
+included, goes to this project's own `MegatronFocusForCausalLM`, which covers both families and
+every attention variant. Import reads Llama, Mistral, Qwen2,
 GPT-2 and megatron_focus configs, and refuses what the native model cannot compute exactly.
 
 Weight names (`.weight`, and `.bias` where there is one; layer i's names continue its prefix):
@@ -39,8 +41,9 @@ import torch
 from megatron_focus.hf.architecture import Architecture, FocusSettings
 from megatron_focus.hf.mapping import Rule, copy, merge_qkv, split_qkv, transposed, zero_bias
 
-LLAMA, GPT2, CUSTOM = "llama", "gpt2", "megatron_focus"
-HF_CLASS = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel", CUSTOM: "MegatronFocusForCausalLM"}
+LLAMA, QWEN2, MISTRAL, GPT2, CUSTOM = "llama", "qwen2", "mistral", "gpt2", "megatron_focus"
+HF_CLASS = {LLAMA: "LlamaForCausalLM", QWEN2: "Qwen2ForCausalLM", MISTRAL: "MistralForCausalLM",
+            GPT2: "GPT2LMHeadModel", CUSTOM: "MegatronFocusForCausalLM"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,19 +58,43 @@ class HFBiases:
     def every(cls, flag: bool) -> "HFBiases":
         return cls(flag, flag, flag)
 
+    @classmethod
+    def of(cls, arch: Architecture) -> "HFBiases":
+        """The biases the native model has."""
+        return cls(arch.add_bias_linear or arch.add_qkv_bias, arch.add_bias_linear,
+                   arch.add_bias_linear)
+
 
 # --- which family --------------------------------------------------------------------------------
 
-def _not_llama(arch: Architecture) -> Optional[str]:
+def _not_llama_like(arch: Architecture) -> Optional[str]:
     if arch.attention != "standard":
         return f"--attention {arch.attention}"
-    if arch.window_size is not None:
-        return "sliding-window attention"
     if (arch.normalization, arch.swiglu, arch.position_embedding_type) != ("RMSNorm", True, "rope"):
         return "not RMSNorm + SwiGLU + RoPE"
     if arch.hidden_size % arch.num_attention_heads:
         return "hidden size not divisible by the heads (LlamaConfig refuses it)"
     return None
+
+
+def _not_llama(arch: Architecture) -> Optional[str]:
+    if arch.window_size is not None:
+        return "sliding-window attention"
+    return _not_llama_like(arch)
+
+
+def _not_qwen2(arch: Architecture) -> Optional[str]:
+    if arch.window_size is not None:
+        return "sliding-window attention (Qwen2's applies to upper layers only)"
+    if arch.kv_channels * arch.num_attention_heads != arch.hidden_size:
+        return "head size x heads != hidden size (Qwen2Config has no head_dim)"
+    return _not_llama_like(arch)
+
+
+def _not_mistral(arch: Architecture) -> Optional[str]:
+    if arch.add_bias_linear:
+        return "biases (Mistral has none)"
+    return _not_llama_like(arch)
 
 
 def _not_gpt2(arch: Architecture) -> Optional[str]:
@@ -88,8 +115,14 @@ def _not_gpt2(arch: Architecture) -> Optional[str]:
 
 def choose_family(arch: Architecture) -> Tuple[str, str]:
     """`(family, why)`: the stock class when it is exact, else the custom one and the reason."""
-    family = LLAMA if arch.normalization == "RMSNorm" else GPT2
-    why_not = (_not_llama if family == LLAMA else _not_gpt2)(arch)
+    if arch.normalization != "RMSNorm":
+        family = GPT2
+    elif arch.add_qkv_bias and not arch.add_bias_linear:
+        family = QWEN2
+    else:
+        family = MISTRAL if arch.window_size is not None else LLAMA
+    why_not = {LLAMA: _not_llama, QWEN2: _not_qwen2, MISTRAL: _not_mistral,
+               GPT2: _not_gpt2}[family](arch)
     if why_not is None:
         return family, f"exactly a {HF_CLASS[family]}"
     return CUSTOM, f"not a stock {HF_CLASS[family]} ({why_not}): needs trust_remote_code=True"
@@ -99,21 +132,27 @@ def choose_family(arch: Architecture) -> Tuple[str, str]:
 
 def hf_config(family: str, arch: Architecture, special_tokens: dict):
     """The HF config of `arch` in `family`; `special_tokens`: bos/eos/pad_token_id."""
-    from transformers import GPT2Config, LlamaConfig
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
     from megatron_focus.hf.configuration_megatron_focus import MegatronFocusConfig
 
+    llama_like = dict(
+        vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
+        intermediate_size=arch.ffn_hidden_size, num_hidden_layers=arch.num_layers,
+        num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_query_groups,
+        hidden_act="silu", max_position_embeddings=arch.max_position_embeddings,
+        rms_norm_eps=arch.norm_epsilon, tie_word_embeddings=arch.tied,
+        rope_parameters={"rope_type": "default", "rope_theta": float(arch.rotary_base)},
+        **special_tokens,
+    )
     if family == LLAMA:
-        return LlamaConfig(
-            vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
-            intermediate_size=arch.ffn_hidden_size, num_hidden_layers=arch.num_layers,
-            num_attention_heads=arch.num_attention_heads,
-            num_key_value_heads=arch.num_query_groups, head_dim=arch.kv_channels,
-            hidden_act="silu", max_position_embeddings=arch.max_position_embeddings,
-            rms_norm_eps=arch.norm_epsilon, tie_word_embeddings=arch.tied,
-            rope_parameters={"rope_type": "default", "rope_theta": float(arch.rotary_base)},
-            attention_bias=arch.add_bias_linear, mlp_bias=arch.add_bias_linear, **special_tokens,
-        )
+        return LlamaConfig(**llama_like, head_dim=arch.kv_channels,
+                           attention_bias=arch.add_bias_linear, mlp_bias=arch.add_bias_linear)
+    if family == QWEN2:
+        return Qwen2Config(**llama_like, use_sliding_window=False)
+    if family == MISTRAL:  # HF counts a window's keys, Megatron the ones before i
+        return MistralConfig(**llama_like, head_dim=arch.kv_channels,
+                             sliding_window=arch.window_size[0] + 1)
     if family == GPT2:
         return GPT2Config(
             vocab_size=arch.vocab_size, n_positions=arch.max_position_embeddings,
@@ -129,7 +168,7 @@ def hf_config(family: str, arch: Architecture, special_tokens: dict):
         num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_query_groups,
         head_dim=arch.kv_channels, normalization=arch.normalization, norm_eps=arch.norm_epsilon,
         activation="swiglu" if arch.swiglu else "gelu_tanh" if arch.openai_gelu else "gelu",
-        bias=arch.add_bias_linear,
+        bias=arch.add_bias_linear, qkv_bias=arch.add_qkv_bias,
         position_embedding_type=arch.position_embedding_type,
         rotary_base=float(arch.rotary_base), max_position_embeddings=arch.max_position_embeddings,
         tie_word_embeddings=arch.tied, layer_attention=arch.layer_attention(),
@@ -160,7 +199,8 @@ def from_hf_config(config) -> Tuple[str, Architecture, HFBiases]:
     if kind == "gpt2":
         return GPT2, _from_gpt2(config), HFBiases.every(True)
     if kind == CUSTOM:
-        return CUSTOM, _from_custom(config), HFBiases.every(config.bias)
+        arch = _from_custom(config)
+        return CUSTOM, arch, HFBiases.of(arch)
     raise NotImplementedError(f"HF model type {kind!r} is not supported; supported: llama, "
                               "mistral, qwen2, gpt2, megatron_focus")
 
@@ -173,13 +213,14 @@ def _from_llama_like(config) -> Tuple[str, Architecture, HFBiases]:
              f"RoPE scaling {rope.get('rope_type')!r} (only plain RoPE is native)")
     theta = rope["rope_theta"]
     _require(float(theta).is_integer(), f"rope_theta {theta} is not an integer (--rotary-base)")
-    if kind == "mistral":
-        _require(config.sliding_window is None,
-                 f"sliding_window {config.sliding_window}: native attention is fully causal")
-        biases = HFBiases.every(False)
+    window, family = None, LLAMA
+    if kind == "mistral":  # sliding_window keys, the query's own included (None: all)
+        window = None if config.sliding_window is None else (config.sliding_window - 1, 0)
+        family, biases = MISTRAL, HFBiases.every(False)
     elif kind == "qwen2":
-        _require(not config.use_sliding_window, "use_sliding_window: native attention is fully causal")
-        biases = HFBiases(qkv=True, proj=False, mlp=False)
+        _require(not config.use_sliding_window, "use_sliding_window (Qwen2's window applies "
+                 "to upper layers only): native attention has one window for all layers")
+        family, biases = QWEN2, HFBiases(qkv=True, proj=False, mlp=False)
     else:
         biases = HFBiases(config.attention_bias, config.attention_bias, config.mlp_bias)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -189,12 +230,13 @@ def _from_llama_like(config) -> Tuple[str, Architecture, HFBiases]:
         num_attention_heads=config.num_attention_heads,
         num_query_groups=config.num_key_value_heads or config.num_attention_heads,
         kv_channels=head_dim, normalization="RMSNorm", norm_epsilon=config.rms_norm_eps,
-        swiglu=True, add_bias_linear=biases.qkv or biases.proj or biases.mlp,
+        swiglu=True, add_bias_linear=biases.proj or biases.mlp,
+        add_qkv_bias=biases.qkv and not (biases.proj or biases.mlp),
         position_embedding_type="rope", rotary_base=int(theta),
         max_position_embeddings=config.max_position_embeddings,
-        untie_embeddings_and_output_weights=not config.tie_word_embeddings,
+        untie_embeddings_and_output_weights=not config.tie_word_embeddings, window_size=window,
     )
-    return LLAMA, arch, biases
+    return family, arch, biases
 
 
 # HF GPT-2's activation names -> our --openai-gelu (both tanh names are the same function)
@@ -235,7 +277,7 @@ def _from_custom(config) -> Architecture:
         num_query_groups=config.num_key_value_heads, kv_channels=config.head_dim,
         normalization=config.normalization, norm_epsilon=config.norm_eps,
         swiglu=config.activation == "swiglu", openai_gelu=config.activation == "gelu_tanh",
-        add_bias_linear=config.bias,
+        add_bias_linear=config.bias, add_qkv_bias=config.qkv_bias and not config.bias,
         position_embedding_type=config.position_embedding_type,
         rotary_base=int(config.rotary_base), max_position_embeddings=config.max_position_embeddings,
         untie_embeddings_and_output_weights=not config.tie_word_embeddings,
@@ -260,13 +302,13 @@ def _norm(arch: Architecture, native: str, hf: str) -> List[Rule]:
     return [copy(f"{native}.{p}", f"{hf}.{p}") for p in params]
 
 
-def _linear(arch: Architecture, native: str, hf: List[str], hf_bias: bool, out_features: int,
+def _linear(native_bias: bool, native: str, hf: List[str], hf_bias: bool, out_features: int,
             split=lambda t: (t,), merge=lambda t: t) -> List[Rule]:
     """Weight and bias of one Megatron linear layer, as one or more HF linear layers."""
     out = [Rule(f"{native}.weight", tuple(f"{m}.weight" for m in hf), split, merge)]
-    if arch.add_bias_linear and hf_bias:
+    if native_bias and hf_bias:
         out.append(Rule(f"{native}.bias", tuple(f"{m}.bias" for m in hf), split, merge))
-    elif arch.add_bias_linear:
+    elif native_bias:
         out.append(zero_bias(f"{native}.bias", out_features))
     return out
 
@@ -280,21 +322,22 @@ def _llama_style_rules(arch: Architecture, biases: HFBiases) -> List[Rule]:
     for i in range(arch.num_layers):
         native, hf = f"decoder.layers.{i}", f"model.layers.{i}"
         out += _norm(arch, f"{native}.input_layernorm", f"{hf}.input_layernorm")
-        out += _linear(arch, f"{native}.self_attention.linear_qkv",
+        ours = HFBiases.of(arch)
+        out += _linear(ours.qkv, f"{native}.self_attention.linear_qkv",
                        [f"{hf}.self_attn.{p}_proj" for p in "qkv"], biases.qkv, qkv_rows,
                        lambda t: split_qkv(t, arch), lambda q, k, v: merge_qkv(q, k, v, arch))
-        out += _linear(arch, f"{native}.self_attention.linear_proj", [f"{hf}.self_attn.o_proj"],
-                       biases.proj, hidden)
+        out += _linear(ours.proj, f"{native}.self_attention.linear_proj",
+                       [f"{hf}.self_attn.o_proj"], biases.proj, hidden)
         out += _norm(arch, f"{native}.pre_mlp_layernorm", f"{hf}.post_attention_layernorm")
         if arch.swiglu:
-            out += _linear(arch, f"{native}.mlp.linear_fc1",
+            out += _linear(ours.mlp, f"{native}.mlp.linear_fc1",
                            [f"{hf}.mlp.gate_proj", f"{hf}.mlp.up_proj"], biases.mlp,
                            2 * arch.ffn_hidden_size,
                            lambda t: t.chunk(2), lambda gate, up: torch.cat([gate, up]))
         else:
-            out += _linear(arch, f"{native}.mlp.linear_fc1", [f"{hf}.mlp.up_proj"], biases.mlp,
-                           arch.ffn_hidden_size)
-        out += _linear(arch, f"{native}.mlp.linear_fc2", [f"{hf}.mlp.down_proj"], biases.mlp,
+            out += _linear(ours.mlp, f"{native}.mlp.linear_fc1", [f"{hf}.mlp.up_proj"],
+                           biases.mlp, arch.ffn_hidden_size)
+        out += _linear(ours.mlp, f"{native}.mlp.linear_fc2", [f"{hf}.mlp.down_proj"], biases.mlp,
                        hidden)
         if arch.focus is not None:
             out += [copy(f"{native}.self_attention.router.{p}", f"{hf}.self_attn.router.{p}")

@@ -61,9 +61,10 @@ class Attention(nn.Module):
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
         heads, groups, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, heads * hd, bias=config.bias)
-        self.k_proj = nn.Linear(config.hidden_size, groups * hd, bias=config.bias)
-        self.v_proj = nn.Linear(config.hidden_size, groups * hd, bias=config.bias)
+        qkv_bias = config.bias or config.qkv_bias
+        self.q_proj = nn.Linear(config.hidden_size, heads * hd, bias=qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, groups * hd, bias=qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, groups * hd, bias=qkv_bias)
         self.o_proj = nn.Linear(heads * hd, config.hidden_size, bias=config.bias)
 
     def forward(self, x, positions, mask, cache, attention_mask=None):

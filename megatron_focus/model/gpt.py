@@ -48,6 +48,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon,
         add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
         gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else openai_gelu if args.openai_gelu else F.gelu,
         init_method_std=args.init_method_std,
