@@ -145,7 +145,12 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
                         " default: the embedded stdlib corpus")
     g.add_argument("--split", default="969,30,1")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
-    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--tokenizer-model", default=None,
+                   help="SentencePiece .model, or an HF tokenizer.json or its folder")
+    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: GPT-2's vocab.json")
+    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: GPT-2's merges.txt")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer: ids before the end-of-document id")
     g.add_argument("--data-cache-path", default=None,
                    help="where dataset indices (and the embedded corpus) are cached")
     g.add_argument("--mqar", action="store_true",
@@ -410,18 +415,20 @@ def _validate_training(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError("--lr-warmup-iters must be shorter than the decay (--lr-decay-iters, default --train-iters)")
     if args.min_lr > args.lr:
         raise ValueError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+    tokenizer_given = args.tokenizer_type is not None or args.tokenizer_model or args.vocab_file
     if args.mqar:
-        if args.data_path or args.tokenizer_model:
-            raise ValueError("--mqar makes its own data: not with --data-path or --tokenizer-model")
+        if args.data_path or tokenizer_given:
+            raise ValueError("--mqar makes its own data: not with --data-path or a tokenizer")
         check_mqar(args.seq_length, args.mqar_pairs, args.mqar_vocab_size, args.mqar_min_distance,
                    args.mqar_queries, args.mqar_packed)
-    if bool(args.tokenizer_model) != bool(args.data_path):
+    if bool(tokenizer_given) != bool(args.data_path):
         raise ValueError(
-            "--data-path and --tokenizer-model go together: give both, or neither to use the "
+            "--data-path and a tokenizer (--tokenizer-type with --tokenizer-model, --vocab-file "
+            "and --merge-file, or --vocab-size) go together: give both, or neither to use the "
             "embedded corpus and its tokenizer"
         )
     if args.data_path and args.tokenizer_type is None:
-        raise ValueError("--tokenizer-model needs --tokenizer-type")
+        raise ValueError("--data-path needs --tokenizer-type")
     if args.retrofit and not args.attention.startswith("focus"):
         raise ValueError("--retrofit adds Focus routers: it needs --attention focus or focus+xsa")
     if (args.retrofit or args.finetune) and not args.load:

@@ -78,9 +78,6 @@ def add_planner_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="GPU name for its dense bf16 peak (H100, H200, A100, L40S, A10)")
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="dense bf16 peak per GPU in TFLOP/s (overrides --gpu)")
-    g.add_argument("--vocab-size", type=int, default=None,
-                   help="tokenizer vocabulary (default: read --tokenizer-model if given, else "
-                        f"GPT-2's {DEFAULT_VOCAB})")
     g.add_argument("--train-tokens", type=float, default=None,
                    help="tokens to train on (default --train-iters x --global-batch-size x "
                         "--seq-length)")
@@ -106,20 +103,23 @@ def parse_plan_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     world = args.nodes * args.gpus_per_node
     if args.nodes < 1 or args.gpus_per_node < 1 or args.gpu_memory_gb <= 0:
         raise PlanError("--nodes, --gpus-per-node and --gpu-memory-gb must be positive")
-    if args.tokenizer_model and not args.data_path:
+    if (args.tokenizer_model or args.vocab_file) and not args.data_path:
         args.data_path = ["(not read by the planner)"]  # only the vocabulary is read
     _validate(args, world)
     if world % args.tensor_model_parallel_size:
         raise PlanError(f"{world} GPUs do not split into --tensor-model-parallel-size "
                         f"{args.tensor_model_parallel_size} groups")
     deepspeed_config(args, world // args.tensor_model_parallel_size)  # ZeRO stage, bf16 from JSON
-    if args.vocab_size is None:
-        if args.tokenizer_model:
-            from megatron_focus.data.tokenizer import build_tokenizer
+    # The tokenizer's vocabulary: --vocab-size as given (NullTokenizer: and its end-of-document
+    # id), else read from the tokenizer files, else GPT-2's.
+    reads = (args.tokenizer_type == "NullTokenizer"
+             or (args.vocab_size is None and (args.tokenizer_model or args.vocab_file)))
+    if reads:
+        from megatron_focus.data.tokenizer import build_tokenizer, tokenizer_flags
 
-            args.vocab_size = build_tokenizer(args.tokenizer_type, args.tokenizer_model).vocab_size
-        else:
-            args.vocab_size = DEFAULT_VOCAB
+        args.vocab_size = build_tokenizer(args.tokenizer_type, **tokenizer_flags(args)).vocab_size
+    elif args.vocab_size is None:
+        args.vocab_size = DEFAULT_VOCAB
     return args
 
 

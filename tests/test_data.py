@@ -86,7 +86,7 @@ def test_sentencepiece_tokenizer(sp_model):
 
 def test_unknown_tokenizer_type_and_missing_model(sp_model):
     with pytest.raises(ValueError, match="valid types: " + ", ".join(TOKENIZER_TYPES)):
-        build_tokenizer("GPT2BPETokenizer", sp_model)
+        build_tokenizer("BertWordPieceLowerCase", sp_model)
     with pytest.raises(FileNotFoundError, match="nope.model"):
         build_tokenizer(SP, "nope.model")
 
@@ -103,6 +103,131 @@ def _hf_tokenizer(path, special_tokens):
     os.makedirs(path, exist_ok=True)
     tok.save(os.path.join(path, "tokenizer.json"))
     return tok
+
+
+def _gpt2_files(folder):
+    """GPT-2-style vocab.json and merges.txt (a small byte-level BPE with <|endoftext|>)."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    from megatron_focus.hf.tokenizer import PROBES
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(list(PROBES) * 20, vocab_size=400, special_tokens=["<|endoftext|>"])
+    bpe.save_model(str(folder))
+    return str(folder / "vocab.json"), str(folder / "merges.txt")
+
+
+def _openai_gpt2_encode(vocab_file, merges_file, text):
+    """OpenAI's GPT-2 encoder (encoder.py), written out: the reference Megatron-LM's
+    GPT2BPETokenizer follows; `<|endoftext|>` in text is that one token, as in Megatron-Core."""
+    import regex
+
+    byte_values = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    chars, n = byte_values[:], 0
+    for b in range(256):
+        if b not in byte_values:
+            byte_values.append(b)
+            chars.append(256 + n)
+            n += 1
+    byte_to_char = dict(zip(byte_values, map(chr, chars)))
+    encoder = json.load(open(vocab_file))
+    merges = [tuple(line.split()) for line in open(merges_file).read().split("\n")[1:] if line]
+    ranks = dict(zip(merges, range(len(merges))))
+
+    def bpe(word):
+        parts = list(word)
+        while len(parts) > 1:
+            pairs = [(ranks.get(pair, float("inf")), i)
+                     for i, pair in enumerate(zip(parts, parts[1:]))]
+            rank, i = min(pairs)
+            if rank == float("inf"):
+                break
+            first, second = parts[i], parts[i + 1]
+            merged, j = [], 0
+            while j < len(parts):  # merge every occurrence of the pair, left to right
+                if j < len(parts) - 1 and (parts[j], parts[j + 1]) == (first, second):
+                    merged.append(first + second)
+                    j += 2
+                else:
+                    merged.append(parts[j])
+                    j += 1
+            parts = merged
+        return parts
+
+    pattern = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+    ids = []
+    for i, piece in enumerate(text.split("<|endoftext|>")):
+        if i:
+            ids.append(encoder["<|endoftext|>"])
+        for token in regex.findall(pattern, piece):
+            ids += [encoder[p] for p in bpe("".join(byte_to_char[b] for b in token.encode()))]
+    return ids
+
+
+def test_gpt2_bpe_tokenizer_encodes_as_openais_gpt2(tmp_path):
+    from megatron_focus.hf.tokenizer import PROBES
+
+    vocab, merges = _gpt2_files(tmp_path)
+    ours = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
+    assert ours.eod == json.load(open(vocab))["<|endoftext|>"]
+    for text in PROBES + ("two docs<|endoftext|>joined", "  spaces\n\n\tand tabs"):
+        assert ours.tokenize(text) == _openai_gpt2_encode(vocab, merges, text), text
+        assert ours.detokenize(ours.tokenize(text)) == text
+    with pytest.raises(FileNotFoundError, match="needs --merge-file"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=vocab)
+
+
+def test_llama2_and_null_tokenizers_as_megatron_lm(sp_model):
+    """Llama2Tokenizer: SentencePiece with its bos piece opening every text; NullTokenizer:
+    Megatron-Core's (space-separated ids, one id after --vocab-size ends documents)."""
+    import sentencepiece
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    llama = build_tokenizer("Llama2Tokenizer", sp_model)
+    reference = sentencepiece.SentencePieceProcessor(model_file=sp_model, add_bos=True)
+    for text in ("Hello world", " two  spaces\n", ""):
+        assert llama.tokenize(text) == reference.encode(text)
+    assert llama.eod == reference.eos_id()
+    ours, theirs = build_tokenizer("NullTokenizer", vocab_size=1000), NullTokenizer(1000)
+    assert (ours.vocab_size, ours.eod) == (theirs.vocab_size, theirs.eod)
+    assert ours.tokenize("5 17 999") == theirs.text_to_ids("5 17 999") == [5, 17, 999]
+    with pytest.raises(ValueError, match="needs --vocab-size"):
+        build_tokenizer("NullTokenizer")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "Llama2Tokenizer"])
+def test_megatron_tokenizers_train_and_export(kind, sp_model, tmp_path, run_tool):
+    """preprocess_data.py, pretrain_gpt.py and convert_to_hf.py with Megatron-LM's tokenizer
+    flags; the exported tokenizer encodes as the training one (Llama2's bos included)."""
+    from transformers import AutoTokenizer
+
+    from megatron_focus.hf.tokenizer import PROBES
+
+    if kind == "GPT2BPETokenizer":
+        vocab, merges = _gpt2_files(tmp_path)
+        flags = ["--vocab-file", vocab, "--merge-file", merges]
+    else:
+        flags = ["--tokenizer-model", sp_model]
+    docs = _write(tmp_path / "docs.jsonl", [f"{text} {i}" for i in range(40) for text in PROBES])
+    out = run_tool("tools/preprocess_data.py", "--input", docs, "--output-prefix",
+                   tmp_path / "data", "--tokenizer-type", kind, *flags, "--append-eod")
+    assert out.returncode == 0, out.stderr[-2000:]
+    out = run_tool("pretrain_gpt.py", "--num-layers", "1", "--hidden-size", "32",
+                   "--num-attention-heads", "2", "--seq-length", "32", "--micro-batch-size", "2",
+                   "--train-iters", "2", "--eval-iters", "1", "--split", "90,10,0",
+                   "--data-path", tmp_path / "data_text_document", "--tokenizer-type", kind,
+                   *flags, "--data-cache-path", tmp_path / "cache", "--save", tmp_path / "ckpt",
+                   "--num-workers", "0")
+    assert out.returncode == 0, out.stderr[-2000:]
+    out = run_tool("tools/convert_to_hf.py", "--load", tmp_path / "ckpt", "--save-dir",
+                   tmp_path / "hf")
+    assert out.returncode == 0, out.stderr[-2000:]
+    ours = build_tokenizer(kind, **({"vocab_file": vocab, "merge_file": merges}
+                                    if kind == "GPT2BPETokenizer" else {"tokenizer_model": sp_model}))
+    theirs = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    for text in PROBES:
+        assert theirs(text)["input_ids"] == ours.tokenize(text), text
 
 
 def test_huggingface_tokenizer_json(tmp_path):

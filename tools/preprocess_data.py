@@ -19,7 +19,10 @@ def main() -> None:
     parser.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.bin/.idx")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="fields (parquet columns) to tokenize")
     parser.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    parser.add_argument("--tokenizer-model", required=True, help="SentencePiece .model, or HF tokenizer.json / its folder")
+    parser.add_argument("--tokenizer-model", help="SentencePiece .model, or HF tokenizer.json / its folder")
+    parser.add_argument("--vocab-file", help="GPT2BPETokenizer: GPT-2's vocab.json")
+    parser.add_argument("--merge-file", help="GPT2BPETokenizer: GPT-2's merges.txt")
+    parser.add_argument("--vocab-size", type=int, help="NullTokenizer: ids before the end-of-document id")
     parser.add_argument("--append-eod", action="store_true",
                         help="end each document with EOD (as Megatron-LM: off unless given; GPT pretraining wants it)")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
@@ -27,6 +30,8 @@ def main() -> None:
     args = parser.parse_args()
 
     stats = preprocess(args.input, args.output_prefix, args.tokenizer_type, args.tokenizer_model,
+                       vocab_file=args.vocab_file, merge_file=args.merge_file,
+                       vocab_size=args.vocab_size,
                        append_eod=args.append_eod, json_keys=args.json_keys, workers=args.workers,
                        log_interval=args.log_interval)
     for prefix in stats.prefixes:

@@ -10,7 +10,7 @@ import multiprocessing
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
@@ -34,8 +34,8 @@ def output_prefix_for(output_prefix: str, key: str) -> str:
     return f"{output_prefix}_{key}_document"
 
 
-def _init_worker(tokenizer_type: str, tokenizer_model: str, append_eod: bool) -> None:
-    tokenizer = build_tokenizer(tokenizer_type, tokenizer_model)
+def _init_worker(tokenizer_type: str, files: dict, append_eod: bool) -> None:
+    tokenizer = build_tokenizer(tokenizer_type, **files)
     _worker.update(tokenizer=tokenizer, append_eod=append_eod, dtype=DType.optimal_dtype(tokenizer.vocab_size))
 
 
@@ -69,25 +69,31 @@ def preprocess(
     inputs: Sequence[str],
     output_prefix: str,
     tokenizer_type: str,
-    tokenizer_model: str,
+    tokenizer_model: Optional[str] = None,
     *,
     append_eod: bool,
+    vocab_file: Optional[str] = None,
+    merge_file: Optional[str] = None,
+    vocab_size: Optional[int] = None,
     json_keys: Sequence[str] = ("text",),
     workers: int = 1,
     log_interval: int = 1000,
 ) -> PreprocessStats:
-    """Tokenize `inputs` (paths or globs) into one indexed dataset per json key."""
+    """Tokenize `inputs` (paths or globs) into one indexed dataset per json key; the tokenizer as
+    `build_tokenizer` takes it."""
     if workers < 1 or log_interval < 1:
         raise ValueError(f"--workers ({workers}) and --log-interval ({log_interval}) must be >= 1")
     paths = expand_inputs(inputs, json_keys)
-    dtype = DType.optimal_dtype(build_tokenizer(tokenizer_type, tokenizer_model).vocab_size)
+    files = {"tokenizer_model": tokenizer_model, "vocab_file": vocab_file,
+             "merge_file": merge_file, "vocab_size": vocab_size}
+    dtype = DType.optimal_dtype(build_tokenizer(tokenizer_type, **files).vocab_size)
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
 
     stats = PreprocessStats(prefixes=[output_prefix_for(output_prefix, key) for key in json_keys])
     for prefix in stats.prefixes:
         _remove_stale_partials(prefix)
     tmp_prefixes = [f"{prefix}.tmp{os.getpid()}" for prefix in stats.prefixes]
-    init_args = (tokenizer_type, tokenizer_model, append_eod)
+    init_args = (tokenizer_type, files, append_eod)
     builders, pool = [], None
     try:
         builders += [IndexedDatasetBuilder(f"{tmp}.bin", dtype=dtype) for tmp in tmp_prefixes]

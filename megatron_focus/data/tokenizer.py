@@ -17,7 +17,8 @@ import sentencepiece
 import tokenizers
 from megatron.core.tokenizers import MegatronTokenizerBase
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer")
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                   "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
 
 # Without a `tokenizer_config.json` naming its eos token, tried in order: the first one in the
 # vocabulary marks document ends.
@@ -26,7 +27,12 @@ HF_TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 class _Tokenizer(MegatronTokenizerBase):
-    """What the two backends share: identity for the dataset cache, and no chat template."""
+    """What the backends share: identity for the dataset cache, and no chat template.
+
+    `adds_bos`: `tokenize` opens every text with the bos token (Megatron-LM's Llama2Tokenizer).
+    """
+
+    adds_bos = False
 
     def __init__(self, tokenizer_type: str, model_path: str) -> None:
         super().__init__(model_path, config={})
@@ -85,6 +91,22 @@ class SentencePieceTokenizer(_Tokenizer):
         return self._sp.bos_id() if self._sp.bos_id() >= 0 else None
 
 
+class Llama2Tokenizer(SentencePieceTokenizer):
+    """Megatron-LM's Llama2Tokenizer: a SentencePiece model whose bos piece opens every
+    document, and whose eos piece ends it."""
+
+    adds_bos = True
+
+    def __init__(self, tokenizer_type: str, model_path: str) -> None:
+        super().__init__(tokenizer_type, model_path)
+        if self.bos is None:
+            raise ValueError(f"{model_path} defines no bos piece (bos_id=-1): Llama2Tokenizer "
+                             "opens documents with it; use SentencePieceTokenizer")
+
+    def tokenize(self, text: str) -> list[int]:
+        return [self.bos] + super().tokenize(text)
+
+
 def special_token_names(config_path: str) -> dict:
     """`{"bos": str, "eos": str, "pad": str}` as far as an HF `tokenizer_config.json` names them
     (a plain string or an AddedToken dict)."""
@@ -111,9 +133,10 @@ class HuggingFaceTokenizer(_Tokenizer):
     `HF_EOD_TOKENS` in the vocabulary ends documents and `<pad>` pads, if present.
     """
 
-    def __init__(self, tokenizer_type: str, model_path: str) -> None:
+    def __init__(self, tokenizer_type: str, model_path: str,
+                 backend: Optional[tokenizers.Tokenizer] = None) -> None:
         super().__init__(tokenizer_type, model_path)
-        self._tok = tokenizers.Tokenizer.from_file(model_path)
+        self._tok = backend or tokenizers.Tokenizer.from_file(model_path)
         config = os.path.join(os.path.dirname(model_path), HF_TOKENIZER_CONFIG)
         self.config_path = config if os.path.isfile(config) else None
         names = special_token_names(config) if self.config_path else {}
@@ -165,15 +188,106 @@ class HuggingFaceTokenizer(_Tokenizer):
     def bos(self) -> Optional[int]:
         return self._bos
 
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        return self._tok
 
-def build_tokenizer(tokenizer_type: str, tokenizer_model: str) -> _Tokenizer:
-    """Megatron-LM's `--tokenizer-type/--tokenizer-model` pair -> a tokenizer."""
+
+class GPT2BPETokenizer(HuggingFaceTokenizer):
+    """Megatron-LM's GPT2BPETokenizer: GPT-2's byte-level BPE from `--vocab-file` (vocab.json)
+    and `--merge-file` (merges.txt), `<|endoftext|>` ending documents (and, in text, read as
+    that one token, as Megatron-Core's GPT-2 tokenizer does)."""
+
+    def __init__(self, tokenizer_type: str, vocab_file: str, merge_file: str) -> None:
+        from tokenizers import decoders, models, pre_tokenizers
+
+        backend = tokenizers.Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        if backend.token_to_id(GPT2_EOD) is None:
+            raise ValueError(f"--vocab-file {vocab_file} has no {GPT2_EOD} token")
+        backend.add_special_tokens([GPT2_EOD])
+        self.merge_file = merge_file
+        super().__init__(tokenizer_type, vocab_file, backend)
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        return OrderedDict(**super().unique_identifiers,
+                           merge_file=os.path.abspath(self.merge_file))
+
+
+class NullTokenizer(_Tokenizer):
+    """Megatron-LM's NullTokenizer, for data tokenized elsewhere and synthetic runs: a text is
+    space-separated ids; `--vocab-size` ids, and the one after them ends documents."""
+
+    def __init__(self, tokenizer_type: str, vocab_size: int) -> None:
+        super().__init__(tokenizer_type, f"null-{vocab_size}")
+        self._ids = vocab_size
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(x) for x in text.split()]
+
+    def detokenize(self, ids) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        return OrderedDict(tokenizer_type=self.tokenizer_type, vocab_size=self._ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._ids + 1
+
+    @property
+    def vocab(self):
+        raise NotImplementedError("NullTokenizer has no vocabulary of strings")
+
+    @property
+    def eod(self) -> int:
+        return self._ids
+
+    eos = pad = eod
+
+    @property
+    def bos(self) -> Optional[int]:
+        return None
+
+
+GPT2_EOD = "<|endoftext|>"
+
+
+def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None,
+                    vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
+                    vocab_size: Optional[int] = None) -> _Tokenizer:
+    """Megatron-LM's tokenizer flags -> a tokenizer: `--tokenizer-model` for SentencePiece and
+    HF models, `--vocab-file/--merge-file` for GPT2BPETokenizer, `--vocab-size` for
+    NullTokenizer."""
     if tokenizer_type not in TOKENIZER_TYPES:
         raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}; valid types: {', '.join(TOKENIZER_TYPES)}")
+    if tokenizer_type == "NullTokenizer":
+        if vocab_size is None or vocab_size < 1:
+            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size (the ids before "
+                             "the end-of-document id)")
+        return NullTokenizer(tokenizer_type, vocab_size)
+    if tokenizer_type == "GPT2BPETokenizer":
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if path is None or not os.path.isfile(path):
+                raise FileNotFoundError(f"--tokenizer-type GPT2BPETokenizer needs {flag}: "
+                                        f"{path or 'not given'}" + (": no such file" if path else ""))
+        return GPT2BPETokenizer(tokenizer_type, vocab_file, merge_file)
+    if tokenizer_model is None:
+        raise ValueError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model")
     path = str(tokenizer_model)
     if tokenizer_type == "HuggingFaceTokenizer" and os.path.isdir(path):
         path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--tokenizer-model {path}: no such file (type {tokenizer_type})")
-    cls = HuggingFaceTokenizer if tokenizer_type == "HuggingFaceTokenizer" else SentencePieceTokenizer
+    cls = {"HuggingFaceTokenizer": HuggingFaceTokenizer,
+           "Llama2Tokenizer": Llama2Tokenizer}.get(tokenizer_type, SentencePieceTokenizer)
     return cls(tokenizer_type, path)
+
+
+def tokenizer_flags(args) -> dict:
+    """`build_tokenizer`'s keyword arguments from parsed flags."""
+    return {"tokenizer_model": args.tokenizer_model, "vocab_file": args.vocab_file,
+            "merge_file": args.merge_file, "vocab_size": args.vocab_size}

@@ -56,17 +56,23 @@ def checkpoint_vocabulary(tag_dir: str, tokenizer_type: Optional[str] = None,
     vocabulary size, and its tokenizer is None.
     """
     recorded = read_json(tag_dir, checkpointing.TOKENIZER_FILE)
+    files = {}
     if tokenizer_model is None:
-        tokenizer_type, tokenizer_model = recorded["tokenizer_type"], recorded["tokenizer_model"]
-        if tokenizer_model is None:
+        tokenizer_type = recorded["tokenizer_type"]
+        # relative paths (an import's copies) are read from the checkpoint
+        files = {key: os.path.join(tag_dir, recorded[key]) for key in
+                 ("tokenizer_model", "vocab_file", "merge_file") if recorded.get(key)}
+        if not files:  # synthetic data, NullTokenizer or an import without a tokenizer
             return recorded["vocab_size"], None
-        tokenizer_model = os.path.join(tag_dir, tokenizer_model)  # unless recorded absolute
-        if not os.path.isfile(tokenizer_model):
-            raise FileNotFoundError(f"the checkpoint's tokenizer {tokenizer_model} is gone; pass "
-                                    "--tokenizer-type and --tokenizer-model")
+        gone = [path for path in files.values() if not os.path.isfile(path)]
+        if gone:
+            raise FileNotFoundError(f"the checkpoint's tokenizer {', '.join(gone)} is gone; "
+                                    "pass --tokenizer-type and --tokenizer-model")
+    else:
+        files = {"tokenizer_model": tokenizer_model}
     if tokenizer_type is None:
         raise ValueError("--tokenizer-model needs --tokenizer-type")
-    tokenizer = build_tokenizer(tokenizer_type, tokenizer_model)
+    tokenizer = build_tokenizer(tokenizer_type, **files)
     return recorded.get("vocab_size", tokenizer.vocab_size), tokenizer
 
 

@@ -7,6 +7,7 @@ must encode probe texts exactly as the training tokenizer did, or the export sto
 the HF folder's tokenizer file and keeps a copy with the native checkpoint.
 """
 
+import copy
 import json
 import os
 import shutil
@@ -42,16 +43,24 @@ def save_hf_tokenizer(tokenizer, out_dir: str, max_length: int) -> dict:
     `max_length`: the model's positions, so that `truncation=True` cuts prompts to what the model
     can read. A tokenizer without a bos token of its own begins sequences with its end-of-document
     token, as GPT-2's does: that token is what precedes every document the model was trained on.
-    A chat template of the imported tokenizer's config is kept.
+    A chat template of the imported tokenizer's config is kept. One that opens every text with its
+    bos token (Llama2Tokenizer) does so in HF too (with `add_special_tokens`, the default).
     """
-    import tokenizers
+    from tokenizers.processors import TemplateProcessing
     from transformers import PreTrainedTokenizerFast
 
-    is_sentencepiece = tokenizer.tokenizer_type != "HuggingFaceTokenizer"
+    from megatron_focus.data.tokenizer import HuggingFaceTokenizer
+
+    is_sentencepiece = not isinstance(tokenizer, HuggingFaceTokenizer)
     fast = (_sentencepiece_to_fast(tokenizer.path) if is_sentencepiece
-            else tokenizers.Tokenizer.from_file(tokenizer.path))
+            else copy.deepcopy(tokenizer.backend))
+    if tokenizer.adds_bos:
+        bos_piece = fast.id_to_token(tokenizer.bos)
+        fast.post_processor = TemplateProcessing(single=f"{bos_piece} $A",
+                                                 special_tokens=[(bos_piece, tokenizer.bos)])
     for text in PROBES:
-        ours, theirs = tokenizer.tokenize(text), fast.encode(text, add_special_tokens=False).ids
+        ours = tokenizer.tokenize(text)
+        theirs = fast.encode(text, add_special_tokens=tokenizer.adds_bos).ids
         if ours != theirs:
             raise ValueError(f"the HF tokenizer made from {tokenizer.path} encodes {text!r} as "
                              f"{theirs}, the training tokenizer as {ours}: not exported")

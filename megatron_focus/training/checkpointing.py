@@ -160,7 +160,9 @@ def save(engine, args: argparse.Namespace, iteration: int, consumed_samples: int
         _write_atomically(os.path.join(partial, TOKENIZER_FILE), json.dumps({
             "tokenizer_type": args.tokenizer_type,  # none for synthetic data (--mqar)
             "tokenizer_model": args.tokenizer_model and os.path.abspath(args.tokenizer_model),
-            "vocab_size": args.vocab_size,
+            **{key: getattr(args, key) and os.path.abspath(getattr(args, key))
+               for key in ("vocab_file", "merge_file")},
+            "vocab_size": args.tokenizer_vocab_size,
         }, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)

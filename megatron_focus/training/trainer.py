@@ -25,7 +25,7 @@ from megatron_focus.data.embedded import TOKENIZER_TYPE as EMBEDDED_TOKENIZER_TY
 from megatron_focus.data.embedded import ensure_embedded_data
 from megatron_focus.data.loader import micro_batches, to_device
 from megatron_focus.data.mqar import MQARDataset, MQARVocabulary
-from megatron_focus.data.tokenizer import build_tokenizer
+from megatron_focus.data.tokenizer import build_tokenizer, tokenizer_flags
 from megatron_focus.model.focus import (focus_statistics, recording_statistics, set_focus_mode,
                                         train_routers_only)
 from megatron_focus.model.focus_gate import lse_kernel, soft_kernel
@@ -48,7 +48,7 @@ def pretrain(args: argparse.Namespace) -> dict:
 
     # Data first: a wrong path or a tokenizer that does not fit the data fails before any compute.
     tokenizer = tokenizer_for(args, rank0)
-    args.vocab_size = tokenizer.vocab_size  # recorded with checkpoints
+    args.tokenizer_vocab_size = tokenizer.vocab_size  # recorded with checkpoints
     args.padded_vocab_size = padded_vocab_size(
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
     )
@@ -269,7 +269,7 @@ def tokenizer_for(args: argparse.Namespace, rank0: bool):
         args.data_path, args.tokenizer_type, args.tokenizer_model = (
             [prefix], EMBEDDED_TOKENIZER_TYPE, model_file
         )
-    return build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    return build_tokenizer(args.tokenizer_type, **tokenizer_flags(args))
 
 
 def datasets_for(args: argparse.Namespace, tokenizer):
