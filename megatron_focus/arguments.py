@@ -209,6 +209,15 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-iters", type=int, default=None,
                    help="default 100 (Megatron-LM's); the demo's: 10")
     g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--log-throughput", action="store_true",
+                   help="the log line shows Megatron's throughput per GPU (TFLOP/s/GPU); with "
+                        "--log-timers-to-tensorboard also the 'throughput' curve")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="TensorBoard gets 'iteration-time' (seconds per iteration)")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard",
+                   action="store_false", help="TensorBoard gets no 'loss-scale' curve")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true",
+                   help="TensorBoard gets a 'world-size' curve")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,5 +1,5 @@
 """Multi-query associative recall (MQAR), a synthetic task that tells whether an attention keeps
-the distant pairs that matter (`pretrain_gpt.py --mqar`, `tools/eval_mqar.py`).
+the distant pairs that matter (`pretrain_gpt.py --mqar`, `tools/eval_ppl.py --mqar`).
 
 A sequence of L tokens opens with a start token (the filler, as a BOS would be) and P key-value
 pairs, `k_1 v_1 ... k_P v_P`; the rest is the filler, except for Q queries (Q >= P, default P) at random later positions: every key once, in

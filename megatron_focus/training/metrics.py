@@ -2,6 +2,8 @@
 
 One rank, the last (as in Megatron-LM), prints the log line and writes TensorBoard, so a
 multi-rank run makes one set of curves; the numbers are already averaged over data-parallel ranks.
+As Megatron-LM's `training_log`, each of its curves is also written against the samples consumed
+(`<tag> vs samples`), and the run's arguments are written as text, one entry per argument.
 """
 
 import argparse
@@ -54,6 +56,8 @@ class Reporter:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=100)
+            for name, value in sorted(vars(args).items()):
+                self.writer.add_text(name, str(value), global_step=0)
         self.peak = None
         if torch.cuda.is_available():
             name = torch.cuda.get_device_name()
@@ -64,9 +68,14 @@ class Reporter:
         if self.writer is not None:
             self.writer.add_scalar(tag, value, step)
 
+    def megatron_scalar(self, tag: str, value: float, iteration: int, samples: int) -> None:
+        """A curve Megatron-LM writes both ways: against iterations and against samples."""
+        self.scalar(tag, value, iteration)
+        self.scalar(f"{tag} vs samples", value, samples)
+
     def train(self, iteration: int, consumed_samples: int, loss: float, lr: float,
               grad_norm: Optional[float], seconds_per_iter: float, skipped: int,
-              nan_iters: int, focus: dict) -> None:
+              nan_iters: int, focus: dict, loss_scale: float = 1.0) -> None:
         if not self.active:
             return
         args = self.args
@@ -74,10 +83,12 @@ class Reporter:
         tflops = tokens_per_s * self.flops_token / self.world_size / 1e12  # per GPU
         mem_tag, mem = peak_memory_bytes()
         eta = datetime.timedelta(seconds=int((args.train_iters - iteration) * seconds_per_iter))
+        throughput = (f" | throughput per GPU (TFLOP/s/GPU): {tflops:.1f}"
+                      if args.log_throughput else "")
         line = (
             f" [{datetime.datetime.now():%Y-%m-%d %H:%M:%S}] iteration {iteration:8d}/"
             f"{args.train_iters:8d} | consumed samples: {consumed_samples:12d}"
-            f" | elapsed time per iteration (ms): {seconds_per_iter * 1000:.1f}"
+            f" | elapsed time per iteration (ms): {seconds_per_iter * 1000:.1f}{throughput}"
             f" | learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d}"
             f" | lm loss: {loss:.6E}"
             f" | grad norm: {grad_norm if grad_norm is not None else float('nan'):.3f}"
@@ -91,11 +102,18 @@ class Reporter:
                      f" | focus pairs kept: {sum(kept) / len(kept):.3f}")
         print(line, flush=True)
         step = iteration
-        self.scalar("lm loss", loss, step)
-        self.scalar("learning-rate", lr, step)
-        if grad_norm is not None:
-            self.scalar("grad-norm", grad_norm, step)
-        self.scalar("batch-size", args.global_batch_size, step)
+        for tag, value in (("lm loss", loss), ("learning-rate", lr), ("grad-norm", grad_norm),
+                           ("batch-size", args.global_batch_size)):
+            if value is not None:
+                self.megatron_scalar(tag, value, step, consumed_samples)
+        if args.log_loss_scale_to_tensorboard:
+            self.megatron_scalar("loss-scale", loss_scale, step, consumed_samples)
+        if args.log_world_size_to_tensorboard:
+            self.megatron_scalar("world-size", self.world_size, step, consumed_samples)
+        if args.log_timers_to_tensorboard:
+            self.scalar("iteration-time", seconds_per_iter, step)
+            if args.log_throughput:
+                self.scalar("throughput", tflops, step)
         self.scalar("tokens-per-sec", tokens_per_s, step)
         self.scalar("tflops-per-device", tflops, step)
         if self.peak:
@@ -105,7 +123,8 @@ class Reporter:
         for tag, value in focus.items():
             self.scalar(tag, value, step)
 
-    def validation(self, iteration: int, loss: float, focus_mode: str = "") -> None:
+    def validation(self, iteration: int, consumed_samples: int, loss: float,
+                   focus_mode: str = "") -> None:
         """Megatron's tags; a Focus model's other mode gets the mode as a suffix."""
         if not self.active:
             return
@@ -113,8 +132,8 @@ class Reporter:
         ppl = math.exp(min(loss, 20.0))
         print(f" validation loss{suffix} at iteration {iteration} | lm loss value: {loss:.6E}"
               f" | lm loss PPL: {ppl:.6E}", flush=True)
-        self.scalar(f"lm loss validation{suffix}", loss, iteration)
-        self.scalar(f"lm loss validation{suffix} ppl", ppl, iteration)
+        self.megatron_scalar(f"lm loss validation{suffix}", loss, iteration, consumed_samples)
+        self.megatron_scalar(f"lm loss validation{suffix} ppl", ppl, iteration, consumed_samples)
 
     def close(self) -> None:
         if self.writer is not None:

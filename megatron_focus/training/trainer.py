@@ -74,7 +74,7 @@ def pretrain(args: argparse.Namespace) -> dict:
                                  persistent=True)
     if args.retrofit and iteration == 0 and valid_data is not None:
         # A retrofit's starting point (the base model with fresh routers) is what it must beat.
-        _validate(engine, valid_data, args, iteration, reporter, history)
+        _validate(engine, valid_data, args, iteration, consumed, reporter, history)
     batches = iter(data_loader(train_data, consumed, args.train_iters * args.global_batch_size,
                                args))
     unread = _UnreadLosses(engine.skipped_steps, args.max_skipped_steps)
@@ -92,18 +92,20 @@ def pretrain(args: argparse.Namespace) -> dict:
             losses, values = unread.read(history, rank0, {
                 "grad norm": grad_norm if torch.is_tensor(grad_norm) else torch.tensor(
                     float("nan") if grad_norm is None else float(grad_norm)),
+                # fp16's dynamic loss scale; nothing is scaled in bf16 and fp32
+                "loss scale": torch.as_tensor(getattr(engine.optimizer, "loss_scale", 1.0)),
                 **focus_statistics(engine.module)})
             seconds = (time.time() - window_start) / len(losses)
-            grad_norm = values.pop("grad norm")
+            grad_norm, loss_scale = values.pop("grad norm"), values.pop("loss scale")
             history["lr"].append(engine.get_lr()[0])
             reporter.train(iteration, consumed, sum(losses) / len(losses), history["lr"][-1],
                            None if math.isnan(grad_norm) else grad_norm, seconds,
-                           engine.skipped_steps, unread.non_finite, values)
+                           engine.skipped_steps, unread.non_finite, values, loss_scale)
             window_start = time.time()
         if valid_data is not None and (
             iteration % args.eval_interval == 0 or iteration == args.train_iters
         ):
-            _validate(engine, valid_data, args, iteration, reporter, history)
+            _validate(engine, valid_data, args, iteration, consumed, reporter, history)
         saved = args.save and (
             (args.save_interval and iteration % args.save_interval == 0)
             or iteration == args.train_iters
@@ -128,15 +130,16 @@ def pretrain(args: argparse.Namespace) -> dict:
     return history
 
 
-def _validate(engine, batches, args, iteration: int, reporter, history: dict) -> None:
+def _validate(engine, batches, args, iteration: int, consumed: int, reporter,
+              history: dict) -> None:
     """Validation loss in the run's mode and, for Focus, in the other mode too."""
     history["validation"].append((iteration, evaluate(engine, batches, args)))
-    reporter.validation(*history["validation"][-1])
+    reporter.validation(iteration, consumed, history["validation"][-1][1])
     if args.attention.startswith("focus"):
         other = "sparse" if args.focus_attention_mode == "soft" else "soft"
         loss = evaluate(engine, batches, args, other)
         history.setdefault(f"validation {other}", []).append((iteration, loss))
-        reporter.validation(iteration, loss, other)
+        reporter.validation(iteration, consumed, loss, other)
 
 
 def _save(engine, args, iteration: int, consumed: int, rank0: bool) -> None:
