@@ -194,10 +194,15 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     schedule.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
                           help="on resume, keep the checkpoint's schedule whatever the flags say "
                                "(default: a difference is an error)")
-    g.add_argument("--allow-unsafe-checkpoints", action="store_true",
-                   help="load checkpoint files that hold pickled objects other than tensors and "
-                        "DeepSpeed's own records (a file can run code as it loads): only for "
-                        "files from a source you trust")
+    add_unsafe_checkpoints_flag(g)
+
+
+def add_unsafe_checkpoints_flag(group) -> None:
+    """`--allow-unsafe-checkpoints`, for every command that reads checkpoints."""
+    group.add_argument("--allow-unsafe-checkpoints", action="store_true",
+                       help="read checkpoint files that hold pickled objects other than tensors "
+                            "and DeepSpeed's own records (a file can run code as it loads): "
+                            "only for files from a source you trust")
 
 
 def _add_logging_args(p: argparse.ArgumentParser) -> None:

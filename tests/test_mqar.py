@@ -105,3 +105,24 @@ def test_pretrain_and_eval_ppl_on_mqar(tmp_path, run_tool):
                                                         ("sparse", 2)]
     assert all(0 <= r["accuracy"] <= 1 for r in rows)
     assert rows[-1]["pairs_kept"] == pytest.approx(1.0)  # top-k = K keeps every pair
+
+
+@pytest.mark.slow
+def test_mqar_study_script_trains_evaluates_and_plots(tmp_path, run_tool):
+    """examples/mqar_study.py itself, shrunk: two variants, one seed, 3 iterations."""
+    out = run_tool("examples/mqar_study.py", "--out", tmp_path / "runs", "--variants", "window",
+                   "focus-sink1", "--seeds", "1", "--seq-length", "48", "--iters", "3",
+                   "--layers", "1", "--hidden", "32", "--mqar-pairs", "3", "--mqar-queries", "4",
+                   "--mqar-min-distance", "20", "--mqar-vocab-size", "16", "--focus-window", "4",
+                   "--micro-batch-size", "2", "--eval-iters", "1", "--json", tmp_path / "s.json",
+                   "--plot", tmp_path / "s.png")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    summary = json.load(open(tmp_path / "s.json"))["summary"]
+    modes = {(r["variant"], r["mode"]) for r in summary}
+    assert ("window", "window") in modes and ("focus-sink1", "soft") in modes
+    assert ("focus-sink1", "sparse top-1") in modes
+    assert all(0 <= r["accuracy"][0] <= 1 for r in summary)
+    window = next(r for r in summary if r["variant"] == "window")  # keys i - 3 .. i of 48
+    assert window["pairs_kept"][0] == pytest.approx(
+        sum(min(i + 1, 4) for i in range(48)) / (48 * 49 / 2))
+    assert os.path.getsize(tmp_path / "s.png") > 5_000

@@ -83,13 +83,20 @@ def test_zero1_tensor_parallel_matches_tp1(embedded_cache):
     torch.testing.assert_close(tp2["losses"], tp1["losses"], rtol=1e-5, atol=1e-5)
 
 
+def _straight_stopped_resumed(world_size, cache, ckpt, flags, iters, stop):
+    """The histories of a run of `iters` iterations, and of the same run stopped at `stop` and
+    resumed from its checkpoint."""
+    straight = train(world_size, _argv(cache, *flags, iters=iters))
+    first = train(world_size, _argv(cache, *flags, "--save", ckpt, "--exit-interval", str(stop),
+                                    iters=iters))
+    second = train(world_size, _argv(cache, *flags, "--save", ckpt, "--load", ckpt, iters=iters))
+    return straight, first, second
+
+
 def test_resume_is_exact_with_dropout(embedded_cache, tmp_path):
     dropout = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--eval-interval", "3"]
-    straight = train(1, _argv(embedded_cache, *dropout, iters=6))
     ckpt = str(tmp_path / "ckpt")
-    first = train(1, _argv(embedded_cache, *dropout, "--save", ckpt, "--exit-interval", "3",
-                           iters=6))
-    second = train(1, _argv(embedded_cache, *dropout, "--save", ckpt, "--load", ckpt, iters=6))
+    straight, first, second = _straight_stopped_resumed(1, embedded_cache, ckpt, dropout, 6, 3)
     assert first["losses"] + second["losses"] == straight["losses"]
     assert first["validation"] + second["validation"] == straight["validation"]
     entries = os.listdir(ckpt)
@@ -100,12 +107,8 @@ def test_resume_is_exact_with_dropout(embedded_cache, tmp_path):
 def test_zero3_resume_is_exact_over_two_ranks(embedded_cache, tmp_path):
     """ZeRO-3's weights live partitioned in its optimizer files: a run stopped at 3 continues as
     if uninterrupted, as every other stage does."""
-    flags = ["--zero-stage", "3"]
-    straight = train(2, _argv(embedded_cache, *flags, iters=5))
-    ckpt = str(tmp_path / "ckpt")
-    first = train(2, _argv(embedded_cache, *flags, "--save", ckpt, "--exit-interval", "3",
-                           iters=5))
-    second = train(2, _argv(embedded_cache, *flags, "--save", ckpt, "--load", ckpt, iters=5))
+    straight, first, second = _straight_stopped_resumed(
+        2, embedded_cache, str(tmp_path / "ckpt"), ["--zero-stage", "3"], 5, 3)
     assert first["losses"] + second["losses"] == straight["losses"]
 
 

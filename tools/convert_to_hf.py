@@ -16,6 +16,7 @@ settings are not recorded: `--focus-top-k` and `--focus-attention-mode` set them
 import argparse
 
 from megatron_focus import cli
+from megatron_focus.arguments import add_unsafe_checkpoints_flag
 from megatron_focus.data.tokenizer import TOKENIZER_TYPES
 from megatron_focus.hf import export_to_hf
 
@@ -35,9 +36,7 @@ def main() -> None:
                         help="Focus models: groups per query in sparse mode (default 2)")
     parser.add_argument("--focus-attention-mode", choices=("soft", "sparse"), default=None,
                         help="Focus models: the mode the HF model starts in (default soft)")
-    parser.add_argument("--allow-unsafe-checkpoints", action="store_true",
-                        help="read checkpoint files holding pickled objects other than tensors "
-                             "(they can run code as they load): only from a source you trust")
+    add_unsafe_checkpoints_flag(parser)
     parser.add_argument("--overwrite", action="store_true",
                         help="replace --save-dir if it holds files (once the export is complete)")
     args = parser.parse_args()

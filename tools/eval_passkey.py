@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_focus import cli  # noqa: E402
+from megatron_focus.arguments import add_unsafe_checkpoints_flag  # noqa: E402
 from megatron_focus.evaluation.passkey import (  # noqa: E402
     greedy, keys, passkey_prompt, retrieved)
 
@@ -41,9 +42,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="--hf: run the model code the folder ships (exports of Focus, XSA and "
                         "other custom models need it)")
-    p.add_argument("--allow-unsafe-checkpoints", action="store_true",
-                   help="--load: read files holding pickled objects other than tensors (they "
-                        "can run code as they load): only from a source you trust")
+    add_unsafe_checkpoints_flag(p)
     p.add_argument("--json", metavar="PATH")
     opts = p.parse_args()
     if opts.trials < 1 or min(opts.lengths) < 1:
