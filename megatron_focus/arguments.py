@@ -13,6 +13,7 @@ from typing import List, Optional
 
 import torch
 
+from megatron_focus.compat import add_compat_args, check_compat_args
 from megatron_focus.data.mqar import check_mqar
 from megatron_focus.data.tokenizer import TOKENIZER_TYPES
 from megatron_focus.model.focus_gate import GATES, KERNELS, soft_kernel
@@ -109,7 +110,17 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batch-size", type=int, default=8)
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="default micro batch x data-parallel size (no accumulation)")
-    g.add_argument("--train-iters", type=int, default=300)
+    g.add_argument("--train-iters", type=int, default=None,
+                   help="default 300, or --train-samples / --global-batch-size")
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="instead of --train-iters: samples to train on (a multiple of the "
+                        "global batch)")
+    g.add_argument("--lr-warmup-samples", type=int, default=None,
+                   help="with --train-samples: warmup in samples")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="with --train-samples: decay in samples")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warmup as a fraction of the decay (instead of --lr-warmup-iters)")
     g.add_argument("--lr", type=float, default=3e-3)
     g.add_argument("--min-lr", type=float, default=None,
                    help="default 0 (Megatron-LM's); the demo's: --lr / 10")
@@ -255,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_args(p)
     _add_checkpoint_args(p)
     _add_logging_args(p)
+    add_compat_args(p)
     p.add_argument("--local_rank", "--local-rank", type=int, default=None,
                    help="set by the deepspeed launcher")
     return deepspeed.add_config_arguments(p)
@@ -273,10 +285,12 @@ AT_LEAST = {
                      "max_position_embeddings", "make_vocab_size_divisible_by",
                      "micro_batch_size", "global_batch_size", "tensor_model_parallel_size",
                      "train_iters", "lr_decay_iters", "log_interval", "eval_interval",
+                     "train_samples", "lr_decay_samples",
                      "save_interval", "exit_interval", "focus_groups", "focus_dim",
                      "focus_window", "focus_chunk_size"), 1),
     **dict.fromkeys(("lr", "min_lr", "clip_grad", "lr_warmup_iters", "eval_iters",
                      "num_workers", "max_skipped_steps", "focus_sink_tokens",
+                     "lr_warmup_samples", "lr_warmup_fraction",
                      "focus_sinkhorn_iters", "focus_gate_scale", "init_method_std",
                      "hidden_dropout", "attention_dropout", "weight_decay"), 0),
 }
@@ -320,8 +334,10 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     """Fill derived defaults and refuse what cannot run, before any model is built."""
     if world_size is None:  # as a launcher (torchrun, deepspeed) tells it
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    _fill_defaults(args)
     _check_ranges(args)
+    _schedule_in_iterations(args, world_size)
+    _fill_defaults(args)
+    check_compat_args(args)
     tp = args.tensor_model_parallel_size
     _validate_focus(args)
     if args.xsa_layers is not None:
@@ -412,10 +428,37 @@ def _validate_focus(args: argparse.Namespace) -> None:
     soft_kernel(args.focus_kernel, torch.device("cpu"), args.attention_dropout)  # flex: no dropout
 
 
-def _validate_training(args: argparse.Namespace, world_size: int) -> None:
-    data_parallel = world_size // args.tensor_model_parallel_size
+def _schedule_in_iterations(args: argparse.Namespace, world_size: int) -> None:
+    """The global batch, and the schedule in iterations: from Megatron-LM's sample-based flags
+    (each a multiple of the global batch, so that the iterations are exactly what they imply)
+    and --lr-warmup-fraction."""
+    data_parallel = max(world_size // args.tensor_model_parallel_size, 1)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * data_parallel
+    by_samples = {"train_iters": "train_samples", "lr_warmup_iters": "lr_warmup_samples",
+                  "lr_decay_iters": "lr_decay_samples"}
+    for iters, samples in by_samples.items():
+        value, flag = getattr(args, samples), "--" + samples.replace("_", "-")
+        if value is None:
+            continue
+        if getattr(args, iters) is not None:
+            raise ValueError(f"{flag} and --{iters.replace('_', '-')}: give one of them")
+        if value % args.global_batch_size:
+            raise ValueError(f"{flag} {value} is not a multiple of the global batch "
+                             f"{args.global_batch_size}")
+        setattr(args, iters, value // args.global_batch_size)
+    if args.train_iters is None:
+        args.train_iters = 300
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_fraction is not None:
+        if args.lr_warmup_iters is not None:
+            raise ValueError("--lr-warmup-fraction and --lr-warmup-iters: give one of them")
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+
+
+def _validate_training(args: argparse.Namespace, world_size: int) -> None:
+    data_parallel = world_size // args.tensor_model_parallel_size
     if args.global_batch_size % (args.micro_batch_size * data_parallel):
         raise ValueError(
             f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
@@ -423,8 +466,6 @@ def _validate_training(args: argparse.Namespace, world_size: int) -> None:
         )
     if args.zero_stage == 3 and args.tensor_model_parallel_size > 1:
         raise ValueError("ZeRO stage 3 is supported with --tensor-model-parallel-size 1 only")
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
     if args.lr_warmup_iters >= args.lr_decay_iters:
         raise ValueError("--lr-warmup-iters must be shorter than the decay (--lr-decay-iters, default --train-iters)")
     if args.min_lr > args.lr:

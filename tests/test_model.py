@@ -173,6 +173,51 @@ def test_deepspeed_json_sets_stage_and_precision_at_parse_time(tmp_path):
     assert (args.zero_stage, args.bf16, args.fp16) == (2, True, False)
 
 
+@pytest.mark.parametrize("flag, value, message", [
+    ("--pipeline-model-parallel-size", "2", "pipeline parallelism is not supported; use "
+                                            "--zero-stage 3 or tensor parallelism"),
+    ("--context-parallel-size", "2", "context parallelism is not supported"),
+    ("--num-experts", "8", "mixture of experts is not supported"),
+    ("--fp8-format", "hybrid", "fp8 needs Transformer Engine"),
+    ("--ckpt-format", "torch_dist", "checkpoints are DeepSpeed's torch files"),
+])
+def test_what_is_not_offered_is_refused_by_name(flag, value, message):
+    with pytest.raises(ValueError, match=f"^{flag} {value}: {message}"):
+        parse_args(BASE + [flag, value])
+
+
+def test_megatron_flags_without_effect_or_done_by_deepspeed_are_accepted():
+    from megatron_focus.compat import NO_EFFECT
+    from megatron_focus.training.deepspeed_config import deepspeed_config
+
+    flags = [f for f, (kwargs, _) in NO_EFFECT.items() if kwargs.get("action") == "store_true"]
+    args = parse_args(BASE + flags + ["--empty-unused-memory-level", "2", "--attention-backend",
+                                      "flash", "--pipeline-model-parallel-size", "1",
+                                      "--ckpt-format", "torch", "--use-distributed-optimizer",
+                                      "--overlap-grad-reduce", "--overlap-param-gather"])
+    assert args.zero_stage == 1
+    assert deepspeed_config(args, 1)["zero_optimization"]["overlap_comm"] is True
+    with pytest.raises(ValueError, match="not with --zero-stage 0"):
+        parse_args(BASE + ["--use-distributed-optimizer", "--zero-stage", "0"])
+
+
+def test_sample_based_schedules_are_the_iterations_they_imply():
+    schedule = ("train_iters", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "min_lr")
+    batch = BASE + ["--micro-batch-size", "4", "--global-batch-size", "32", "--lr", "1e-3"]
+    by_iters = parse_args(batch + ["--train-iters", "100", "--lr-warmup-iters", "10",
+                                   "--lr-decay-iters", "90"])
+    by_samples = parse_args(batch + ["--train-samples", "3200", "--lr-warmup-samples", "320",
+                                     "--lr-decay-samples", "2880"])
+    by_fraction = parse_args(batch + ["--train-iters", "100", "--lr-decay-iters", "90",
+                                      "--lr-warmup-fraction", "0.12"])
+    assert [getattr(by_samples, k) for k in schedule] == [getattr(by_iters, k) for k in schedule]
+    assert by_fraction.lr_warmup_iters == 10  # int(0.12 x 90)
+    with pytest.raises(ValueError, match="--train-samples 3201 is not a multiple"):
+        parse_args(batch + ["--train-samples", "3201"])
+    with pytest.raises(ValueError, match="--train-samples and --train-iters: give one"):
+        parse_args(batch + ["--train-samples", "3200", "--train-iters", "100"])
+
+
 def test_unknown_attention_is_refused(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--attention", "linear"])

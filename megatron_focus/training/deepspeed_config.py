@@ -86,6 +86,8 @@ def deepspeed_config(args: argparse.Namespace, data_parallel_size: int) -> dict:
 
     zero = config.setdefault("zero_optimization", {})
     zero.setdefault("stage", args.zero_stage)
+    if args.overlap_grad_reduce or args.overlap_param_gather:  # Megatron's names for it
+        zero.setdefault("overlap_comm", True)
     args.zero_stage = zero["stage"]
     if args.zero_stage == 3 and args.tensor_model_parallel_size > 1:
         raise ValueError("ZeRO stage 3 is supported with --tensor-model-parallel-size 1 only")

@@ -1,0 +1,89 @@
+"""Megatron-LM flags that a launch script brings along, beyond the ones this trainer implements.
+
+Three kinds, each listed once here and shown by `pretrain_gpt.py --help`:
+
+- *no effect here*: they tune fused CUDA kernels, Transformer Engine or Megatron's own
+  optimizer and checkpoint plumbing, which this trainer replaces (DeepSpeed, Megatron-Core's
+  model on PyTorch kernels); accepted so that the script runs, and said to do nothing;
+- *refused*: what this trainer does not offer (pipeline and context parallelism, mixture of
+  experts, fp8 without Transformer Engine, other checkpoint formats), refused by name before
+  any compute, with what to use instead, unless given at the value that means "off";
+- *translated*: Megatron's name for something DeepSpeed does here (`--use-distributed-optimizer`
+  is ZeRO-1, `--overlap-grad-reduce` / `--overlap-param-gather` DeepSpeed's overlapped
+  communication).
+"""
+
+import argparse
+
+# flag: (argparse keywords, why it has no effect here)
+NO_EFFECT = {
+    "--use-mcore-models": ({"action": "store_true"},
+                           "the model is always Megatron-Core's GPTModel"),
+    "--no-masked-softmax-fusion": ({"action": "store_true"},
+                                   "attention runs in PyTorch's kernels, not Megatron's fused "
+                                   "softmax"),
+    "--no-bias-gelu-fusion": ({"action": "store_true"}, "the bias-GELU fusion is always off"),
+    "--cross-entropy-loss-fusion": ({"action": "store_true"},
+                                    "the loss is PyTorch's cross entropy"),
+    "--grad-reduce-in-bf16": ({"action": "store_true"},
+                              "DeepSpeed reduces gradients in the precision its config gives "
+                              "(communication_data_type)"),
+    "--no-create-attention-mask-in-dataloader": ({"action": "store_true"},
+                                                 "batches never carry an attention mask"),
+    "--no-mmap-bin-files": ({"action": "store_true"}, "indexed datasets are always memory-mapped"),
+    "--empty-unused-memory-level": ({"type": int, "default": 0},
+                                    "the CUDA cache is left to PyTorch's allocator"),
+    "--attention-backend": ({"default": "auto"},
+                            "the kernel is chosen per device and variant (model/kernels.py)"),
+    "--use-flash-attn": ({"action": "store_true"},
+                         "flash-attn is used for standard attention whenever it is installed"),
+}
+
+# flag: (argparse keywords, the value that means "off", why refused and what to use instead)
+REFUSED = {
+    "--pipeline-model-parallel-size": (
+        {"type": int, "default": 1}, 1,
+        "pipeline parallelism is not supported; use --zero-stage 3 or tensor parallelism"),
+    "--virtual-pipeline-model-parallel-size": (
+        {"type": int, "default": None}, None, "pipeline parallelism is not supported"),
+    "--context-parallel-size": (
+        {"type": int, "default": 1}, 1,
+        "context parallelism is not supported; use sequence parallelism (--sequence-parallel)"),
+    "--num-experts": ({"type": int, "default": None}, None,
+                      "mixture of experts is not supported"),
+    "--expert-model-parallel-size": ({"type": int, "default": 1}, 1,
+                                     "expert parallelism is not supported"),
+    "--fp8-format": ({"default": None}, None,
+                     "fp8 needs Transformer Engine, which this trainer does not use; use --bf16"),
+    "--ckpt-format": ({"default": "torch"}, "torch",
+                      "checkpoints are DeepSpeed's torch files; tools/convert_to_hf.py exports "
+                      "them"),
+}
+
+
+def add_compat_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Megatron-LM flags with no effect here")
+    for flag, (kwargs, why) in NO_EFFECT.items():
+        g.add_argument(flag, help=f"no effect: {why}", **kwargs)
+    g = p.add_argument_group("Megatron-LM flags refused unless off")
+    for flag, (kwargs, off, why) in REFUSED.items():
+        g.add_argument(flag, help=f"only {off}: {why}", **kwargs)
+    g = p.add_argument_group("Megatron-LM flags done by DeepSpeed")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="Megatron's sharded optimizer state: ZeRO stage 1 (the default) or more")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="overlap gradient reduction with the backward pass (DeepSpeed's "
+                        "overlap_comm)")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="overlap parameter gathering with compute (DeepSpeed's overlap_comm)")
+
+
+def check_compat_args(args: argparse.Namespace) -> None:
+    """Refuse what is not offered, by flag name, before anything is built."""
+    for flag, (_, off, why) in REFUSED.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value != off:
+            raise ValueError(f"{flag} {value}: {why}")
+    if args.use_distributed_optimizer and args.zero_stage == 0:
+        raise ValueError("--use-distributed-optimizer shards the optimizer state: not with "
+                         "--zero-stage 0")
