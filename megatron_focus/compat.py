@@ -55,6 +55,9 @@ REFUSED = {
                                      "expert parallelism is not supported"),
     "--fp8-format": ({"default": None}, None,
                      "fp8 needs Transformer Engine, which this trainer does not use; use --bf16"),
+    "--rampup-batch-size": ({"nargs": 3, "type": int, "default": None,
+                             "metavar": ("START", "INCREMENT", "SAMPLES")}, None,
+                            "the global batch is constant here (--global-batch-size)"),
     "--ckpt-format": ({"default": "torch"}, "torch",
                       "checkpoints are DeepSpeed's torch files; tools/convert_to_hf.py exports "
                       "them"),
