@@ -15,8 +15,12 @@ queried values predicted) and the share of causal pairs kept. Variants:
 `--task corpus` trains on the embedded text corpus instead and reports validation loss, the
 question for attention sinks on text. Prints a table, writes JSON and a plot.
 
-    python examples/mqar_study.py --out runs/mqar-study [--seq-length 1024] [--seeds 1 2]
+    python examples/mqar_study.py --out runs/mqar-study [--seq-length 128] [--seeds 1 2]
         [--iters 800] [--variants standard window focus focus+xsa] [--json J] [--plot P]
+
+The defaults are docs/mqar.md's CPU study (sequences of 128 tokens, queries at least 64 tokens
+after their pair, a Focus window of 16). Longer sequences take longer to learn (docs/mqar.md):
+on a GPU, e.g. `--seq-length 1024 --mqar-min-distance 256 --focus-window 64` with more --iters.
 """
 
 import argparse
@@ -41,22 +45,22 @@ def parse() -> argparse.Namespace:
     p.add_argument("--task", choices=("mqar", "corpus"), default="mqar")
     p.add_argument("--variants", nargs="+", default=["standard", "window", "focus", "focus+xsa"])
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--seq-length", type=int, default=1024)
+    p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--iters", type=int, default=800)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--micro-batch-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--focus-window", type=int, default=64)
+    p.add_argument("--micro-batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--focus-window", type=int, default=16)
     p.add_argument("--focus-groups", type=int, default=4)
-    p.add_argument("--mqar-pairs", type=int, default=16)
+    p.add_argument("--mqar-pairs", type=int, default=8)
     p.add_argument("--mqar-queries", type=int, default=None)
     p.add_argument("--mqar-two-token-pairs", action="store_true",
                    help="zoology's form (key, value as two tokens): a two-hop recall that takes "
                         "far more training than a CPU study affords; default: packed pairs")
     p.add_argument("--mqar-vocab-size", type=int, default=256)
-    p.add_argument("--mqar-min-distance", type=int, default=256)
+    p.add_argument("--mqar-min-distance", type=int, default=64)
     p.add_argument("--eval-iters", type=int, default=8)
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PATH")
@@ -111,7 +115,7 @@ def train_and_evaluate(opts, variant: str, seed: int) -> dict:
              str(opts.micro_batch_size), "--train-iters", str(opts.iters), "--lr", str(opts.lr),
              "--min-lr", str(opts.lr / 10), "--lr-warmup-iters", str(opts.iters // 10),
              "--log-interval", "50", "--eval-interval", str(opts.iters), "--eval-iters", "2",
-             "--save", ckpt, "--load", ckpt, "--save-interval", str(opts.iters // 4)], log)
+             "--save", ckpt, "--load", ckpt, "--save-interval", str(max(1, opts.iters // 4))], log)
         run([sys.executable, "tools/eval_ppl.py", "--load", ckpt, *data_flags(opts),
              "--seq-length", str(opts.seq_length), "--eval-iters", str(opts.eval_iters),
              "--micro-batch-size", str(opts.micro_batch_size), "--seed", "999",

@@ -95,7 +95,8 @@ def test_pretrain_and_eval_ppl_on_mqar(tmp_path, run_tool):
                                       "--eval-interval", "3"])
     assert len(history["losses"]) == 3 and history["validation"]
     tokenizer = json.load(open(os.path.join(ckpt, "iter_0000003", "tokenizer_args.json")))
-    assert tokenizer == {"tokenizer_type": None, "tokenizer_model": None, "vocab_size": 64}
+    assert tokenizer == {"tokenizer_type": None, "tokenizer_model": None, "vocab_file": None,
+                         "merge_file": None, "vocab_size": 64}
     report = str(tmp_path / "eval.json")
     out = run_tool("tools/eval_ppl.py", "--load", ckpt, *mqar, "--seq-length", "32",
                    "--eval-iters", "2", "--micro-batch-size", "2", "--json", report)
