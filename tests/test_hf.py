@@ -30,8 +30,8 @@ TRAINED = {
     "llama": (LLAMA + GQA, 1, "LlamaForCausalLM"),
     "llama-xsa": (LLAMA + GQA + XSA, 1, "MegatronFocusForCausalLM"),
     "llama-xsa-tp2": (LLAMA + GQA + XSA + TP2, 2, "MegatronFocusForCausalLM"),
-    # Sliding-window attention (8 keys of the 32 tokens): no stock class holds it
-    "llama-window": (LLAMA + GQA + ["--window-size", "7,0"], 1, "MegatronFocusForCausalLM"),
+    # Sliding-window attention (8 keys of the 32 tokens): Mistral's
+    "llama-window": (LLAMA + GQA + ["--window-size", "7,0"], 1, "MistralForCausalLM"),
 }
 # Focus with a window of 4 keys on 32 tokens: most pairs are distant, so the router decides them.
 FOCUS = ["--focus-window", "4", "--focus-groups", "4", "--focus-chunk-size", "16"]
@@ -412,6 +412,11 @@ def _hf_model(name: str):
             **small, num_key_value_heads=1, normalization="RMSNorm", activation="swiglu",
             bias=False, position_embedding_type="rope", tie_word_embeddings=False,
             layer_attention=["standard", "xsa"])),
+        # XSA with a sliding window of 8 keys, on 16 tokens: the custom model's window
+        "custom-llama-xsa-window": lambda: MegatronFocusForCausalLM(MegatronFocusConfig(
+            **small, num_key_value_heads=2, normalization="RMSNorm", activation="swiglu",
+            bias=False, position_embedding_type="rope", layer_attention=["xsa", "xsa"],
+            sliding_window=8)),
         # a Qwen2 retrofitted with XSA: the QKV bias alone
         "custom-qwen2-xsa": lambda: MegatronFocusForCausalLM(MegatronFocusConfig(
             **small, num_key_value_heads=2, normalization="RMSNorm", activation="swiglu",
@@ -424,7 +429,8 @@ def _hf_model(name: str):
 
 HF_MODELS = ["llama-gqa-untied", "llama-biases-tied", "mistral", "mistral-window", "qwen2",
              "gpt2", "gpt2-gelu-new", "custom-gpt2-rope-gelu-tanh", "custom-gpt2-rope-gqa",
-             "custom-llama-xsa-layer-2", "custom-qwen2-xsa", "custom-llama-focus-xsa-layer-2"]
+             "custom-llama-xsa-layer-2", "custom-llama-xsa-window", "custom-qwen2-xsa",
+             "custom-llama-focus-xsa-layer-2"]
 
 
 @pytest.mark.parametrize("name", HF_MODELS)
