@@ -24,6 +24,7 @@ TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama
 # vocabulary marks document ends.
 HF_EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>")
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"
+GPT2_EOD = "<|endoftext|>"  # GPT2BPETokenizer's end of document, as Megatron-LM's
 
 
 class _Tokenizer(MegatronTokenizerBase):
@@ -252,8 +253,6 @@ class NullTokenizer(_Tokenizer):
     def bos(self) -> Optional[int]:
         return None
 
-
-GPT2_EOD = "<|endoftext|>"
 
 
 def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None,

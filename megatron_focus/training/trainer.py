@@ -45,6 +45,7 @@ def pretrain(args: argparse.Namespace) -> dict:
     platform.init_distributed(args.tensor_model_parallel_size, args.distributed_timeout_minutes)
     platform.manual_seed(args.seed)
     rank0 = dist.get_rank() == 0
+    checkpointing.preflight(args)  # the checkpoint folders, before the data is even built
 
     # Data first: a wrong path or a tokenizer that does not fit the data fails before any compute.
     tokenizer = tokenizer_for(args, rank0)
@@ -53,7 +54,6 @@ def pretrain(args: argparse.Namespace) -> dict:
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
     )
     train_data, valid_data = datasets_for(args, tokenizer)
-    checkpointing.preflight(args)
 
     model = build_model(args, tokenizer.vocab_size)
     if args.retrofit:  # frozen weights stay out of the optimizer
