@@ -24,7 +24,7 @@ from megatron_focus.data.tokenizer import HF_TOKENIZER_CONFIG, build_tokenizer
 from megatron_focus.hf import layout
 from megatron_focus.hf.architecture import Architecture
 from megatron_focus.outputs import fresh_folder
-from megatron_focus.training import checkpointing
+from megatron_focus.training import checkpointing, safe_load
 
 StateDict = Dict[str, torch.Tensor]
 
@@ -92,18 +92,18 @@ def read_architecture(tag_dir: str, vocab_size: int, focus_top_k: Optional[int] 
 def read_weights(tag_dir: str, arch: Architecture, progress: bool = True,
                  allow_unsafe: bool = False) -> StateDict:
     """The full, unpadded weights (Megatron's names) of a checkpoint of `arch`; files holding
-    pickled objects are refused unless `allow_unsafe` (see `checkpointing.load_file`)."""
+    pickled objects are refused unless `allow_unsafe` (see `safe_load.load_file`)."""
     tp = read_json(tag_dir, checkpointing.ARGS_FILE)["tensor_model_parallel_size"]
     files = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
     if not files and glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_model_states.pt")):
         # ZeRO-3 (TP = 1) partitions the weights over its optimizer files; DeepSpeed reassembles them.
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        checkpointing.check_safe_to_load(tag_dir, allow_unsafe)  # DeepSpeed reads with pickle
+        safe_load.check_safe_to_load(tag_dir, allow_unsafe)  # DeepSpeed reads with pickle
         load_dir, tag = os.path.split(os.path.normpath(tag_dir))
         modules = [get_fp32_state_dict_from_zero_checkpoint(load_dir, tag)]
     elif len(files) == tp:
-        modules = [checkpointing.load_file(f, allow_unsafe)["module"]
+        modules = [safe_load.load_file(f, allow_unsafe)["module"]
                    for f in tqdm(files, desc="reading TP shards", disable=not progress)]
     else:
         raise ValueError(f"{tag_dir}: {len(files)} model files for tensor-parallel size {tp}")

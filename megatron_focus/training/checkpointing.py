@@ -1,9 +1,10 @@
 """Checkpoints that are either complete or invisible, and that refuse a model of another shape.
 
 Layout (`--save DIR`): `DIR/iter_0000100/` holds DeepSpeed's files (model and optimizer shards
-per rank), our `model_args.json`, and in the client state the iteration, consumed samples and
-every RNG state; `DIR/latest` names the newest complete tag (DeepSpeed's own pointer, so its tools
-such as `zero_to_fp32.py` work on our checkpoints).
+per rank), our `model_args.json` and `layout.json` (the TP / DP size, ZeRO stage and precision
+that wrote it: another layout resumes through `layouts.py`), and in the client state the
+iteration, consumed samples and every RNG state; `DIR/latest` names the newest complete tag
+(DeepSpeed's own pointer, so its tools such as `zero_to_fp32.py` work on our checkpoints).
 
 A retrofit run (`--retrofit`) saves, unless `--save-full`, only what it trains (the routers, and
 their optimizer state) plus `base_checkpoint.json`, naming the complete checkpoint that holds the
@@ -17,7 +18,6 @@ the previous checkpoint as latest and nothing that looks complete.
 import argparse
 import json
 import os
-import pickle
 import random
 import re
 import shutil
@@ -30,6 +30,11 @@ import torch.distributed as dist
 
 from megatron.core.parallel_state import get_tensor_model_parallel_rank
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+from megatron_focus import platform
+from megatron_focus.training import layouts
+from megatron_focus.training.optimizer import weight_decay_groups
+from megatron_focus.training.safe_load import check_safe_to_load, load_file
 
 # What must match for weights to load: the model's shape, what it computes, and how it is split.
 SHAPE_KEYS = (
@@ -66,42 +71,6 @@ def model_args(args: argparse.Namespace) -> dict:
     keys = SHAPE_KEYS + (FOCUS_KEYS if args.attention.startswith("focus") else ())
     values = {key: getattr(args, key) for key in keys}
     return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
-
-
-def _deepspeed_records() -> list:
-    """The classes DeepSpeed pickles into its checkpoint files besides tensors (loss scalers, the
-    ZeRO stage, fragment addresses): plain records, allowed by name so that nothing else in a
-    file can run code as it loads."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-
-
-def load_file(path: str, allow_unsafe: bool = False, mmap: bool = False):
-    """`torch.load` of a checkpoint file: tensors, containers and `_deepspeed_records` only,
-    unless `allow_unsafe` (`--allow-unsafe-checkpoints`)."""
-    if allow_unsafe:
-        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=False)
-    try:
-        with torch.serialization.safe_globals(_deepspeed_records()):
-            return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
-    except pickle.UnpicklingError as e:
-        what = next((line.strip() for line in str(e).splitlines()
-                     if "Unsupported global" in line or "got <class" in line), "")
-        raise ValueError(f"{path} holds pickled objects that could run code as it loads ({what}); "
-                         "if you trust its source, pass --allow-unsafe-checkpoints") from None
-
-
-def check_safe_to_load(checkpoint_dir: str, allow_unsafe: bool) -> None:
-    """Every `.pt` file of a checkpoint that DeepSpeed will read itself (with pickle allowed),
-    read first as `load_file` reads it; memory-mapped, so the tensors are not read twice."""
-    if allow_unsafe:
-        return
-    for name in sorted(os.listdir(checkpoint_dir)):
-        if name.endswith(".pt"):
-            load_file(os.path.join(checkpoint_dir, name), mmap=True)
 
 
 def rng_state() -> dict:
@@ -157,6 +126,7 @@ def save(engine, args: argparse.Namespace, iteration: int, consumed_samples: int
             _write_atomically(os.path.join(partial, BASE_FILE), json.dumps(args.retrofit_base))
         _write_atomically(os.path.join(partial, ARGS_FILE),
                           json.dumps(model_args(args), indent=1, sort_keys=True))
+        layouts.write(args, partial, _write_atomically)
         _write_atomically(os.path.join(partial, TOKENIZER_FILE), json.dumps({
             "tokenizer_type": args.tokenizer_type,  # none for synthetic data (--mqar)
             "tokenizer_model": args.tokenizer_model and os.path.abspath(args.tokenizer_model),
@@ -249,10 +219,11 @@ def _adds_focus(args, checkpoint_dir: str) -> bool:
     return args.retrofit and saved_model_args(checkpoint_dir)["attention"] != args.attention
 
 
-def _module_file(checkpoint_dir: str, weights: bool) -> str:
-    """This TP rank's model file: `mp_rank_XX_model_states.pt`, or under ZeRO-3, whose weights
-    are partitioned over the optimizer files, data-parallel rank 0's (every name, no values)."""
-    tp = get_tensor_model_parallel_rank()
+def _module_file(checkpoint_dir: str, weights: bool, tp: Optional[int] = None) -> str:
+    """This TP rank's model file (or TP rank `tp`'s): `mp_rank_XX_model_states.pt`, or under
+    ZeRO-3, whose weights are partitioned over the optimizer files, data-parallel rank 0's (every
+    name, no values)."""
+    tp = get_tensor_model_parallel_rank() if tp is None else tp
     shard = os.path.join(checkpoint_dir, f"mp_rank_{tp:02d}_model_states.pt")
     zero3 = os.path.join(checkpoint_dir, f"zero_pp_rank_0_mp_rank_{tp:02d}_model_states.pt")
     if os.path.isfile(shard):
@@ -267,11 +238,11 @@ def _module_file(checkpoint_dir: str, weights: bool) -> str:
 
 
 def _checked_file(engine, checkpoint_dir: str, may_miss, allow_unsafe: bool,
-                  weights: bool = True) -> dict:
-    """This rank's model file, refused unless its weights are this model's (bar
-    `may_miss(name)`); `weights=False`: only their names are checked (a ZeRO-3 checkpoint holds
-    no values there)."""
-    saved_file = load_file(_module_file(checkpoint_dir, weights), allow_unsafe, mmap=True)
+                  weights: bool = True, tp: Optional[int] = None) -> dict:
+    """This rank's model file (or TP rank `tp`'s), refused unless its weights are this model's
+    (bar `may_miss(name)`); `weights=False`: only their names are checked (a ZeRO-3 checkpoint
+    holds no values there)."""
+    saved_file = load_file(_module_file(checkpoint_dir, weights, tp), allow_unsafe, mmap=True)
     saved = saved_file["module"]
     ours = engine.module.state_dict().keys()
     missing = [k for k in ours - saved.keys() if not may_miss(k) and not k.endswith("_extra_state")]
@@ -355,16 +326,37 @@ def load(engine, args: argparse.Namespace) -> tuple[int, int]:
     if imported or args.finetune or adding_focus:
         _load_weights_only(engine, args, checkpoint_dir, may_miss)
         return 0, 0
-    check_compatible(args, checkpoint_dir)
+    layout = layouts.change(args, checkpoint_dir)
+    if layout and (args.retrofit or base_dir is not None):
+        raise ValueError(f"{checkpoint_dir} is a retrofit's, written at another layout: resume "
+                         "it at its own (" + ", ".join(f"{k} {v}" for k, v in layout.items()) + ")")
+    check_compatible(args, checkpoint_dir, ignore=layouts.LAYOUT_KEYS if layout else ())
     saved = _checked_file(engine, checkpoint_dir, may_miss, args.allow_unsafe_checkpoints,
-                          weights=False)
+                          weights=False, tp=0 if layout else None)
     check_schedule(saved["lr_scheduler"], engine.lr_scheduler.state_dict(), args, checkpoint_dir)
     check_safe_to_load(checkpoint_dir, args.allow_unsafe_checkpoints)
-    path, client_state = engine.load_checkpoint(
-        args.load, tag=tag, load_module_strict=base_dir is None, load_optimizer_states=True,
-        load_lr_scheduler_states=True,
-    )
-    if path is None:
-        raise RuntimeError(f"DeepSpeed could not load {checkpoint_dir}")
-    set_rng_state(client_state["rng"])
+    if layout:
+        trained = [[name for name, _ in group] for group in weight_decay_groups(engine.module)]
+        client_state = layouts.load(engine, args, checkpoint_dir, layout, trained)
+        # Each rank's random state belongs to a rank of the old layout: start them afresh, as
+        # Megatron seeds a run, from the seed and the iteration.
+        platform.manual_seed(args.seed + client_state["iteration"])
+    else:
+        path, client_state = engine.load_checkpoint(
+            args.load, tag=tag, load_module_strict=base_dir is None, load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+        )
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load {checkpoint_dir}")
+        set_rng_state(client_state["rng"])
     return client_state["iteration"], client_state["consumed_samples"]
+
+
+def layout_change(args: argparse.Namespace) -> Optional[dict]:
+    """The layout of the checkpoint this run resumes, if it is not this run's."""
+    if not args.load or args.finetune:
+        return None
+    tag = latest_tag(args.load) if os.path.isdir(args.load) else None
+    if tag is None or os.path.isfile(os.path.join(args.load, tag, WEIGHTS_ONLY)):
+        return None
+    return layouts.change(args, os.path.join(args.load, tag))

@@ -31,9 +31,10 @@ from megatron_focus.model.focus import (focus_statistics, recording_statistics, 
 from megatron_focus.model.focus_gate import lse_kernel, soft_kernel
 from megatron_focus.model.gpt import build_model, padded_vocab_size
 from megatron_focus.parallel import install_sequence_parallel_grad_allreduce
-from megatron_focus.training import checkpointing
+from megatron_focus.training import checkpointing, layouts
 from megatron_focus.training.deepspeed_config import deepspeed_config
 from megatron_focus.training.metrics import Reporter, flops_per_token
+from megatron_focus.training.optimizer import weight_decay_groups
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "megatron-focus")
 
@@ -295,10 +296,10 @@ def datasets_for(args: argparse.Namespace, tokenizer):
 
 def _deepspeed_engine(args: argparse.Namespace, model: torch.nn.Module):
     """AdamW without weight decay on biases and norms, Megatron's LR schedule, in DeepSpeed."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    decay, no_decay = weight_decay_groups(model)
     optimizer = torch.optim.AdamW(
-        [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}],
+        [{"params": [p for _, p in decay], "wd_mult": 1.0},
+         {"params": [p for _, p in no_decay], "wd_mult": 0.0}],
         lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
         weight_decay=args.weight_decay,
     )
@@ -311,6 +312,9 @@ def _deepspeed_engine(args: argparse.Namespace, model: torch.nn.Module):
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
     )
     config = deepspeed_config(args, parallel_state.get_data_parallel_world_size())
+    if args.zero_stage > 0 and checkpointing.layout_change(args):  # DeepSpeed loads it
+        config.setdefault("checkpoint", {})["load_universal"] = True
+    layouts.describe_model(model)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=_StepByOne(scheduler),
         mpu=platform.deepspeed_mpu(), config=config, dist_init_required=False,

@@ -1,0 +1,47 @@
+"""Reading checkpoint files without running code: tensors, containers and DeepSpeed's records.
+
+`torch.load` unpickles, and a pickle can run any code as it loads; a checkpoint downloaded or
+shared is read here with `weights_only`, which admits tensors and plain containers, plus the few
+record classes DeepSpeed pickles into its files, allowed by name.
+"""
+
+import os
+import pickle
+
+import torch
+
+
+def _deepspeed_records() -> list:
+    """The classes DeepSpeed pickles into its checkpoint files besides tensors (loss scalers, the
+    ZeRO stage, fragment addresses): plain records, allowed by name so that nothing else in a
+    file can run code as it loads."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def load_file(path: str, allow_unsafe: bool = False, mmap: bool = False):
+    """`torch.load` of a checkpoint file: tensors, containers and `_deepspeed_records` only,
+    unless `allow_unsafe` (`--allow-unsafe-checkpoints`)."""
+    if allow_unsafe:
+        return torch.load(path, map_location="cpu", mmap=mmap, weights_only=False)
+    try:
+        with torch.serialization.safe_globals(_deepspeed_records()):
+            return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+    except pickle.UnpicklingError as e:
+        what = next((line.strip() for line in str(e).splitlines()
+                     if "Unsupported global" in line or "got <class" in line), "")
+        raise ValueError(f"{path} holds pickled objects that could run code as it loads ({what}); "
+                         "if you trust its source, pass --allow-unsafe-checkpoints") from None
+
+
+def check_safe_to_load(checkpoint_dir: str, allow_unsafe: bool) -> None:
+    """Every `.pt` file of a checkpoint that DeepSpeed will read itself (with pickle allowed),
+    read first as `load_file` reads it; memory-mapped, so the tensors are not read twice."""
+    if allow_unsafe:
+        return
+    for name in sorted(os.listdir(checkpoint_dir)):
+        if name.endswith(".pt"):
+            load_file(os.path.join(checkpoint_dir, name), mmap=True)
