@@ -188,6 +188,9 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="resume from --load's checkpoint of this iteration rather than its latest "
+                        "(e.g. the one before a damaged checkpoint)")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--finetune", action="store_true",
                    help="load only the model weights from --load; iteration, optimizer and "
@@ -292,7 +295,7 @@ AT_LEAST = {
                      "num_workers", "max_skipped_steps", "focus_sink_tokens",
                      "lr_warmup_samples", "lr_warmup_fraction",
                      "focus_sinkhorn_iters", "focus_gate_scale", "init_method_std",
-                     "hidden_dropout", "attention_dropout", "weight_decay"), 0),
+                     "hidden_dropout", "attention_dropout", "weight_decay", "ckpt_step"), 0),
 }
 # Flags bounded above too: (whether a value is allowed, the rule in words).
 WITHIN = {"rotary_percent": (lambda v: 0 < v <= 1, "above 0 and at most 1"),
@@ -488,6 +491,8 @@ def _validate_training(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError("--retrofit adds Focus routers: it needs --attention focus or focus+xsa")
     if (args.retrofit or args.finetune) and not args.load:
         raise ValueError("--retrofit and --finetune need --load (the pretrained checkpoint)")
+    if args.ckpt_step is not None and not args.load:
+        raise ValueError("--ckpt-step needs --load (the run whose checkpoint it names)")
     if args.save_full and not args.retrofit:
         raise ValueError("--save-full is for --retrofit runs (other runs always save everything)")
     if args.save_interval is not None and args.save is None:

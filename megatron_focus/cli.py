@@ -2,15 +2,21 @@
 
 An error this project raises while checking the user's input (a flag, a file, a checkpoint, a
 config) ends the command with `error: <message>` and exit code 2; a run stopped by its own
-safety checks (non-finite losses) exits 1. Any error raised elsewhere (a library, a bug) keeps
-its traceback.
+safety checks (non-finite losses, a save that could not be written) exits 1. Any error raised
+elsewhere (a library, a bug) keeps its traceback.
 """
 
 import os
 import sys
 
+
+class Stopped(RuntimeError):
+    """A run that stopped itself, for a reason it states (exit code 1)."""
+
+
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotImplementedError,
-               FloatingPointError)
+               FloatingPointError, Stopped)
+STOPPED = (FloatingPointError, Stopped)
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -31,4 +37,4 @@ def run(main, *args):
         if not _raised_here(e):
             raise
         print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(1 if isinstance(e, FloatingPointError) else 2)
+        sys.exit(1 if isinstance(e, STOPPED) else 2)

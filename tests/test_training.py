@@ -43,6 +43,14 @@ class _Payload:
         return open, (self.path, "w")
 
 
+def _crafted(folder, name, content):
+    """Replace a checkpoint file as someone crafting it would: checksums to match."""
+    from megatron_focus.training import integrity
+
+    torch.save(content, folder / name)
+    integrity.write(str(folder), integrity.digests(str(folder)), lambda p, t: open(p, "w").write(t))
+
+
 def test_checkpoints_with_pickled_code_are_refused(embedded_cache, tmp_path):
     """Resume (our read and DeepSpeed's) and export read tensors and DeepSpeed's records only."""
     from megatron_focus.hf import export_to_hf
@@ -54,12 +62,12 @@ def test_checkpoints_with_pickled_code_are_refused(embedded_cache, tmp_path):
     assert files == ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
     for name in files:  # each file DeepSpeed reads: the model's and the optimizer's
         original = torch.load(tag / name, weights_only=False)
-        torch.save({**original, "extra": _Payload(str(marker))}, tag / name)
+        _crafted(tag, name, {**original, "extra": _Payload(str(marker))})
         with pytest.raises(Exception, match=f"{name} holds pickled objects that could run code"):
             train(1, _argv(embedded_cache, "--save", str(ckpt), "--load", str(ckpt), iters=4))
-        torch.save(original, tag / name)
-    torch.save({**torch.load(tag / files[0], weights_only=False), "extra": _Payload(str(marker))},
-               tag / files[0])
+        _crafted(tag, name, original)
+    _crafted(tag, files[0], {**torch.load(tag / files[0], weights_only=False),
+                             "extra": _Payload(str(marker))})
     with pytest.raises(ValueError, match="--allow-unsafe-checkpoints"):
         export_to_hf(str(ckpt), str(tmp_path / "hf"), progress=False)
     assert not marker.exists()

@@ -92,7 +92,9 @@ def read_architecture(tag_dir: str, vocab_size: int, focus_top_k: Optional[int] 
 def read_weights(tag_dir: str, arch: Architecture, progress: bool = True,
                  allow_unsafe: bool = False) -> StateDict:
     """The full, unpadded weights (Megatron's names) of a checkpoint of `arch`; files holding
-    pickled objects are refused unless `allow_unsafe` (see `safe_load.load_file`)."""
+    pickled objects are refused unless `allow_unsafe` (see `safe_load.load_file`), and so is a
+    checkpoint whose files differ from what its save wrote."""
+    checkpointing.verify(tag_dir)
     tp = read_json(tag_dir, checkpointing.ARGS_FILE)["tensor_model_parallel_size"]
     files = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
     if not files and glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_model_states.pt")):

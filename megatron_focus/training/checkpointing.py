@@ -31,8 +31,8 @@ import torch.distributed as dist
 from megatron.core.parallel_state import get_tensor_model_parallel_rank
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-from megatron_focus import platform
-from megatron_focus.training import layouts
+from megatron_focus import cli, platform
+from megatron_focus.training import integrity, layouts
 from megatron_focus.training.optimizer import weight_decay_groups
 from megatron_focus.training.safe_load import check_safe_to_load, load_file
 
@@ -106,8 +106,17 @@ def _write_atomically(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+class SaveFailed(cli.Stopped):
+    """A save that could not be written: the run stops, its previous checkpoint still latest."""
+
+
 def save(engine, args: argparse.Namespace, iteration: int, consumed_samples: int) -> str:
-    """Save on every rank; returns the checkpoint directory."""
+    """Save on every rank; returns the checkpoint directory.
+
+    Written under `<tag>.partial`, checksummed, then renamed and made `latest`. A write that
+    fails on any rank (a full disk, a lost permission) removes the partial folder and raises
+    `SaveFailed` on every rank, the previous checkpoint still `latest`.
+    """
     tag = tag_for(iteration)
     partial, final = os.path.join(args.save, f"{tag}.partial"), os.path.join(args.save, tag)
     rank0 = dist.get_rank() == 0
@@ -118,27 +127,64 @@ def save(engine, args: argparse.Namespace, iteration: int, consumed_samples: int
     client_state = {"iteration": iteration, "consumed_samples": consumed_samples,
                     "rng": rng_state()}
     trained_only = args.retrofit and not args.save_full
-    engine.save_checkpoint(args.save, tag=f"{tag}.partial", client_state=client_state,
-                           save_latest=False, exclude_frozen_parameters=trained_only)
-    dist.barrier()
+    failure = _attempt(lambda: engine.save_checkpoint(
+        args.save, tag=f"{tag}.partial", client_state=client_state, save_latest=False,
+        exclude_frozen_parameters=trained_only))
+    if failure:
+        dist.barrier()  # the one DeepSpeed's save ends with, which the other ranks are in
+    _agree(failure, partial, args.save)
+    _agree(_attempt(lambda: _write_records(args, partial, trained_only)) if rank0 else None,
+           partial, args.save)
+    digests = integrity.digests(partial)
+    _agree(_attempt(lambda: integrity.write(partial, digests, _write_atomically)) if rank0
+           else None, partial, args.save)
     if rank0:
-        if trained_only:
-            _write_atomically(os.path.join(partial, BASE_FILE), json.dumps(args.retrofit_base))
-        _write_atomically(os.path.join(partial, ARGS_FILE),
-                          json.dumps(model_args(args), indent=1, sort_keys=True))
-        layouts.write(args, partial, _write_atomically)
-        _write_atomically(os.path.join(partial, TOKENIZER_FILE), json.dumps({
-            "tokenizer_type": args.tokenizer_type,  # none for synthetic data (--mqar)
-            "tokenizer_model": args.tokenizer_model and os.path.abspath(args.tokenizer_model),
-            **{key: getattr(args, key) and os.path.abspath(getattr(args, key))
-               for key in ("vocab_file", "merge_file")},
-            "vocab_size": args.tokenizer_vocab_size,
-        }, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         _write_atomically(os.path.join(args.save, LATEST), tag)
     dist.barrier()
     return final
+
+
+def _attempt(write) -> Optional[OSError]:
+    try:
+        write()
+    except OSError as e:
+        return e
+    return None
+
+
+def _agree(failure: Optional[OSError], partial: str, save_dir: str) -> None:
+    """Collective: if the save failed on any rank, every rank raises `SaveFailed`."""
+    failures = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure and f"{failure.strerror or failure} "
+                                                 f"({failure.filename or partial})")
+    failed = [(rank, what) for rank, what in enumerate(failures) if what]
+    if not failed:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    previous = latest_tag(save_dir) if os.path.isfile(os.path.join(save_dir, LATEST)) else None
+    rank, what = failed[0]
+    raise SaveFailed(f"saving {os.path.basename(partial)[:-len('.partial')]} failed on rank "
+                     f"{rank}: {what}; " + (f"{previous} stays the latest checkpoint"
+                                            if previous else "no checkpoint was saved"))
+
+
+def _write_records(args: argparse.Namespace, folder: str, trained_only: bool) -> None:
+    """Our files beside DeepSpeed's: the model's shape, layout, tokenizer, retrofit base."""
+    if trained_only:
+        _write_atomically(os.path.join(folder, BASE_FILE), json.dumps(args.retrofit_base))
+    _write_atomically(os.path.join(folder, ARGS_FILE),
+                      json.dumps(model_args(args), indent=1, sort_keys=True))
+    layouts.write(args, folder, _write_atomically)
+    _write_atomically(os.path.join(folder, TOKENIZER_FILE), json.dumps({
+        "tokenizer_type": args.tokenizer_type,  # none for synthetic data (--mqar)
+        "tokenizer_model": args.tokenizer_model and os.path.abspath(args.tokenizer_model),
+        **{key: getattr(args, key) and os.path.abspath(getattr(args, key))
+           for key in ("vocab_file", "merge_file")},
+        "vocab_size": args.tokenizer_vocab_size,
+    }, indent=1))
 
 
 def latest_tag(load_dir: str) -> Optional[str]:
@@ -153,10 +199,38 @@ def latest_tag(load_dir: str) -> Optional[str]:
     return tag
 
 
+def resume_tag(args: argparse.Namespace) -> Optional[str]:
+    """The tag `--load` resumes from: `--ckpt-step`'s, else the latest (None: no checkpoint)."""
+    if args.ckpt_step is None:
+        return latest_tag(args.load) if os.path.isdir(args.load) else None
+    tag = tag_for(args.ckpt_step)
+    if not os.path.isdir(os.path.join(args.load, tag)):
+        held = _complete_tags(args.load) if os.path.isdir(args.load) else []
+        raise FileNotFoundError(f"--ckpt-step {args.ckpt_step}: {args.load} holds no {tag} "
+                                f"(it holds: {', '.join(held) or 'no checkpoint'})")
+    return tag
+
+
+def _complete_tags(folder: str) -> list:
+    return sorted(name for name in os.listdir(folder) if re.fullmatch(r"iter_\d{7}", name)
+                  and os.path.isdir(os.path.join(folder, name)))
+
+
+def verify(checkpoint_dir: str) -> None:
+    """Collective: refuse a checkpoint whose files differ from what its save wrote."""
+    found = integrity.problems(checkpoint_dir)
+    if not found:
+        return
+    previous = integrity.previous_complete(checkpoint_dir)
+    hint = (f"; the previous checkpoint, {previous}, is complete: resume from it with "
+            f"--ckpt-step {int(previous[len('iter_'):])}" if previous else "")
+    raise ValueError(f"checkpoint {checkpoint_dir} is damaged: {'; '.join(found)}{hint}")
+
+
 def preflight(args: argparse.Namespace) -> None:
     """What would fail at the first save or at load, refused before any compute: a `--save` that
-    cannot be written, and a folder of complete checkpoints whose `latest` is gone (which would
-    otherwise start from scratch and overwrite them)."""
+    cannot be written, a folder of complete checkpoints whose `latest` is gone (which would
+    otherwise start from scratch and overwrite them), and a damaged checkpoint to resume."""
     if args.save:
         try:
             os.makedirs(args.save, exist_ok=True)
@@ -165,15 +239,21 @@ def preflight(args: argparse.Namespace) -> None:
         except OSError as e:
             raise ValueError(f"--save {args.save}: cannot write there ({e.strerror})") from None
     for folder in {args.load, args.save} - {None}:
-        if not os.path.isdir(folder) or os.path.isfile(os.path.join(folder, LATEST)):
+        if (not os.path.isdir(folder) or os.path.isfile(os.path.join(folder, LATEST))
+                or args.ckpt_step is not None):
             continue
-        complete = sorted(name for name in os.listdir(folder) if re.fullmatch(r"iter_\d{7}", name)
-                          and os.path.isdir(os.path.join(folder, name)))
+        complete = _complete_tags(folder)
         if complete:
             raise ValueError(
-                f"{folder} holds checkpoints {', '.join(complete)} but no '{LATEST}' file: write "
-                f"the tag to resume from into {os.path.join(folder, LATEST)} (e.g. "
-                f"{complete[-1]}), or save this run elsewhere")
+                f"{folder} holds checkpoints {', '.join(complete)} but no '{LATEST}' file: "
+                f"resume from one with --ckpt-step (e.g. {int(complete[-1][len('iter_'):])}), "
+                "or save this run elsewhere")
+    tag = resume_tag(args) if args.load else None
+    if tag is not None:
+        verify(os.path.join(args.load, tag))
+        base = base_checkpoint(os.path.join(args.load, tag))
+        if base is not None:
+            verify(base)
 
 
 def saved_model_args(checkpoint_dir: str) -> dict:
@@ -304,7 +384,7 @@ def load(engine, args: argparse.Namespace) -> tuple[int, int]:
     same command both starts and resumes a run; any other `--load` must hold a checkpoint.
     """
     resuming_own_run = os.path.abspath(args.load) == os.path.abspath(args.save or "")
-    tag = latest_tag(args.load) if os.path.isdir(args.load) else None
+    tag = resume_tag(args)
     if tag is None and (not resuming_own_run or args.retrofit or args.finetune):
         raise FileNotFoundError(f"--load {args.load}: no checkpoint there (no '{LATEST}' file)")
     if tag is None:
@@ -356,7 +436,7 @@ def layout_change(args: argparse.Namespace) -> Optional[dict]:
     """The layout of the checkpoint this run resumes, if it is not this run's."""
     if not args.load or args.finetune:
         return None
-    tag = latest_tag(args.load) if os.path.isdir(args.load) else None
+    tag = resume_tag(args)
     if tag is None or os.path.isfile(os.path.join(args.load, tag, WEIGHTS_ONLY)):
         return None
     return layouts.change(args, os.path.join(args.load, tag))

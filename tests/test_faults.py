@@ -1,0 +1,71 @@
+"""Faults during a run and in its checkpoints: a save that cannot be written, a damaged file."""
+
+import errno
+import os
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from test_training import _argv, _train, train
+
+
+def _train_with_disk_full_at(argv, tag, rank):
+    """Training whose writes under `tag` fail on `rank` as on a full disk."""
+    import torch.distributed as dist
+
+    save = torch.save
+
+    def full_disk(obj, path, *args, **kwargs):
+        if tag in str(path) and dist.get_rank() == rank:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return save(obj, path, *args, **kwargs)
+
+    torch.save = full_disk
+    return _train(argv)
+
+
+def test_a_save_that_fails_on_one_rank_stops_the_run_and_keeps_the_last(embedded_cache,
+                                                                       tmp_path):
+    ckpt = tmp_path / "ckpt"
+    argv = _argv(embedded_cache, "--save", str(ckpt), "--save-interval", "2", "--zero-stage", "1",
+                 iters=6)
+    with pytest.raises(Exception, match=r"saving iter_0000004 failed on rank 1: No space left on "
+                                         r"device \(.*iter_0000004.partial.*\); iter_0000002 "
+                                         "stays the latest checkpoint"):
+        run_distributed(_train_with_disk_full_at, 2, argv, "iter_0000004", 1)
+    assert (ckpt / "latest").read_text() == "iter_0000002"
+    assert sorted(p for p in os.listdir(ckpt) if p.startswith(("iter_", "latest"))) == [
+        "iter_0000002", "latest"]
+
+
+def test_a_damaged_checkpoint_is_refused_and_the_previous_one_resumes(embedded_cache, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    flags = ["--save", ckpt, "--save-interval", "2"]
+    straight = train(1, _argv(embedded_cache, *flags, iters=4))
+    shard = os.path.join(ckpt, "iter_0000004", "mp_rank_00_model_states.pt")
+    data = bytearray(open(shard, "rb").read())
+    data[len(data) // 2] ^= 0xFF  # one flipped bit pattern, the size unchanged
+    open(shard, "wb").write(bytes(data))
+    resume = _argv(embedded_cache, *flags, "--load", ckpt, iters=6)
+    with pytest.raises(Exception, match=r"iter_0000004 is damaged: mp_rank_00_model_states.pt "
+                                        r"differs from what was saved \(SHA-256\); the previous "
+                                        r"checkpoint, iter_0000002, is complete: resume from it "
+                                        r"with --ckpt-step 2") as failure:
+        train(1, resume)
+    assert "build_model" not in str(failure.value)  # found before any compute
+    open(shard, "wb").write(bytes(data[: len(data) // 2]))
+    with pytest.raises(Exception, match="mp_rank_00_model_states.pt is [0-9]+ bytes, [0-9]+ when "
+                                        "saved"):
+        train(1, resume)
+    again = train(1, _argv(embedded_cache, *flags, "--load", ckpt, "--ckpt-step", "2", iters=4))
+    assert again["losses"] == straight["losses"][2:]  # iterations 3-4 again, exactly
+    assert open(os.path.join(ckpt, "latest")).read() == "iter_0000004"
+
+
+def test_ckpt_step_names_a_checkpoint_that_exists(embedded_cache, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    train(1, _argv(embedded_cache, "--save", ckpt, iters=3))
+    with pytest.raises(Exception, match=r"--ckpt-step 2: .* holds no iter_0000002 \(it holds: "
+                                        r"iter_0000003\)"):
+        train(1, _argv(embedded_cache, "--load", ckpt, "--ckpt-step", "2", iters=4))
