@@ -6,13 +6,13 @@ anything is built, with a message that says which flag to change.
 """
 
 import argparse
-import difflib
 import os
 import warnings
 from typing import List, Optional
 
 import torch
 
+from megatron_focus import cli
 from megatron_focus.compat import add_compat_args, check_compat_args
 from megatron_focus.data.mqar import check_mqar
 from megatron_focus.data.tokenizer import TOKENIZER_TYPES
@@ -239,26 +239,10 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
                    help="TensorBoard gets a 'world-size' curve")
 
 
-class _Parser(argparse.ArgumentParser):
-    """A refusal in one line, naming the closest known flag, instead of the whole usage."""
-
-    def error(self, message: str):
-        if message.startswith("unrecognized arguments: "):
-            known = [o for action in self._actions for o in action.option_strings]
-            words = []
-            for flag in message.split(": ", 1)[1].split():
-                close = difflib.get_close_matches(flag.split("=")[0], known, n=1, cutoff=0.8)
-                if flag.startswith("-"):
-                    words.append(flag + (f" (did you mean {close[0]}?)" if close else ""))
-            message = f"unknown flag{'s' if len(words) > 1 else ''} {', '.join(words)}; " \
-                      f"{self.prog} --help lists them"
-        self.exit(2, f"error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     import deepspeed
 
-    p = _Parser(
+    p = cli.Parser(
         description="megatron-focus: GPT pretraining with Focus and XSA attention",
         allow_abbrev=False,
     )

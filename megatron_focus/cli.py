@@ -6,6 +6,8 @@ safety checks (non-finite losses, a save that could not be written) exits 1. Any
 elsewhere (a library, a bug) keeps its traceback.
 """
 
+import argparse
+import difflib
 import os
 import sys
 
@@ -38,3 +40,19 @@ def run(main, *args):
             raise
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1 if isinstance(e, STOPPED) else 2)
+
+
+class Parser(argparse.ArgumentParser):
+    """A refusal in one line, naming the closest known flag, instead of the whole usage."""
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments: "):
+            known = [o for action in self._actions for o in action.option_strings]
+            words = []
+            for flag in message.split(": ", 1)[1].split():
+                close = difflib.get_close_matches(flag.split("=")[0], known, n=1, cutoff=0.8)
+                if flag.startswith("-"):
+                    words.append(flag + (f" (did you mean {close[0]}?)" if close else ""))
+            message = f"unknown flag{'s' if len(words) > 1 else ''} {', '.join(words)}; " \
+                      f"{self.prog} --help lists them"
+        self.exit(2, f"error: {message}\n")

@@ -581,13 +581,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         args = parse_plan_args(argv)
         plan = make_plan(args)
     except (PlanError, ValueError, FileNotFoundError) as error:
-        print(f"plan.py: error: {error}", file=sys.stderr)
+        print(f"error: {error}", file=sys.stderr)
         return 2
     print(format_plan(plan))
     if args.json_path:
         with open(args.json_path, "w") as f:
             f.write(plan.to_json())
     if not plan.fits:
-        print(f"plan.py: error: {plan.advice}", file=sys.stderr)
+        print(f"error: {plan.advice}", file=sys.stderr)
         return 1
     return 0

@@ -542,7 +542,7 @@ def test_compare_runs_needs_the_sequence_length(tmp_path):
         writer.add_scalar("batch-size", 16, step)
     writer.close()
     tool = _tool("compare_runs")
-    with pytest.raises(SystemExit, match="no sequence length"):
+    with pytest.raises(ValueError, match="no sequence length"):
         tool.main([str(tmp_path / "a"), "--out", str(tmp_path / "x")])
     (tmp_path / "a" / "run.json").write_text(json.dumps({"label": "mine", "seq_length": 100}))
     path = tmp_path / "t.json"

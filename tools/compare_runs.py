@@ -32,6 +32,10 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_focus import cli  # noqa: E402
+
 TRAIN_TAG = "lm loss"
 VALID_TAG = "lm loss validation"
 BATCH_TAG = "batch-size"
@@ -56,7 +60,7 @@ class Run:
         elif self.global_batch_size:
             batch = np.full(len(steps), float(self.global_batch_size))
         else:
-            raise SystemExit(f"compare_runs.py: {self.path} logs no '{BATCH_TAG}' scalar: pass "
+            raise ValueError(f"{self.path} logs no '{BATCH_TAG}' scalar: pass "
                              "--global-batch-size")
         return steps * batch * self.seq_length
 
@@ -86,7 +90,7 @@ def find_runs(arguments: List[str]) -> List[tuple]:
                 matched += sorted(root for root, _, files in os.walk(path)
                                   if any(f.startswith("events.out.tfevents.") for f in files))
         if not matched:
-            raise SystemExit(f"compare_runs.py: {pattern}: no TensorBoard event files found")
+            raise FileNotFoundError(f"{pattern}: no TensorBoard event files found")
         found += [(label or None, m) for m in matched]
     return found
 
@@ -128,7 +132,7 @@ def read_run(label: Optional[str], tb_dir: str, seq_length: Optional[int],
         steps = np.array(sorted(latest), dtype=np.float64)
         run.series[tag] = (steps, np.array([latest[s] for s in sorted(latest)], dtype=np.float64))
     if TRAIN_TAG in tags and TRAIN_TAG not in run.series:
-        raise SystemExit(f"compare_runs.py: {tb_dir} has no '{TRAIN_TAG}' scalar "
+        raise ValueError(f"{tb_dir} has no '{TRAIN_TAG}' scalar "
                          f"(tags: {', '.join(sorted(available)) or 'none'})")
     return run
 
@@ -347,7 +351,7 @@ def plot(groups: Dict[str, List[Run]], rows: List[dict], args: argparse.Namespac
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", metavar="[LABEL=]PATH",
                    help="TensorBoard folders, run folders or folders of runs (globs allowed)")
     p.add_argument("--out", default="compare", help="output path without extension (default: compare)")
@@ -391,7 +395,7 @@ def main(argv=None) -> int:
     if args.x == "tokens":
         unknown = [r.path for r in runs if not r.seq_length]
         if unknown:
-            raise SystemExit("compare_runs.py: no sequence length for " + ", ".join(unknown)
+            raise ValueError("no sequence length for " + ", ".join(unknown)
                              + ": pass --seq-length, or --x iteration")
     groups: Dict[str, List[Run]] = {}
     for run in runs:
@@ -409,4 +413,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

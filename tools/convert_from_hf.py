@@ -23,7 +23,7 @@ from megatron_focus.hf.architecture import SUPPORTED_ATTENTION
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = cli.Parser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hf-dir", required=True, help="a folder written by save_pretrained")
     parser.add_argument("--save", required=True, help="the checkpoint folder to write")

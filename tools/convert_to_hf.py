@@ -22,7 +22,7 @@ from megatron_focus.hf import export_to_hf
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = cli.Parser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--load", required=True, help="checkpoint folder (as pretrain_gpt.py --save)")
     parser.add_argument("--save-dir", required=True, help="the HF folder to write")

@@ -28,7 +28,7 @@ ANSWER_TOKENS = 8  # enough for a five-digit number in any tokenizer here
 
 
 def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = cli.Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--load", help="a native checkpoint folder (pretrain_gpt.py --save)")
     source.add_argument("--hf", help="a Hugging Face model folder")
@@ -64,7 +64,7 @@ class Native:
         tag_dir = checkpoint_tag_dir(opts.load, opts.iteration)
         self.vocab, self.tokenizer = checkpoint_vocabulary(tag_dir)
         if self.tokenizer is None:
-            raise SystemExit(f"error: {tag_dir} records no tokenizer (synthetic data or an "
+            raise ValueError(f"{tag_dir} records no tokenizer (synthetic data or an "
                              "import without one): passkey prompts are text")
         self.arch = read_architecture(tag_dir, self.vocab)
         self.model = native_model(self.arch, read_weights(
@@ -128,13 +128,13 @@ def main() -> None:
     too_long = [n for n in opts.lengths
                 if model.positions is not None and n + ANSWER_TOKENS > model.positions]
     if too_long:
-        raise SystemExit(f"error: --lengths {' '.join(map(str, too_long))}: with the answer they "
+        raise ValueError(f"--lengths {' '.join(map(str, too_long))}: with the answer they "
                          f"pass the model's learned position table ({model.positions})")
     settings = [(None, None)]
     if model.focus_groups:
         bad = [k for k in opts.top_k if not 1 <= k <= model.focus_groups]
         if bad:
-            raise SystemExit(f"error: --top-k {' '.join(map(str, bad))}: between 1 and the "
+            raise ValueError(f"--top-k {' '.join(map(str, bad))}: between 1 and the "
                              f"model's {model.focus_groups} groups")
         settings = [("soft", None)] + [("sparse", k) for k in opts.top_k]
     passkeys = keys(opts.trials, opts.seed)
@@ -142,7 +142,7 @@ def main() -> None:
         prompts = {(n, d): [passkey_prompt(model.tokenize, n, d, key) for key in passkeys]
                    for n in opts.lengths for d in opts.depths}
     except ValueError as e:
-        raise SystemExit(f"error: --lengths: {e}") from None
+        raise ValueError(f"--lengths: {e}") from None
     rows = []
     for mode, top_k in settings:
         if mode is not None:

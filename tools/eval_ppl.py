@@ -39,7 +39,7 @@ from megatron_focus.training import trainer  # noqa: E402
 
 
 def parse() -> tuple[argparse.Namespace, argparse.Namespace]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = cli.Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--load", required=True)
     p.add_argument("--iteration", type=int, default=None, help="default: the latest")
     p.add_argument("--seq-lengths", type=int, nargs="+", default=None, metavar="N",
@@ -112,7 +112,7 @@ def main() -> None:
     lengths = opts.seq_lengths or [min(args.seq_length, positions or args.seq_length)]
     too_long = [n for n in lengths if positions is not None and n > positions]
     if too_long:
-        raise SystemExit(f"error: --seq-lengths {' '.join(map(str, too_long))}: the model's "
+        raise ValueError(f"--seq-lengths {' '.join(map(str, too_long))}: the model's "
                          f"learned position table has {positions} positions (RoPE models "
                          "evaluate at any length)")
     batches = {}
@@ -121,7 +121,7 @@ def main() -> None:
         validate_args(args, world_size=1)  # the data and evaluation flags
         _, valid = trainer.datasets_for(args, tokenizer)
         if valid is None:
-            raise SystemExit("error: --split leaves no validation data, or --eval-iters is 0")
+            raise ValueError("--split leaves no validation data, or --eval-iters is 0")
         batches[n] = list(micro_batches(valid, 0, args.eval_iters * args.micro_batch_size,
                                         args.micro_batch_size, 1, 0))
     # The checkpoint's model, merged to one process whatever its TP size or ZeRO stage.

@@ -50,7 +50,7 @@ from megatron_focus.data.tokenizer import TOKENIZER_TYPES  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True,
                    help="parquet shards (files or globs), e.g. 'fineweb/sample/10BT/*.parquet'")
     p.add_argument("--output-prefix", required=True, help="e.g. data/fineweb-gpt2")

@@ -14,7 +14,7 @@ from megatron_focus.data.tokenizer import TOKENIZER_TYPES
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", nargs="+", required=True, help="files or globs: .jsonl, .jsonl.gz, .parquet, .txt")
     parser.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.bin/.idx")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="fields (parquet columns) to tokenize")

@@ -12,7 +12,7 @@ from megatron_focus.data.sentencepiece_trainer import MODEL_TYPES, train_sentenc
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", nargs="+", required=True, help="files or globs: .jsonl, .jsonl.gz, .parquet, .txt")
     parser.add_argument("--output-prefix", required=True, help="writes <prefix>.model and <prefix>.vocab")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="fields (parquet columns) to train on")

@@ -18,12 +18,49 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
-from megatron.core.datasets.utils import Split, get_blend_from_list
+from megatron.core.datasets.utils import Split
 from megatron.core.tokenizers import MegatronTokenizerBase
 
 from megatron_focus.data.indexed import check_indexed_dataset
 
 _SPLIT_RE = re.compile(r"\d+(\.\d*)?(,\d+(\.\d*)?){0,2}")
+
+
+def _number(text: str) -> Optional[float]:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def blend_of(data_path: list) -> tuple[list, Optional[list]]:
+    """Megatron's `--data-path`: prefixes (`p1 p2 ...`, sampled by size) or weighted pairs
+    (`w1 p1 w2 p2 ...`), as (prefixes, weights or None); malformed weights refused by value."""
+    if _number(data_path[0]) is None:
+        for i in range(0, len(data_path) - 1, 2):  # `heavy p1 light p2`: words for weights?
+            if not _is_prefix(data_path[i]) and _is_prefix(data_path[i + 1]):
+                raise ValueError(
+                    f"--data-path {data_path[i]}: neither a blend weight (a number) nor a data "
+                    f"prefix (no {data_path[i]}.bin/.idx); a blend alternates weights and "
+                    "prefixes: w1 p1 w2 p2 ...")
+        return list(data_path), None
+    if len(data_path) % 2:
+        raise ValueError(f"--data-path: {len(data_path)} entries; a blend alternates weights and "
+                         "prefixes (w1 p1 w2 p2 ...), so it has an even number of them")
+    weights, prefixes = data_path[0::2], data_path[1::2]
+    for weight in weights:
+        if _number(weight) is None:
+            raise ValueError(f"--data-path {weight}: not a number, where a blend weight goes "
+                             "(w1 p1 w2 p2 ...)")
+        if _number(weight) < 0:
+            raise ValueError(f"--data-path {weight}: a blend weight cannot be negative")
+    if not any(_number(w) for w in weights):
+        raise ValueError("--data-path: every blend weight is 0")
+    return list(prefixes), [_number(w) for w in weights]
+
+
+def _is_prefix(path: str) -> bool:
+    return os.path.isfile(path + ".bin") and os.path.isfile(path + ".idx")
 
 
 def build_datasets(
@@ -46,7 +83,7 @@ def build_datasets(
         raise ValueError(f"--split {split!r}: expected up to three comma-separated weights, e.g. 969,30,1")
     if len(sizes) != 3 or any(s < 0 for s in sizes):
         raise ValueError(f"sizes {sizes}: expected three sample counts (train, valid, test) >= 0")
-    blend = get_blend_from_list(list(data_path))
+    blend = blend_of(list(data_path))
     for prefix in blend[0]:
         check_indexed_dataset(prefix, tokenizer.vocab_size)
 

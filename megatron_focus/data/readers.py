@@ -8,6 +8,7 @@ otherwise hard to find.
 
 import glob
 import gzip
+import zlib
 import json
 from typing import Iterator, Sequence
 
@@ -45,26 +46,41 @@ def iter_records(paths: Sequence[str], keys: Sequence[str]) -> Iterator[tuple[st
         if path.endswith(".parquet"):
             yield from _parquet_records(path, keys)
         elif path.endswith(".txt"):
-            with open(path, encoding="utf-8") as f:
-                for line in f:
-                    yield (line.rstrip("\n"),)
+            for _, line in _lines(path):
+                yield (line.rstrip("\n"),)
         else:
             yield from _json_lines_records(path, keys)
 
 
-def _json_lines_records(path: str, keys: Sequence[str]) -> Iterator[tuple[str, ...]]:
+def _lines(path: str) -> Iterator[tuple[int, str]]:
+    """(line number, text) of a text file, plain or gzipped; bytes that are not UTF-8 and a
+    truncated gzip stream are errors naming the file and line."""
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-            yield tuple(_text(record, key, f"{path}:{lineno}") for key in keys)
+    lineno = 0
+    try:
+        with opener(path, "rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                try:
+                    yield lineno, raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x} "
+                                     f"at column {e.start + 1}); re-encode the file as UTF-8") from None
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise ValueError(f"{path}: the gzip stream is damaged or truncated after line {lineno} "
+                         f"({e})") from None
+
+
+def _json_lines_records(path: str, keys: Sequence[str]) -> Iterator[tuple[str, ...]]:
+    for lineno, line in _lines(path):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+        yield tuple(_text(record, key, f"{path}:{lineno}") for key in keys)
 
 
 def _parquet_records(path: str, keys: Sequence[str]) -> Iterator[tuple[str, ...]]:

@@ -48,6 +48,17 @@ def train_sentencepiece(
     paths = expand_inputs(inputs, json_keys)
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     sentencepiece.set_random_generator_seed(seed)  # sampling and shuffling repeat run to run
+    try:
+        _train(paths, json_keys, output_prefix, vocab_size, model_type, max_sentences, quiet)
+    except RuntimeError as e:  # SentencePiece's C++ checks, e.g. "Vocabulary size is smaller
+        detail = str(e).rsplit("] ", 1)[-1]  # than required_chars. 300 vs 346. ..."
+        flag = f"--vocab-size {vocab_size}: " if "vocab" in detail.lower() else ""
+        raise ValueError(f"{flag}SentencePiece cannot train on {', '.join(paths)}: "
+                         f"{detail}") from None
+    return f"{output_prefix}.model"
+
+
+def _train(paths, json_keys, output_prefix, vocab_size, model_type, max_sentences, quiet):
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=_sentences(paths, json_keys),
         model_prefix=output_prefix,
@@ -68,4 +79,3 @@ def train_sentencepiece(
         num_threads=os.cpu_count() or 1,
         minloglevel=2 if quiet else 0,
     )
-    return f"{output_prefix}.model"

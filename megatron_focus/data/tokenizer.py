@@ -56,7 +56,12 @@ class SentencePieceTokenizer(_Tokenizer):
 
     def __init__(self, tokenizer_type: str, model_path: str) -> None:
         super().__init__(tokenizer_type, model_path)
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_path)
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=model_path)
+        except (RuntimeError, OSError) as e:
+            raise ValueError(f"--tokenizer-model {model_path}: not a SentencePiece model ({e}); a "
+                             "Hugging Face tokenizer.json goes with --tokenizer-type "
+                             "HuggingFaceTokenizer") from None
         if self._sp.eos_id() < 0:
             raise ValueError(f"{model_path} defines no eos piece (eos_id=-1); it is needed as the "
                              "end-of-document token: retrain it with eos_id >= 0")
@@ -137,7 +142,12 @@ class HuggingFaceTokenizer(_Tokenizer):
     def __init__(self, tokenizer_type: str, model_path: str,
                  backend: Optional[tokenizers.Tokenizer] = None) -> None:
         super().__init__(tokenizer_type, model_path)
-        self._tok = backend or tokenizers.Tokenizer.from_file(model_path)
+        try:
+            self._tok = backend or tokenizers.Tokenizer.from_file(model_path)
+        except Exception as e:  # the tokenizers library raises a bare Exception
+            raise ValueError(f"--tokenizer-model {model_path}: not a Hugging Face tokenizer.json "
+                             f"({e}); a SentencePiece .model goes with --tokenizer-type "
+                             "SentencePieceTokenizer") from None
         config = os.path.join(os.path.dirname(model_path), HF_TOKENIZER_CONFIG)
         self.config_path = config if os.path.isfile(config) else None
         names = special_token_names(config) if self.config_path else {}

@@ -31,8 +31,17 @@ def _hf_config(hf_dir: str):
 
     from megatron_focus.hf.configuration_megatron_focus import MegatronFocusConfig
 
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        model_type = json.load(f).get("model_type")
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isdir(hf_dir):
+        raise FileNotFoundError(f"--hf-dir {hf_dir}: no such folder")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--hf-dir {hf_dir}: no config.json (a folder written by "
+                                "save_pretrained holds one)")
+    try:
+        with open(path) as f:
+            model_type = json.load(f).get("model_type")
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
     if model_type == MegatronFocusConfig.model_type:
         return MegatronFocusConfig.from_pretrained(hf_dir)
     return AutoConfig.from_pretrained(hf_dir)

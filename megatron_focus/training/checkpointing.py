@@ -16,6 +16,7 @@ the previous checkpoint as latest and nothing that looks complete.
 """
 
 import argparse
+import errno
 import json
 import os
 import random
@@ -33,7 +34,7 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megatron_focus import cli, platform
 from megatron_focus.training import integrity, layouts
-from megatron_focus.training.optimizer import weight_decay_groups
+from megatron_focus.training.optimizer import schedule, weight_decay_groups
 from megatron_focus.training.safe_load import check_safe_to_load, load_file
 
 # What must match for weights to load: the model's shape, what it computes, and how it is split.
@@ -227,17 +228,26 @@ def verify(checkpoint_dir: str) -> None:
     raise ValueError(f"checkpoint {checkpoint_dir} is damaged: {'; '.join(found)}{hint}")
 
 
+def _check_writable(flag: str, folder: str) -> None:
+    """That `folder` can be created and written, without creating it (the first save will)."""
+    existing = os.path.abspath(folder)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    try:
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {folder}: cannot write there ({e.strerror})") from None
+
+
 def preflight(args: argparse.Namespace) -> None:
     """What would fail at the first save or at load, refused before any compute: a `--save` that
     cannot be written, a folder of complete checkpoints whose `latest` is gone (which would
     otherwise start from scratch and overwrite them), and a damaged checkpoint to resume."""
     if args.save:
-        try:
-            os.makedirs(args.save, exist_ok=True)
-            with tempfile.TemporaryFile(dir=args.save):
-                pass
-        except OSError as e:
-            raise ValueError(f"--save {args.save}: cannot write there ({e.strerror})") from None
+        _check_writable("--save", args.save)
     for folder in {args.load, args.save} - {None}:
         if (not os.path.isdir(folder) or os.path.isfile(os.path.join(folder, LATEST))
                 or args.ckpt_step is not None):
@@ -277,7 +287,7 @@ def check_compatible(args: argparse.Namespace, checkpoint_dir: str,
              for k in sorted(set(saved) | set(ours))
              if saved.get(k) != ours.get(k) and k not in ignore]
     if diffs:
-        raise ValueError(f"checkpoint {checkpoint_dir} is of another model:\n  " + "\n  ".join(diffs))
+        raise ValueError(f"checkpoint {checkpoint_dir} is of another model: " + "; ".join(diffs))
 
 
 def base_checkpoint(checkpoint_dir: str) -> Optional[str]:
@@ -340,12 +350,17 @@ SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--
                   "wd_incr_steps": "--train-iters"}
 
 
-def check_schedule(saved: dict, ours: dict, args: argparse.Namespace, checkpoint_dir: str) -> None:
+def _shown(value):
+    return f"{value:.6g}" if isinstance(value, float) else value
+
+
+def check_schedule(saved: dict, args: argparse.Namespace, checkpoint_dir: str) -> None:
     """Refuse, as Megatron-LM does, a resume whose schedule flags differ from the checkpoint's,
     unless the user chose whose values win (which Megatron's scheduler then applies)."""
     if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
         return
-    differ = sorted({f"{flag} {ours[key]} (checkpoint: {saved[key]})"
+    ours = schedule(args)
+    differ = sorted({f"{flag} {_shown(ours[key])} (checkpoint: {_shown(saved[key])})"
                      for key, flag in SCHEDULE_FLAGS.items()
                      if key in saved and saved[key] != ours[key]})
     if differ:
@@ -362,11 +377,6 @@ def _load_weights_only(engine, args, checkpoint_dir: str, may_miss) -> None:
     weights from the checkpoint's own list of frozen weights: empty when the checkpoint froze
     nothing, as a retrofit's base did.
     """
-    check_compatible(args, checkpoint_dir,
-                     ignore=("attention",) + FOCUS_KEYS if _adds_focus(args, checkpoint_dir) else ())
-    if args.zero_stage == 3:
-        raise ValueError("loading weights only (an imported model, --finetune, --retrofit) is not "
-                         "supported under ZeRO stage 3: use --zero-stage 2 or lower for this run")
     saved = _checked_file(engine, checkpoint_dir, may_miss, args.allow_unsafe_checkpoints)
     engine.module.load_state_dict(saved["module"], strict=False)
     if hasattr(engine.optimizer, "refresh_fp32_params"):  # ZeRO's and bf16's fp32 master copies
@@ -377,16 +387,63 @@ def _is_router(name: str) -> bool:
     return ".router." in name
 
 
+def check_resume(args: argparse.Namespace) -> None:
+    """Everything `load` would refuse, refused before the data, model and engine are built: no
+    checkpoint where one is needed, a model of another shape, a changed schedule, pickled code."""
+    if not args.load:
+        return
+    tag = resume_tag(args)
+    if tag is None:
+        if not _resuming_own_run(args) or args.retrofit or args.finetune:
+            raise FileNotFoundError(f"--load {args.load}: no checkpoint there (no '{LATEST}' file)")
+        return
+    checkpoint_dir = os.path.join(os.path.abspath(args.load), tag)
+    base_dir = base_checkpoint(checkpoint_dir)
+    for folder in (base_dir, checkpoint_dir):
+        if folder is not None:
+            check_safe_to_load(folder, args.allow_unsafe_checkpoints)
+    if base_dir is not None:
+        _check_weights_fit(args, base_dir)
+    if _weights_only(args, checkpoint_dir):
+        _check_weights_fit(args, checkpoint_dir)
+        return
+    layout = layouts.change(args, checkpoint_dir)
+    if layout and (args.retrofit or base_dir is not None):
+        raise ValueError(f"{checkpoint_dir} is a retrofit's, written at another layout: resume "
+                         "it at its own (" + ", ".join(f"{k} {v}" for k, v in layout.items()) + ")")
+    check_compatible(args, checkpoint_dir, ignore=layouts.LAYOUT_KEYS if layout else ())
+    saved = load_file(_module_file(checkpoint_dir, weights=False, tp=0),
+                      args.allow_unsafe_checkpoints, mmap=True)
+    check_schedule(saved["lr_scheduler"], args, checkpoint_dir)
+
+
+def _resuming_own_run(args: argparse.Namespace) -> bool:
+    return os.path.abspath(args.load) == os.path.abspath(args.save or "")
+
+
+def _weights_only(args: argparse.Namespace, checkpoint_dir: str) -> bool:
+    """An imported model, --finetune, or a retrofit adding Focus to a model without it: weights
+    only, and this run's optimizer and schedule start at iteration 0."""
+    return (os.path.isfile(os.path.join(checkpoint_dir, WEIGHTS_ONLY)) or args.finetune
+            or _adds_focus(args, checkpoint_dir))
+
+
+def _check_weights_fit(args: argparse.Namespace, checkpoint_dir: str) -> None:
+    check_compatible(args, checkpoint_dir,
+                     ignore=("attention",) + FOCUS_KEYS if _adds_focus(args, checkpoint_dir) else ())
+    if args.zero_stage == 3:
+        raise ValueError("loading weights only (an imported model, --finetune, --retrofit) is not "
+                         "supported under ZeRO stage 3: use --zero-stage 2 or lower for this run")
+
+
 def load(engine, args: argparse.Namespace) -> tuple[int, int]:
     """Restore model, optimizer, scheduler, RNG and data position; returns (iteration, samples).
 
     With `--load` equal to `--save`, a folder with no checkpoint yet starts from scratch, so the
-    same command both starts and resumes a run; any other `--load` must hold a checkpoint.
+    same command both starts and resumes a run; any other `--load` must hold a checkpoint. What
+    `check_resume` refuses has been refused before.
     """
-    resuming_own_run = os.path.abspath(args.load) == os.path.abspath(args.save or "")
     tag = resume_tag(args)
-    if tag is None and (not resuming_own_run or args.retrofit or args.finetune):
-        raise FileNotFoundError(f"--load {args.load}: no checkpoint there (no '{LATEST}' file)")
     if tag is None:
         return 0, 0
     checkpoint_dir = os.path.join(os.path.abspath(args.load), tag)
@@ -400,21 +457,12 @@ def load(engine, args: argparse.Namespace) -> tuple[int, int]:
     adding_focus = _adds_focus(args, checkpoint_dir)
     may_miss = ((lambda k: not _is_router(k)) if base_dir is not None
                 else (lambda k: adding_focus and _is_router(k)))
-    # An imported model (weights only), --finetune, or a retrofit adding Focus to a model without
-    # it: weights only, and this run's optimizer and schedule start at iteration 0.
-    imported = os.path.isfile(os.path.join(checkpoint_dir, WEIGHTS_ONLY))
-    if imported or args.finetune or adding_focus:
+    if _weights_only(args, checkpoint_dir):
         _load_weights_only(engine, args, checkpoint_dir, may_miss)
         return 0, 0
     layout = layouts.change(args, checkpoint_dir)
-    if layout and (args.retrofit or base_dir is not None):
-        raise ValueError(f"{checkpoint_dir} is a retrofit's, written at another layout: resume "
-                         "it at its own (" + ", ".join(f"{k} {v}" for k, v in layout.items()) + ")")
-    check_compatible(args, checkpoint_dir, ignore=layouts.LAYOUT_KEYS if layout else ())
-    saved = _checked_file(engine, checkpoint_dir, may_miss, args.allow_unsafe_checkpoints,
-                          weights=False, tp=0 if layout else None)
-    check_schedule(saved["lr_scheduler"], engine.lr_scheduler.state_dict(), args, checkpoint_dir)
-    check_safe_to_load(checkpoint_dir, args.allow_unsafe_checkpoints)
+    _checked_file(engine, checkpoint_dir, may_miss, args.allow_unsafe_checkpoints,
+                  weights=False, tp=0 if layout else None)
     if layout:
         trained = [[name for name, _ in group] for group in weight_decay_groups(engine.module)]
         client_state = layouts.load(engine, args, checkpoint_dir, layout, trained)

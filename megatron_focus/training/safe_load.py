@@ -7,6 +7,7 @@ record classes DeepSpeed pickles into its files, allowed by name.
 
 import os
 import pickle
+import re
 
 import torch
 
@@ -31,9 +32,9 @@ def load_file(path: str, allow_unsafe: bool = False, mmap: bool = False):
         with torch.serialization.safe_globals(_deepspeed_records()):
             return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
     except pickle.UnpicklingError as e:
-        what = next((line.strip() for line in str(e).splitlines()
-                     if "Unsupported global" in line or "got <class" in line), "")
-        raise ValueError(f"{path} holds pickled objects that could run code as it loads ({what}); "
+        named = re.search(r"Unsupported global: GLOBAL ([\w.]+)|got <class '([\w.]+)'>", str(e))
+        what = f" ({named.group(1) or named.group(2)})" if named else ""
+        raise ValueError(f"{path} holds pickled objects that could run code as it loads{what}; "
                          "if you trust its source, pass --allow-unsafe-checkpoints") from None
 
 

@@ -34,7 +34,7 @@ from megatron_focus.parallel import install_sequence_parallel_grad_allreduce
 from megatron_focus.training import checkpointing, layouts
 from megatron_focus.training.deepspeed_config import deepspeed_config
 from megatron_focus.training.metrics import Reporter, flops_per_token
-from megatron_focus.training.optimizer import weight_decay_groups
+from megatron_focus.training.optimizer import schedule, weight_decay_groups
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "megatron-focus")
 
@@ -54,6 +54,7 @@ def pretrain(args: argparse.Namespace) -> dict:
     args.padded_vocab_size = padded_vocab_size(
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
     )
+    checkpointing.check_resume(args)  # a checkpoint --load cannot use, before any compute
     train_data, valid_data = datasets_for(args, tokenizer)
 
     model = build_model(args, tokenizer.vocab_size)
@@ -304,10 +305,7 @@ def _deepspeed_engine(args: argparse.Namespace, model: torch.nn.Module):
         weight_decay=args.weight_decay,
     )
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.lr_decay_iters,
-        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters, wd_incr_style="constant",
+        optimizer, init_lr=0.0, **schedule(args),
         override_opt_param_scheduler=args.override_opt_param_scheduler,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
     )
