@@ -409,7 +409,8 @@ FAULTS = """## Faults during a run
 
 | Fault | What happens | Test |
 |---|---|---|
-| SIGKILL mid-save | `iter_N.partial` never becomes `latest`; the next save removes it; the run resumes from the previous checkpoint | `tests/test_training.py::test_resume_is_exact_with_dropout`, README "Checkpoints" |
+| SIGKILL mid-save | `iter_N.partial` never becomes `latest`; the run resumes from the previous checkpoint | `tests/test_training.py::test_resume_is_exact_with_dropout` |
+| Files an interrupted save or layout conversion left (`iter_N.partial`, `iter_N.universal`, `latest.tmp`) | removed by the next run, which says so | `tests/test_faults.py::test_what_an_interrupted_run_left_is_removed_and_reported` |
 | SIGTERM (e.g. a SLURM time limit) with `--exit-signal-handler` | saves, exits 0, resumes bit for bit | `tests/test_training.py::test_sigterm_saves_a_checkpoint_and_exits_cleanly` |
 | A save fails on any rank (disk full, permission) | every rank stops with `error: saving iter_N failed on rank R: No space left on device (...); iter_M stays the latest checkpoint`, exit 1, the partial folder removed | `tests/test_faults.py::test_a_save_that_fails_on_one_rank_stops_the_run_and_keeps_the_last` |
 | A checkpoint file damaged after its save (size or SHA-256) | refused before any compute, naming the file and the previous complete checkpoint to resume with `--ckpt-step` | `tests/test_faults.py::test_a_damaged_checkpoint_is_refused_and_the_previous_one_resumes` |

@@ -69,3 +69,17 @@ def test_ckpt_step_names_a_checkpoint_that_exists(embedded_cache, tmp_path):
     with pytest.raises(Exception, match=r"--ckpt-step 2: .* holds no iter_0000002 \(it holds: "
                                         r"iter_0000003\)"):
         train(1, _argv(embedded_cache, "--load", ckpt, "--ckpt-step", "2", iters=4))
+
+
+def test_what_an_interrupted_run_left_is_removed_and_reported(embedded_cache, tmp_path, capfd):
+    ckpt = tmp_path / "ckpt"
+    train(1, _argv(embedded_cache, "--save", str(ckpt), iters=3))
+    for debris in ("iter_0000005.partial", "iter_0000003.universal"):
+        (ckpt / debris).mkdir()
+        (ckpt / debris / "mp_rank_00_model_states.pt").write_bytes(b"half")
+    (ckpt / "latest.tmp").write_text("iter_00")
+    train(1, _argv(embedded_cache, "--save", str(ckpt), "--load", str(ckpt),
+                   "--override-opt_param-scheduler", iters=4))
+    assert "removed what an interrupted run left in" in capfd.readouterr().out
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith(("iter_", "latest"))) == [
+        "iter_0000003", "iter_0000004", "latest"]

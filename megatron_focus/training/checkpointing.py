@@ -242,12 +242,30 @@ def _check_writable(flag: str, folder: str) -> None:
         raise ValueError(f"{flag} {folder}: cannot write there ({e.strerror})") from None
 
 
+# What an interrupted save or layout conversion leaves: never complete, never `latest`.
+_DEBRIS = re.compile(r"iter_\d{7}\.(partial|universal)|latest\.tmp")
+
+
+def _remove_debris(folder: str) -> None:
+    debris = sorted(name for name in os.listdir(folder) if _DEBRIS.fullmatch(name))
+    for name in debris:
+        path = os.path.join(folder, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+    if debris:
+        print(f"removed what an interrupted run left in {folder}: {', '.join(debris)}", flush=True)
+
+
 def preflight(args: argparse.Namespace) -> None:
     """What would fail at the first save or at load, refused before any compute: a `--save` that
     cannot be written, a folder of complete checkpoints whose `latest` is gone (which would
     otherwise start from scratch and overwrite them), and a damaged checkpoint to resume."""
     if args.save:
         _check_writable("--save", args.save)
+        if os.path.isdir(args.save) and dist.get_rank() == 0:
+            _remove_debris(args.save)
     for folder in {args.load, args.save} - {None}:
         if (not os.path.isdir(folder) or os.path.isfile(os.path.join(folder, LATEST))
                 or args.ckpt_step is not None):
