@@ -107,6 +107,18 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="recompute each layer's core attention in the backward pass (= "
+                        "--recompute-granularity selective)")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                   help="full: recompute whole layers (with --recompute-method); selective: the "
+                        "core attention only")
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                   help="with full recompute: uniform checkpoints groups of "
+                        "--recompute-num-layers layers; block only the first "
+                        "--recompute-num-layers layers")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="layers per recompute group (uniform) or recomputed layers (block)")
     g.add_argument("--micro-batch-size", type=int, default=8)
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="default micro batch x data-parallel size (no accumulation)")
@@ -274,7 +286,7 @@ AT_LEAST = {
                      "train_iters", "lr_decay_iters", "log_interval", "eval_interval",
                      "train_samples", "lr_decay_samples",
                      "save_interval", "exit_interval", "focus_groups", "focus_dim",
-                     "focus_window", "focus_chunk_size"), 1),
+                     "focus_window", "focus_chunk_size", "recompute_num_layers"), 1),
     **dict.fromkeys(("lr", "min_lr", "clip_grad", "lr_warmup_iters", "eval_iters",
                      "num_workers", "max_skipped_steps", "focus_sink_tokens",
                      "lr_warmup_samples", "lr_warmup_fraction",
@@ -317,6 +329,25 @@ def _check_ranges(args: argparse.Namespace) -> None:
             raise ValueError(f"--{dest.replace('_', '-')} {getattr(args, dest)}: must be {words}")
 
 
+def _validate_recompute(args: argparse.Namespace) -> None:
+    """Megatron's rules: --recompute-activations means selective; full needs a method and a
+    layer count, which selective does not take."""
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"
+    if args.recompute_granularity == "full":
+        if args.recompute_method is None:
+            raise ValueError("--recompute-granularity full needs --recompute-method uniform or "
+                             "block")
+        if args.recompute_num_layers is None:
+            args.recompute_num_layers = 1
+        if args.recompute_method == "block" and args.recompute_num_layers > args.num_layers:
+            raise ValueError(f"--recompute-num-layers {args.recompute_num_layers} exceeds "
+                             f"--num-layers {args.num_layers}")
+    elif args.recompute_method is not None or args.recompute_num_layers is not None:
+        raise ValueError("--recompute-method and --recompute-num-layers are for "
+                         "--recompute-granularity full")
+
+
 def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) -> None:
     """Fill derived defaults and refuse what cannot run, before any model is built."""
     if world_size is None:  # as a launcher (torchrun, deepspeed) tells it
@@ -327,6 +358,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     check_compat_args(args)
     tp = args.tensor_model_parallel_size
     _validate_focus(args)
+    _validate_recompute(args)
     if args.xsa_layers is not None:
         if not args.attention.endswith("xsa"):
             raise ValueError(

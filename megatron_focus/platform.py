@@ -12,6 +12,9 @@ a GPT model touches; `setup()` answers exactly those, with the CPU and gloo:
   way, but swaps the CPU generator, so dropout stays different across TP ranks and identical
   across data-parallel replicas, as on a GPU.
 * `get_default_causal_mask`: built on the CPU.
+* Activation recompute (`--recompute-*`) saves and restores "the CUDA RNG state" around each
+  recomputed forward; on the CPU there is none beyond the CPU generator and the tracker's streams,
+  which it saves and restores as well, so that state is empty.
 
 Every change is listed by `planned_patches()` before it is made, so a test can check that with
 CUDA present the list is empty. `setup()` is idempotent.
@@ -97,6 +100,14 @@ def _cpu_current_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _no_cuda_rng_state(*args, **kwargs) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _set_no_cuda_rng_state(*args, **kwargs) -> None:
+    return None
+
+
 def planned_patches(cuda_available: Optional[bool] = None) -> List[Patch]:
     """What `setup()` would change on a machine with or without CUDA (nothing with CUDA)."""
     if cuda_available is None:
@@ -108,6 +119,10 @@ def planned_patches(cuda_available: Optional[bool] = None) -> List[Patch]:
               "Megatron allocates communication buffers and rotary tables on the current device"),
         Patch(mcore_transformer_utils, "get_default_causal_mask", _cpu_causal_mask,
               "the default causal mask is hard-coded to device='cuda'"),
+        Patch(mcore_random, "_get_cuda_rng_state", _no_cuda_rng_state,
+              "activation recompute saves the CUDA RNG state around each recomputed forward"),
+        Patch(mcore_random, "_set_cuda_rng_state", _set_no_cuda_rng_state,
+              "... and restores it"),
     ]
 
 

@@ -14,7 +14,8 @@ from megatron_focus.model.gpt import padded_vocab_size
 def test_platform_changes_nothing_when_cuda_is_present():
     assert platform.planned_patches(cuda_available=True) == []
     cpu = {p.name for p in platform.planned_patches(cuda_available=False)}
-    assert cpu == {"current_device", "get_default_causal_mask"}
+    assert cpu == {"current_device", "get_default_causal_mask", "_get_cuda_rng_state",
+                   "_set_cuda_rng_state"}
 
 
 def test_platform_setup_is_idempotent():

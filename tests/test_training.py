@@ -506,3 +506,57 @@ def test_retrofit_trains_148k_parameters_on_gpt2_124m_shape(single_process):
     assert router == 148_224
     # GPT-2 124M (HF's count, 124,439,808) plus Megatron's vocabulary padding to 50,304 rows
     assert total - router == 124_439_808 + (50_304 - 50_257) * 768
+
+
+def _saved_bytes_loss_and_grad(argvs):
+    """For each argv: (bytes autograd keeps for the backward pass, loss, squared gradient norm)
+    of one training forward and backward of a fresh model."""
+    from megatron_focus import platform
+    from megatron_focus.arguments import parse_args
+    from megatron_focus.model.gpt import build_model
+
+    platform.init_distributed(1)
+    results = []
+    for argv in argvs:
+        args = parse_args(argv)
+        platform.manual_seed(args.seed)
+        args.padded_vocab_size = 128
+        model = build_model(args, 100)
+        tokens = torch.randint(0, 100, (2, args.seq_length),
+                               generator=torch.Generator().manual_seed(0))
+        kept = []
+
+        def pack(t):
+            kept.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(tokens, torch.arange(args.seq_length)[None], None, labels=tokens).mean()
+        loss.backward()
+        grad = sum(p.grad.double().square().sum() for p in model.parameters()).item()
+        results.append((sum(kept), loss.item(), grad))
+    return results
+
+
+RECOMPUTE = (["--recompute-activations"],
+             ["--recompute-granularity", "full", "--recompute-method", "uniform"],
+             ["--recompute-granularity", "full", "--recompute-method", "block",
+              "--recompute-num-layers", "2"])
+
+
+def test_recompute_keeps_less_for_backward_and_computes_the_same():
+    """Megatron-Core's recompute, selective and full, for every variant (Focus's routing is an
+    input of the selective checkpoint): fewer bytes kept, the same loss and gradients."""
+    argvs = []
+    for attention in ("standard", "xsa", "focus+xsa"):
+        focus = ["--focus-window", "8", "--focus-groups", "4"] if attention.startswith(
+            "focus") else []
+        base = TINY + ["--attention", attention, "--num-layers", "4", *focus]
+        argvs += [base] + [base + flags for flags in RECOMPUTE]
+    results = run_distributed(_saved_bytes_loss_and_grad, 1, argvs)
+    for i in range(0, len(results), 1 + len(RECOMPUTE)):
+        (saved, loss, grad), *recomputed = results[i: i + 1 + len(RECOMPUTE)]
+        for flags, (less, same_loss, same_grad) in zip(RECOMPUTE, recomputed):
+            assert less < saved, (argvs[i], flags)
+            assert same_loss == pytest.approx(loss, rel=1e-6), (argvs[i], flags)
+            assert same_grad == pytest.approx(grad, rel=1e-5), (argvs[i], flags)

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from megatron.core import tensor_parallel
 from megatron.core.parallel_state import get_tensor_model_parallel_world_size
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer import TransformerConfig
@@ -137,6 +138,22 @@ class FocusSelfAttention(SelfAttention):
             raise ValueError("Focus attention takes no attention_bias")
         kwargs["attention_bias"] = self.router(hidden_states)
         return super().forward(hidden_states, attention_mask, **kwargs)
+
+    def _checkpointed_attention_forward(self, query, key, value, attention_mask,
+                                        rotary_pos_emb=None, attn_mask_type=None,
+                                        attention_bias=None, packed_seq_params=None):
+        """Megatron's selective recompute (`--recompute-activations`), with the routing's
+        log-assignments an input of the checkpoint like q, k and v: a value the recomputed
+        forward only closed over would send its gradient through the router's graph twice."""
+        routing, mask_type = attention_bias, attn_mask_type or self.attn_mask_type
+
+        def core(q, k, v, mask, log_g):
+            return self.core_attention(q, k, v, mask, attn_mask_type=mask_type,
+                                       attention_bias=Routing(log_g, routing.groups),
+                                       packed_seq_params=packed_seq_params)
+
+        return tensor_parallel.checkpoint(core, False, query, key, value, attention_mask,
+                                          routing.log_g)
 
 
 class FocusAttention(CoreAttention):
