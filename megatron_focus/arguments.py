@@ -156,6 +156,18 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                    help="save (with --save) and exit when the iteration is a multiple of this")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM, save a checkpoint and exit cleanly")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save (with --save) and exit once the run has lasted this long (e.g. "
+                        "under a job's time limit)")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="turn Python's automatic garbage collection off (its pauses differ "
+                        "between ranks and stall them all); collect every --manual-gc-interval "
+                        "iterations and around evaluations")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="with --manual-gc: collect every N iterations (0: only around "
+                        "evaluations)")
+    g.add_argument("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
+                   help="with --manual-gc: no collection around evaluations")
     g.add_argument("--max-skipped-steps", type=int, default=10,
                    help="stop with an error, saving nothing more, after this many consecutive "
                         "steps skipped for a non-finite loss (0: never stop)")
@@ -200,6 +212,15 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="resume the weights, iteration and data position but not the optimizer "
+                        "state or LR schedule (this run's start afresh)")
+    g.add_argument("--no-load-rng", action="store_true",
+                   help="resume without the checkpoint's random states (seeded from --seed and "
+                        "the iteration)")
+    g.add_argument("--no-save-rng", action="store_true",
+                   help="checkpoints hold no random states (a resume seeds from --seed and the "
+                        "iteration)")
     g.add_argument("--ckpt-step", type=int, default=None,
                    help="resume from --load's checkpoint of this iteration rather than its latest "
                         "(e.g. the one before a damaged checkpoint)")
@@ -249,6 +270,19 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
                    action="store_false", help="TensorBoard gets no 'loss-scale' curve")
     g.add_argument("--log-world-size-to-tensorboard", action="store_true",
                    help="TensorBoard gets a 'world-size' curve")
+    g.add_argument("--log-params-norm", action="store_true",
+                   help="the log line and TensorBoard ('params-norm') get the L2 norm of all "
+                        "weights")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="TensorBoard gets the memory curves (mem-*: CUDA allocator on a GPU, "
+                        "resident set on the CPU)")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                   help="TensorBoard gets the validation perplexity ('lm loss validation ppl')")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1,
+                   help="write TensorBoard at log steps whose iteration is a multiple of this")
+    g.add_argument("--timing-log-level", type=int, choices=(0, 1, 2), default=0,
+                   help="accepted for Megatron-LM scripts: the one timer here (iteration time) is "
+                        "level 0, so every level logs the same")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -286,15 +320,18 @@ AT_LEAST = {
                      "train_iters", "lr_decay_iters", "log_interval", "eval_interval",
                      "train_samples", "lr_decay_samples",
                      "save_interval", "exit_interval", "focus_groups", "focus_dim",
-                     "focus_window", "focus_chunk_size", "recompute_num_layers"), 1),
+                     "focus_window", "focus_chunk_size", "recompute_num_layers",
+                     "tensorboard_log_interval"), 1),
     **dict.fromkeys(("lr", "min_lr", "clip_grad", "lr_warmup_iters", "eval_iters",
                      "num_workers", "max_skipped_steps", "focus_sink_tokens",
                      "lr_warmup_samples", "lr_warmup_fraction",
                      "focus_sinkhorn_iters", "focus_gate_scale", "init_method_std",
-                     "hidden_dropout", "attention_dropout", "weight_decay", "ckpt_step"), 0),
+                     "hidden_dropout", "attention_dropout", "weight_decay", "ckpt_step",
+                     "manual_gc_interval"), 0),
 }
 # Flags bounded above too: (whether a value is allowed, the rule in words).
 WITHIN = {"rotary_percent": (lambda v: 0 < v <= 1, "above 0 and at most 1"),
+          "exit_duration_in_mins": (lambda v: v > 0, "above 0"),
           "hidden_dropout": (lambda v: v < 1, "below 1"),
           "attention_dropout": (lambda v: v < 1, "below 1")}
 
@@ -325,7 +362,7 @@ def _check_ranges(args: argparse.Namespace) -> None:
         if value is not None and value < least:
             raise ValueError(f"--{dest.replace('_', '-')} {value}: must be at least {least}")
     for dest, (allowed, words) in WITHIN.items():
-        if not allowed(getattr(args, dest)):
+        if getattr(args, dest) is not None and not allowed(getattr(args, dest)):
             raise ValueError(f"--{dest.replace('_', '-')} {getattr(args, dest)}: must be {words}")
 
 

@@ -89,3 +89,21 @@ def gather_tensor_parallel(param: torch.nn.Parameter, tensor: torch.Tensor) -> t
         shards, tensor.contiguous(), group=parallel_state.get_tensor_model_parallel_group()
     )
     return merge_shards(shards, param.partition_dim, getattr(param, "partition_stride", 1))
+
+
+def params_norm(model: torch.nn.Module) -> torch.Tensor:
+    """L2 norm of all weights, each counted once whatever the layout (Megatron-LM's
+    `calc_params_l2_norm`): tensor-parallel shards summed over the TP group, ZeRO-3's partitions
+    over the data-parallel group, replicated weights once."""
+    device = next(model.parameters()).device
+    sums = {kind: torch.zeros((), dtype=torch.float64, device=device)
+            for kind in ("shards", "partitions", "whole")}
+    for p in model.parameters():
+        if hasattr(p, "ds_tensor"):  # ZeRO-3: this rank's partition
+            sums["partitions"] += p.ds_tensor.double().square().sum()
+        else:
+            kind = "shards" if getattr(p, "tensor_model_parallel", False) else "whole"
+            sums[kind] += p.detach().double().square().sum()
+    dist.all_reduce(sums["shards"], group=parallel_state.get_tensor_model_parallel_group())
+    dist.all_reduce(sums["partitions"], group=parallel_state.get_data_parallel_group())
+    return sum(sums.values()).sqrt().float()

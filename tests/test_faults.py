@@ -83,3 +83,20 @@ def test_what_an_interrupted_run_left_is_removed_and_reported(embedded_cache, tm
     assert "removed what an interrupted run left in" in capfd.readouterr().out
     assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith(("iter_", "latest"))) == [
         "iter_0000003", "iter_0000004", "latest"]
+
+
+def test_no_load_optim_no_save_rng_and_exit_duration(embedded_cache, tmp_path):
+    """Megatron's checkpoint-content flags and its time limit: a run whose limit has passed at
+    its first check saves and stops; resumed without the optimizer (and without saved random
+    states), its weights and data position carry on while the LR schedule starts again."""
+    ckpt = str(tmp_path / "ckpt")
+    straight = train(1, _argv(embedded_cache, "--lr-decay-style", "constant", iters=4))
+    first = train(1, _argv(embedded_cache, "--lr-decay-style", "constant", "--save", ckpt,
+                           "--no-save-rng", "--exit-duration-in-mins", "1e-9", iters=4))
+    assert len(first["losses"]) == 1 and open(os.path.join(ckpt, "latest")).read() == \
+        "iter_0000001"
+    resumed = train(1, _argv(embedded_cache, "--lr-decay-style", "constant", "--load", ckpt,
+                             "--no-load-optim", iters=4))
+    assert resumed["losses"][0] == straight["losses"][1]  # the same weights and batch
+    assert resumed["lr"][0] == straight["lr"][0]  # warmup's first step again
+    assert len(resumed["losses"]) == 3

@@ -139,3 +139,27 @@ def test_dropout_streams_differ_across_tp_ranks_only(results):
     streams = results["dropout_streams"]
     assert torch.equal(streams[1][0], streams[1][1])  # TP=1: two data-parallel replicas agree
     assert not torch.equal(streams[2][0], streams[2][1])  # TP=2: each rank its own heads' stream
+
+
+def _params_norm(argv):
+    from megatron_focus import platform
+    from megatron_focus.arguments import parse_args
+    from megatron_focus.model.gpt import build_model
+    from megatron_focus.parallel import params_norm
+
+    args = parse_args(argv)
+    platform.init_distributed(args.tensor_model_parallel_size)
+    platform.manual_seed(args.seed)
+    args.padded_vocab_size = 256
+    model = build_model(args, 200)
+    direct = sum(p.double().square().sum() for p in model.parameters()).sqrt().item()
+    return params_norm(model).item(), direct
+
+
+def test_params_norm_counts_each_weight_once_at_any_tensor_parallel_size():
+    """`--log-params-norm`: the same model (weights built on the CPU, split by TP) has one norm."""
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "32", "--micro-batch-size", "2", "--swiglu"]
+    tp1, direct = run_distributed(_params_norm, 1, argv)
+    tp2, _ = run_distributed(_params_norm, 2, argv + ["--tensor-model-parallel-size", "2"])
+    assert tp1 == pytest.approx(direct, rel=1e-6) and tp2 == pytest.approx(tp1, rel=1e-6)

@@ -174,17 +174,19 @@ def test_default_run_loss_falls_and_logs_to_tensorboard(embedded_cache, tmp_path
     history = train(1, ["--data-cache-path", embedded_cache, "--train-iters", "12",
                         "--num-layers", "2", "--seq-length", "64", "--eval-interval", "6",
                         "--eval-iters", "1", "--log-interval", "3", "--tensorboard-dir", tb,
-                        "--log-throughput", "--log-timers-to-tensorboard"])
+                        "--log-throughput", "--log-timers-to-tensorboard",
+                        "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard",
+                        "--log-params-norm"])
     losses = history["losses"]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5
     events = EventAccumulator(tb)
     events.Reload()
     tags = set(events.Tags()["scalars"])
     megatron = {"lm loss", "lm loss validation", "lm loss validation ppl", "learning-rate",
-                "grad-norm", "batch-size", "loss-scale"}  # each also against samples
+                "grad-norm", "params-norm", "batch-size", "loss-scale"}  # also vs samples
     assert megatron | {f"{tag} vs samples" for tag in megatron} | {
         "iteration-time", "throughput", "tokens-per-sec", "tflops-per-device",
-        "mem-peak-rss-bytes"} <= tags
+        "mem-peak-rss-bytes", "mem-rss-bytes"} <= tags
     assert [e.step for e in events.Scalars("lm loss")] == [3, 6, 9, 12]
     # 8 sequences per iteration (the demo's micro-batch, one rank)
     assert [e.step for e in events.Scalars("lm loss vs samples")] == [24, 48, 72, 96]

@@ -126,7 +126,7 @@ def save(engine, args: argparse.Namespace, iteration: int, consumed_samples: int
         shutil.rmtree(partial, ignore_errors=True)  # debris of an earlier crashed save
     dist.barrier()
     client_state = {"iteration": iteration, "consumed_samples": consumed_samples,
-                    "rng": rng_state()}
+                    **({} if args.no_save_rng else {"rng": rng_state()})}
     trained_only = args.retrofit and not args.save_full
     failure = _attempt(lambda: engine.save_checkpoint(
         args.save, tag=f"{tag}.partial", client_state=client_state, save_latest=False,
@@ -429,10 +429,14 @@ def check_resume(args: argparse.Namespace) -> None:
     if layout and (args.retrofit or base_dir is not None):
         raise ValueError(f"{checkpoint_dir} is a retrofit's, written at another layout: resume "
                          "it at its own (" + ", ".join(f"{k} {v}" for k, v in layout.items()) + ")")
+    if layout and args.no_load_optim:
+        raise ValueError(f"{checkpoint_dir} was written at another layout, which resumes with "
+                         "its optimizer state: drop --no-load-optim, or resume at its layout")
     check_compatible(args, checkpoint_dir, ignore=layouts.LAYOUT_KEYS if layout else ())
-    saved = load_file(_module_file(checkpoint_dir, weights=False, tp=0),
-                      args.allow_unsafe_checkpoints, mmap=True)
-    check_schedule(saved["lr_scheduler"], args, checkpoint_dir)
+    if not args.no_load_optim:  # the schedule comes from the checkpoint with the optimizer
+        saved = load_file(_module_file(checkpoint_dir, weights=False, tp=0),
+                          args.allow_unsafe_checkpoints, mmap=True)
+        check_schedule(saved["lr_scheduler"], args, checkpoint_dir)
 
 
 def _resuming_own_run(args: argparse.Namespace) -> bool:
@@ -484,16 +488,19 @@ def load(engine, args: argparse.Namespace) -> tuple[int, int]:
     if layout:
         trained = [[name for name, _ in group] for group in weight_decay_groups(engine.module)]
         client_state = layouts.load(engine, args, checkpoint_dir, layout, trained)
-        # Each rank's random state belongs to a rank of the old layout: start them afresh, as
-        # Megatron seeds a run, from the seed and the iteration.
-        platform.manual_seed(args.seed + client_state["iteration"])
     else:
         path, client_state = engine.load_checkpoint(
-            args.load, tag=tag, load_module_strict=base_dir is None, load_optimizer_states=True,
-            load_lr_scheduler_states=True,
+            args.load, tag=tag, load_module_strict=base_dir is None,
+            load_optimizer_states=not args.no_load_optim,
+            load_lr_scheduler_states=not args.no_load_optim,
         )
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load {checkpoint_dir}")
+    if layout or args.no_load_rng or "rng" not in client_state:
+        # Random states that belong to a rank of another layout, or that were not saved or are
+        # not wanted: start afresh, as Megatron seeds a run, from the seed and the iteration.
+        platform.manual_seed(args.seed + client_state["iteration"])
+    else:
         set_rng_state(client_state["rng"])
     return client_state["iteration"], client_state["consumed_samples"]
 

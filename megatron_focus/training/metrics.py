@@ -44,6 +44,22 @@ def peak_memory_bytes() -> tuple[str, int]:
     return "mem-peak-rss-bytes", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def memory_now() -> dict:
+    """Megatron-LM's `--log-memory-to-tensorboard` curves: the CUDA allocator's on a GPU, the
+    resident set on the CPU."""
+    if torch.cuda.is_available():
+        stats = torch.cuda.memory_stats()
+        return {"mem-reserved-bytes": stats["reserved_bytes.all.current"],
+                "mem-allocated-bytes": stats["allocated_bytes.all.current"],
+                "mem-max-allocated-bytes": stats["allocated_bytes.all.peak"],
+                "mem-allocated-count": stats["allocation.all.current"]}
+    try:
+        with open("/proc/self/statm") as f:
+            return {"mem-rss-bytes": int(f.read().split()[1]) * resource.getpagesize()}
+    except OSError:  # no /proc (macOS): the peak is what the system reports
+        return dict([peak_memory_bytes()])
+
+
 class Reporter:
     def __init__(self, args: argparse.Namespace, flops_token: float, world_size: int,
                  is_last_rank: bool):
@@ -75,7 +91,8 @@ class Reporter:
 
     def train(self, iteration: int, consumed_samples: int, loss: float, lr: float,
               grad_norm: Optional[float], seconds_per_iter: float, skipped: int,
-              nan_iters: int, focus: dict, loss_scale: float = 1.0) -> None:
+              nan_iters: int, focus: dict, loss_scale: float = 1.0,
+              params_norm: Optional[float] = None) -> None:
         if not self.active:
             return
         args = self.args
@@ -92,6 +109,7 @@ class Reporter:
             f" | learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d}"
             f" | lm loss: {loss:.6E}"
             f" | grad norm: {grad_norm if grad_norm is not None else float('nan'):.3f}"
+            + (f" | params norm: {params_norm:.3f}" if params_norm is not None else "") +
             f" | number of skipped iterations: {skipped:3d} | number of nan iterations: {nan_iters:3d}"
             f" | tokens/s: {tokens_per_s:.0f} | TFLOP/s/device: {tflops:.3f} | ETA: {eta}"
         )
@@ -101,9 +119,11 @@ class Reporter:
             line += (f" | focus largest group: {largest:.3f}"
                      f" | focus pairs kept: {sum(kept) / len(kept):.3f}")
         print(line, flush=True)
+        if iteration % args.tensorboard_log_interval:
+            return
         step = iteration
         for tag, value in (("lm loss", loss), ("learning-rate", lr), ("grad-norm", grad_norm),
-                           ("batch-size", args.global_batch_size)):
+                           ("params-norm", params_norm), ("batch-size", args.global_batch_size)):
             if value is not None:
                 self.megatron_scalar(tag, value, step, consumed_samples)
         if args.log_loss_scale_to_tensorboard:
@@ -119,6 +139,9 @@ class Reporter:
         if self.peak:
             self.scalar("mfu", tflops * 1e12 / self.peak, step)
         self.scalar(mem_tag, mem, step)
+        if args.log_memory_to_tensorboard:
+            for tag, value in memory_now().items():
+                self.scalar(tag, value, step)
         self.scalar("skipped-iterations", skipped, step)
         for tag, value in focus.items():
             self.scalar(tag, value, step)
@@ -133,7 +156,9 @@ class Reporter:
         print(f" validation loss{suffix} at iteration {iteration} | lm loss value: {loss:.6E}"
               f" | lm loss PPL: {ppl:.6E}", flush=True)
         self.megatron_scalar(f"lm loss validation{suffix}", loss, iteration, consumed_samples)
-        self.megatron_scalar(f"lm loss validation{suffix} ppl", ppl, iteration, consumed_samples)
+        if self.args.log_validation_ppl_to_tensorboard:
+            self.megatron_scalar(f"lm loss validation{suffix} ppl", ppl, iteration,
+                                 consumed_samples)
 
     def close(self) -> None:
         if self.writer is not None:

@@ -6,6 +6,7 @@ laptop (one process, CPU, gloo), `torchrun` and the DeepSpeed launcher across no
 
 import argparse
 import contextlib
+import gc
 import math
 import os
 import signal
@@ -30,7 +31,7 @@ from megatron_focus.model.focus import (focus_statistics, recording_statistics, 
                                         train_routers_only)
 from megatron_focus.model.focus_gate import lse_kernel, soft_kernel
 from megatron_focus.model.gpt import build_model, padded_vocab_size
-from megatron_focus.parallel import install_sequence_parallel_grad_allreduce
+from megatron_focus.parallel import install_sequence_parallel_grad_allreduce, params_norm
 from megatron_focus.training import checkpointing, layouts
 from megatron_focus.training.deepspeed_config import deepspeed_config
 from megatron_focus.training.metrics import Reporter, flops_per_token
@@ -43,6 +44,7 @@ def pretrain(args: argparse.Namespace) -> dict:
     """Train as the flags say; returns {"losses": [...], "validation": [(iteration, loss)...],
     "lr": [the LR at each log step]} for this rank (a Focus run adds its other mode's
     validation, e.g. "validation sparse")."""
+    started = time.time()  # --exit-duration-in-mins counts from here, as Megatron-LM's does
     platform.init_distributed(args.tensor_model_parallel_size, args.distributed_timeout_minutes)
     platform.manual_seed(args.seed)
     rank0 = dist.get_rank() == 0
@@ -68,7 +70,11 @@ def pretrain(args: argparse.Namespace) -> dict:
                         is_last_rank=dist.get_rank() == dist.get_world_size() - 1)
     if rank0:
         _print_banner(args, model, iteration)
-    stop = _SignalFlag(signal.SIGTERM) if args.exit_signal_handler else None
+    stop = (_StopRequest(args, started)
+            if args.exit_signal_handler or args.exit_duration_in_mins else None)
+    if args.manual_gc:  # collections at chosen steps, the same on every rank
+        gc.disable()
+        gc.collect()
 
     history = {"losses": [], "validation": [], "lr": []}
     if valid_data is not None:  # the same batches at every evaluation, read by workers that stay
@@ -88,6 +94,8 @@ def pretrain(args: argparse.Namespace) -> dict:
         iteration += 1
         consumed += args.global_batch_size
         unread.add(iteration, loss, engine)
+        if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
+            gc.collect()
 
         if log_now:
             grad_norm = engine.get_global_grad_norm()
@@ -96,13 +104,15 @@ def pretrain(args: argparse.Namespace) -> dict:
                     float("nan") if grad_norm is None else float(grad_norm)),
                 # fp16's dynamic loss scale; nothing is scaled in bf16 and fp32
                 "loss scale": torch.as_tensor(getattr(engine.optimizer, "loss_scale", 1.0)),
+                **({"params norm": params_norm(engine.module)} if args.log_params_norm else {}),
                 **focus_statistics(engine.module)})
             seconds = (time.time() - window_start) / len(losses)
             grad_norm, loss_scale = values.pop("grad norm"), values.pop("loss scale")
+            norm = values.pop("params norm", None)
             history["lr"].append(engine.get_lr()[0])
             reporter.train(iteration, consumed, sum(losses) / len(losses), history["lr"][-1],
                            None if math.isnan(grad_norm) else grad_norm, seconds,
-                           engine.skipped_steps, unread.non_finite, values, loss_scale)
+                           engine.skipped_steps, unread.non_finite, values, loss_scale, norm)
             window_start = time.time()
         if valid_data is not None and (
             iteration % args.eval_interval == 0 or iteration == args.train_iters
@@ -135,6 +145,8 @@ def pretrain(args: argparse.Namespace) -> dict:
 def _validate(engine, batches, args, iteration: int, consumed: int, reporter,
               history: dict) -> None:
     """Validation loss in the run's mode and, for Focus, in the other mode too."""
+    if args.manual_gc and args.manual_gc_eval:
+        gc.collect()
     history["validation"].append((iteration, evaluate(engine, batches, args)))
     reporter.validation(iteration, consumed, history["validation"][-1][1])
     if args.attention.startswith("focus"):
@@ -339,20 +351,25 @@ class _StepByOne:
         self.scheduler.load_state_dict(state)
 
 
-class _SignalFlag:
-    """Remembers a signal; `any_rank()` tells every rank if one of them received it."""
+class _StopRequest:
+    """A SIGTERM (`--exit-signal-handler`) or the end of `--exit-duration-in-mins`;
+    `any_rank()` tells every rank if one of them has one, so all save and stop together."""
 
-    def __init__(self, signum: int):
+    def __init__(self, args: argparse.Namespace, started: float):
         self.received = False
+        self.deadline = started + 60 * args.exit_duration_in_mins \
+            if args.exit_duration_in_mins else None
         # Asked every iteration: a CPU flag reduced over gloo never waits for the GPU's queue.
         self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        signal.signal(signum, self._handler)
+        if args.exit_signal_handler:
+            signal.signal(signal.SIGTERM, self._handler)
 
     def _handler(self, *_):
         self.received = True
 
     def any_rank(self) -> bool:
-        flag = torch.tensor([int(self.received)])
+        late = self.deadline is not None and time.time() >= self.deadline
+        flag = torch.tensor([int(self.received or late)])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag[0])
 
