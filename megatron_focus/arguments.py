@@ -107,6 +107,10 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="a peak LR of their own for the input embedding and output layer")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="with --decoupled-lr: their minimum LR (default --min-lr)")
     g.add_argument("--recompute-activations", action="store_true",
                    help="recompute each layer's core attention in the backward pass (= "
                         "--recompute-granularity selective)")
@@ -327,7 +331,7 @@ AT_LEAST = {
                      "lr_warmup_samples", "lr_warmup_fraction",
                      "focus_sinkhorn_iters", "focus_gate_scale", "init_method_std",
                      "hidden_dropout", "attention_dropout", "weight_decay", "ckpt_step",
-                     "manual_gc_interval"), 0),
+                     "manual_gc_interval", "decoupled_lr", "decoupled_min_lr"), 0),
 }
 # Flags bounded above too: (whether a value is allowed, the rule in words).
 WITHIN = {"rotary_percent": (lambda v: 0 < v <= 1, "above 0 and at most 1"),
@@ -353,6 +357,10 @@ def _fill_defaults(args: argparse.Namespace) -> None:
     for dest, (megatron, ours) in DEFAULTS.items():
         if getattr(args, dest) is None:
             setattr(args, dest, (ours if demo else megatron)(args))
+    if args.decoupled_lr is not None and args.decoupled_min_lr is None:
+        args.decoupled_min_lr = args.min_lr
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        raise ValueError("--decoupled-min-lr needs --decoupled-lr")
 
 
 def _check_ranges(args: argparse.Namespace) -> None:

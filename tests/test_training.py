@@ -562,3 +562,15 @@ def test_recompute_keeps_less_for_backward_and_computes_the_same():
             assert less < saved, (argvs[i], flags)
             assert same_loss == pytest.approx(loss, rel=1e-6), (argvs[i], flags)
             assert same_grad == pytest.approx(grad, rel=1e-5), (argvs[i], flags)
+
+
+def test_decoupled_lr_gives_the_embedding_and_output_their_own_schedule(embedded_cache):
+    """Megatron's --decoupled-lr: the input embedding and output layer follow a schedule with
+    their own peak and floor; every other weight follows --lr. Untied, so both layers exist."""
+    flags = ["--untie-embeddings-and-output-weights", "--lr-decay-style", "linear"]
+    plain = train(1, _argv(embedded_cache, *flags))
+    same = train(1, _argv(embedded_cache, *flags, "--decoupled-lr", "1e-3",
+                          "--decoupled-min-lr", "1e-4"))  # = --lr, --min-lr of TINY
+    assert same["losses"] == plain["losses"]
+    other = train(1, _argv(embedded_cache, *flags, "--decoupled-lr", "1e-2"))
+    assert other["losses"][0] == plain["losses"][0] and other["losses"][1:] != plain["losses"][1:]

@@ -34,7 +34,7 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megatron_focus import cli, platform
 from megatron_focus.training import integrity, layouts
-from megatron_focus.training.optimizer import schedule, weight_decay_groups
+from megatron_focus.training.optimizer import param_groups, schedule
 from megatron_focus.training.safe_load import check_safe_to_load, load_file
 
 # What must match for weights to load: the model's shape, what it computes, and how it is split.
@@ -486,7 +486,7 @@ def load(engine, args: argparse.Namespace) -> tuple[int, int]:
     _checked_file(engine, checkpoint_dir, may_miss, args.allow_unsafe_checkpoints,
                   weights=False, tp=0 if layout else None)
     if layout:
-        trained = [[name for name, _ in group] for group in weight_decay_groups(engine.module)]
+        trained = [[name for name, _ in group] for _, group in param_groups(engine.module, args)]
         client_state = layouts.load(engine, args, checkpoint_dir, layout, trained)
     else:
         path, client_state = engine.load_checkpoint(

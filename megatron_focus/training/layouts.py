@@ -285,7 +285,8 @@ def load(engine, args: argparse.Namespace, checkpoint_dir: str, layout: dict,
             if path is None:
                 raise RuntimeError(f"DeepSpeed could not load {out}")
             for group, ours in zip(engine.optimizer.optimizer.param_groups, groups):
-                group.update(wd_mult=ours["wd_mult"])  # ZeRO-3 gives every group the first's
+                # ZeRO-3 gives every group the first's settings
+                group.update({k: ours[k] for k in ("wd_mult", "max_lr", "min_lr") if k in ours})
             for state in engine.optimizer.optimizer.state.values():
                 # ZeRO-3 gives every group one shared step tensor, which AdamW then advances
                 # once per group and step

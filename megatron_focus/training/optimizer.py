@@ -4,13 +4,25 @@ LR and weight-decay schedule, as the flags set them."""
 import torch
 
 
-def weight_decay_groups(model: torch.nn.Module) -> list:
-    """[(name, parameter), ...] of the trained parameters, with weight decay then without, in the
-    order the optimizer numbers them (a saved optimizer state is read back by that order)."""
+def param_groups(model: torch.nn.Module, args) -> list:
+    """[(options, [(name, parameter), ...]), ...]: the trained parameters in the optimizer's
+    groups and order (a saved optimizer state is read back by that order): with weight decay,
+    then without; with `--decoupled-lr`, the embedding and output weights in groups of their own
+    with that peak LR and `--decoupled-min-lr` (Megatron's scheduler reads a group's own)."""
     trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    matrix = {n for n, p in trained if len(getattr(p, "ds_shape", p.shape)) >= 2}  # ZeRO-3 keeps
-    return [[(n, p) for n, p in trained if n in matrix],  # a partitioned parameter's shape there
-            [(n, p) for n, p in trained if n not in matrix]]
+    # ZeRO-3 keeps a partitioned parameter's shape in ds_shape
+    matrix = {n for n, p in trained if len(getattr(p, "ds_shape", p.shape)) >= 2}
+    decoupled = {n for n, p in trained if args.decoupled_lr is not None
+                 and getattr(p, "is_embedding_or_output_parameter", False)}
+    groups = []
+    for options, members in (({}, lambda n: n not in decoupled),
+                             ({"max_lr": args.decoupled_lr, "min_lr": args.decoupled_min_lr},
+                              lambda n: n in decoupled)):
+        for wd_mult, wanted in ((1.0, lambda n: n in matrix), (0.0, lambda n: n not in matrix)):
+            group = [(n, p) for n, p in trained if members(n) and wanted(n)]
+            if group or not options:  # the first two always, as before decoupled LRs
+                groups.append(({"wd_mult": wd_mult, **options}, group))
+    return groups
 
 
 def schedule(args) -> dict:

@@ -35,7 +35,7 @@ from megatron_focus.parallel import install_sequence_parallel_grad_allreduce, pa
 from megatron_focus.training import checkpointing, layouts
 from megatron_focus.training.deepspeed_config import deepspeed_config
 from megatron_focus.training.metrics import Reporter, flops_per_token
-from megatron_focus.training.optimizer import schedule, weight_decay_groups
+from megatron_focus.training.optimizer import param_groups, schedule
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "megatron-focus")
 
@@ -309,10 +309,9 @@ def datasets_for(args: argparse.Namespace, tokenizer):
 
 def _deepspeed_engine(args: argparse.Namespace, model: torch.nn.Module):
     """AdamW without weight decay on biases and norms, Megatron's LR schedule, in DeepSpeed."""
-    decay, no_decay = weight_decay_groups(model)
     optimizer = torch.optim.AdamW(
-        [{"params": [p for _, p in decay], "wd_mult": 1.0},
-         {"params": [p for _, p in no_decay], "wd_mult": 0.0}],
+        [{"params": [p for _, p in group], **options}
+         for options, group in param_groups(model, args)],
         lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
         weight_decay=args.weight_decay,
     )
