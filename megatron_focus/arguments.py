@@ -182,6 +182,15 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-path", nargs="*", default=None,
                    help="a prefix, or weights and prefixes: 0.7 a_text_document 0.3 b_text_document;"
                         " default: the embedded stdlib corpus")
+    g.add_argument("--mock-data", action="store_true",
+                   help="Megatron-Core's mock data: synthetic sequences, nothing read (for "
+                        "trying a launch script); needs a tokenizer, e.g. --tokenizer-type "
+                        "NullTokenizer --vocab-size 32000")
+    g.add_argument("--eod-mask-loss", action="store_true",
+                   help="leave end-of-document tokens out of the loss")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="restart position ids after each end of document (learned position "
+                        "embeddings; RoPE follows the sequence, as in Megatron-Core)")
     g.add_argument("--split", default="969,30,1")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
     g.add_argument("--tokenizer-model", default=None,
@@ -353,7 +362,7 @@ DEFAULTS = {  # dest: (Megatron-LM's, the demo's)
 
 
 def _fill_defaults(args: argparse.Namespace) -> None:
-    demo = not args.data_path
+    demo = not args.data_path and not args.mock_data
     for dest, (megatron, ours) in DEFAULTS.items():
         if getattr(args, dest) is None:
             setattr(args, dest, (ours if demo else megatron)(args))
@@ -540,7 +549,13 @@ def _validate_training(args: argparse.Namespace, world_size: int) -> None:
             raise ValueError("--mqar makes its own data: not with --data-path or a tokenizer")
         check_mqar(args.seq_length, args.mqar_pairs, args.mqar_vocab_size, args.mqar_min_distance,
                    args.mqar_queries, args.mqar_packed)
-    if bool(tokenizer_given) != bool(args.data_path):
+    if args.mock_data:
+        if args.data_path or args.mqar:
+            raise ValueError("--mock-data makes its own data: not with --data-path or --mqar")
+        if args.tokenizer_type is None:
+            raise ValueError("--mock-data needs a tokenizer for its vocabulary, e.g. "
+                             "--tokenizer-type NullTokenizer --vocab-size 32000")
+    elif bool(tokenizer_given) != bool(args.data_path):
         raise ValueError(
             "--data-path and a tokenizer (--tokenizer-type with --tokenizer-model, --vocab-file "
             "and --merge-file, or --vocab-size) go together: give both, or neither to use the "

@@ -470,6 +470,35 @@ def test_damaged_index_cache_is_rebuilt_and_a_pickled_one_refused(sp_model, sp_d
         build()
 
 
+def test_eod_mask_loss_and_reset_position_ids_as_megatron(sp_model, sp_data, tmp_path):
+    """Megatron's --eod-mask-loss and --reset-position-ids: end-of-document tokens leave the
+    loss, and positions restart after each one."""
+    tok = build_tokenizer(SP, sp_model)
+    plain, _, _ = build_datasets(sp_data[:1], "1", 64, 3, tok, (20, 0, 0), str(tmp_path))
+    masked, _, _ = build_datasets(sp_data[:1], "1", 64, 3, tok, (20, 0, 0), str(tmp_path),
+                                  reset_position_ids=True, eod_mask_loss=True)
+    ends = 0
+    for i in range(20):
+        a, b = plain[i], masked[i]
+        assert torch.equal(a["tokens"], b["tokens"]) and a["loss_mask"].all()
+        eod = b["tokens"] == tok.eod
+        ends += int(eod.sum())
+        assert torch.equal(b["loss_mask"] == 0, eod)
+        expected, position = [], 0
+        for t in b["tokens"].tolist():
+            expected.append(position)
+            position = 0 if t == tok.eod else position + 1
+        assert b["position_ids"].tolist() == expected
+    assert ends > 10
+
+
+def test_mock_data_needs_no_files(tmp_path):
+    tok = build_tokenizer("NullTokenizer", vocab_size=100)
+    train, valid, _ = build_datasets(None, "969,30,1", 32, 1, tok, (16, 4, 0), str(tmp_path))
+    assert len(train) >= 16 and len(valid) >= 4
+    assert int(train[0]["tokens"].max()) <= tok.vocab_size and train[0]["tokens"].shape == (32,)
+
+
 def test_build_datasets_rejects_bad_splits(sp_model, tmp_path):
     tok = build_tokenizer(SP, sp_model)
     corpus = _write(tmp_path / "tiny.jsonl", [f"doc {i}" for i in range(50)])

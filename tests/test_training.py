@@ -574,3 +574,10 @@ def test_decoupled_lr_gives_the_embedding_and_output_their_own_schedule(embedded
     assert same["losses"] == plain["losses"]
     other = train(1, _argv(embedded_cache, *flags, "--decoupled-lr", "1e-2"))
     assert other["losses"][0] == plain["losses"][0] and other["losses"][1:] != plain["losses"][1:]
+
+
+def test_mock_data_trains_with_megatron_data_flags(tmp_path):
+    history = train(1, TINY + ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                               "500", "--train-iters", "3", "--eod-mask-loss",
+                               "--reset-position-ids", "--data-cache-path", str(tmp_path)])
+    assert len(history["losses"]) == 3 and all(math.isfinite(x) for x in history["losses"])

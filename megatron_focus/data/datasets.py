@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import Split
 from megatron.core.tokenizers import MegatronTokenizerBase
@@ -64,27 +64,32 @@ def _is_prefix(path: str) -> bool:
 
 
 def build_datasets(
-    data_path: Sequence[str],
+    data_path: Optional[Sequence[str]],
     split: str,
     seq_length: int,
     seed: int,
     tokenizer: MegatronTokenizerBase,
     sizes: tuple[int, int, int],
     cache_dir: Optional[str],
+    reset_position_ids: bool = False,
+    eod_mask_loss: bool = False,
 ) -> tuple[Optional[GPTDataset], Optional[GPTDataset], Optional[GPTDataset]]:
-    """`data_path` is one prefix, several prefixes, or `w1 p1 w2 p2 ...`; `sizes` are samples per split.
+    """`data_path` is one prefix, several prefixes, or `w1 p1 w2 p2 ...`, or None for
+    Megatron-Core's mock data (`--mock-data`: synthetic sequences, nothing read); `sizes` are
+    samples per split. `reset_position_ids` restarts positions after each end of document and
+    `eod_mask_loss` leaves end-of-document tokens out of the loss (Megatron's flags).
 
     A split weighted 0 in `split` comes back as None. Each rank builds its own datasets; rank 0
     writes the index cache in `cache_dir` first (so it must be shared between ranks of a node).
     """
-    if not data_path:
+    if data_path is not None and not data_path:
         raise ValueError("--data-path is empty")
     if not _SPLIT_RE.fullmatch(split) or not any(float(w) for w in split.split(",")):
         raise ValueError(f"--split {split!r}: expected up to three comma-separated weights, e.g. 969,30,1")
     if len(sizes) != 3 or any(s < 0 for s in sizes):
         raise ValueError(f"sizes {sizes}: expected three sample counts (train, valid, test) >= 0")
-    blend = blend_of(list(data_path))
-    for prefix in blend[0]:
+    blend = blend_of(list(data_path)) if data_path is not None else None
+    for prefix in blend[0] if blend else []:
         check_indexed_dataset(prefix, tokenizer.vocab_size)
 
     config = GPTDatasetConfig(
@@ -95,14 +100,22 @@ def build_datasets(
         path_to_cache=cache_dir,
         mmap_bin_files=True,
         tokenizer=tokenizer,
-        reset_position_ids=False,
+        reset_position_ids=reset_position_ids,
         reset_attention_mask=False,
-        eod_mask_loss=False,
+        eod_mask_loss=eod_mask_loss,
         create_attention_mask=False,
     )
+    if blend is None:
+        return _built(MockGPTDataset, sizes, config)
     _check_splits(blend[0], config.split_matrix, split)
-    with _process_group(), _guarded_cache(cache_dir):
-        train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, list(sizes), lambda: True, config).build()
+    with _guarded_cache(cache_dir):
+        return _built(GPTDataset, sizes, config)
+
+
+def _built(cls, sizes, config):
+    with _process_group():
+        train, valid, test = BlendedMegatronDatasetBuilder(cls, list(sizes), lambda: True,
+                                                           config).build()
     return train, valid, test
 
 

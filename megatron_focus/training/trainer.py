@@ -276,7 +276,7 @@ def _mean_over_data_parallel(value: torch.Tensor) -> torch.Tensor:
 def tokenizer_for(args: argparse.Namespace, rank0: bool):
     if args.mqar:
         return MQARVocabulary(args.mqar_vocab_size)
-    if args.data_path is None:
+    if args.data_path is None and not args.mock_data:
         # The zero-download default: rank 0 builds the cache, the others wait and reuse it.
         cache = args.data_cache_path or DEFAULT_CACHE
         if rank0:
@@ -301,8 +301,9 @@ def datasets_for(args: argparse.Namespace, tokenizer):
                 mqar(valid_samples, "valid") if valid_samples else None)
     cache = os.path.join(args.data_cache_path or DEFAULT_CACHE, "indices")
     train, valid, _ = build_datasets(
-        args.data_path, args.split, args.seq_length, args.seed, tokenizer,
-        (args.train_iters * args.global_batch_size, valid_samples, 0), cache,
+        None if args.mock_data else args.data_path, args.split, args.seq_length, args.seed,
+        tokenizer, (args.train_iters * args.global_batch_size, valid_samples, 0), cache,
+        reset_position_ids=args.reset_position_ids, eod_mask_loss=args.eod_mask_loss,
     )
     return train, valid if valid_samples else None
 
@@ -397,6 +398,8 @@ def _data_name(args: argparse.Namespace) -> str:
         return (f"MQAR ({args.mqar_pairs} {'packed ' if args.mqar_packed else ''}pairs, "
                 f"vocabulary {args.mqar_vocab_size}, queries >= {args.mqar_min_distance} tokens "
                 "after them)")
+    if args.mock_data:
+        return "mock (synthetic sequences)"
     return " ".join(args.data_path)
 
 
