@@ -36,3 +36,16 @@ def test_bad_input_is_one_error_line_and_exit_code_2(run_tool, tmp_path, command
 def test_errors_raised_in_libraries_keep_their_traceback():
     with pytest.raises(json.JSONDecodeError):
         cli.run(json.loads, "{")
+
+
+def test_megatron_compat_doc_is_generated_from_the_parser():
+    """docs/megatron-compat.md is what tools/megatron_compat.py writes from today's parser."""
+    from megatron_focus.arguments import build_parser
+    from megatron_focus.compat import compat_table, megatron_flags
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    flags = megatron_flags(os.path.join(root, "docs", "megatron-lm-flags.txt"))
+    assert len(flags) > 600 and "--num-layers" in flags
+    with open(os.path.join(root, "docs", "megatron-compat.md")) as f:
+        assert f.read() == compat_table(flags, build_parser()), \
+            "stale: run python tools/megatron_compat.py"

@@ -1,0 +1,21 @@
+"""Write docs/megatron-compat.md: each Megatron-LM flag, and what this trainer does with it.
+
+    python tools/megatron_compat.py
+"""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron_focus.arguments import build_parser  # noqa: E402
+from megatron_focus.compat import compat_table, megatron_flags  # noqa: E402
+
+FLAGS = os.path.join(ROOT, "docs", "megatron-lm-flags.txt")
+DOC = os.path.join(ROOT, "docs", "megatron-compat.md")
+
+if __name__ == "__main__":
+    with open(DOC, "w") as f:
+        f.write(compat_table(megatron_flags(FLAGS), build_parser()))
+    print(f"wrote {DOC}")
