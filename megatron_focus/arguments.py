@@ -225,6 +225,12 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
+    g.add_argument("--pretrained-checkpoint", default=None,
+                   help="the weights to start from while --load holds no checkpoint yet (as "
+                        "--finetune from it); once this run has saved, --load resumes it")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="the model's shape flags from --load's checkpoint instead of the "
+                        "command line (all but the tensor-parallel size)")
     g.add_argument("--no-load-optim", action="store_true",
                    help="resume the weights, iteration and data position but not the optimizer "
                         "state or LR schedule (this run's start afresh)")
@@ -293,6 +299,15 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
                    help="TensorBoard gets the validation perplexity ('lm loss validation ppl')")
     g.add_argument("--tensorboard-log-interval", type=int, default=1,
                    help="write TensorBoard at log steps whose iteration is a multiple of this")
+    g.add_argument("--profile", action="store_true",
+                   help="trace iterations --profile-step-start to --profile-step-end on "
+                        "--profile-ranks (see --use-pytorch-profiler)")
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="with --profile: the PyTorch profiler's trace in --tensorboard-dir (always "
+                        "so without a GPU); otherwise cudaProfilerStart/Stop for nsys")
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0])
     g.add_argument("--timing-log-level", type=int, choices=(0, 1, 2), default=0,
                    help="accepted for Megatron-LM scripts: the one timer here (iteration time) is "
                         "level 0, so every level logs the same")
@@ -320,8 +335,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
+    if args.use_checkpoint_args:
+        _use_checkpoint_args(args)
     validate_args(args)
     return args
+
+
+def _use_checkpoint_args(args: argparse.Namespace) -> None:
+    """Megatron's --use-checkpoint-args: the model as --load's checkpoint records it."""
+    from megatron_focus.training import checkpointing
+
+    if not args.load:
+        raise ValueError("--use-checkpoint-args needs --load (the checkpoint to read them from)")
+    tag = checkpointing.resume_tag(args)
+    if tag is None:
+        raise FileNotFoundError(f"--use-checkpoint-args: --load {args.load} holds no checkpoint")
+    saved = checkpointing.saved_model_args(os.path.join(args.load, tag))
+    for key, value in saved.items():
+        if key not in ("tensor_model_parallel_size", "padded_vocab_size"):
+            setattr(args, key, value)
 
 
 # The least value each numeric flag may take (flags left unset, None, are not checked).
@@ -340,7 +372,8 @@ AT_LEAST = {
                      "lr_warmup_samples", "lr_warmup_fraction",
                      "focus_sinkhorn_iters", "focus_gate_scale", "init_method_std",
                      "hidden_dropout", "attention_dropout", "weight_decay", "ckpt_step",
-                     "manual_gc_interval", "decoupled_lr", "decoupled_min_lr"), 0),
+                     "manual_gc_interval", "decoupled_lr", "decoupled_min_lr",
+                     "profile_step_start"), 0),
 }
 # Flags bounded above too: (whether a value is allowed, the rule in words).
 WITHIN = {"rotary_percent": (lambda v: 0 < v <= 1, "above 0 and at most 1"),
@@ -567,6 +600,14 @@ def _validate_training(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError("--retrofit adds Focus routers: it needs --attention focus or focus+xsa")
     if (args.retrofit or args.finetune) and not args.load:
         raise ValueError("--retrofit and --finetune need --load (the pretrained checkpoint)")
+    if args.profile:
+        if args.profile_step_end <= args.profile_step_start:
+            raise ValueError(f"--profile-step-end {args.profile_step_end} must be after "
+                             f"--profile-step-start {args.profile_step_start}")
+        if args.tensorboard_dir is None and (args.use_pytorch_profiler
+                                             or not torch.cuda.is_available()):
+            raise ValueError("--profile writes the PyTorch profiler's trace to --tensorboard-dir: "
+                             "give one")
     if args.ckpt_step is not None and not args.load:
         raise ValueError("--ckpt-step needs --load (the run whose checkpoint it names)")
     if args.save_full and not args.retrofit:

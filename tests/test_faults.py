@@ -100,3 +100,20 @@ def test_no_load_optim_no_save_rng_and_exit_duration(embedded_cache, tmp_path):
     assert resumed["losses"][0] == straight["losses"][1]  # the same weights and batch
     assert resumed["lr"][0] == straight["lr"][0]  # warmup's first step again
     assert len(resumed["losses"]) == 3
+
+
+def test_pretrained_checkpoint_and_use_checkpoint_args(embedded_cache, tmp_path):
+    """Megatron's --pretrained-checkpoint starts an empty --load from those weights (as
+    --finetune); --use-checkpoint-args takes the model's shape from the checkpoint."""
+    base, run = str(tmp_path / "base"), str(tmp_path / "run")
+    train(1, _argv(embedded_cache, "--save", base, iters=3))
+    finetune = train(1, _argv(embedded_cache, "--load", base, "--finetune", iters=3))
+    started = train(1, _argv(embedded_cache, "--pretrained-checkpoint", base, "--save", run,
+                             "--load", run, "--exit-interval", "2", iters=3))
+    assert started["losses"] == finetune["losses"][:2]
+    resumed = train(1, _argv(embedded_cache, "--pretrained-checkpoint", base, "--save", run,
+                             "--load", run, iters=3))  # --load now holds the run's own
+    assert resumed["losses"] == finetune["losses"][2:]
+    shaped = train(1, _argv(embedded_cache, "--load", base, "--finetune", "--hidden-size", "128",
+                            "--num-layers", "5", "--use-checkpoint-args", iters=3))
+    assert shaped["losses"] == finetune["losses"]

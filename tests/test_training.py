@@ -581,3 +581,11 @@ def test_mock_data_trains_with_megatron_data_flags(tmp_path):
                                "500", "--train-iters", "3", "--eod-mask-loss",
                                "--reset-position-ids", "--data-cache-path", str(tmp_path)])
     assert len(history["losses"]) == 3 and all(math.isfinite(x) for x in history["losses"])
+
+
+def test_profile_writes_a_pytorch_trace_of_the_chosen_steps(embedded_cache, tmp_path):
+    tb = tmp_path / "tb"
+    train(1, _argv(embedded_cache, "--profile", "--profile-step-start", "1",
+                   "--profile-step-end", "2", "--tensorboard-dir", str(tb), iters=3))
+    traces = list(tb.glob("*.pt.trace.json"))
+    assert len(traces) == 1 and '"ProfilerStep#' in traces[0].read_text()

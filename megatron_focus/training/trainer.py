@@ -36,6 +36,7 @@ from megatron_focus.training import checkpointing, layouts
 from megatron_focus.training.deepspeed_config import deepspeed_config
 from megatron_focus.training.metrics import Reporter, flops_per_token
 from megatron_focus.training.optimizer import param_groups, schedule
+from megatron_focus.training.profiling import StepProfiler
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "megatron-focus")
 
@@ -87,6 +88,7 @@ def pretrain(args: argparse.Namespace) -> dict:
                                args))
     unread = _UnreadLosses(engine.skipped_steps, args.max_skipped_steps)
     window_start = time.time()
+    profiler = StepProfiler(args)
     while iteration < args.train_iters:
         log_now = (iteration + 1) % args.log_interval == 0 or iteration + 1 == args.train_iters
         with recording_statistics(engine.module) if log_now else contextlib.nullcontext():
@@ -94,6 +96,7 @@ def pretrain(args: argparse.Namespace) -> dict:
         iteration += 1
         consumed += args.global_batch_size
         unread.add(iteration, loss, engine)
+        profiler.after_step(iteration)
         if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
             gc.collect()
 
@@ -136,6 +139,7 @@ def pretrain(args: argparse.Namespace) -> dict:
                 print(f" exiting at iteration {iteration}", flush=True)
             break
 
+    profiler.close()
     reporter.close()
     if rank0:
         _print_where(args)
