@@ -600,6 +600,8 @@ def _validate_training(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError("--retrofit adds Focus routers: it needs --attention focus or focus+xsa")
     if (args.retrofit or args.finetune) and not args.load:
         raise ValueError("--retrofit and --finetune need --load (the pretrained checkpoint)")
+    if args.distributed_backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("--distributed-backend nccl needs GPUs; without one the backend is gloo")
     if args.profile:
         if args.profile_step_end <= args.profile_step_start:
             raise ValueError(f"--profile-step-end {args.profile_step_end} must be after "

@@ -165,7 +165,8 @@ def manual_seed(seed: int) -> None:
     tracker.add(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
 
 
-def init_distributed(tensor_model_parallel_size: int = 1, timeout_minutes: int = 10) -> Platform:
+def init_distributed(tensor_model_parallel_size: int = 1, timeout_minutes: int = 10,
+                     backend: Optional[str] = None) -> Platform:
     """Start torch.distributed (one process needs no launcher) and Megatron's parallel groups."""
     import datetime
 
@@ -179,7 +180,8 @@ def init_distributed(tensor_model_parallel_size: int = 1, timeout_minutes: int =
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if not dist.is_initialized():
         dist.init_process_group(
-            backend=platform.backend, timeout=datetime.timedelta(minutes=timeout_minutes)
+            backend=backend or platform.backend,
+            timeout=datetime.timedelta(minutes=timeout_minutes)
         )
     world = dist.get_world_size()
     if world % tensor_model_parallel_size:

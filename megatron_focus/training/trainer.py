@@ -46,7 +46,8 @@ def pretrain(args: argparse.Namespace) -> dict:
     "lr": [the LR at each log step]} for this rank (a Focus run adds its other mode's
     validation, e.g. "validation sparse")."""
     started = time.time()  # --exit-duration-in-mins counts from here, as Megatron-LM's does
-    platform.init_distributed(args.tensor_model_parallel_size, args.distributed_timeout_minutes)
+    platform.init_distributed(args.tensor_model_parallel_size, args.distributed_timeout_minutes,
+                              args.distributed_backend)
     platform.manual_seed(args.seed)
     rank0 = dist.get_rank() == 0
     checkpointing.preflight(args)  # the checkpoint folders, before the data is even built
