@@ -240,6 +240,10 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-save-rng", action="store_true",
                    help="checkpoints hold no random states (a resume seeds from --seed and the "
                         "iteration)")
+    g.add_argument("--no-save-optim", action="store_true",
+                   help="checkpoints hold no optimizer state (smaller; such a checkpoint resumes "
+                        "with --no-load-optim or --finetune); not with ZeRO stage 3, whose "
+                        "optimizer shards hold the weights")
     g.add_argument("--ckpt-step", type=int, default=None,
                    help="resume from --load's checkpoint of this iteration rather than its latest "
                         "(e.g. the one before a damaged checkpoint)")
@@ -512,6 +516,9 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     _validate_training(args, world_size)
     deepspeed_config(args, world_size // tp)  # the JSON checked now, and its ZeRO stage and
     # precision taken into args, before any data or model
+    if args.zero_stage == 3 and args.no_save_optim:
+        raise ValueError("--no-save-optim: ZeRO stage 3 keeps the weights in the optimizer's "
+                         "shards; use --zero-stage 2 or lower, or save the optimizer")
     if args.ffn_hidden_size is None:
         if args.swiglu:
             # Megatron-LM's rule: keep the MLP's parameter count that of a 4h GELU MLP.

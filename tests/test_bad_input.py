@@ -144,6 +144,8 @@ CASES = [
          r"--profile writes the PyTorch profiler's trace to --tensorboard-dir"),
     Case(P, "both fp16 and bf16", TINY + ["--fp16", "--bf16"], r"fp16.*bf16|bf16.*fp16"),
     Case(P, "--ckpt-step without --load", TINY + ["--ckpt-step", "2"], r"--ckpt-step needs --load"),
+    Case(P, "--no-save-optim under ZeRO-3", TINY + ["--no-save-optim", "--zero-stage", "3"],
+         r"--no-save-optim: ZeRO stage 3 keeps the weights"),
     Case(P, "--retrofit without --load", TINY + ["--attention", "focus", "--retrofit"],
          r"need --load"),
     Case(P, "--retrofit on a standard model", TINY + ["--retrofit", "--load", "{run}"],

@@ -85,18 +85,28 @@ def test_what_an_interrupted_run_left_is_removed_and_reported(embedded_cache, tm
         "iter_0000003", "iter_0000004", "latest"]
 
 
-def test_no_load_optim_no_save_rng_and_exit_duration(embedded_cache, tmp_path):
+@pytest.mark.parametrize("stage", ["0", "1"])
+def test_no_save_optim_no_load_optim_no_save_rng_and_exit_duration(embedded_cache, tmp_path,
+                                                                     stage):
     """Megatron's checkpoint-content flags and its time limit: a run whose limit has passed at
-    its first check saves and stops; resumed without the optimizer (and without saved random
-    states), its weights and data position carry on while the LR schedule starts again."""
+    its first check saves (no optimizer state, no random states) and stops; resumed without the
+    optimizer, its weights and data position carry on while the LR schedule starts again."""
     ckpt = str(tmp_path / "ckpt")
-    straight = train(1, _argv(embedded_cache, "--lr-decay-style", "constant", iters=4))
-    first = train(1, _argv(embedded_cache, "--lr-decay-style", "constant", "--save", ckpt,
+    flags = ["--lr-decay-style", "constant", "--zero-stage", stage]
+    straight = train(1, _argv(embedded_cache, *flags, iters=4))
+    first = train(1, _argv(embedded_cache, *flags, "--save", ckpt, "--no-save-optim",
                            "--no-save-rng", "--exit-duration-in-mins", "1e-9", iters=4))
     assert len(first["losses"]) == 1 and open(os.path.join(ckpt, "latest")).read() == \
         "iter_0000001"
-    resumed = train(1, _argv(embedded_cache, "--lr-decay-style", "constant", "--load", ckpt,
-                             "--no-load-optim", iters=4))
+    files = os.listdir(os.path.join(ckpt, "iter_0000001"))
+    assert not [f for f in files if "optim_states" in f], files
+    saved = torch.load(os.path.join(ckpt, "iter_0000001", "mp_rank_00_model_states.pt"),
+                       weights_only=False)
+    assert saved["optimizer"] is None and "rng" not in saved
+    with pytest.raises(Exception, match="--no-save-optim: it resumes with --no-load-optim"):
+        train(1, _argv(embedded_cache, *flags, "--load", ckpt, iters=4))
+    resumed = train(1, _argv(embedded_cache, *flags, "--load", ckpt, "--no-load-optim",
+                             iters=4))
     assert resumed["losses"][0] == straight["losses"][1]  # the same weights and batch
     assert resumed["lr"][0] == straight["lr"][0]  # warmup's first step again
     assert len(resumed["losses"]) == 3

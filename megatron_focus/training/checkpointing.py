@@ -16,6 +16,7 @@ the previous checkpoint as latest and nothing that looks complete.
 """
 
 import argparse
+import contextlib
 import errno
 import json
 import os
@@ -59,6 +60,8 @@ ARGS_FILE = "model_args.json"
 TOKENIZER_FILE = "tokenizer_args.json"
 # Marks a checkpoint that holds weights only (tools/convert_from_hf.py): no optimizer, no run state.
 WEIGHTS_ONLY = "weights_only"
+# Marks a checkpoint saved with --no-save-optim: weights, schedule position and data position only.
+NO_OPTIMIZER = "no_optimizer"
 # In a retrofit's trained-only checkpoint: {"load": DIR, "tag": TAG} of the frozen weights.
 BASE_FILE = "base_checkpoint.json"
 
@@ -128,9 +131,10 @@ def save(engine, args: argparse.Namespace, iteration: int, consumed_samples: int
     client_state = {"iteration": iteration, "consumed_samples": consumed_samples,
                     **({} if args.no_save_rng else {"rng": rng_state()})}
     trained_only = args.retrofit and not args.save_full
-    failure = _attempt(lambda: engine.save_checkpoint(
-        args.save, tag=f"{tag}.partial", client_state=client_state, save_latest=False,
-        exclude_frozen_parameters=trained_only))
+    with _optimizer_left_out(engine) if args.no_save_optim else contextlib.nullcontext():
+        failure = _attempt(lambda: engine.save_checkpoint(
+            args.save, tag=f"{tag}.partial", client_state=client_state, save_latest=False,
+            exclude_frozen_parameters=trained_only))
     if failure:
         dist.barrier()  # the one DeepSpeed's save ends with, which the other ranks are in
     _agree(failure, partial, args.save)
@@ -145,6 +149,20 @@ def save(engine, args: argparse.Namespace, iteration: int, consumed_samples: int
         _write_atomically(os.path.join(args.save, LATEST), tag)
     dist.barrier()
     return final
+
+
+@contextlib.contextmanager
+def _optimizer_left_out(engine):
+    """--no-save-optim: DeepSpeed writes the weights but no optimizer state (ZeRO's shards are
+    skipped, stage 0's state is not asked for); the LR schedule's position stays, as it is small."""
+    optimizer, zero_files = engine.optimizer, engine.save_zero_checkpoint
+    engine.save_zero_checkpoint = False
+    if not engine.zero_optimization():
+        engine.optimizer = None
+    try:
+        yield
+    finally:
+        engine.optimizer, engine.save_zero_checkpoint = optimizer, zero_files
 
 
 def _attempt(write) -> Optional[OSError]:
@@ -176,6 +194,8 @@ def _write_records(args: argparse.Namespace, folder: str, trained_only: bool) ->
     """Our files beside DeepSpeed's: the model's shape, layout, tokenizer, retrofit base."""
     if trained_only:
         _write_atomically(os.path.join(folder, BASE_FILE), json.dumps(args.retrofit_base))
+    if args.no_save_optim:
+        _write_atomically(os.path.join(folder, NO_OPTIMIZER), "saved with --no-save-optim\n")
     _write_atomically(os.path.join(folder, ARGS_FILE),
                       json.dumps(model_args(args), indent=1, sort_keys=True))
     layouts.write(args, folder, _write_atomically)
@@ -429,6 +449,10 @@ def check_resume(args: argparse.Namespace) -> None:
         _check_weights_fit(args, checkpoint_dir)
         return
     layout = layouts.change(args, checkpoint_dir)
+    no_optimizer = os.path.isfile(os.path.join(checkpoint_dir, NO_OPTIMIZER))
+    if no_optimizer and (layout or not args.no_load_optim):
+        raise ValueError(f"{checkpoint_dir} was saved with --no-save-optim: it resumes with "
+                         "--no-load-optim (or --finetune), at its own layout")
     if layout and (args.retrofit or base_dir is not None):
         raise ValueError(f"{checkpoint_dir} is a retrofit's, written at another layout: resume "
                          "it at its own (" + ", ".join(f"{k} {v}" for k, v in layout.items()) + ")")
