@@ -11,13 +11,13 @@ import sys
 import time
 
 from megatron_focus import cli
-from megatron_focus.arguments import parse_args
+from megatron_focus.arguments import parse_args, reads_data_files
 from megatron_focus.training.trainer import pretrain
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.data_path is None and args.tensorboard_dir is None and args.save is None:
+    if not reads_data_files(args) and args.tensorboard_dir is None and args.save is None:
         # The zero-download default run keeps its curves and checkpoints in one folder.
         run = os.path.join("runs", f"{args.attention}-{time.strftime('%Y%m%d-%H%M%S')}")
         args.tensorboard_dir = os.path.join(run, "tensorboard")

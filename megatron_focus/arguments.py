@@ -191,7 +191,16 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reset-position-ids", action="store_true",
                    help="restart position ids after each end of document (learned position "
                         "embeddings; RoPE follows the sequence, as in Megatron-Core)")
-    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--train-data-path", nargs="*", default=None,
+                   help="instead of --data-path and --split: the training data, a prefix or "
+                        "weights and prefixes as --data-path's")
+    g.add_argument("--valid-data-path", nargs="*", default=None,
+                   help="with --train-data-path: the validation data (none: no validation)")
+    g.add_argument("--test-data-path", nargs="*", default=None,
+                   help="with --train-data-path: the test data (checked, not read by training)")
+    g.add_argument("--split", default=None,
+                   help="train,valid,test weights dividing --data-path's documents; default "
+                        "969,30,1")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
     g.add_argument("--tokenizer-model", default=None,
                    help="SentencePiece .model, or an HF tokenizer.json or its folder")
@@ -398,8 +407,14 @@ DEFAULTS = {  # dest: (Megatron-LM's, the demo's)
 }
 
 
+def reads_data_files(args: argparse.Namespace) -> bool:
+    """Whether the run reads a dataset of its own (otherwise: the embedded corpus, mock data or
+    MQAR)."""
+    return bool(args.data_path or args.train_data_path)
+
+
 def _fill_defaults(args: argparse.Namespace) -> None:
-    demo = not args.data_path and not args.mock_data
+    demo = not reads_data_files(args) and not args.mock_data
     for dest, (megatron, ours) in DEFAULTS.items():
         if getattr(args, dest) is None:
             setattr(args, dest, (ours if demo else megatron)(args))
@@ -570,6 +585,25 @@ def _schedule_in_iterations(args: argparse.Namespace, world_size: int) -> None:
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
 
 
+def _validate_data_paths(args: argparse.Namespace) -> None:
+    """Megatron's two ways to name the data: --data-path divided by --split, or one path per
+    split."""
+    per_split = [args.train_data_path, args.valid_data_path, args.test_data_path]
+    if not any(p is not None for p in per_split):
+        args.split = args.split or "969,30,1"
+        return
+    if args.data_path:
+        raise ValueError("--data-path and --train-data-path / --valid-data-path / "
+                         "--test-data-path: give one or the other")
+    if not args.train_data_path:
+        raise ValueError("--valid-data-path and --test-data-path need --train-data-path")
+    if args.split is not None:
+        raise ValueError(f"--split {args.split} divides --data-path; with --train-data-path each "
+                         "split has its own data")
+    if args.valid_data_path == [] or args.test_data_path == []:
+        raise ValueError("--valid-data-path / --test-data-path given without a path")
+
+
 def _validate_training(args: argparse.Namespace, world_size: int) -> None:
     data_parallel = world_size // args.tensor_model_parallel_size
     if args.global_batch_size % (args.micro_batch_size * data_parallel):
@@ -583,25 +617,26 @@ def _validate_training(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError("--lr-warmup-iters must be shorter than the decay (--lr-decay-iters, default --train-iters)")
     if args.min_lr > args.lr:
         raise ValueError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+    _validate_data_paths(args)
     tokenizer_given = args.tokenizer_type is not None or args.tokenizer_model or args.vocab_file
     if args.mqar:
-        if args.data_path or tokenizer_given:
+        if reads_data_files(args) or tokenizer_given:
             raise ValueError("--mqar makes its own data: not with --data-path or a tokenizer")
         check_mqar(args.seq_length, args.mqar_pairs, args.mqar_vocab_size, args.mqar_min_distance,
                    args.mqar_queries, args.mqar_packed)
     if args.mock_data:
-        if args.data_path or args.mqar:
+        if reads_data_files(args) or args.mqar:
             raise ValueError("--mock-data makes its own data: not with --data-path or --mqar")
         if args.tokenizer_type is None:
             raise ValueError("--mock-data needs a tokenizer for its vocabulary, e.g. "
                              "--tokenizer-type NullTokenizer --vocab-size 32000")
-    elif bool(tokenizer_given) != bool(args.data_path):
+    elif bool(tokenizer_given) != reads_data_files(args):
         raise ValueError(
             "--data-path and a tokenizer (--tokenizer-type with --tokenizer-model, --vocab-file "
             "and --merge-file, or --vocab-size) go together: give both, or neither to use the "
             "embedded corpus and its tokenizer"
         )
-    if args.data_path and args.tokenizer_type is None:
+    if reads_data_files(args) and args.tokenizer_type is None:
         raise ValueError("--data-path needs --tokenizer-type")
     if args.retrofit and not args.attention.startswith("focus"):
         raise ValueError("--retrofit adds Focus routers: it needs --attention focus or focus+xsa")

@@ -94,7 +94,7 @@ def add_planner_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 def parse_plan_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """pretrain_gpt.py's flags + the planner's, validated as a run on the whole cluster would be."""
-    from megatron_focus.arguments import build_parser
+    from megatron_focus.arguments import build_parser, reads_data_files
     from megatron_focus.training.deepspeed_config import deepspeed_config
 
     parser = add_planner_args(build_parser())
@@ -103,7 +103,7 @@ def parse_plan_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     world = args.nodes * args.gpus_per_node
     if args.nodes < 1 or args.gpus_per_node < 1 or args.gpu_memory_gb <= 0:
         raise PlanError("--nodes, --gpus-per-node and --gpu-memory-gb must be positive")
-    if (args.tokenizer_model or args.vocab_file) and not args.data_path:
+    if (args.tokenizer_model or args.vocab_file) and not reads_data_files(args):
         args.data_path = ["(not read by the planner)"]  # only the vocabulary is read
     _validate(args, world)
     if world % args.tensor_model_parallel_size:

@@ -388,6 +388,25 @@ def test_build_datasets_single_prefix(sp_model, sp_data, tmp_path):
     assert none_valid is None and none_test is None
 
 
+def test_per_split_data_paths_as_megatron(sp_model, sp_data, tmp_path):
+    """--train-data-path / --valid-data-path: each split is its data whole, the samples of that
+    data given alone to its split (--split 1,0,0 / 0,1,0); no --test-data-path, no test split."""
+    tok = build_tokenizer(SP, sp_model)
+    train, valid, test = build_datasets(None, None, 16, 1234, tok, (40, 6, 0), str(tmp_path),
+                                        per_split=[sp_data[:1], sp_data[1:2], None])
+    alone_train, _, _ = build_datasets(sp_data[:1], "1,0,0", 16, 1234, tok, (40, 0, 0),
+                                       str(tmp_path))
+    _, alone_valid, _ = build_datasets(sp_data[1:2], "0,1,0", 16, 1234, tok, (0, 6, 0),
+                                       str(tmp_path))
+    assert test is None and len(train) == len(alone_train) and len(valid) == len(alone_valid)
+    for ours, alone in ((train, alone_train), (valid, alone_valid)):
+        for i in range(len(ours)):
+            assert torch.equal(ours[i]["tokens"], alone[i]["tokens"])
+    with pytest.raises(ValueError, match="--valid-data-path x: neither a blend weight"):
+        build_datasets(None, None, 16, 1, tok, (4, 2, 0), str(tmp_path),
+                       per_split=[sp_data[:1], ["x", sp_data[1]], None])
+
+
 def test_build_datasets_blend_with_weights(sp_model, sp_data, tmp_path):
     tok = build_tokenizer(SP, sp_model)
     blend = ["0.25", sp_data[0], "0.75", sp_data[1]]

@@ -33,29 +33,30 @@ def _number(text: str) -> Optional[float]:
         return None
 
 
-def blend_of(data_path: list) -> tuple[list, Optional[list]]:
-    """Megatron's `--data-path`: prefixes (`p1 p2 ...`, sampled by size) or weighted pairs
-    (`w1 p1 w2 p2 ...`), as (prefixes, weights or None); malformed weights refused by value."""
+def blend_of(data_path: list, flag: str = "--data-path") -> tuple[list, Optional[list]]:
+    """Megatron's `--data-path` (or a per-split `flag`): prefixes (`p1 p2 ...`, sampled by size)
+    or weighted pairs (`w1 p1 w2 p2 ...`), as (prefixes, weights or None); malformed weights
+    refused by value."""
     if _number(data_path[0]) is None:
         for i in range(0, len(data_path) - 1, 2):  # `heavy p1 light p2`: words for weights?
             if not _is_prefix(data_path[i]) and _is_prefix(data_path[i + 1]):
                 raise ValueError(
-                    f"--data-path {data_path[i]}: neither a blend weight (a number) nor a data "
+                    f"{flag} {data_path[i]}: neither a blend weight (a number) nor a data "
                     f"prefix (no {data_path[i]}.bin/.idx); a blend alternates weights and "
                     "prefixes: w1 p1 w2 p2 ...")
         return list(data_path), None
     if len(data_path) % 2:
-        raise ValueError(f"--data-path: {len(data_path)} entries; a blend alternates weights and "
+        raise ValueError(f"{flag}: {len(data_path)} entries; a blend alternates weights and "
                          "prefixes (w1 p1 w2 p2 ...), so it has an even number of them")
     weights, prefixes = data_path[0::2], data_path[1::2]
     for weight in weights:
         if _number(weight) is None:
-            raise ValueError(f"--data-path {weight}: not a number, where a blend weight goes "
+            raise ValueError(f"{flag} {weight}: not a number, where a blend weight goes "
                              "(w1 p1 w2 p2 ...)")
         if _number(weight) < 0:
-            raise ValueError(f"--data-path {weight}: a blend weight cannot be negative")
+            raise ValueError(f"{flag} {weight}: a blend weight cannot be negative")
     if not any(_number(w) for w in weights):
-        raise ValueError("--data-path: every blend weight is 0")
+        raise ValueError(f"{flag}: every blend weight is 0")
     return list(prefixes), [_number(w) for w in weights]
 
 
@@ -73,29 +74,39 @@ def build_datasets(
     cache_dir: Optional[str],
     reset_position_ids: bool = False,
     eod_mask_loss: bool = False,
+    per_split: Optional[Sequence[Optional[Sequence[str]]]] = None,
 ) -> tuple[Optional[GPTDataset], Optional[GPTDataset], Optional[GPTDataset]]:
-    """`data_path` is one prefix, several prefixes, or `w1 p1 w2 p2 ...`, or None for
-    Megatron-Core's mock data (`--mock-data`: synthetic sequences, nothing read); `sizes` are
-    samples per split. `reset_position_ids` restarts positions after each end of document and
-    `eod_mask_loss` leaves end-of-document tokens out of the loss (Megatron's flags).
+    """`data_path` is one prefix, several prefixes, or `w1 p1 w2 p2 ...`, divided by `split`, or
+    None for Megatron-Core's mock data (`--mock-data`: synthetic sequences, nothing read), unless
+    `per_split` gives each split its own (`--train-data-path`, `--valid-data-path`,
+    `--test-data-path`; a missing one: no such split); `sizes` are samples per split.
+    `reset_position_ids` restarts positions after each end of document and `eod_mask_loss`
+    leaves end-of-document tokens out of the loss (Megatron's flags).
 
     A split weighted 0 in `split` comes back as None. Each rank builds its own datasets; rank 0
     writes the index cache in `cache_dir` first (so it must be shared between ranks of a node).
     """
-    if data_path is not None and not data_path:
-        raise ValueError("--data-path is empty")
-    if not _SPLIT_RE.fullmatch(split) or not any(float(w) for w in split.split(",")):
-        raise ValueError(f"--split {split!r}: expected up to three comma-separated weights, e.g. 969,30,1")
     if len(sizes) != 3 or any(s < 0 for s in sizes):
         raise ValueError(f"sizes {sizes}: expected three sample counts (train, valid, test) >= 0")
-    blend = blend_of(list(data_path)) if data_path is not None else None
-    for prefix in blend[0] if blend else []:
+    if per_split is not None:
+        blends = [blend_of(list(paths), f"--{name}-data-path") if paths else None
+                  for name, paths in zip(("train", "valid", "test"), per_split)]
+        blend, split = None, None
+    else:
+        if data_path is not None and not data_path:
+            raise ValueError("--data-path is empty")
+        if not _SPLIT_RE.fullmatch(split) or not any(float(w) for w in split.split(",")):
+            raise ValueError(f"--split {split!r}: expected up to three comma-separated weights, "
+                             "e.g. 969,30,1")
+        blend, blends = blend_of(list(data_path)) if data_path is not None else None, None
+    for prefix in [p for b in (blends or [blend]) if b for p in b[0]]:
         check_indexed_dataset(prefix, tokenizer.vocab_size)
 
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
         blend=blend,
+        blend_per_split=blends,
         split=split,
         path_to_cache=cache_dir,
         mmap_bin_files=True,
@@ -105,9 +116,10 @@ def build_datasets(
         eod_mask_loss=eod_mask_loss,
         create_attention_mask=False,
     )
-    if blend is None:
+    if blend is None and blends is None:
         return _built(MockGPTDataset, sizes, config)
-    _check_splits(blend[0], config.split_matrix, split)
+    if blend is not None:
+        _check_splits(blend[0], config.split_matrix, split)
     with _guarded_cache(cache_dir):
         return _built(GPTDataset, sizes, config)
 

@@ -21,6 +21,7 @@ from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_focus import platform
+from megatron_focus.arguments import reads_data_files
 from megatron_focus.data.datasets import build_datasets
 from megatron_focus.data.embedded import TOKENIZER_TYPE as EMBEDDED_TOKENIZER_TYPE
 from megatron_focus.data.embedded import ensure_embedded_data
@@ -281,7 +282,7 @@ def _mean_over_data_parallel(value: torch.Tensor) -> torch.Tensor:
 def tokenizer_for(args: argparse.Namespace, rank0: bool):
     if args.mqar:
         return MQARVocabulary(args.mqar_vocab_size)
-    if args.data_path is None and not args.mock_data:
+    if not reads_data_files(args) and not args.mock_data:
         # The zero-download default: rank 0 builds the cache, the others wait and reuse it.
         cache = args.data_cache_path or DEFAULT_CACHE
         if rank0:
@@ -305,10 +306,13 @@ def datasets_for(args: argparse.Namespace, tokenizer):
         return (mqar(args.train_iters * args.global_batch_size, "train"),
                 mqar(valid_samples, "valid") if valid_samples else None)
     cache = os.path.join(args.data_cache_path or DEFAULT_CACHE, "indices")
+    per_split = ([args.train_data_path, args.valid_data_path, args.test_data_path]
+                 if args.train_data_path else None)
     train, valid, _ = build_datasets(
-        None if args.mock_data else args.data_path, args.split, args.seq_length, args.seed,
-        tokenizer, (args.train_iters * args.global_batch_size, valid_samples, 0), cache,
+        None if args.mock_data or per_split else args.data_path, args.split, args.seq_length,
+        args.seed, tokenizer, (args.train_iters * args.global_batch_size, valid_samples, 0), cache,
         reset_position_ids=args.reset_position_ids, eod_mask_loss=args.eod_mask_loss,
+        per_split=per_split,
     )
     return train, valid if valid_samples else None
 
@@ -405,6 +409,10 @@ def _data_name(args: argparse.Namespace) -> str:
                 "after them)")
     if args.mock_data:
         return "mock (synthetic sequences)"
+    if args.train_data_path:
+        return " | ".join(f"{name} {' '.join(paths)}" for name, paths in (
+            ("train", args.train_data_path), ("valid", args.valid_data_path),
+            ("test", args.test_data_path)) if paths)
     return " ".join(args.data_path)
 
 
