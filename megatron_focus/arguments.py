@@ -43,15 +43,32 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seq-length", type=int, default=256)
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="size of the learned position table; default --seq-length")
-    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
-                   default="learned_absolute")
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope", "none"),
+                   default="learned_absolute", help="none: no position information (NoPE)")
+    g.add_argument("--no-position-embedding", dest="add_position_embedding",
+                   action="store_false",
+                   help="deprecated in Megatron-LM: no effect with rope, refused otherwise (use "
+                        "--position-embedding-type none)")
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama 3.1's RoPE frequency scaling (low 1, high 4, original context "
+                        "8192)")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                   help="with --use-rope-scaling: the factor")
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="norm scales stored zero-centred, applied as 1 + weight (weight decay "
+                        "pulls them towards 1)")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="normalise each query and key head (over the head dimension) before "
+                        "attention, with --normalization's norm")
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--openai-gelu", action="store_true",
                    help="GELU's tanh approximation (GPT-2's gelu_new) instead of the exact one")
+    g.add_argument("--squared-relu", action="store_true",
+                   help="relu(x)^2 as the MLP's activation instead of GELU")
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
     g.add_argument("--add-qkv-bias", action="store_true",
                    help="a bias on the QKV projection even with --disable-bias-linear (Qwen2)")
@@ -390,6 +407,7 @@ AT_LEAST = {
 }
 # Flags bounded above too: (whether a value is allowed, the rule in words).
 WITHIN = {"rotary_percent": (lambda v: 0 < v <= 1, "above 0 and at most 1"),
+          "rope_scaling_factor": (lambda v: v >= 1, "at least 1"),
           "exit_duration_in_mins": (lambda v: v > 0, "above 0"),
           "hidden_dropout": (lambda v: v < 1, "below 1"),
           "attention_dropout": (lambda v: v < 1, "below 1")}
@@ -526,8 +544,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
         if args.attention.startswith("focus"):
             raise ValueError("--window-size is for standard and xsa attention: Focus has its own "
                              "local window (--focus-window)")
-    if args.openai_gelu and args.swiglu:
-        raise ValueError("--openai-gelu chooses the GELU of a GELU MLP: not with --swiglu")
+    _validate_architecture(args)
     _validate_training(args, world_size)
     deepspeed_config(args, world_size // tp)  # the JSON checked now, and its ZeRO stage and
     # precision taken into args, before any data or model
@@ -540,6 +557,20 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
             args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
         else:
             args.ffn_hidden_size = 4 * args.hidden_size
+
+
+def _validate_architecture(args: argparse.Namespace) -> None:
+    """Megatron-LM's rules for the model flags that exclude each other."""
+    if args.openai_gelu and args.swiglu:
+        raise ValueError("--openai-gelu chooses the GELU of a GELU MLP: not with --swiglu")
+    if args.squared_relu and (args.swiglu or args.openai_gelu):
+        raise ValueError("--squared-relu is the MLP's activation: not with --swiglu or "
+                         "--openai-gelu")
+    if not args.add_position_embedding and args.position_embedding_type != "rope":
+        raise ValueError("--no-position-embedding is deprecated, use --position-embedding-type "
+                         "none (as in Megatron-LM)")
+    if args.use_rope_scaling and args.position_embedding_type != "rope":
+        raise ValueError("--use-rope-scaling scales RoPE: it needs --position-embedding-type rope")
 
 
 def _validate_focus(args: argparse.Namespace) -> None:

@@ -194,7 +194,8 @@ def count_parameters(args: argparse.Namespace, vocab_size: int, tp: int = 1) -> 
     router = 0
     if args.attention.startswith("focus"):
         router = h * args.focus_dim + args.focus_groups * args.focus_dim
-    layer_replicated = 2 * norm + 2 * h * bias + router
+    qk_norm = 2 * (2 * d if args.normalization == "LayerNorm" else d) if args.qk_layernorm else 0
+    layer_replicated = 2 * norm + 2 * h * bias + router + qk_norm
     word = vocab * h
     position = args.max_position_embeddings * h \
         if args.position_embedding_type == "learned_absolute" else 0

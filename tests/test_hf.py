@@ -32,6 +32,13 @@ TRAINED = {
     "llama-xsa-tp2": (LLAMA + GQA + XSA + TP2, 2, "MegatronFocusForCausalLM"),
     # Sliding-window attention (8 keys of the 32 tokens): Mistral's
     "llama-window": (LLAMA + GQA + ["--window-size", "7,0"], 1, "MistralForCausalLM"),
+    # zero-centred norm scales (exported as 1 + weight), Llama 3.1's RoPE scaling
+    "llama-1p-rope-scaling": (LLAMA + GQA + ["--apply-layernorm-1p", "--use-rope-scaling",
+                                             "--rotary-base", "500000"], 1, "LlamaForCausalLM"),
+    # no stock class: query/key norms, squared ReLU, no positions (NoPE)
+    "gpt2-qk-norm-relu2-nope-tp2": (["--qk-layernorm", "--squared-relu",
+                                     "--position-embedding-type", "none"] + TP2, 2,
+                                    "MegatronFocusForCausalLM"),
 }
 # Focus with a window of 4 keys on 32 tokens: most pairs are distant, so the router decides them.
 FOCUS = ["--focus-window", "4", "--focus-groups", "4", "--focus-chunk-size", "16"]
@@ -424,13 +431,27 @@ def _hf_model(name: str):
             layer_attention=["xsa", "xsa"])),
         # Focus (routers replicated over TP=2), XSA on the second layer
         "custom-llama-focus-xsa-layer-2": _custom_focus_model,
+        # Llama 3.1's RoPE scaling (head size 16, base 5e5: every band of the scaling is used)
+        "llama31-rope-scaling": lambda: LlamaForCausalLM(LlamaConfig(
+            **small, num_key_value_heads=2, rope_parameters=LLAMA31_ROPE)),
+        "custom-qk-norm-relu2-nope": lambda: MegatronFocusForCausalLM(MegatronFocusConfig(
+            **small, qk_norm=True, activation="relu2", position_embedding_type="none")),
+        "custom-llama-xsa-qk-norm-rope-scaling": lambda: MegatronFocusForCausalLM(
+            MegatronFocusConfig(**small, normalization="RMSNorm", activation="swiglu", bias=False,
+                                position_embedding_type="rope", rotary_base=500000.0, qk_norm=True,
+                                rope_scaling=LLAMA31_ROPE, layer_attention=["xsa", "xsa"])),
     }[name]()
+
+
+LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 HF_MODELS = ["llama-gqa-untied", "llama-biases-tied", "mistral", "mistral-window", "qwen2",
              "gpt2", "gpt2-gelu-new", "custom-gpt2-rope-gelu-tanh", "custom-gpt2-rope-gqa",
              "custom-llama-xsa-layer-2", "custom-llama-xsa-window", "custom-qwen2-xsa",
-             "custom-llama-focus-xsa-layer-2"]
+             "custom-llama-focus-xsa-layer-2", "llama31-rope-scaling", "custom-qk-norm-relu2-nope",
+             "custom-llama-xsa-qk-norm-rope-scaling"]
 
 
 @pytest.mark.parametrize("name", HF_MODELS)
@@ -448,6 +469,9 @@ def test_hf_to_native_to_hf(name, tmp_path):
     ckpt, back = str(tmp_path / "ckpt"), str(tmp_path / "back")
     import_from_hf(str(tmp_path / "hf"), ckpt, tensor_model_parallel_size=2, progress=False)
 
+    if "rope-scaling" in name:  # its effect on 16 positions is small: check it is recorded
+        with open(os.path.join(ckpt, "iter_0000000", "model_args.json")) as f:
+            assert json.load(f)["use_rope_scaling"]
     tokens = TOKENS[:, :16] % 200
     with torch.no_grad():
         reference = model(tokens).logits
@@ -469,6 +493,30 @@ def test_hf_to_native_to_hf(name, tmp_path):
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         kept = before.get(key) if isinstance(before.get(key), int) and before[key] < 200 else None
         assert after.get(key) == kept, key
+
+
+def test_llama31_rope_frequencies_agree_three_ways():
+    """Megatron-Core's scaled RoPE frequencies (--use-rope-scaling), transformers' "llama3" ones
+    and the exported custom model's: the same, in every band of the scaling."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from megatron_focus.hf.modeling_megatron_focus import llama3_scaled
+
+    dim = 64
+    for base in (10000.0, 500000.0):
+        plain = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+        megatron = RotaryEmbedding(dim, 1.0, rotary_base=base, rope_scaling=True,
+                                   rope_scaling_factor=8.0, use_cpu_initialization=True).inv_freq
+        config = LlamaConfig(hidden_size=dim * 2, num_attention_heads=2,
+                             max_position_embeddings=8192,
+                             rope_parameters={**LLAMA31_ROPE, "rope_theta": base})
+        hf, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+        ours = llama3_scaled(plain, LLAMA31_ROPE)
+        assert not torch.equal(ours, plain)
+        torch.testing.assert_close(megatron, hf, rtol=1e-6, atol=0)
+        torch.testing.assert_close(ours, hf, rtol=1e-6, atol=0)
 
 
 @pytest.mark.slow

@@ -32,6 +32,10 @@ CASES = {
     "llama-gqa-focus+xsa": FAMILIES["llama-gqa"] + FOCUS + ["--attention", "focus+xsa"],
     # fewer key/value groups than TP ranks: Megatron gives each rank a copy of the one group
     "llama-mqa-xsa": FAMILIES["llama"] + ["--group-query-attention", "--num-query-groups", "1"] + XSA,
+    # query/key norms see only their rank's heads: their gradients are summed over TP, SP or not
+    "llama-gqa-qk-norm-1p": FAMILIES["llama-gqa"] + ["--qk-layernorm", "--apply-layernorm-1p"],
+    "gpt2-qk-norm-relu2-nope": FAMILIES["gpt2"] + ["--qk-layernorm", "--squared-relu",
+                                                   "--position-embedding-type", "none"],
 }
 
 
@@ -129,9 +133,16 @@ def test_sequence_parallel_norm_grads_need_the_allreduce(results, family):
     """Under SP each rank's norm gradient is partial; only the TP all-reduce makes it whole."""
     _, ref_grads, _ = results[family]["tp1"]
     _, _, unsynced = results[family]["tp2-sp"]
-    norms = [n for n in unsynced if n.endswith("layernorm.weight")]
+    norms = [n for n in unsynced if n.endswith("layernorm.weight")
+             and not n.endswith(("q_layernorm.weight", "k_layernorm.weight"))]
     assert len(norms) == 2 * 2 + 1  # two per layer and the final norm
     for name in norms:
+        assert not torch.allclose(unsynced[name], ref_grads[name], rtol=1e-3, atol=1e-5), name
+    # Query/key norms see only their rank's heads: partial under TP alone too.
+    _, _, unsynced = results[family]["tp2"]
+    qk_norms = [n for n in unsynced if n.endswith(("q_layernorm.weight", "k_layernorm.weight"))]
+    assert len(qk_norms) == (4 if "--qk-layernorm" in CASES[family] else 0)
+    for name in qk_norms:
         assert not torch.allclose(unsynced[name], ref_grads[name], rtol=1e-3, atol=1e-5), name
 
 

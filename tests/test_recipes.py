@@ -275,6 +275,8 @@ def test_planner_counts_the_parameters_of_the_built_model(single_process):
                  "--ffn-hidden-size", "176", "--position-embedding-type", "rope"],
         small + ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
                  "--add-qkv-bias", "--position-embedding-type", "rope"],  # Qwen2
+        small + ["--qk-layernorm", "--position-embedding-type", "none", "--squared-relu"],
+        small + ["--qk-layernorm", "--normalization", "RMSNorm", "--apply-layernorm-1p"],
     ]
     if not _focus_refused():
         families.append(small + ["--attention", "focus+xsa", "--focus-groups", "4"])

@@ -84,6 +84,11 @@ class Architecture:
     xsa_layers: Optional[Tuple[int, ...]] = None  # 1-based; None: every layer (when xsa)
     window_size: Optional[Tuple[int, int]] = None  # sliding window (left, 0): keys i - left .. i
     add_qkv_bias: bool = False  # a QKV bias without add_bias_linear (Qwen2)
+    apply_layernorm_1p: bool = False  # norm scales stored as weight, applied as 1 + weight
+    qk_layernorm: bool = False  # a norm on each query and key head
+    squared_relu: bool = False  # relu(x)^2 MLP
+    use_rope_scaling: bool = False  # Llama 3.1's RoPE frequency scaling, by rope_scaling_factor
+    rope_scaling_factor: float = 8.0
     focus: Optional[FocusSettings] = None  # exactly when attention is focus or focus+xsa
 
     def __post_init__(self):
@@ -96,7 +101,7 @@ class Architecture:
             raise ValueError(f"--attention {self.attention} with Focus settings {self.focus}")
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"unknown normalization {self.normalization!r}")
-        if self.position_embedding_type not in ("learned_absolute", "rope"):
+        if self.position_embedding_type not in ("learned_absolute", "rope", "none"):
             raise ValueError(f"unknown position embedding {self.position_embedding_type!r}")
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(f"{self.num_query_groups} query groups do not divide "
@@ -159,6 +164,14 @@ class Architecture:
             flags.append("--swiglu")
         if self.openai_gelu:
             flags.append("--openai-gelu")
+        if self.squared_relu:
+            flags.append("--squared-relu")
+        if self.apply_layernorm_1p:
+            flags.append("--apply-layernorm-1p")
+        if self.qk_layernorm:
+            flags.append("--qk-layernorm")
+        if self.use_rope_scaling:
+            flags += ["--use-rope-scaling", "--rope-scaling-factor", repr(self.rope_scaling_factor)]
         if not self.add_bias_linear:
             flags.append("--disable-bias-linear")
         if self.add_qkv_bias:

@@ -11,8 +11,9 @@ variant (`layer_attention`) and, for Focus layers, the `focus_*` settings (`pret
 from transformers import PreTrainedConfig
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")  # gelu: the exact (erf) GELU; gelu_tanh: GPT-2's
-POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+# gelu: the exact (erf) GELU; gelu_tanh: GPT-2's; relu2: relu(x)^2
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "relu2")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 ATTENTION_VARIANTS = ("standard", "xsa", "focus", "focus+xsa")
 FOCUS_MODES = ("soft", "sparse")
 
@@ -32,8 +33,12 @@ class MegatronFocusConfig(PreTrainedConfig):
     activation: str = "gelu"
     bias: bool = True  # on every linear layer but the output layer, as Megatron's add_bias_linear
     qkv_bias: bool = False  # on the q, k, v projections even without `bias` (--add-qkv-bias)
+    qk_norm: bool = False  # a norm (`normalization`) on each query and key head, before RoPE
     position_embedding_type: str = "learned_absolute"
     rotary_base: float = 10000.0
+    # Llama 3.1's frequency scaling: {"rope_type": "llama3", "factor", "low_freq_factor",
+    # "high_freq_factor", "original_max_position_embeddings"}; None: plain RoPE
+    rope_scaling: dict | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = True
     layer_attention: list[str] | None = None  # one variant per layer; default all "standard"

@@ -70,6 +70,8 @@ class HFBiases:
 def _not_llama_like(arch: Architecture) -> Optional[str]:
     if arch.attention != "standard":
         return f"--attention {arch.attention}"
+    if arch.qk_layernorm:
+        return "query and key norms"
     if (arch.normalization, arch.swiglu, arch.position_embedding_type) != ("RMSNorm", True, "rope"):
         return "not RMSNorm + SwiGLU + RoPE"
     if arch.hidden_size % arch.num_attention_heads:
@@ -102,6 +104,8 @@ def _not_gpt2(arch: Architecture) -> Optional[str]:
         return f"--attention {arch.attention}"
     if arch.window_size is not None:
         return "sliding-window attention"
+    if arch.qk_layernorm or arch.squared_relu:
+        return "query and key norms" if arch.qk_layernorm else "squared ReLU"
     gpt2 = (arch.normalization == "LayerNorm" and not arch.swiglu and arch.add_bias_linear
             and arch.position_embedding_type == "learned_absolute" and arch.tied)
     if not gpt2:
@@ -142,8 +146,7 @@ def hf_config(family: str, arch: Architecture, special_tokens: dict):
         num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_query_groups,
         hidden_act="silu", max_position_embeddings=arch.max_position_embeddings,
         rms_norm_eps=arch.norm_epsilon, tie_word_embeddings=arch.tied,
-        rope_parameters={"rope_type": "default", "rope_theta": float(arch.rotary_base)},
-        **special_tokens,
+        rope_parameters=_rope_parameters(arch), **special_tokens,
     )
     if family == LLAMA:
         return LlamaConfig(**llama_like, head_dim=arch.kv_channels,
@@ -167,8 +170,10 @@ def hf_config(family: str, arch: Architecture, special_tokens: dict):
         intermediate_size=arch.ffn_hidden_size, num_hidden_layers=arch.num_layers,
         num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_query_groups,
         head_dim=arch.kv_channels, normalization=arch.normalization, norm_eps=arch.norm_epsilon,
-        activation="swiglu" if arch.swiglu else "gelu_tanh" if arch.openai_gelu else "gelu",
-        bias=arch.add_bias_linear, qkv_bias=arch.add_qkv_bias,
+        activation=("swiglu" if arch.swiglu else "gelu_tanh" if arch.openai_gelu
+                    else "relu2" if arch.squared_relu else "gelu"),
+        bias=arch.add_bias_linear, qkv_bias=arch.add_qkv_bias, qk_norm=arch.qk_layernorm,
+        rope_scaling=_rope_parameters(arch) if arch.use_rope_scaling else None,
         position_embedding_type=arch.position_embedding_type,
         rotary_base=float(arch.rotary_base), max_position_embeddings=arch.max_position_embeddings,
         tie_word_embeddings=arch.tied, layer_attention=arch.layer_attention(),
@@ -176,6 +181,31 @@ def hf_config(family: str, arch: Architecture, special_tokens: dict):
         sliding_window=None if arch.window_size is None else arch.window_size[0] + 1,
         **_focus_config(arch.focus), **special_tokens,
     )
+
+
+# Megatron-Core's Llama 3.1 RoPE scaling: these fixed, the factor a flag (--rope-scaling-factor).
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+
+
+def _rope_parameters(arch: Architecture) -> dict:
+    """HF's `rope_parameters` (its names for --rotary-base and --use-rope-scaling)."""
+    if not arch.use_rope_scaling:
+        return {"rope_type": "default", "rope_theta": float(arch.rotary_base)}
+    return {"rope_type": "llama3", "rope_theta": float(arch.rotary_base),
+            "factor": arch.rope_scaling_factor, **LLAMA3_ROPE}
+
+
+def _rope_scaling(rope: Optional[dict]) -> dict:
+    """Architecture fields of HF `rope_parameters`; refuses a scaling the native model lacks."""
+    kind = (rope or {}).get("rope_type", "default")
+    if kind == "default":
+        return {}
+    _require(kind == "llama3", f"RoPE scaling {kind!r} (only plain RoPE and Llama 3.1's are "
+             "native)")
+    _require(all(float(rope.get(key, -1)) == value for key, value in LLAMA3_ROPE.items()),
+             f"Llama 3.1 RoPE scaling other than Megatron-Core's {LLAMA3_ROPE}: {rope}")
+    return {"use_rope_scaling": True, "rope_scaling_factor": float(rope["factor"])}
 
 
 def _focus_config(focus: Optional[FocusSettings]) -> dict:
@@ -209,8 +239,6 @@ def _from_llama_like(config) -> Tuple[str, Architecture, HFBiases]:
     kind = config.model_type
     _require(config.hidden_act == "silu", f"hidden_act {config.hidden_act!r} (SwiGLU needs silu)")
     rope = config.rope_parameters
-    _require(rope.get("rope_type", "default") == "default",
-             f"RoPE scaling {rope.get('rope_type')!r} (only plain RoPE is native)")
     theta = rope["rope_theta"]
     _require(float(theta).is_integer(), f"rope_theta {theta} is not an integer (--rotary-base)")
     window, family = None, LLAMA
@@ -235,6 +263,7 @@ def _from_llama_like(config) -> Tuple[str, Architecture, HFBiases]:
         position_embedding_type="rope", rotary_base=int(theta),
         max_position_embeddings=config.max_position_embeddings,
         untie_embeddings_and_output_weights=not config.tie_word_embeddings, window_size=window,
+        **_rope_scaling(rope),
     )
     return family, arch, biases
 
@@ -277,6 +306,7 @@ def _from_custom(config) -> Architecture:
         num_query_groups=config.num_key_value_heads, kv_channels=config.head_dim,
         normalization=config.normalization, norm_epsilon=config.norm_eps,
         swiglu=config.activation == "swiglu", openai_gelu=config.activation == "gelu_tanh",
+        squared_relu=config.activation == "relu2", qk_layernorm=config.qk_norm,
         add_bias_linear=config.bias, add_qkv_bias=config.qkv_bias and not config.bias,
         position_embedding_type=config.position_embedding_type,
         rotary_base=int(config.rotary_base), max_position_embeddings=config.max_position_embeddings,
@@ -284,6 +314,7 @@ def _from_custom(config) -> Architecture:
         attention=attention,
         xsa_layers=None if len(xsa) in (0, config.num_hidden_layers) else tuple(xsa),
         window_size=None if config.sliding_window is None else (config.sliding_window - 1, 0),
+        **_rope_scaling(config.rope_scaling),
         focus=FocusSettings(**{field.name: getattr(config, f"focus_{field.name}")
                                for field in dataclasses.fields(FocusSettings)})
         if any(focus) else None,
@@ -298,8 +329,12 @@ def rules(family: str, arch: Architecture, biases: HFBiases) -> List[Rule]:
 
 
 def _norm(arch: Architecture, native: str, hf: str) -> List[Rule]:
-    params = ("weight", "bias") if arch.normalization == "LayerNorm" else ("weight",)
-    return [copy(f"{native}.{p}", f"{hf}.{p}") for p in params]
+    """A norm's scale (as applied: `1 + weight` under --apply-layernorm-1p) and bias."""
+    out = [Rule(f"{native}.weight", (f"{hf}.weight",), lambda t: (t + 1,), lambda t: t - 1)
+           if arch.apply_layernorm_1p else copy(f"{native}.weight", f"{hf}.weight")]
+    if arch.normalization == "LayerNorm":
+        out.append(copy(f"{native}.bias", f"{hf}.bias"))
+    return out
 
 
 def _linear(native_bias: bool, native: str, hf: List[str], hf_bias: bool, out_features: int,
@@ -326,6 +361,9 @@ def _llama_style_rules(arch: Architecture, biases: HFBiases) -> List[Rule]:
         out += _linear(ours.qkv, f"{native}.self_attention.linear_qkv",
                        [f"{hf}.self_attn.{p}_proj" for p in "qkv"], biases.qkv, qkv_rows,
                        lambda t: split_qkv(t, arch), lambda q, k, v: merge_qkv(q, k, v, arch))
+        if arch.qk_layernorm:
+            out += [rule for p in "qk" for rule in _norm(
+                arch, f"{native}.self_attention.{p}_layernorm", f"{hf}.self_attn.{p}_norm")]
         out += _linear(ours.proj, f"{native}.self_attention.linear_proj",
                        [f"{hf}.self_attn.o_proj"], biases.proj, hidden)
         out += _norm(arch, f"{native}.pre_mlp_layernorm", f"{hf}.post_attention_layernorm")

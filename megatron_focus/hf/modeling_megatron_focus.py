@@ -37,16 +37,33 @@ from .configuration_megatron_focus import MegatronFocusConfig, check_focus_infer
 XSA_EPS = 1e-6  # as megatron_focus.model.xsa.exclusive_projection
 
 
-def norm(config: MegatronFocusConfig) -> nn.Module:
+def norm(config: MegatronFocusConfig, size: int = None) -> nn.Module:
+    size = size or config.hidden_size
     if config.normalization == "RMSNorm":
-        return nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
-    return nn.LayerNorm(config.hidden_size, eps=config.norm_eps)
+        return nn.RMSNorm(size, eps=config.norm_eps)
+    return nn.LayerNorm(size, eps=config.norm_eps)
 
 
-def rotate(t: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
+def llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1's RoPE frequencies: long wavelengths divided by `factor`, short ones kept, the
+    band between interpolated smoothly."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= context / high) & (wavelen <= context / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotate(t: torch.Tensor, positions: torch.Tensor, base: float,
+           scaling: dict = None) -> torch.Tensor:
     """Megatron's (non-interleaved) rotary embedding of `t` `[b, heads, s, d]` at `positions` `[b, s]`."""
     d = t.shape[-1]
     inv_freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float32, device=t.device) / d)
+    if scaling is not None:
+        inv_freq = llama3_scaled(inv_freq, scaling)
     angles = positions[:, None, :, None].float() * inv_freq  # [b, 1, s, d/2]
     angles = torch.cat([angles, angles], dim=-1)
     t1, t2 = t.chunk(2, dim=-1)
@@ -66,15 +83,19 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, groups * hd, bias=qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, groups * hd, bias=qkv_bias)
         self.o_proj = nn.Linear(heads * hd, config.hidden_size, bias=config.bias)
+        if config.qk_norm:
+            self.q_norm, self.k_norm = norm(config, hd), norm(config, hd)
 
     def forward(self, x, positions, mask, cache, attention_mask=None):
         b, s, _ = x.shape
         routing = self.route(x, cache, attention_mask)  # before the cache takes this step's keys
         q, k, v = (proj(x).view(b, s, -1, self.config.head_dim).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if self.config.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.config.position_embedding_type == "rope":
-            base = self.config.rotary_base
-            q, k = rotate(q, positions, base), rotate(k, positions, base)
+            base, scaling = self.config.rotary_base, self.config.rope_scaling
+            q, k = rotate(q, positions, base, scaling), rotate(k, positions, base, scaling)
         own_v = v  # the values of this step's tokens, before the cached ones are prepended
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
@@ -351,17 +372,19 @@ class MLP(nn.Module):
     def __init__(self, config: MegatronFocusConfig):
         super().__init__()
         h, f, bias = config.hidden_size, config.intermediate_size, config.bias
-        self.swiglu = config.activation == "swiglu"
-        self.gelu_approximate = "tanh" if config.activation == "gelu_tanh" else "none"
-        if self.swiglu:
+        self.activation = config.activation
+        if self.activation == "swiglu":
             self.gate_proj = nn.Linear(h, f, bias=bias)
         self.up_proj = nn.Linear(h, f, bias=bias)
         self.down_proj = nn.Linear(f, h, bias=bias)
 
     def forward(self, x):
-        if self.swiglu:
+        if self.activation == "swiglu":
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(F.gelu(self.up_proj(x), approximate=self.gelu_approximate))
+        if self.activation == "relu2":
+            return self.down_proj(F.relu(self.up_proj(x)).square())
+        approximate = "tanh" if self.activation == "gelu_tanh" else "none"
+        return self.down_proj(F.gelu(self.up_proj(x), approximate=approximate))
 
 
 class DecoderLayer(nn.Module):

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
+from megatron.core.activations import squared_relu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
@@ -26,6 +27,13 @@ from megatron_focus.model.specs import block_spec
 def openai_gelu(x: torch.Tensor) -> torch.Tensor:
     """GELU's tanh approximation: GPT-2's `gelu_new`, Megatron-LM's `--openai-gelu`."""
     return F.gelu(x, approximate="tanh")
+
+
+def activation(args: argparse.Namespace):
+    """The MLP's activation: SiLU gating for SwiGLU, else GELU (exact or tanh) or squared ReLU."""
+    if args.swiglu:
+        return F.silu
+    return squared_relu if args.squared_relu else openai_gelu if args.openai_gelu else F.gelu
 
 
 def padded_vocab_size(vocab_size: int, make_divisible_by: int, tp: int) -> int:
@@ -47,10 +55,12 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         attention_dropout=args.attention_dropout,
         normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
+        qk_layernorm=args.qk_layernorm,
         add_bias_linear=args.add_bias_linear,
         add_qkv_bias=args.add_qkv_bias,
         gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else openai_gelu if args.openai_gelu else F.gelu,
+        activation_func=activation(args),
         init_method_std=args.init_method_std,
         window_size=args.window_size,
         recompute_granularity=args.recompute_granularity,
@@ -88,6 +98,7 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> GPTModel:
         transformer_layer_spec=block_spec(
             args.attention, args.normalization, args.num_layers, args.xsa_layers,
             focus_config(args) if args.attention.startswith("focus") else None,
+            qk_layernorm=args.qk_layernorm,
         ),
         vocab_size=padded_vocab_size(
             vocab_size,
@@ -101,6 +112,8 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> GPTModel:
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())

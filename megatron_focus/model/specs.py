@@ -16,7 +16,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron_focus.arguments import ATTENTION_VARIANTS
 from megatron_focus.model.core_attention import CoreAttention
 from megatron_focus.model.focus import FocusAttention, FocusConfig, FocusSelfAttention
-from megatron_focus.model.norm import Norm
+from megatron_focus.model.norm import Norm, QKNorm
 from megatron_focus.model.xsa import XSAMixin
 
 
@@ -39,8 +39,8 @@ CORE_ATTENTION = {
 WITHOUT_XSA = {"xsa": "standard", "focus+xsa": "focus"}
 
 
-def layer_spec(attention: str, normalization: str,
-               focus: Optional[FocusConfig] = None) -> ModuleSpec:
+def layer_spec(attention: str, normalization: str, focus: Optional[FocusConfig] = None,
+               qk_layernorm: bool = False) -> ModuleSpec:
     """The spec of one transformer layer with the given attention variant."""
     if attention not in ATTENTION_VARIANTS:
         raise ValueError(f"unknown --attention {attention!r}; choose from {ATTENTION_VARIANTS}")
@@ -48,6 +48,8 @@ def layer_spec(attention: str, normalization: str,
     spec.submodules.input_layernorm = Norm
     spec.submodules.pre_mlp_layernorm = Norm
     attn = spec.submodules.self_attention
+    if qk_layernorm:
+        attn.submodules.q_layernorm = attn.submodules.k_layernorm = QKNorm
     attn.submodules.core_attention = CORE_ATTENTION[attention]
     if attention.startswith("focus"):
         if focus is None:
@@ -68,12 +70,13 @@ def layer_attention(attention: str, layer_number: int, xsa_layers: Optional[Sequ
 
 def block_spec(
     attention: str, normalization: str, num_layers: int, xsa_layers: Optional[Sequence[int]] = None,
-    focus: Optional[FocusConfig] = None,
+    focus: Optional[FocusConfig] = None, qk_layernorm: bool = False,
 ) -> TransformerBlockSubmodules:
     """Every layer plus the final norm; a per-layer list so variants can differ by layer."""
     return TransformerBlockSubmodules(
         layer_specs=[
-            layer_spec(layer_attention(attention, number, xsa_layers), normalization, focus)
+            layer_spec(layer_attention(attention, number, xsa_layers), normalization, focus,
+                       qk_layernorm)
             for number in range(1, num_layers + 1)
         ],
         layer_norm=Norm,

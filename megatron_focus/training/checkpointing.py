@@ -45,14 +45,17 @@ SHAPE_KEYS = (
     "untie_embeddings_and_output_weights", "max_position_embeddings", "attention",
     "tensor_model_parallel_size", "padded_vocab_size",
     "norm_epsilon", "rotary_base", "rotary_percent", "xsa_layers", "openai_gelu", "window_size",
-    "add_qkv_bias",
+    "add_qkv_bias", "apply_layernorm_1p", "qk_layernorm", "squared_relu", "use_rope_scaling",
+    "rope_scaling_factor",
 )
 # What a Focus model computes (its top-k, mode and chunk size are inference settings, free to
 # change); the routers' shapes are the first two.
 FOCUS_KEYS = ("focus_groups", "focus_dim", "focus_window", "focus_tau",
               "focus_sinkhorn_iters", "focus_gate_scale", "focus_gate", "focus_sink_tokens")
 # Recorded since: what a checkpoint saved before a key was recorded computed.
-BEFORE_RECORDED = {"window_size": None, "add_qkv_bias": False}
+BEFORE_RECORDED = {"window_size": None, "add_qkv_bias": False, "apply_layernorm_1p": False,
+                   "qk_layernorm": False, "squared_relu": False, "use_rope_scaling": False,
+                   "rope_scaling_factor": 8.0}
 FOCUS_BEFORE_RECORDED = {"focus_gate": "log", "focus_sink_tokens": 0}
 LATEST = "latest"
 ARGS_FILE = "model_args.json"
