@@ -140,6 +140,9 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                         "--recompute-num-layers layers")
     g.add_argument("--recompute-num-layers", type=int, default=None,
                    help="layers per recompute group (uniform) or recomputed layers (block)")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="the loss is the mean over every loss token of the global batch (each "
+                        "token weighs the same), not the mean of the micro-batches' means")
     g.add_argument("--micro-batch-size", type=int, default=8)
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="default micro batch x data-parallel size (no accumulation)")

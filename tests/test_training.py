@@ -576,6 +576,21 @@ def test_decoupled_lr_gives_the_embedding_and_output_their_own_schedule(embedded
     assert other["losses"][0] == plain["losses"][0] and other["losses"][1:] != plain["losses"][1:]
 
 
+def test_per_token_loss_weighs_every_token_alike_however_the_batch_is_cut(embedded_cache):
+    """--calculate-per-token-loss over 2 data-parallel ranks x 2 micro-batches == one micro-batch
+    of the whole global batch (where the token mean is the per-token loss), training and
+    validation; the mean of means differs, since end-of-document tokens leave the loss."""
+    flags = ["--eod-mask-loss", "--eval-interval", "2", "--eval-iters", "1"]
+    whole = train(1, _argv(embedded_cache, *flags, "--micro-batch-size", "8"))
+    cut = ["--micro-batch-size", "2", *flags]
+    per_token = train(2, _argv(embedded_cache, *cut, "--calculate-per-token-loss"))
+    # fp32 sums in another order: a few ulps, well under what the mean of means is off by
+    torch.testing.assert_close(per_token["losses"], whole["losses"], rtol=0, atol=4e-6)
+    torch.testing.assert_close(per_token["validation"], whole["validation"], rtol=0, atol=4e-6)
+    means = train(2, _argv(embedded_cache, *cut))
+    assert min(abs(a - b) for a, b in zip(means["losses"], whole["losses"])) > 1e-5
+
+
 def test_mock_data_trains_with_megatron_data_flags(tmp_path):
     history = train(1, TINY + ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
                                "500", "--train-iters", "3", "--eod-mask-loss",

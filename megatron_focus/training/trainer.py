@@ -180,9 +180,14 @@ def train_step(engine, batches: Iterator[dict], args: argparse.Namespace) -> tor
     """
     engine.train()
     micro = engine.gradient_accumulation_steps()
+    step = [next(batches) for _ in range(micro)]
+    per_token = None
+    if args.calculate_per_token_loss:  # DeepSpeed divides by the micro-batches and DP ranks
+        tokens = sum(batch["loss_mask"].sum() for batch in step).float()
+        per_token = _mean_over_data_parallel(tokens.to(platform.setup().device)) / micro
     total = torch.zeros((), dtype=torch.float32, device=platform.setup().device)
-    for _ in range(micro):
-        loss = lm_loss(engine, next(batches))
+    for batch in step:
+        loss = lm_loss(engine, batch, per_token)
         engine.backward(loss)
         total += loss.detach()
         engine.step()
@@ -246,22 +251,31 @@ def evaluate(engine, batches, args: argparse.Namespace, focus_mode: Optional[str
     engine.eval()
     if focus_mode is not None:
         set_focus_mode(engine.module, focus_mode)
-    total = torch.zeros((), dtype=torch.float64, device=platform.setup().device)
-    count = 0
+    device = platform.setup().device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count = torch.zeros((), dtype=torch.float64, device=device)
     for batch in batches:
-        total += lm_loss(engine, batch).double()
-        count += 1
+        if args.calculate_per_token_loss:  # the mean over every loss token of every batch
+            total += lm_loss(engine, batch, torch.ones((), device=device)).double()
+            count += batch["loss_mask"].sum().to(device)
+        else:  # the mean of the micro-batches' means
+            total += lm_loss(engine, batch).double()
+            count += 1
     if focus_mode is not None:
         set_focus_mode(engine.module, args.focus_attention_mode)
     engine.train()
-    return _mean_over_data_parallel(total / count).item()
+    return (_mean_over_data_parallel(total) / _mean_over_data_parallel(count)).item()
 
 
-def lm_loss(engine, batch: dict) -> torch.Tensor:
+def lm_loss(engine, batch: dict, tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The micro-batch's summed token losses over `tokens`, by default its own loss tokens (the
+    mean); `--calculate-per-token-loss` passes the global batch's count per micro-batch and rank,
+    so that every token weighs the same however the batch is cut."""
     batch = to_device(batch, platform.setup().device)
     per_token = engine(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     mask = batch["loss_mask"].float()
-    return (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
+    return (per_token.float() * mask).sum() / (mask.sum().clamp(min=1) if tokens is None
+                                               else tokens)
 
 
 def data_loader(dataset, consumed: int, total: int, args: argparse.Namespace,
