@@ -221,7 +221,9 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--split", default=None,
                    help="train,valid,test weights dividing --data-path's documents; default "
                         "969,30,1")
-    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
+                   help="default: GPT2BPETokenizer when --vocab-file and --merge-file are given "
+                        "(Megatron-LM's GPT-3 example script gives no type)")
     g.add_argument("--tokenizer-model", default=None,
                    help="SentencePiece .model, or an HF tokenizer.json or its folder")
     g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: GPT-2's vocab.json")
@@ -551,6 +553,9 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     _validate_training(args, world_size)
     deepspeed_config(args, world_size // tp)  # the JSON checked now, and its ZeRO stage and
     # precision taken into args, before any data or model
+    if args.fp16 and not torch.cuda.is_available():
+        raise ValueError("--fp16 needs a GPU (DeepSpeed has no fp16 on the CPU): use --bf16 or "
+                         "fp32")
     if args.zero_stage == 3 and args.no_save_optim:
         raise ValueError("--no-save-optim: ZeRO stage 3 keeps the weights in the optimizer's "
                          "shards; use --zero-stage 2 or lower, or save the optimizer")
@@ -624,7 +629,9 @@ def _validate_data_paths(args: argparse.Namespace) -> None:
     split."""
     per_split = [args.train_data_path, args.valid_data_path, args.test_data_path]
     if not any(p is not None for p in per_split):
-        args.split = args.split or "969,30,1"
+        # Quotes kept by a launch script's unquoted array ("--split '99,1,0'"): Megatron reads
+        # only the numbers, so do we.
+        args.split = args.split.strip("'\" ") if args.split else "969,30,1"
         return
     if args.data_path:
         raise ValueError("--data-path and --train-data-path / --valid-data-path / "
@@ -652,6 +659,8 @@ def _validate_training(args: argparse.Namespace, world_size: int) -> None:
     if args.min_lr > args.lr:
         raise ValueError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
     _validate_data_paths(args)
+    if args.tokenizer_type is None and args.vocab_file and args.merge_file:
+        args.tokenizer_type = "GPT2BPETokenizer"
     tokenizer_given = args.tokenizer_type is not None or args.tokenizer_model or args.vocab_file
     if args.mqar:
         if reads_data_files(args) or tokenizer_given:

@@ -15,6 +15,8 @@ Three kinds, each listed once here and shown by `pretrain_gpt.py --help`:
 
 import argparse
 
+FP8_TUNING = "tunes fp8 (--fp8-format), which needs Transformer Engine"
+TIKTOKEN = "read by Megatron's TikTokenizer only; tokenizers here are --tokenizer-type's"
 # flag: (argparse keywords, why it has no effect here)
 NO_EFFECT = {
     "--use-mcore-models": ({"action": "store_true"},
@@ -37,6 +39,23 @@ NO_EFFECT = {
                             "the kernel is chosen per device and variant (model/kernels.py)"),
     "--use-flash-attn": ({"action": "store_true"},
                          "flash-attn is used for standard attention whenever it is installed"),
+    "--no-rope-fusion": ({"action": "store_true"}, "RoPE is never fused here"),
+    "--no-gradient-accumulation-fusion": ({"action": "store_true"},
+                                          "gradient accumulation is DeepSpeed's"),
+    "--no-bias-swiglu-fusion": ({"action": "store_true"}, "the bias-SwiGLU fusion is always off"),
+    "--no-bias-dropout-fusion": ({"action": "store_true"},
+                                 "bias-dropout-add is fused on a GPU, not on the CPU"),
+    # fp8 itself (--fp8-format) is refused; its tuning flags alone change nothing, as in Megatron
+    **{flag: (kwargs, FP8_TUNING) for flag, kwargs in (
+        ("--fp8-amax-history-len", {"type": int, "default": 1}),
+        ("--fp8-amax-compute-algo", {"choices": ("most_recent", "max"),
+                                     "default": "most_recent"}),
+        ("--fp8-margin", {"type": int, "default": 0}),
+        ("--fp8-interval", {"type": int, "default": 1}),
+        ("--fp8-param-gather", {"action": "store_true"}))},
+    **{flag: (kwargs, TIKTOKEN) for flag, kwargs in (
+        ("--tiktoken-pattern", {"default": None}),
+        ("--tiktoken-num-special-tokens", {"type": int, "default": 1000}))},
 }
 
 # flag: (argparse keywords, the value that means "off", why refused and what to use instead)
