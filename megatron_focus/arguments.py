@@ -6,6 +6,7 @@ anything is built, with a message that says which flag to change.
 """
 
 import argparse
+import importlib.util
 import os
 import warnings
 from typing import List, Optional
@@ -334,6 +335,14 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
                    help="TensorBoard gets the validation perplexity ('lm loss validation ppl')")
     g.add_argument("--tensorboard-log-interval", type=int, default=1,
                    help="write TensorBoard at log steps whose iteration is a multiple of this")
+    g.add_argument("--wandb-project", default="",
+                   help="also log the curves to Weights & Biases, this project (pip install -e "
+                        "'.[wandb]'; WANDB_MODE=offline needs no network)")
+    g.add_argument("--wandb-exp-name", default="", help="with --wandb-project: the run's name")
+    g.add_argument("--wandb-entity", default="", help="with --wandb-project: the team or user")
+    g.add_argument("--wandb-save-dir", default="",
+                   help="with --wandb-project: wandb's local files (default --save/wandb, or "
+                        "--tensorboard-dir/wandb)")
     g.add_argument("--profile", action="store_true",
                    help="trace iterations --profile-step-start to --profile-step-end on "
                         "--profile-ranks (see --use-pytorch-profiler)")
@@ -695,6 +704,11 @@ def _validate_training(args: argparse.Namespace, world_size: int) -> None:
                                              or not torch.cuda.is_available()):
             raise ValueError("--profile writes the PyTorch profiler's trace to --tensorboard-dir: "
                              "give one")
+    if args.wandb_project:
+        if not args.wandb_exp_name:
+            raise ValueError("--wandb-project needs --wandb-exp-name (as in Megatron-LM)")
+        if importlib.util.find_spec("wandb") is None:
+            raise ValueError("--wandb-project needs wandb: pip install -e '.[wandb]'")
     if args.ckpt_step is not None and not args.load:
         raise ValueError("--ckpt-step needs --load (the run whose checkpoint it names)")
     if args.save_full and not args.retrofit:

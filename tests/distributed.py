@@ -34,12 +34,21 @@ def _worker(rank, world_size, port, out_path, fn, args):
 
 
 def run_distributed(fn, world_size: int, *args):
-    """Call `fn(*args)` on `world_size` ranks; return rank 0's result. Errors propagate."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = os.path.join(tmp, "result.pkl")
-        mp.start_processes(
-            _worker, args=(world_size, _free_port(), out_path, fn, args),
-            nprocs=world_size, join=True, start_method="spawn",
-        )
-        with open(out_path, "rb") as f:
-            return pickle.load(f)
+    """Call `fn(*args)` on `world_size` ranks; return rank 0's result. Errors propagate.
+
+    The free port is found, then bound by rank 0's store a moment later; another process on the
+    machine can take it in between (EADDRINUSE before any work is done): then a new port."""
+    for attempt in range(3):
+        with tempfile.TemporaryDirectory() as tmp:
+            out_path = os.path.join(tmp, "result.pkl")
+            try:
+                mp.start_processes(
+                    _worker, args=(world_size, _free_port(), out_path, fn, args),
+                    nprocs=world_size, join=True, start_method="spawn",
+                )
+            except mp.ProcessRaisedException as e:
+                if "EADDRINUSE" in str(e) and attempt < 2:
+                    continue
+                raise
+            with open(out_path, "rb") as f:
+                return pickle.load(f)

@@ -144,6 +144,8 @@ CASES = [
          r"--profile writes the PyTorch profiler's trace to --tensorboard-dir"),
     Case(P, "both fp16 and bf16", TINY + ["--fp16", "--bf16"], r"fp16.*bf16|bf16.*fp16"),
     Case(P, "fp16 on a machine without GPUs", TINY + ["--fp16"], r"--fp16 needs a GPU"),
+    Case(P, "--wandb-project without a run name", TINY + ["--wandb-project", "p"],
+         r"--wandb-project needs --wandb-exp-name"),
     Case(P, "--ckpt-step without --load", TINY + ["--ckpt-step", "2"], r"--ckpt-step needs --load"),
     Case(P, "--data-path and --train-data-path", TINY + DATA + ["--train-data-path", "{data}"],
          r"--data-path and --train-data-path .*: give one"),

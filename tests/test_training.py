@@ -1,5 +1,6 @@
 """pretrain_gpt.py end to end on the CPU: DeepSpeed parity, exact resume, bad flags, logs."""
 
+import glob
 import json
 import math
 import os
@@ -589,6 +590,51 @@ def test_per_token_loss_weighs_every_token_alike_however_the_batch_is_cut(embedd
     torch.testing.assert_close(per_token["validation"], whole["validation"], rtol=0, atol=4e-6)
     means = train(2, _argv(embedded_cache, *cut))
     assert min(abs(a - b) for a, b in zip(means["losses"], whole["losses"])) > 1e-5
+
+
+FAKE_WANDB = """
+import json, os
+calls = {"log": []}
+class Run:
+    def log(self, data, step):
+        calls["log"].append([step, data])
+    def finish(self):
+        with open(os.environ["FAKE_WANDB_OUT"], "w") as f:
+            json.dump(calls, f)
+def init(**kwargs):
+    calls["init"] = {**kwargs, "config": sorted(kwargs["config"])}
+    return Run()
+"""
+
+
+def test_wandb_gets_the_curves_megatron_logs(embedded_cache, tmp_path, monkeypatch):
+    """--wandb-project: wandb.init as Megatron-LM calls it and every curve against iterations
+    (recorded by a stand-in wandb); then the real wandb, offline, takes the same calls."""
+    fake = tmp_path / "fake"
+    (fake / "wandb").mkdir(parents=True)
+    (fake / "wandb" / "__init__.py").write_text(FAKE_WANDB)
+    monkeypatch.syspath_prepend(str(fake))  # the spawned ranks take the parent's sys.path
+    monkeypatch.setenv("FAKE_WANDB_OUT", str(tmp_path / "calls.json"))
+    flags = ["--wandb-project", "proj", "--wandb-exp-name", "exp", "--eval-interval", "2",
+             "--save", str(tmp_path / "run")]
+    history = train(1, _argv(embedded_cache, *flags))
+    calls = json.loads((tmp_path / "calls.json").read_text())
+    assert calls["init"]["project"] == "proj" and calls["init"]["name"] == "exp"
+    assert calls["init"]["dir"] == str(tmp_path / "run" / "wandb")
+    assert "lr" in calls["init"]["config"] and "attention" in calls["init"]["config"]
+    logged = [(step, data["lm loss"]) for step, data in calls["log"] if "lm loss" in data]
+    assert logged == list(enumerate(history["losses"], start=1))
+    assert [(step, data["lm loss validation"]) for step, data in calls["log"]
+            if "lm loss validation" in data] == history["validation"]
+
+    monkeypatch.undo()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    real = train(1, _argv(embedded_cache, *flags[:4], "--wandb-save-dir", str(tmp_path / "wb"),
+                          iters=3))
+    assert len(real["losses"]) == 3
+    runs = glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(runs) == 1 and os.path.getsize(runs[0]) > 0
 
 
 def test_mock_data_trains_with_megatron_data_flags(tmp_path):

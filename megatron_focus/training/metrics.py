@@ -9,6 +9,7 @@ As Megatron-LM's `training_log`, each of its curves is also written against the 
 import argparse
 import datetime
 import math
+import os
 import resource
 import time
 from typing import Optional
@@ -74,6 +75,7 @@ class Reporter:
             self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=100)
             for name, value in sorted(vars(args).items()):
                 self.writer.add_text(name, str(value), global_step=0)
+        self.wandb = _wandb_run(args) if is_last_rank and args.wandb_project else None
         self.peak = None
         if torch.cuda.is_available():
             name = torch.cuda.get_device_name()
@@ -83,11 +85,15 @@ class Reporter:
     def scalar(self, tag: str, value: float, step: int) -> None:
         if self.writer is not None:
             self.writer.add_scalar(tag, value, step)
+        if self.wandb is not None:
+            self.wandb.log({tag: value}, step=step)
 
     def megatron_scalar(self, tag: str, value: float, iteration: int, samples: int) -> None:
-        """A curve Megatron-LM writes both ways: against iterations and against samples."""
+        """A curve Megatron-LM writes both ways: against iterations and against samples (the
+        latter to TensorBoard only, as Megatron-LM: wandb has one step axis)."""
         self.scalar(tag, value, iteration)
-        self.scalar(f"{tag} vs samples", value, samples)
+        if self.writer is not None:
+            self.writer.add_scalar(f"{tag} vs samples", value, samples)
 
     def train(self, iteration: int, consumed_samples: int, loss: float, lr: float,
               grad_norm: Optional[float], seconds_per_iter: float, skipped: int,
@@ -163,3 +169,21 @@ class Reporter:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _wandb_run(args: argparse.Namespace):
+    """Megatron-LM's wandb run: the project and name given, the arguments as its config."""
+    import wandb
+
+    folder = args.wandb_save_dir or os.path.join(args.save or args.tensorboard_dir or ".",
+                                                 "wandb")
+    os.makedirs(folder, exist_ok=True)
+    return wandb.init(project=args.wandb_project, name=args.wandb_exp_name,
+                      entity=args.wandb_entity or None, dir=folder,
+                      config={k: v for k, v in vars(args).items() if _plain(v)})
+
+
+def _plain(value) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str, list, tuple))
