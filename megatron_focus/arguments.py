@@ -219,6 +219,9 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
                    help="with --train-data-path: the validation data (none: no validation)")
     g.add_argument("--test-data-path", nargs="*", default=None,
                    help="with --train-data-path: the test data (checked, not read by training)")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="tokens attend only within their own document (standard and xsa "
+                        "attention; Megatron-Core's dataset builds the mask)")
     g.add_argument("--split", default=None,
                    help="train,valid,test weights dividing --data-path's documents; default "
                         "969,30,1")
@@ -558,6 +561,9 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
         if args.attention.startswith("focus"):
             raise ValueError("--window-size is for standard and xsa attention: Focus has its own "
                              "local window (--focus-window)")
+    if args.reset_attention_mask and args.attention.startswith("focus"):
+        raise ValueError("--reset-attention-mask is for standard and xsa attention: Focus's "
+                         "routing does not restart at document boundaries yet")
     _validate_architecture(args)
     _validate_training(args, world_size)
     deepspeed_config(args, world_size // tp)  # the JSON checked now, and its ZeRO stage and

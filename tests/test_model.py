@@ -88,7 +88,35 @@ def test_sliding_window_matches_dense_reference(single_process, left, groups):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("variant", [[], ["--attention", "xsa"], ["--window-size", "5,0"],
+                                     ["--position-embedding-type", "rope", "--attention", "xsa"]])
+def test_reset_attention_mask_equals_separate_documents(single_process, variant):
+    """--reset-attention-mask with --reset-position-ids: Megatron-Core's dataset mask and
+    positions make two packed documents compute what each computes alone."""
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+    from megatron_focus.model.gpt import build_model
+
+    args = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                       "--seq-length", "32", "--hidden-dropout", "0", "--attention-dropout", "0",
+                       "--reset-attention-mask", "--reset-position-ids", *variant])
+    platform.manual_seed(3)
+    model = build_model(args, 100).eval()
+    eod = 99
+    tokens = torch.randint(0, eod, (32,), generator=torch.Generator().manual_seed(0))
+    tokens[11] = eod  # document A: 0..11, document B: 12..31
+    mask, _, positions = _get_ltor_masks_and_position_ids(tokens, eod, True, True, False, True)
+    with torch.no_grad():
+        packed = model(tokens[None], positions[None], mask[None])
+        alone = [model(doc[None], torch.arange(len(doc))[None], None)
+                 for doc in (tokens[:12], tokens[12:])]
+        plain = model(tokens[None], torch.arange(32)[None], None)
+    torch.testing.assert_close(packed, torch.cat(alone, dim=1), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(packed[:, 12:], plain[:, 12:], atol=1e-3)  # the mask matters
+
+
 @pytest.mark.parametrize("argv, error", [
+    (["--reset-attention-mask", "--attention", "focus"], "Focus's routing does not restart"),
     (["--window-size", "7,3"], "give LEFT,0"),
     (["--window-size", "7"], "give LEFT,0"),
     (["--window-size", "7,0", "--attention", "focus"], "Focus has its own local window"),

@@ -640,7 +640,8 @@ def test_wandb_gets_the_curves_megatron_logs(embedded_cache, tmp_path, monkeypat
 def test_mock_data_trains_with_megatron_data_flags(tmp_path):
     history = train(1, TINY + ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
                                "500", "--train-iters", "3", "--eod-mask-loss",
-                               "--reset-position-ids", "--data-cache-path", str(tmp_path)])
+                               "--reset-position-ids", "--reset-attention-mask",
+                               "--data-cache-path", str(tmp_path)])
     assert len(history["losses"]) == 3 and all(math.isfinite(x) for x in history["losses"])
 
 

@@ -74,14 +74,17 @@ def build_datasets(
     cache_dir: Optional[str],
     reset_position_ids: bool = False,
     eod_mask_loss: bool = False,
+    reset_attention_mask: bool = False,
     per_split: Optional[Sequence[Optional[Sequence[str]]]] = None,
 ) -> tuple[Optional[GPTDataset], Optional[GPTDataset], Optional[GPTDataset]]:
     """`data_path` is one prefix, several prefixes, or `w1 p1 w2 p2 ...`, divided by `split`, or
     None for Megatron-Core's mock data (`--mock-data`: synthetic sequences, nothing read), unless
     `per_split` gives each split its own (`--train-data-path`, `--valid-data-path`,
     `--test-data-path`; a missing one: no such split); `sizes` are samples per split.
-    `reset_position_ids` restarts positions after each end of document and `eod_mask_loss`
-    leaves end-of-document tokens out of the loss (Megatron's flags).
+    `reset_position_ids` restarts positions after each end of document, `reset_attention_mask`
+    gives each sample an `attention_mask` (True where a pair is removed: later positions and
+    other documents) and `eod_mask_loss` leaves end-of-document tokens out of the loss
+    (Megatron's flags).
 
     A split weighted 0 in `split` comes back as None. Each rank builds its own datasets; rank 0
     writes the index cache in `cache_dir` first (so it must be shared between ranks of a node).
@@ -112,9 +115,9 @@ def build_datasets(
         mmap_bin_files=True,
         tokenizer=tokenizer,
         reset_position_ids=reset_position_ids,
-        reset_attention_mask=False,
+        reset_attention_mask=reset_attention_mask,
         eod_mask_loss=eod_mask_loss,
-        create_attention_mask=False,
+        create_attention_mask=reset_attention_mask,
     )
     if blend is None and blends is None:
         return _built(MockGPTDataset, sizes, config)

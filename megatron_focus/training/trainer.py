@@ -272,7 +272,8 @@ def lm_loss(engine, batch: dict, tokens: Optional[torch.Tensor] = None) -> torch
     mean); `--calculate-per-token-loss` passes the global batch's count per micro-batch and rank,
     so that every token weighs the same however the batch is cut."""
     batch = to_device(batch, platform.setup().device)
-    per_token = engine(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    per_token = engine(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                       labels=batch["labels"])
     mask = batch["loss_mask"].float()
     return (per_token.float() * mask).sum() / (mask.sum().clamp(min=1) if tokens is None
                                                else tokens)
@@ -326,7 +327,7 @@ def datasets_for(args: argparse.Namespace, tokenizer):
         None if args.mock_data or per_split else args.data_path, args.split, args.seq_length,
         args.seed, tokenizer, (args.train_iters * args.global_batch_size, valid_samples, 0), cache,
         reset_position_ids=args.reset_position_ids, eod_mask_loss=args.eod_mask_loss,
-        per_split=per_split,
+        reset_attention_mask=args.reset_attention_mask, per_split=per_split,
     )
     return train, valid if valid_samples else None
 
