@@ -12,7 +12,6 @@ import time
 
 from megatron_focus import cli
 from megatron_focus.arguments import parse_args, reads_data_files
-from megatron_focus.training.trainer import pretrain
 
 
 def main(argv=None) -> None:
@@ -23,6 +22,8 @@ def main(argv=None) -> None:
         args.tensorboard_dir = os.path.join(run, "tensorboard")
         args.save = os.path.join(run, "checkpoints")
         args.load = args.load or args.save  # resumable with the same command
+    from megatron_focus.training.trainer import pretrain  # after parsing: --help stays fast
+
     pretrain(args)
 
 

@@ -11,16 +11,11 @@ import os
 import warnings
 from typing import List, Optional
 
-import torch
-
 from megatron_focus import cli
 from megatron_focus.compat import add_compat_args, check_compat_args
-from megatron_focus.data.mqar import check_mqar
-from megatron_focus.data.tokenizer import TOKENIZER_TYPES
-from megatron_focus.model.focus_gate import GATES, KERNELS, soft_kernel
+from megatron_focus.choices import (ATTENTION_VARIANTS, FOCUS_GATES, FOCUS_KERNELS,
+                                    TOKENIZER_TYPES)
 from megatron_focus.training.deepspeed_config import deepspeed_config
-
-ATTENTION_VARIANTS = ("standard", "xsa", "focus", "focus+xsa")
 
 
 def int_tuple(text: str) -> tuple:
@@ -98,7 +93,7 @@ def _add_focus_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--focus-top-k", type=int, default=2, help="groups per query, sparse mode")
     g.add_argument("--focus-gate-scale", type=float, default=1.0,
                    help="lambda: distant pairs get lambda * log(g_i . g_j); 0 = gate open")
-    g.add_argument("--focus-gate", choices=GATES, default="log",
+    g.add_argument("--focus-gate", choices=FOCUS_GATES, default="log",
                    help="the soft gate on distant pairs: log (ours, above) or sigmoid (the "
                         "paper's logit * sigmoid(lambda g_i . g_j), for ablations; explicit "
                         "scores per chunk on the CPU, slower)")
@@ -109,7 +104,7 @@ def _add_focus_args(p: argparse.ArgumentParser) -> None:
                    help="queries per chunk of the soft-gate attention (memory ~ chunk x seq)")
     g.add_argument("--focus-attention-mode", choices=("soft", "sparse"), default="soft",
                    help="soft gate (training) or hard top-k rule (sparse inference)")
-    g.add_argument("--focus-kernel", choices=KERNELS, default="auto",
+    g.add_argument("--focus-kernel", choices=FOCUS_KERNELS, default="auto",
                    help="soft gate's kernel: flex (FlexAttention score_mod, fused; GPU only) or "
                         "chunked; auto = flex on a GPU, chunked on the CPU")
 
@@ -360,9 +355,29 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
                         "level 0, so every level logs the same")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    import deepspeed
+def _gpu() -> bool:
+    import torch  # here, not at import: --help needs no torch
 
+    return torch.cuda.is_available()
+
+
+def _add_deepspeed_args(p: argparse.ArgumentParser) -> None:
+    """DeepSpeed's own flags, as `deepspeed.add_config_arguments` adds them (tests/test_cli.py
+    checks that they stay the same): importing DeepSpeed takes seconds that --help should not."""
+    g = p.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    g.add_argument("--deepspeed", default=False, action="store_true",
+                   help="Enable DeepSpeed (helper flag for user code, no impact on DeepSpeed "
+                        "backend)")
+    g.add_argument("--deepspeed_config", default=None, type=str,
+                   help="DeepSpeed json configuration file.")
+    g.add_argument("--deepscale", default=False, action="store_true",
+                   help="Deprecated enable DeepSpeed (helper flag for user code, no impact on "
+                        "DeepSpeed backend)")
+    g.add_argument("--deepscale_config", default=None, type=str,
+                   help="Deprecated DeepSpeed json configuration file.")
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = cli.Parser(
         description="megatron-focus: GPT pretraining with Focus and XSA attention",
         allow_abbrev=False,
@@ -377,7 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_compat_args(p)
     p.add_argument("--local_rank", "--local-rank", type=int, default=None,
                    help="set by the deepspeed launcher")
-    return deepspeed.add_config_arguments(p)
+    _add_deepspeed_args(p)
+    return p
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -568,7 +584,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     _validate_training(args, world_size)
     deepspeed_config(args, world_size // tp)  # the JSON checked now, and its ZeRO stage and
     # precision taken into args, before any data or model
-    if args.fp16 and not torch.cuda.is_available():
+    if args.fp16 and not _gpu():
         raise ValueError("--fp16 needs a GPU (DeepSpeed has no fp16 on the CPU): use --bf16 or "
                          "fp32")
     if args.zero_stage == 3 and args.no_save_optim:
@@ -604,9 +620,13 @@ def _validate_focus(args: argparse.Namespace) -> None:
         )
     if args.focus_tau <= 0:
         raise ValueError(f"--focus-tau {args.focus_tau}: must be above 0")
-    if args.focus_kernel == "flex" and not torch.cuda.is_available():
+    if args.focus_kernel == "flex" and not _gpu():
         raise ValueError("--focus-kernel flex needs a GPU: FlexAttention has no CPU backward "
                          "(use auto or chunked)")
+    import torch
+
+    from megatron_focus.model.focus_gate import soft_kernel
+
     soft_kernel(args.focus_kernel, torch.device("cpu"), args.attention_dropout)  # flex: no dropout
 
 
@@ -680,6 +700,8 @@ def _validate_training(args: argparse.Namespace, world_size: int) -> None:
     if args.mqar:
         if reads_data_files(args) or tokenizer_given:
             raise ValueError("--mqar makes its own data: not with --data-path or a tokenizer")
+        from megatron_focus.data.mqar import check_mqar
+
         check_mqar(args.seq_length, args.mqar_pairs, args.mqar_vocab_size, args.mqar_min_distance,
                    args.mqar_queries, args.mqar_packed)
     if args.mock_data:
@@ -700,14 +722,14 @@ def _validate_training(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError("--retrofit adds Focus routers: it needs --attention focus or focus+xsa")
     if (args.retrofit or args.finetune) and not args.load:
         raise ValueError("--retrofit and --finetune need --load (the pretrained checkpoint)")
-    if args.distributed_backend == "nccl" and not torch.cuda.is_available():
+    if args.distributed_backend == "nccl" and not _gpu():
         raise ValueError("--distributed-backend nccl needs GPUs; without one the backend is gloo")
     if args.profile:
         if args.profile_step_end <= args.profile_step_start:
             raise ValueError(f"--profile-step-end {args.profile_step_end} must be after "
                              f"--profile-step-start {args.profile_step_start}")
         if args.tensorboard_dir is None and (args.use_pytorch_profiler
-                                             or not torch.cuda.is_available()):
+                                             or not _gpu()):
             raise ValueError("--profile writes the PyTorch profiler's trace to --tensorboard-dir: "
                              "give one")
     if args.wandb_project:

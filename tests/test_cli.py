@@ -49,3 +49,35 @@ def test_megatron_compat_doc_is_generated_from_the_parser():
     with open(os.path.join(root, "docs", "megatron-compat.md")) as f:
         assert f.read() == compat_table(flags, build_parser()), \
             "stale: run python tools/megatron_compat.py"
+
+
+def test_help_imports_neither_torch_nor_deepspeed_nor_megatron():
+    """`pretrain_gpt.py --help` answers at once: nothing heavy is imported to build the parser."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pretrain_gpt\n"
+            "try:\n    pretrain_gpt.main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'deepspeed', 'megatron') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         check=True).stdout
+    assert "--deepspeed_config" in out and out.strip().splitlines()[-1] == "[]"
+
+
+def test_deepspeed_flags_are_deepspeeds_own():
+    """The DeepSpeed flags the parser declares itself (to skip importing DeepSpeed) are those
+    `deepspeed.add_config_arguments` adds: same names, destinations, defaults and help."""
+    import argparse
+
+    import deepspeed
+
+    from megatron_focus.arguments import build_parser
+
+    def described(parser, options):
+        return {o: (a.dest, a.default, a.help, a.nargs, a.type) for a in parser._actions
+                for o in a.option_strings if o in options}
+
+    theirs = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    options = {o for a in theirs._actions for o in a.option_strings} - {"-h", "--help"}
+    assert described(build_parser(), options) == described(theirs, options) and options

@@ -17,7 +17,7 @@ import argparse
 
 from megatron_focus import cli
 from megatron_focus.arguments import add_unsafe_checkpoints_flag
-from megatron_focus.data.tokenizer import TOKENIZER_TYPES
+from megatron_focus.choices import TOKENIZER_TYPES
 from megatron_focus.hf import export_to_hf
 
 

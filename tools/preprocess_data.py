@@ -10,7 +10,7 @@ import argparse
 
 from megatron_focus import cli
 from megatron_focus.data.preprocess import preprocess
-from megatron_focus.data.tokenizer import TOKENIZER_TYPES
+from megatron_focus.choices import TOKENIZER_TYPES
 
 
 def main() -> None:

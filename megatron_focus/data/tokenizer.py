@@ -17,8 +17,7 @@ import sentencepiece
 import tokenizers
 from megatron.core.tokenizers import MegatronTokenizerBase
 
-TOKENIZER_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
-                   "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
+from megatron_focus.choices import TOKENIZER_TYPES
 
 # Without a `tokenizer_config.json` naming its eos token, tried in order: the first one in the
 # vocabulary marks document ends.

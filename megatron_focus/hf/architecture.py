@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 from typing import List, Optional, Tuple
 
-from megatron_focus.model.focus_gate import GATES
+from megatron_focus.choices import FOCUS_GATES
 
 SUPPORTED_ATTENTION = ("standard", "xsa", "focus", "focus+xsa")
 # The variant each Focus variant is without its routers (what a retrofit starts from).
@@ -43,8 +43,8 @@ class FocusSettings:
         if not 1 <= self.top_k <= self.groups:
             raise ValueError(f"Focus top-k {self.top_k} must be between 1 and the groups "
                              f"({self.groups})")
-        if self.gate not in GATES:
-            raise ValueError(f"Focus gate {self.gate!r}: one of {GATES}")
+        if self.gate not in FOCUS_GATES:
+            raise ValueError(f"Focus gate {self.gate!r}: one of {FOCUS_GATES}")
         if self.attention_mode not in ("soft", "sparse"):
             raise ValueError(f"Focus attention mode {self.attention_mode!r}: soft or sparse")
 

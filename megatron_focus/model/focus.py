@@ -49,11 +49,11 @@ class FocusConfig:
     sinkhorn_iters: int = 10
     top_k: int = 2  # hard (sparse) mode
     gate_scale: float = 1.0  # lambda in the log gate; 0 opens the gate everywhere
-    gate: str = "log"  # or "sigmoid", the paper's (focus_gate.GATES)
+    gate: str = "log"  # or "sigmoid", the paper's (choices.FOCUS_GATES)
     sink_tokens: int = 0  # the first s tokens, kept for every query (as local pairs)
     chunk_size: int = 128
     mode: str = "soft"
-    kernel: str = "auto"  # the soft rule's: focus_gate.KERNELS
+    kernel: str = "auto"  # the soft rule's: choices.FOCUS_KERNELS
 
 
 class Router(torch.nn.Module):

@@ -27,13 +27,12 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megatron_focus.model.flex import TINY_AFFINITY, flex_attention_with_lse, flex_soft_focus
+from megatron_focus.choices import FOCUS_GATES, FOCUS_KERNELS
 from megatron_focus.model.kernels import cpu_attention_with_lse
 from megatron_focus.model.groups import Routing
 
-# Kernels for the soft rule: FlexAttention's fused one, or the chunked one below.
-KERNELS = ("auto", "flex", "chunked")
-# The soft rule's gate on distant pairs: ours in log space, or the paper's multiplicative sigmoid.
-GATES = ("log", "sigmoid")
+# The soft rule's kernels (FOCUS_KERNELS): FlexAttention's fused one, or the chunked one below.
+# Its gates on distant pairs (FOCUS_GATES): ours in log space, or the paper's multiplicative one.
 
 
 def _causal_local(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, sink: int = 0):
@@ -137,8 +136,8 @@ def _hard_chunk(q, k, v, groups_q, top1_k, start: int, window: int, sink: int, s
 def soft_kernel(requested: str, device: torch.device, dropout_p: float = 0.0) -> str:
     """The soft rule's kernel: "auto" is FlexAttention's fused one on a GPU without dropout
     (FlexAttention has no dropout, and no CPU backward), the chunked one otherwise."""
-    if requested not in KERNELS:
-        raise ValueError(f"unknown Focus kernel {requested!r}; choose from {KERNELS}")
+    if requested not in FOCUS_KERNELS:
+        raise ValueError(f"unknown Focus kernel {requested!r}; choose from {FOCUS_KERNELS}")
     if requested == "flex" and dropout_p > 0:
         raise ValueError("FlexAttention has no attention dropout: --focus-kernel flex needs "
                          "--attention-dropout 0")
@@ -154,13 +153,13 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, routing: 
     """Causal Focus attention. q [b, h, n, d], k/v [b, groups, n, d], routing's tensors [b, n, K]
     -> [b, h, n, d].
 
-    `top_k=None` is the soft (training) rule, with `gate` (GATES) on distant pairs; an integer
+    `top_k=None` is the soft (training) rule, with `gate` (FOCUS_GATES) on distant pairs; an integer
     applies the hard rule with that top-k. The first `sink` tokens are kept for every query, as
     local pairs are. The sigmoid gate has no fused CPU kernel: its chunks build their scores
     explicitly (an ablation's speed).
     """
-    if gate not in GATES:
-        raise ValueError(f"unknown Focus gate {gate!r}; choose from {GATES}")
+    if gate not in FOCUS_GATES:
+        raise ValueError(f"unknown Focus gate {gate!r}; choose from {FOCUS_GATES}")
     n = q.shape[2]
     gqa = q.shape[1] != k.shape[1]
     log_g = routing.log_g.float()

@@ -13,7 +13,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_focus.arguments import ATTENTION_VARIANTS
+from megatron_focus.choices import ATTENTION_VARIANTS
 from megatron_focus.model.core_attention import CoreAttention
 from megatron_focus.model.focus import FocusAttention, FocusConfig, FocusSelfAttention
 from megatron_focus.model.norm import Norm, QKNorm
