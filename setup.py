@@ -18,7 +18,8 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS = {
-    "test": ["pytest>=8", "hypothesis>=6.100", "matplotlib>=3.8", "wandb>=0.19,<0.32"],
+    # not wandb: Megatron-Core imports it whenever it is installed (~1 s in every test process)
+    "test": ["pytest>=8", "hypothesis>=6.100", "matplotlib>=3.8"],
     "wandb": ["wandb>=0.19,<0.32"],  # --wandb-project; offline (WANDB_MODE=offline) needs no network
     "plot": ["matplotlib>=3.8"],  # tools/compare_runs.py
     "hf": ["transformers==5.24.0", "safetensors>=0.4", "protobuf>=4"],  # protobuf: SP conversion
