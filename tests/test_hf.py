@@ -349,6 +349,47 @@ def test_cache_given_as_past_key_values_is_used(mode):
                   past_key_values=DynamicCache(config=model.config))
 
 
+# Four variants x both families, Mistral's window and Llama 3.1's RoPE: what a serving stack
+# pinned to transformers 4 (vLLM, TGI, lm-evaluation-harness) loads.
+IN_TRANSFORMERS4 = ["gpt2-zero3", "gpt2-xsa", "llama", "llama-xsa", "llama-window",
+                    "llama-1p-rope-scaling", "gpt2-focus", "gpt2-focus-xsa-layer-2", "llama-focus",
+                    "llama-focus-xsa"]
+# A folder holding transformers 4.57 (pip install --target; .ci/run makes one)
+TRANSFORMERS4 = os.environ.get("MEGATRON_FOCUS_TRANSFORMERS4")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not TRANSFORMERS4, reason="MEGATRON_FOCUS_TRANSFORMERS4 is not set")
+def test_exports_load_and_generate_alike_in_transformers4(trained, trained_focus, tmp_path):
+    """Each export, with its tokenizer, gives under transformers 4.57 the logits, greedy
+    generations (with and without the cache) and token ids it gives under 5.x."""
+    import subprocess
+    import sys
+
+    import hf_check
+
+    folders = [{**trained, **trained_focus}[name]["hf"] for name in IN_TRANSFORMERS4]
+    request = {"folders": folders, "tokens": TOKENS[:, :24].tolist(), "new_tokens": 6,
+               "text": "Hello world, and a second sentence."}
+    (tmp_path / "request.json").write_text(json.dumps(request))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TRANSFORMERS4, os.path.dirname(__file__)])}
+    subprocess.run([sys.executable, hf_check.__file__, str(tmp_path / "request.json"),
+                    str(tmp_path / "result.json")], env=env, check=True)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["transformers"].startswith("4.")
+    tokens = torch.tensor(request["tokens"])
+    for folder in folders:
+        theirs = result["folders"][folder]
+        ours = hf_check.check(folder, tokens, request["text"], request["new_tokens"])
+        assert theirs["class"] == ours["class"] and theirs["ids"] == ours["ids"], folder
+        for mode in ours.keys() - {"class", "ids"}:
+            torch.testing.assert_close(torch.tensor(theirs[mode]["logits"]),
+                                       torch.tensor(ours[mode]["logits"]), rtol=0, atol=1e-5)
+            generated = theirs[mode]["generated"]
+            assert generated["true"] == generated["false"] == ours[mode]["generated"][True], \
+                (folder, mode)
+
+
 def test_focus_mode_and_settings_are_checked():
     model = _custom_focus_model().eval()
     with pytest.raises(ValueError, match="focus_attention_mode='hard'"):
@@ -439,7 +480,9 @@ def _hf_model(name: str):
         "custom-llama-xsa-qk-norm-rope-scaling": lambda: MegatronFocusForCausalLM(
             MegatronFocusConfig(**small, normalization="RMSNorm", activation="swiglu", bias=False,
                                 position_embedding_type="rope", rotary_base=500000.0, qk_norm=True,
-                                rope_scaling=LLAMA31_ROPE, layer_attention=["xsa", "xsa"])),
+                                llama3_rope_scaling={k: v for k, v in LLAMA31_ROPE.items()
+                                                     if k not in ("rope_type", "rope_theta")},
+                                layer_attention=["xsa", "xsa"])),
     }[name]()
 
 

@@ -8,7 +8,7 @@ variant (`layer_attention`) and, for Focus layers, the `focus_*` settings (`pret
 `focus_top_k` are inference settings: set them on a loaded model's config at any time.
 """
 
-from transformers import PreTrainedConfig
+from transformers import PretrainedConfig  # transformers 4.x's name, kept by 5.x
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 # gelu: the exact (erf) GELU; gelu_tanh: GPT-2's; relu2: relu(x)^2
@@ -17,57 +17,65 @@ POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 ATTENTION_VARIANTS = ("standard", "xsa", "focus", "focus+xsa")
 FOCUS_MODES = ("soft", "sparse")
 
+# Every field and its default. An explicit __init__ (not 5.x's dataclass fields) is what both
+# transformers 4.57+ and 5.x accept from a model folder's code.
+DEFAULTS = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_hidden_layers=12,
+    num_attention_heads=16,
+    num_key_value_heads=None,  # default: num_attention_heads
+    head_dim=None,  # default: hidden_size // num_attention_heads
+    normalization="LayerNorm",
+    norm_eps=1e-5,
+    activation="gelu",
+    bias=True,  # on every linear layer but the output layer, as Megatron's add_bias_linear
+    qkv_bias=False,  # on the q, k, v projections even without `bias` (--add-qkv-bias)
+    qk_norm=False,  # a norm (`normalization`) on each query and key head, before RoPE
+    position_embedding_type="learned_absolute",
+    rotary_base=10000.0,
+    # Llama 3.1's frequency scaling: {"factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}; None: plain RoPE. Not `rope_scaling`, which
+    # transformers 5 rewrites into its own `rope_parameters`.
+    llama3_rope_scaling=None,
+    max_position_embeddings=2048,
+    layer_attention=None,  # one variant per layer; default all "standard"
+    sliding_window=None,  # standard / xsa layers: query i sees keys i - w < j <= i
+    # Focus (layers "focus" / "focus+xsa"): K groups, routing dim d_g, local window w,
+    # temperature, causal Sinkhorn iterations, lambda of the soft gate and its form; then the
+    # inference settings.
+    focus_groups=8,
+    focus_dim=16,
+    focus_window=128,
+    focus_tau=0.1,
+    focus_sinkhorn_iters=10,
+    focus_gate_scale=1.0,
+    focus_gate="log",  # or "sigmoid": the paper's multiplicative gate (ablations)
+    focus_sink_tokens=0,  # the first s tokens (of each unpadded sequence): kept, as local
+    focus_top_k=2,
+    focus_attention_mode="soft",
+    initializer_range=0.02,
+    use_cache=True,
+)
 
-class MegatronFocusConfig(PreTrainedConfig):
+
+class MegatronFocusConfig(PretrainedConfig):
     model_type = "megatron_focus"
 
-    vocab_size: int = 32000
-    hidden_size: int = 1024
-    intermediate_size: int = 4096
-    num_hidden_layers: int = 12
-    num_attention_heads: int = 16
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    normalization: str = "LayerNorm"
-    norm_eps: float = 1e-5
-    activation: str = "gelu"
-    bias: bool = True  # on every linear layer but the output layer, as Megatron's add_bias_linear
-    qkv_bias: bool = False  # on the q, k, v projections even without `bias` (--add-qkv-bias)
-    qk_norm: bool = False  # a norm (`normalization`) on each query and key head, before RoPE
-    position_embedding_type: str = "learned_absolute"
-    rotary_base: float = 10000.0
-    # Llama 3.1's frequency scaling: {"rope_type": "llama3", "factor", "low_freq_factor",
-    # "high_freq_factor", "original_max_position_embeddings"}; None: plain RoPE
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = True
-    layer_attention: list[str] | None = None  # one variant per layer; default all "standard"
-    sliding_window: int | None = None  # standard / xsa layers: query i sees keys i - w < j <= i
-    # Focus (layers "focus" / "focus+xsa"): K groups, routing dim d_g, local window w, temperature,
-    # causal Sinkhorn iterations, lambda of the soft gate and its form; then the inference settings.
-    focus_groups: int = 8
-    focus_dim: int = 16
-    focus_window: int = 128
-    focus_tau: float = 0.1
-    focus_sinkhorn_iters: int = 10
-    focus_gate_scale: float = 1.0
-    focus_gate: str = "log"  # or "sigmoid": the paper's multiplicative gate (ablations)
-    focus_sink_tokens: int = 0  # the first s tokens (of each unpadded sequence): kept, as local
-    focus_top_k: int = 2
-    focus_attention_mode: str = "soft"
-    initializer_range: float = 0.02
-    use_cache: bool = True
-    bos_token_id: int | None = None
-    eos_token_id: int | None = None
-    pad_token_id: int | None = None
-
-    def __post_init__(self, **kwargs):
+    def __init__(self, tie_word_embeddings: bool = True, **kwargs):
+        for field, default in DEFAULTS.items():
+            setattr(self, field, kwargs.pop(field, default))
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.layer_attention is None:
             self.layer_attention = ["standard"] * self.num_hidden_layers
+        self._check()
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    def _check(self):
         for field, value, choices in (
             ("normalization", self.normalization, NORMALIZATIONS),
             ("activation", self.activation, ACTIVATIONS),
@@ -88,7 +96,6 @@ class MegatronFocusConfig(PreTrainedConfig):
             raise ValueError("num_key_value_heads must divide num_attention_heads")
         if any(kind.startswith("focus") for kind in self.layer_attention):
             check_focus_inference(self)
-        super().__post_init__(**kwargs)
 
 
 def check_focus_inference(config: MegatronFocusConfig) -> None:

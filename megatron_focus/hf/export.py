@@ -6,6 +6,8 @@ so `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` loads 
 class is chosen, and the tokenizer checked, before any weight is read.
 """
 
+import json
+import os
 from typing import Optional
 
 import torch
@@ -50,7 +52,23 @@ def export_to_hf(load_dir: str, save_dir: str, iteration: Optional[int] = None,
                                progress)
         model = _model_holding(family, config, weights)
         model.save_pretrained(partial, max_shard_size=max_shard_size)
+        _write_rope_for_transformers4(os.path.join(partial, "config.json"))
     return families.HF_CLASS[family]
+
+
+def _write_rope_for_transformers4(config_path: str) -> None:
+    """transformers 5 writes RoPE as `rope_parameters`, which 4.x does not read (it would run at
+    its default base of 10000, unscaled): its own `rope_theta` and `rope_scaling` go beside it."""
+    with open(config_path) as f:
+        config = json.load(f)
+    rope = config.get("rope_parameters")
+    if rope is None:
+        return
+    config["rope_theta"] = rope["rope_theta"]
+    if rope.get("rope_type", "default") != "default":
+        config["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
 
 
 def _model_holding(family: str, config, weights: dict):

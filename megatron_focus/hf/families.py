@@ -173,7 +173,8 @@ def hf_config(family: str, arch: Architecture, special_tokens: dict):
         activation=("swiglu" if arch.swiglu else "gelu_tanh" if arch.openai_gelu
                     else "relu2" if arch.squared_relu else "gelu"),
         bias=arch.add_bias_linear, qkv_bias=arch.add_qkv_bias, qk_norm=arch.qk_layernorm,
-        rope_scaling=_rope_parameters(arch) if arch.use_rope_scaling else None,
+        llama3_rope_scaling={"factor": arch.rope_scaling_factor, **LLAMA3_ROPE}
+        if arch.use_rope_scaling else None,
         position_embedding_type=arch.position_embedding_type,
         rotary_base=float(arch.rotary_base), max_position_embeddings=arch.max_position_embeddings,
         tie_word_embeddings=arch.tied, layer_attention=arch.layer_attention(),
@@ -314,7 +315,8 @@ def _from_custom(config) -> Architecture:
         attention=attention,
         xsa_layers=None if len(xsa) in (0, config.num_hidden_layers) else tuple(xsa),
         window_size=None if config.sliding_window is None else (config.sliding_window - 1, 0),
-        **_rope_scaling(config.rope_scaling),
+        **_rope_scaling(config.llama3_rope_scaling and {"rope_type": "llama3",
+                                                      **config.llama3_rope_scaling}),
         focus=FocusSettings(**{field.name: getattr(config, f"focus_{field.name}")
                                for field in dataclasses.fields(FocusSettings)})
         if any(focus) else None,

@@ -28,11 +28,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
-from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .configuration_megatron_focus import MegatronFocusConfig, check_focus_inference
+
+try:  # transformers 5: initialisers that skip weights already loaded
+    from transformers import initialization as init
+except ImportError:  # transformers 4
+    from torch.nn import init
+
+# What model outputs call the cache: `cache` from transformers 5.24, `past_key_values` before.
+CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ \
+    else "past_key_values"
 
 XSA_EPS = 1e-6  # as megatron_focus.model.xsa.exclusive_projection
 
@@ -94,7 +102,7 @@ class Attention(nn.Module):
         if self.config.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.config.position_embedding_type == "rope":
-            base, scaling = self.config.rotary_base, self.config.rope_scaling
+            base, scaling = self.config.rotary_base, self.config.llama3_rope_scaling
             q, k = rotate(q, positions, base, scaling), rotate(k, positions, base, scaling)
         own_v = v  # the values of this step's tokens, before the cached ones are prepended
         if cache is not None:
@@ -263,10 +271,10 @@ class FocusCacheLayer(DynamicLayer):
         self.log_g = self.groups = self.sums = None
         super().reset()
 
-    def crop(self, tokens_to_remove: int):
-        super().crop(tokens_to_remove)
-        if tokens_to_remove < 0:
-            self._map_routing(lambda t: t[:, :tokens_to_remove])
+    def crop(self, length: int):
+        # transformers 5: tokens to remove (< 0); 4: the length to keep, or < 0 as 5
+        super().crop(length)
+        self._map_routing(lambda t: t[:, :self.get_seq_length()])
 
     def reorder_cache(self, beam_idx):
         super().reorder_cache(beam_idx)
@@ -433,6 +441,12 @@ class MegatronFocusModel(MegatronFocusPreTrainedModel):
         self.norm = norm(config)
         self.post_init()
 
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
                 inputs_embeds=None, use_cache=None, **kwargs) -> BaseModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
@@ -451,7 +465,8 @@ class MegatronFocusModel(MegatronFocusPreTrainedModel):
         mask = causal_mask(s, past, attention_mask, x.device, self.config.sliding_window)
         for layer in self.layers:
             x = layer(x, position_ids, mask, cache if use_cache else None, attention_mask)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(x), cache=cache if use_cache else None)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(x),
+                                       **{CACHE_FIELD: cache if use_cache else None})
 
 
 def one_cache(cache, kwargs: dict):
@@ -491,13 +506,25 @@ class MegatronFocusForCausalLM(MegatronFocusPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache: Cache = None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0,
                 **kwargs) -> CausalLMOutputWithPast:
         out = self.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids, cache=one_cache(cache, kwargs),
                          inputs_embeds=inputs_embeds, use_cache=use_cache)
-        hidden = out.last_hidden_state
+        hidden, cache = out.last_hidden_state, getattr(out, CACHE_FIELD)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         logits = self.lm_head(hidden)
@@ -505,7 +532,7 @@ class MegatronFocusForCausalLM(MegatronFocusPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels,
                                       vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out.cache)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})
 
 
 __all__ = ["MegatronFocusForCausalLM", "MegatronFocusModel", "MegatronFocusPreTrainedModel"]

@@ -81,7 +81,18 @@ def save_hf_tokenizer(tokenizer, out_dir: str, max_length: int) -> dict:
             extra["chat_template"] = template
     PreTrainedTokenizerFast(tokenizer_object=fast, model_max_length=max_length, **specials,
                             **extra).save_pretrained(out_dir)
+    _name_portable_class(os.path.join(out_dir, "tokenizer_config.json"))
     return ids
+
+
+def _name_portable_class(config_path: str) -> None:
+    """transformers 5 names its fast tokenizer class `TokenizersBackend`, which 4.x lacks;
+    `PreTrainedTokenizerFast`, the same class to 5.x, loads on both."""
+    with open(config_path) as f:
+        config = json.load(f)
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
 
 
 def find_hf_tokenizer(hf_dir: str) -> Tuple[Optional[str], Optional[str]]:
