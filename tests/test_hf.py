@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from distributed import run_distributed
+from megatron_focus.hf.families import rope_fields
 from test_parallel import LLAMA
 from test_training import _argv
 
@@ -437,7 +438,7 @@ def _hf_model(name: str):
     return {
         "llama-gqa-untied": lambda: LlamaForCausalLM(LlamaConfig(
             **small, num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 500000.0})),
+            **rope_fields({"rope_type": "default", "rope_theta": 500000.0}))),
         "llama-biases-tied": lambda: LlamaForCausalLM(LlamaConfig(
             **small, attention_bias=True, mlp_bias=True, tie_word_embeddings=True)),
         "mistral": lambda: MistralForCausalLM(MistralConfig(**small, num_key_value_heads=2,
@@ -474,7 +475,7 @@ def _hf_model(name: str):
         "custom-llama-focus-xsa-layer-2": _custom_focus_model,
         # Llama 3.1's RoPE scaling (head size 16, base 5e5: every band of the scaling is used)
         "llama31-rope-scaling": lambda: LlamaForCausalLM(LlamaConfig(
-            **small, num_key_value_heads=2, rope_parameters=LLAMA31_ROPE)),
+            **small, num_key_value_heads=2, **rope_fields(LLAMA31_ROPE))),
         "custom-qk-norm-relu2-nope": lambda: MegatronFocusForCausalLM(MegatronFocusConfig(
             **small, qk_norm=True, activation="relu2", position_embedding_type="none")),
         "custom-llama-xsa-qk-norm-rope-scaling": lambda: MegatronFocusForCausalLM(
@@ -554,7 +555,7 @@ def test_llama31_rope_frequencies_agree_three_ways():
                                    rope_scaling_factor=8.0, use_cpu_initialization=True).inv_freq
         config = LlamaConfig(hidden_size=dim * 2, num_attention_heads=2,
                              max_position_embeddings=8192,
-                             rope_parameters={**LLAMA31_ROPE, "rope_theta": base})
+                             **rope_fields({**LLAMA31_ROPE, "rope_theta": base}))
         hf, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
         ours = llama3_scaled(plain, LLAMA31_ROPE)
         assert not torch.equal(ours, plain)
@@ -670,8 +671,8 @@ def test_focus_model_imports_as_focus_only(tmp_path):
 
 @pytest.mark.parametrize("config, message", [
     ({"model_type": "gpt2", "activation_function": "relu"}, "'relu': only the exact GELU"),
-    ({"model_type": "llama", "rope_parameters": {"rope_type": "linear", "rope_theta": 1e4,
-                                                 "factor": 2.0}}, "RoPE scaling"),
+    ({"model_type": "llama", **rope_fields({"rope_type": "linear", "rope_theta": 1e4,
+                                            "factor": 2.0})}, "RoPE scaling"),
     ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
     ({"model_type": "bert"}, "not supported"),
 ])

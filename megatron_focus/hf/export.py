@@ -89,7 +89,8 @@ def _model_holding(family: str, config, weights: dict):
     with torch.device("meta"):
         model = cls(config)
     result = model.load_state_dict(weights, strict=False, assign=True)
-    tied = set(model.get_expanded_tied_weights_keys()) if config.tie_word_embeddings else set()
+    # transformers 5: {tied: source}; 4.x: [tied]
+    tied = set(model._tied_weights_keys or ()) if config.tie_word_embeddings else set()
     if result.unexpected_keys or set(result.missing_keys) - tied:
         raise RuntimeError(f"{cls.__name__} does not fit the mapped weights: missing "
                            f"{result.missing_keys}, unexpected {result.unexpected_keys}")

@@ -146,7 +146,7 @@ def hf_config(family: str, arch: Architecture, special_tokens: dict):
         num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_query_groups,
         hidden_act="silu", max_position_embeddings=arch.max_position_embeddings,
         rms_norm_eps=arch.norm_epsilon, tie_word_embeddings=arch.tied,
-        rope_parameters=_rope_parameters(arch), **special_tokens,
+        **rope_fields(_rope_parameters(arch)), **special_tokens,
     )
     if family == LLAMA:
         return LlamaConfig(**llama_like, head_dim=arch.kv_channels,
@@ -197,6 +197,28 @@ def _rope_parameters(arch: Architecture) -> dict:
             "factor": arch.rope_scaling_factor, **LLAMA3_ROPE}
 
 
+def rope_fields(rope: dict) -> dict:
+    """A stock config's RoPE keywords: `rope_parameters` for transformers 5, `rope_theta` and
+    `rope_scaling` for 4.x (which ignores `rope_parameters`)."""
+    from transformers import __version__
+
+    if int(__version__.split(".")[0]) >= 5:
+        return {"rope_parameters": rope}
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return {"rope_theta": rope["rope_theta"],
+            "rope_scaling": None if scaling["rope_type"] == "default" else scaling}
+
+
+def _hf_rope(config) -> dict:
+    """A stock config's RoPE as transformers 5's `rope_parameters`, whichever version read it."""
+    rope = getattr(config, "rope_parameters", None)
+    if rope is not None:
+        return rope
+    scaling = dict(getattr(config, "rope_scaling", None) or {})  # Mistral 4.x has none
+    kind = scaling.pop("rope_type", scaling.pop("type", "default"))
+    return {**scaling, "rope_type": kind, "rope_theta": config.rope_theta}
+
+
 def _rope_scaling(rope: Optional[dict]) -> dict:
     """Architecture fields of HF `rope_parameters`; refuses a scaling the native model lacks."""
     kind = (rope or {}).get("rope_type", "default")
@@ -239,7 +261,7 @@ def from_hf_config(config) -> Tuple[str, Architecture, HFBiases]:
 def _from_llama_like(config) -> Tuple[str, Architecture, HFBiases]:
     kind = config.model_type
     _require(config.hidden_act == "silu", f"hidden_act {config.hidden_act!r} (SwiGLU needs silu)")
-    rope = config.rope_parameters
+    rope = _hf_rope(config)
     theta = rope["rope_theta"]
     _require(float(theta).is_integer(), f"rope_theta {theta} is not an integer (--rotary-base)")
     window, family = None, LLAMA

@@ -28,6 +28,10 @@ def _sentencepiece_to_fast(model_path: str):
     """A `tokenizers.Tokenizer` that follows the SentencePiece model's own normalizer settings."""
     from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
 
+    if not hasattr(SpmConverter, "build_tokenizer_from_spm_proto"):
+        raise ValueError(f"converting the SentencePiece model {model_path} to an HF tokenizer "
+                         "needs transformers 5 (4.x's converter encodes differently); export "
+                         "under transformers 5: the folder loads under 4.57+ as well")
     proto = import_protobuf().ModelProto()
     with open(model_path, "rb") as f:
         proto.ParseFromString(f.read())
