@@ -476,7 +476,7 @@ def _hf_model(name: str):
         # Llama 3.1's RoPE scaling (head size 16, base 5e5: every band of the scaling is used)
         "llama31-rope-scaling": lambda: LlamaForCausalLM(LlamaConfig(
             **small, num_key_value_heads=2, **rope_fields(LLAMA31_ROPE))),
-        "custom-qk-norm-relu2-nope": lambda: MegatronFocusForCausalLM(MegatronFocusConfig(
+        "custom-gpt2-qk-norm-relu2-nope": lambda: MegatronFocusForCausalLM(MegatronFocusConfig(
             **small, qk_norm=True, activation="relu2", position_embedding_type="none")),
         "custom-llama-xsa-qk-norm-rope-scaling": lambda: MegatronFocusForCausalLM(
             MegatronFocusConfig(**small, normalization="RMSNorm", activation="swiglu", bias=False,
@@ -494,8 +494,8 @@ LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "l
 HF_MODELS = ["llama-gqa-untied", "llama-biases-tied", "mistral", "mistral-window", "qwen2",
              "gpt2", "gpt2-gelu-new", "custom-gpt2-rope-gelu-tanh", "custom-gpt2-rope-gqa",
              "custom-llama-xsa-layer-2", "custom-llama-xsa-window", "custom-qwen2-xsa",
-             "custom-llama-focus-xsa-layer-2", "llama31-rope-scaling", "custom-qk-norm-relu2-nope",
-             "custom-llama-xsa-qk-norm-rope-scaling"]
+             "custom-llama-focus-xsa-layer-2", "llama31-rope-scaling",
+             "custom-gpt2-qk-norm-relu2-nope", "custom-llama-xsa-qk-norm-rope-scaling"]
 
 
 @pytest.mark.parametrize("name", HF_MODELS)
@@ -531,6 +531,10 @@ def test_hf_to_native_to_hf(name, tmp_path):
     if name == "mistral-window":
         with open(os.path.join(back, "config.json")) as f:
             assert json.load(f)["sliding_window"] == 8
+    if name.startswith("custom-"):  # the family it extends, named
+        with open(os.path.join(back, "config.json")) as f:
+            assert json.load(f)["family"] == (
+                "mistral" if name.endswith("-window") else name.split("-")[1])
     # the special ids the original config gave, where they name a token (GPT-2's 50256 does not)
     with open(tmp_path / "hf" / "config.json") as f, open(tmp_path / "back" / "config.json") as g:
         before, after = json.load(f), json.load(g)

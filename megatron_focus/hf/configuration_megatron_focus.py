@@ -20,6 +20,9 @@ FOCUS_MODES = ("soft", "sparse")
 # Every field and its default. An explicit __init__ (not 5.x's dataclass fields) is what both
 # transformers 4.57+ and 5.x accept from a model folder's code.
 DEFAULTS = dict(
+    # the stock family this model is a variant of (llama, qwen2, mistral, gpt2): the one it
+    # would export to without its XSA, Focus or other extra
+    family=None,
     vocab_size=32000,
     hidden_size=1024,
     intermediate_size=4096,

@@ -117,14 +117,18 @@ def _not_gpt2(arch: Architecture) -> Optional[str]:
     return None
 
 
+def nearest_family(arch: Architecture) -> str:
+    """The stock family whose shape `arch` has (its norm, biases and window), exact or not."""
+    if arch.normalization != "RMSNorm":
+        return GPT2
+    if arch.add_qkv_bias and not arch.add_bias_linear:
+        return QWEN2
+    return MISTRAL if arch.window_size is not None else LLAMA
+
+
 def choose_family(arch: Architecture) -> Tuple[str, str]:
     """`(family, why)`: the stock class when it is exact, else the custom one and the reason."""
-    if arch.normalization != "RMSNorm":
-        family = GPT2
-    elif arch.add_qkv_bias and not arch.add_bias_linear:
-        family = QWEN2
-    else:
-        family = MISTRAL if arch.window_size is not None else LLAMA
+    family = nearest_family(arch)
     why_not = {LLAMA: _not_llama, QWEN2: _not_qwen2, MISTRAL: _not_mistral,
                GPT2: _not_gpt2}[family](arch)
     if why_not is None:
@@ -166,7 +170,7 @@ def hf_config(family: str, arch: Architecture, special_tokens: dict):
             tie_word_embeddings=True, **special_tokens,
         )
     return MegatronFocusConfig(
-        vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
+        family=nearest_family(arch), vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
         intermediate_size=arch.ffn_hidden_size, num_hidden_layers=arch.num_layers,
         num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_query_groups,
         head_dim=arch.kv_channels, normalization=arch.normalization, norm_eps=arch.norm_epsilon,
