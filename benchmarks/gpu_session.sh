@@ -3,7 +3,8 @@
 # so that one that hangs or fails leaves the others' results; JSON per part and a summary table
 # under $OUT (default gpu-results/):
 #   tests      tests/test_gpu.py: FlexAttention soft gate and sparse dispatch against the chunked
-#              and dense references (fp32, bf16, both gates), memory growth, a model step
+#              and dense references (fp32, bf16, both gates), memory growth, a model step;
+#              the HF model's attention backends (sdpa, flex_attention) against eager
 #   e2e-*      the product end to end on CUDA (benchmarks/end_to_end.py): deepspeed --num_gpus 1
 #              pretrain_gpt.py --bf16, --save, a resume that continues the same losses,
 #              tools/eval_ppl.py (soft and sparse rows), tools/convert_to_hf.py and generate;
@@ -67,7 +68,8 @@ else
     RECIPE=(--model 0.7b --iters 8 --warmup 3)
 fi
 
-part tests 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py
+part tests 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py \
+    "tests/test_hf.py::test_attention_backends_compute_what_eager_computes"
 part e2e-focus-xsa 100 python3 benchmarks/end_to_end.py --attention focus+xsa "${E2E[@]}" \
     --json "$OUT/e2e-focus-xsa.json"
 part e2e-standard 60 python3 benchmarks/end_to_end.py --attention standard "${E2E[@]}" \

@@ -289,13 +289,20 @@ def _custom_focus_model(**overrides):
     return MegatronFocusForCausalLM(MegatronFocusConfig(**{**config, **overrides}))
 
 
+def _every_variant_model(**overrides):
+    """`_custom_focus_model` with four layers: standard, XSA, Focus, Focus + XSA."""
+    return _custom_focus_model(num_hidden_layers=4,
+                               layer_attention=["standard", "xsa", "focus", "focus+xsa"],
+                               **overrides)
+
+
 @pytest.mark.parametrize("sinks", [0, 2])
 @pytest.mark.parametrize("mode", ["soft", "sparse"])
-def test_focus_generate_left_padded_batch_equals_each_sequence(mode, sinks):
+def test_generate_left_padded_batch_equals_each_sequence(mode, sinks):
     """Padding is no token to the router, nor a sink: left-padded batches generate as each
-    sequence alone."""
+    sequence alone, in every attention variant."""
     torch.manual_seed(0)
-    model = _custom_focus_model(focus_sink_tokens=sinks).eval()
+    model = _every_variant_model(focus_sink_tokens=sinks).eval()
     model.set_focus_mode(mode)
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
@@ -309,12 +316,12 @@ def test_focus_generate_left_padded_batch_equals_each_sequence(mode, sinks):
 
 
 @pytest.mark.parametrize("mode", ["soft", "sparse"])
-def test_focus_routing_state_follows_beam_search_and_crop(mode):
+def test_routing_state_follows_beam_search_and_crop(mode):
     """The routing state is per token, as keys and values: beams reorder it, crop cuts it."""
     from transformers import DynamicCache
 
     torch.manual_seed(0)
-    model = _custom_focus_model().eval()
+    model = _every_variant_model().eval()
     model.set_focus_mode(mode)
     model.generation_config.eos_token_id = None
     prompt, tokens = TOKENS[:, :6] % 200, TOKENS[:, :20] % 200
@@ -325,7 +332,7 @@ def test_focus_routing_state_follows_beam_search_and_crop(mode):
     with torch.no_grad():
         whole = model(tokens, cache=cache).logits
         cache.crop(-5)
-        assert cache.layers[1].log_g.shape[1] == cache.layers[1].sums.shape[1] == 15
+        assert cache.layers[3].log_g.shape[1] == cache.layers[3].sums.shape[1] == 15
         again = model(tokens[:, 15:], cache=cache).logits
     torch.testing.assert_close(again, whole[:, 15:], rtol=0, atol=1e-5)
 
@@ -336,7 +343,7 @@ def test_cache_given_as_past_key_values_is_used(mode):
     from transformers import DynamicCache
 
     torch.manual_seed(0)
-    model = _custom_focus_model().eval()
+    model = _every_variant_model().eval()
     model.set_focus_mode(mode)
     tokens = TOKENS[:, :12] % 200
     with torch.no_grad():
@@ -348,6 +355,108 @@ def test_cache_given_as_past_key_values_is_used(mode):
         with pytest.raises(ValueError, match="not both"):
             model(tokens[:, 9:], cache=DynamicCache(config=model.config),
                   past_key_values=DynamicCache(config=model.config))
+
+
+@pytest.mark.parametrize("mode", ["soft", "sparse"])
+def test_sampled_generation_scores_are_the_full_forward_logits(mode):
+    """Sampling with the cache: each step's logits equal a full forward's over the sequence so
+    far, and the same seed samples the same tokens without the cache."""
+    torch.manual_seed(0)
+    model = _every_variant_model().eval()
+    model.set_focus_mode(mode)
+    model.generation_config.eos_token_id = None
+    prompt, new = TOKENS[:, :6] % 200, 10
+    runs = {}
+    for cached in (True, False):
+        torch.manual_seed(1)
+        runs[cached] = model.generate(prompt, max_new_tokens=new, do_sample=True, top_k=0,
+                                      use_cache=cached, output_logits=True,
+                                      return_dict_in_generate=True)
+    assert torch.equal(runs[True].sequences, runs[False].sequences)
+    with torch.no_grad():
+        full = model(runs[True].sequences[:, :-1], use_cache=False).logits[:, -new:]
+    torch.testing.assert_close(torch.stack(runs[True].logits, 1), full, rtol=0, atol=1e-5)
+
+
+def test_focus_mode_chosen_from_a_folder_or_a_generate_call(tmp_path):
+    """A stack that only passes a folder and keyword arguments chooses the Focus rule: config
+    overrides at load, the generation config, or generate's own keywords (then undone)."""
+    from transformers import GenerationConfig
+
+    torch.manual_seed(0)
+    model = _every_variant_model().eval()
+    cls = type(model)
+    model.generation_config.eos_token_id = None
+    prompt = TOKENS[:, :6] % 200
+    expected = {}
+    for mode, top_k in (("soft", 2), ("sparse", 1)):
+        model.set_focus_mode(mode, top_k)
+        expected[mode] = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert not torch.equal(expected["soft"], expected["sparse"])  # the rule matters here
+    model.set_focus_mode("soft", 2)
+    model.save_pretrained(tmp_path / "soft")
+
+    def generate(**kwargs):
+        return model.generate(prompt, max_new_tokens=8, do_sample=False, **kwargs)
+
+    assert torch.equal(generate(focus_attention_mode="sparse", focus_top_k=1), expected["sparse"])
+    assert torch.equal(model.generate(prompt, generation_config=GenerationConfig(
+        max_new_tokens=8, do_sample=False, eos_token_id=None, focus_attention_mode="sparse",
+        focus_top_k=1)), expected["sparse"])
+    assert (model.config.focus_attention_mode, model.config.focus_top_k) == ("soft", 2)
+    assert torch.equal(generate(), expected["soft"])
+
+    loaded = cls.from_pretrained(tmp_path / "soft", focus_attention_mode="sparse",
+                                 focus_top_k=1).eval()
+    assert (loaded.config.focus_attention_mode, loaded.config.focus_top_k) == ("sparse", 1)
+    model.generation_config = GenerationConfig(focus_attention_mode="sparse", focus_top_k=1)
+    model.save_pretrained(tmp_path / "sparse")  # generation_config.json holds the rule
+    loaded = cls.from_pretrained(tmp_path / "sparse").eval()
+    assert loaded.config.focus_attention_mode == "soft"
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=8, do_sample=False),
+                       expected["sparse"])
+
+
+@pytest.mark.parametrize("backend", [
+    "sdpa",
+    # On the CPU, torch 2.13's compiled FlexAttention aborts the process (heap corruption) for
+    # any score_mod that reads a tensor, as transformers' flex_attention_forward does with a
+    # mask; benchmarks/gpu_session.sh runs this case on a GPU.
+    pytest.param("flex_attention", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="compiled FlexAttention with a score mask: GPU")),
+])
+def test_attention_backends_compute_what_eager_computes(backend):
+    """attn_implementation reaches every layer's softmax through transformers' attention
+    interface (a registered backend counts its calls) and changes no logit: every variant,
+    both Focus modes, a left-padded batch, and decoding with the cache."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    calls = []
+
+    def counted(module, *args, **kwargs):
+        calls.append(module.layer_idx)
+        return ALL_ATTENTION_FUNCTIONS[backend](module, *args, **kwargs)
+
+    AttentionInterface.register("counted", counted)
+    torch.manual_seed(0)
+    device = "cuda" if backend == "flex_attention" else "cpu"
+    model = _every_variant_model().eval().to(device)
+    tokens = (TOKENS[:, :12] % 200).to(device)
+    mask = (torch.arange(12) >= torch.tensor([[0], [3]])).long().to(device)
+    with torch.no_grad():
+        for mode in ("soft", "sparse"):
+            model.set_focus_mode(mode)
+            logits = {}
+            for name in ("eager", "counted"):
+                model.set_attn_implementation(name)
+                whole = model(tokens, attention_mask=mask).logits
+                first = model(tokens[:, :9], attention_mask=mask[:, :9], use_cache=True)
+                rest = model(tokens[:, 9:], attention_mask=mask,
+                             past_key_values=first.past_key_values, use_cache=True).logits
+                logits[name] = torch.cat([whole, first.logits, rest], dim=1)
+            torch.testing.assert_close(logits["counted"], logits["eager"], rtol=0, atol=1e-5)
+    assert sorted(set(calls)) == [0, 1, 2, 3] and len(calls) == 2 * 3 * 4
 
 
 # Four variants x both families, Mistral's window and Llama 3.1's RoPE: what a serving stack

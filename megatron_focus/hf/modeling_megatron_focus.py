@@ -30,6 +30,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_megatron_focus import MegatronFocusConfig, check_focus_inference
 
@@ -79,13 +80,40 @@ def rotate(t: torch.Tensor, positions: torch.Tensor, base: float,
     return t * angles.cos().to(t.dtype) + rotated * angles.sin().to(t.dtype)
 
 
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0,
+                            **kwargs):
+    """transformers' attention-function interface, computed here: softmax(q k^T * scaling +
+    attention_mask) v with scores and softmax in fp32, GQA by repeated keys and values; the
+    output `[b, s, heads, d]`. `attention_mask` `[b, 1, s, keys]` is additive."""
+    rep = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
+    scores = (query @ key.transpose(-1, -2)).float() * scaling + attention_mask.float()
+    return (scores.softmax(-1).to(value.dtype) @ value).transpose(1, 2), None
+
+
+def additive(keep: torch.Tensor, dtype, bias: torch.Tensor = None) -> torch.Tensor:
+    """`bias` (default 0) where `keep`, the dtype's lowest value elsewhere: the additive mask
+    that every attention backend takes (the own key is always kept, so no row is empty)."""
+    bias = torch.zeros((), dtype=dtype, device=keep.device) if bias is None else bias.to(dtype)
+    return bias.masked_fill(~keep, torch.finfo(dtype).min)
+
+
 class Attention(nn.Module):
-    """Causal softmax attention with GQA: query head h shares key/value group h // (heads / groups)."""
+    """Causal softmax attention with GQA: query head h shares key/value group h // (heads / groups).
+
+    The softmax runs where `config._attn_implementation` says (`attn_implementation=` at load,
+    `model.set_attn_implementation`): "eager" is `eager_attention_forward`; "sdpa", "flex_attention" and
+    kernels registered with transformers' `AttentionInterface` go through that interface, each
+    given the layer's pairs (and Focus's soft gate) as one additive mask.
+    """
+
+    is_causal = True  # read by transformers' attention functions
 
     def __init__(self, config: MegatronFocusConfig, layer_idx: int):
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
         heads, groups, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.num_key_value_groups = heads // groups  # transformers' name: query heads per group
         qkv_bias = config.bias or config.qkv_bias
         self.q_proj = nn.Linear(config.hidden_size, heads * hd, bias=qkv_bias)
         self.k_proj = nn.Linear(config.hidden_size, groups * hd, bias=qkv_bias)
@@ -116,8 +144,20 @@ class Attention(nn.Module):
 
     def attend(self, q, k, v, mask, routing=None):
         """Per-head outputs `[b, heads, s, d]`; `mask` `[b, 1, s, keys]` is True where a pair is kept."""
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        return self.softmax_attention(q, k, v, additive(mask, q.dtype))
+
+    def softmax_attention(self, q, k, v, bias):
+        """softmax(q k^T / sqrt(d) + bias) v `[b, heads, s, d]` on the configured backend."""
+        backend = self.config._attn_implementation
+        if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):  # transformers 5
+            function = ALL_ATTENTION_FUNCTIONS.get_interface(backend, eager_attention_forward)
+        elif backend in (None, "eager"):
+            function = eager_attention_forward
+        else:  # transformers 4
+            function = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        bias = bias.expand(q.shape[0], -1, -1, -1).contiguous()  # flex_attention indexes it by batch
+        out, _ = function(self, q, k, v, bias, dropout=0.0, scaling=q.shape[-1] ** -0.5)
+        return out.transpose(1, 2)
 
     def project(self, y, own_v):
         return y
@@ -352,18 +392,16 @@ class FocusAttention(Attention):
         local = local_pairs(q.shape[2], k.shape[2], config.focus_window, q.device) \
             | sinks[:, None, :]
         if config.focus_attention_mode == "sparse":
-            attn_mask = mask & hard_rule(groups_q, groups_k, local, config.focus_top_k)[:, None]
-        elif config.focus_gate == "sigmoid":  # a factor on the logits: explicit scores
+            keep = mask & hard_rule(groups_q, groups_k, local, config.focus_top_k)[:, None]
+            return self.softmax_attention(q, k, v, additive(keep, q.dtype))
+        if config.focus_gate == "sigmoid":  # a factor on the logits: explicit scores, any backend
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
             factor = sigmoid_gate(log_g_q, log_g_k, local, config.focus_gate_scale)[:, None]
             logits = (q @ k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5 * factor
             return logits.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype) @ v
-        else:
-            bias = soft_gate(log_g_q, log_g_k, local, config.focus_gate_scale)[:, None]
-            attn_mask = bias.to(q.dtype).masked_fill(~mask, float("-inf"))
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, enable_gqa=q.shape[1] != k.shape[1])
+        bias = soft_gate(log_g_q, log_g_k, local, config.focus_gate_scale)[:, None]
+        return self.softmax_attention(q, k, v, additive(mask, q.dtype, bias))
 
 
 class FocusXSAAttention(FocusAttention):
@@ -412,6 +450,11 @@ class MegatronFocusPreTrainedModel(PreTrainedModel):
     config_class = MegatronFocusConfig
     base_model_prefix = "model"
     _no_split_modules = ["DecoderLayer"]
+    # attn_implementation: eager, sdpa (the default), flex_attention, registered kernels; not
+    # flash_attention_2, which takes no arbitrary mask (Focus's pairs and gate need one)
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
 
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -517,6 +560,24 @@ class MegatronFocusForCausalLM(MegatronFocusPreTrainedModel, GenerationMixin):
 
     def set_output_embeddings(self, value):
         self.lm_head = value
+
+    def generate(self, *args, focus_attention_mode: str = None, focus_top_k: int = None,
+                 **kwargs):
+        """`GenerationMixin.generate` in the Focus mode and top-k given here, else in the
+        generation config (`focus_attention_mode`, `focus_top_k`: a folder's
+        generation_config.json, or lm-evaluation-harness's `--gen_kwargs`), else the model
+        config's; the model's own setting is back afterwards."""
+        generation_config = kwargs.get("generation_config") or self.generation_config
+        mode = focus_attention_mode or getattr(generation_config, "focus_attention_mode", None)
+        top_k = focus_top_k or getattr(generation_config, "focus_top_k", None)
+        if mode is None and top_k is None:
+            return super().generate(*args, **kwargs)
+        previous = (self.config.focus_attention_mode, self.config.focus_top_k)
+        self.set_focus_mode(mode or previous[0], top_k)
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            self.config.focus_attention_mode, self.config.focus_top_k = previous
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache: Cache = None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0,
