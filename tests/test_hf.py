@@ -650,6 +650,21 @@ def test_hf_to_native_to_hf(name, tmp_path):
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         kept = before.get(key) if isinstance(before.get(key), int) and before[key] < 200 else None
         assert after.get(key) == kept, key
+    for key in SHAPE_FIELDS:  # and every field that says what the model computes
+        if key in before:
+            assert after.get(key) == before[key], key
+
+
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "n_embd", "num_hidden_layers", "n_layer",
+                "num_attention_heads", "n_head", "num_key_value_heads", "head_dim",
+                "intermediate_size", "n_inner", "hidden_act", "activation_function",
+                "rms_norm_eps", "layer_norm_epsilon", "norm_eps", "max_position_embeddings",
+                "n_positions", "tie_word_embeddings", "sliding_window", "rope_parameters",
+                "rope_theta", "rope_scaling", "llama3_rope_scaling", "attention_bias", "mlp_bias",
+                "layer_attention", "normalization", "activation", "bias", "qkv_bias", "qk_norm",
+                "position_embedding_type", "rotary_base") + tuple(
+                    f"focus_{name}" for name in ("groups", "dim", "window", "tau",
+                                                 "sinkhorn_iters", "gate_scale", "gate"))
 
 
 def test_llama31_rope_frequencies_agree_three_ways():

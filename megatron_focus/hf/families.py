@@ -164,7 +164,8 @@ def hf_config(family: str, arch: Architecture, special_tokens: dict):
         return GPT2Config(
             vocab_size=arch.vocab_size, n_positions=arch.max_position_embeddings,
             n_embd=arch.hidden_size, n_layer=arch.num_layers, n_head=arch.num_attention_heads,
-            n_inner=arch.ffn_hidden_size,
+            # None: GPT-2's own way of saying 4 x n_embd, as its released configs write it
+            n_inner=None if arch.ffn_hidden_size == 4 * arch.hidden_size else arch.ffn_hidden_size,
             activation_function="gelu_new" if arch.openai_gelu else "gelu",  # as F.gelu
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=arch.norm_epsilon,
             tie_word_embeddings=True, **special_tokens,
