@@ -24,6 +24,7 @@ EXTRAS = {
     "plot": ["matplotlib>=3.8"],  # tools/compare_runs.py
     # transformers: 4.57.6 and 5.24.0 are tested (.ci/run); protobuf: SentencePiece conversion
     "hf": ["transformers>=4.57,<5.25", "safetensors>=0.4", "protobuf>=4"],
+    "eval": ["lm_eval==0.4.13", "accelerate>=1.0"],  # examples/lm_eval: lm-evaluation-harness
     "gpu": ["flash-attn>=2.6"],
 }
 

@@ -13,7 +13,7 @@ SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "__pycache_
 MIN_CHARS = 40
 
 
-def _docstrings(path: str) -> list[str]:
+def file_docstrings(path: str) -> list[str]:
     with open(path, "rb") as f:
         source = f.read()
     try:
@@ -33,7 +33,7 @@ def stdlib_docstrings() -> list[str]:
         dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
         for name in sorted(filenames):
             if name.endswith(".py"):
-                for doc in _docstrings(os.path.join(dirpath, name)):
+                for doc in file_docstrings(os.path.join(dirpath, name)):
                     seen.setdefault(doc, None)
     return list(seen)
 
