@@ -68,7 +68,8 @@ def llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 def rotate(t: torch.Tensor, positions: torch.Tensor, base: float,
            scaling: dict = None) -> torch.Tensor:
-    """Megatron's (non-interleaved) rotary embedding of `t` `[b, heads, s, d]` at `positions` `[b, s]`."""
+    """Megatron's (non-interleaved) rotary embedding of `t` `[b, heads, s, d]` at `positions`
+    `[b, s]`."""
     d = t.shape[-1]
     inv_freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float32, device=t.device) / d)
     if scaling is not None:
@@ -102,9 +103,9 @@ class Attention(nn.Module):
     """Causal softmax attention with GQA: query head h shares key/value group h // (heads / groups).
 
     The softmax runs where `config._attn_implementation` says (`attn_implementation=` at load,
-    `model.set_attn_implementation`): "eager" is `eager_attention_forward`; "sdpa", "flex_attention" and
-    kernels registered with transformers' `AttentionInterface` go through that interface, each
-    given the layer's pairs (and Focus's soft gate) as one additive mask.
+    `model.set_attn_implementation`): "eager" is `eager_attention_forward`; "sdpa",
+    "flex_attention" and kernels registered with transformers' `AttentionInterface` go through
+    that interface, each given the layer's pairs (and Focus's soft gate) as one additive mask.
     """
 
     is_causal = True  # read by transformers' attention functions
@@ -143,7 +144,7 @@ class Attention(nn.Module):
         return None
 
     def attend(self, q, k, v, mask, routing=None):
-        """Per-head outputs `[b, heads, s, d]`; `mask` `[b, 1, s, keys]` is True where a pair is kept."""
+        """Per-head outputs `[b, heads, s, d]`; `mask` `[b, 1, s, keys]`: True for a kept pair."""
         return self.softmax_attention(q, k, v, additive(mask, q.dtype))
 
     def softmax_attention(self, q, k, v, bias):
@@ -155,7 +156,7 @@ class Attention(nn.Module):
             function = eager_attention_forward
         else:  # transformers 4
             function = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
-        bias = bias.expand(q.shape[0], -1, -1, -1).contiguous()  # flex_attention indexes it by batch
+        bias = bias.expand(q.shape[0], -1, -1, -1).contiguous()  # flex indexes it by batch
         out, _ = function(self, q, k, v, bias, dropout=0.0, scaling=q.shape[-1] ** -0.5)
         return out.transpose(1, 2)
 
@@ -164,7 +165,8 @@ class Attention(nn.Module):
 
 
 class XSAAttention(Attention):
-    """Exclusive self attention: each head's output minus its component along the token's own value."""
+    """Exclusive self attention: each head's output minus its component along the token's own
+    value."""
 
     def project(self, y, own_v):
         b, groups, s, d = own_v.shape
@@ -281,8 +283,8 @@ class FocusCacheLayer(DynamicLayer):
     `log_g` `[b, n, K]`: each cached token's log-assignment (the soft gate's g_j); `groups`
     `[b, n, K]`: its ranked groups (the hard rule's top-1). `sums` `[b, n, iters, K]`: per
     causal-Sinkhorn iteration, the log-sum of exp(L) over the tokens up to this one; the last row
-    is all the next token needs. All are per token, as keys and values are, so cropping, beam reordering and batch expansion (below) treat
-    them as DynamicLayer treats keys and values.
+    is all the next token needs. All are per token, as keys and values are, so cropping, beam
+    reordering and batch expansion (below) treat them as DynamicLayer treats keys and values.
     """
 
     keeps_focus_routing = True  # duck-typed: this file may be imported twice (package, remote code)
@@ -480,7 +482,8 @@ class MegatronFocusModel(MegatronFocusPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         if config.position_embedding_type == "learned_absolute":
             self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i)
+                                    for i in range(config.num_hidden_layers))
         self.norm = norm(config)
         self.post_init()
 
