@@ -24,6 +24,8 @@ import time
 
 import torch
 
+from megatron_focus.variants import variant
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8",
          "--seq-length", "1024", "--micro-batch-size", "8", "--position-embedding-type", "rope",
@@ -88,7 +90,7 @@ def main() -> None:
     log, ckpt, hf = (os.path.join(work, name) for name in ("commands.log", "ckpt", "hf"))
     half = opts.iters // 2
     flags = (TINY if opts.tiny else MODEL) + ["--attention", opts.attention]
-    flags += FOCUS if opts.attention.startswith("focus") else []
+    flags += FOCUS if variant(opts.attention).focus else []
     flags += ["--bf16", "--attention-dropout", "0", "--hidden-dropout", "0"] if cuda else []
     flags += ["--train-iters", str(opts.iters), "--log-interval", "1", "--eval-interval",
               str(opts.iters), "--eval-iters", "2", "--save", ckpt, "--save-interval", str(half),

@@ -13,9 +13,9 @@ from typing import List, Optional
 
 from megatron_focus import cli
 from megatron_focus.compat import add_compat_args, check_compat_args
-from megatron_focus.choices import (ATTENTION_VARIANTS, FOCUS_GATES, FOCUS_KERNELS,
-                                    TOKENIZER_TYPES)
+from megatron_focus.choices import TOKENIZER_TYPES
 from megatron_focus.training.deepspeed_config import deepspeed_config
+from megatron_focus.variants import VARIANTS, FocusConfig, variant
 
 
 def int_tuple(text: str) -> tuple:
@@ -76,7 +76,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--window-size", type=int_tuple, default=None, metavar="LEFT,RIGHT",
                    help="sliding-window attention (standard and xsa): query i sees keys "
                         "i - LEFT .. i; RIGHT must be 0 (causal); as Megatron-LM's")
-    g.add_argument("--attention", choices=ATTENTION_VARIANTS, default="standard",
+    g.add_argument("--attention", choices=VARIANTS, default="standard",
                    help="core attention variant (megatron-focus)")
     g.add_argument("--xsa-layers", type=int, nargs="+", default=None, metavar="N",
                    help="layers (1-based) that use XSA; the others use the base attention. "
@@ -84,29 +84,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_focus_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("focus (--attention focus, focus+xsa)")
-    g.add_argument("--focus-groups", type=int, default=8, help="K, groups per layer")
-    g.add_argument("--focus-dim", type=int, default=16, help="d_g, routing dimension")
-    g.add_argument("--focus-window", type=int, default=128, help="w, local window (keys)")
-    g.add_argument("--focus-tau", type=float, default=0.1, help="routing temperature")
-    g.add_argument("--focus-sinkhorn-iters", type=int, default=10)
-    g.add_argument("--focus-top-k", type=int, default=2, help="groups per query, sparse mode")
-    g.add_argument("--focus-gate-scale", type=float, default=1.0,
-                   help="lambda: distant pairs get lambda * log(g_i . g_j); 0 = gate open")
-    g.add_argument("--focus-gate", choices=FOCUS_GATES, default="log",
-                   help="the soft gate on distant pairs: log (ours, above) or sigmoid (the "
-                        "paper's logit * sigmoid(lambda g_i . g_j), for ablations; explicit "
-                        "scores per chunk on the CPU, slower)")
-    g.add_argument("--focus-sink-tokens", type=int, default=0,
-                   help="the first s tokens of every sequence are kept for every query, in both "
-                        "modes, as local pairs are (an attention sink)")
-    g.add_argument("--focus-chunk-size", type=int, default=128,
-                   help="queries per chunk of the soft-gate attention (memory ~ chunk x seq)")
-    g.add_argument("--focus-attention-mode", choices=("soft", "sparse"), default="soft",
-                   help="soft gate (training) or hard top-k rule (sparse inference)")
-    g.add_argument("--focus-kernel", choices=FOCUS_KERNELS, default="auto",
-                   help="soft gate's kernel: flex (FlexAttention score_mod, fused; GPU only) or "
-                        "chunked; auto = flex on a GPU, chunked on the CPU")
+    focus = ", ".join(v.name for v in VARIANTS.values() if v.focus)
+    FocusConfig.add_flags(p.add_argument_group(f"focus (--attention {focus})"))
 
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -427,13 +406,12 @@ AT_LEAST = {
                      "micro_batch_size", "global_batch_size", "tensor_model_parallel_size",
                      "train_iters", "lr_decay_iters", "log_interval", "eval_interval",
                      "train_samples", "lr_decay_samples",
-                     "save_interval", "exit_interval", "focus_groups", "focus_dim",
-                     "focus_window", "focus_chunk_size", "recompute_num_layers",
+                     "save_interval", "exit_interval", "recompute_num_layers",
                      "tensorboard_log_interval"), 1),
     **dict.fromkeys(("lr", "min_lr", "clip_grad", "lr_warmup_iters", "eval_iters",
-                     "num_workers", "max_skipped_steps", "focus_sink_tokens",
+                     "num_workers", "max_skipped_steps",
                      "lr_warmup_samples", "lr_warmup_fraction",
-                     "focus_sinkhorn_iters", "focus_gate_scale", "init_method_std",
+                     "init_method_std",
                      "hidden_dropout", "attention_dropout", "weight_decay", "ckpt_step",
                      "manual_gc_interval", "decoupled_lr", "decoupled_min_lr",
                      "profile_step_start"), 0),
@@ -517,10 +495,9 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     _validate_focus(args)
     _validate_recompute(args)
     if args.xsa_layers is not None:
-        if not args.attention.endswith("xsa"):
-            raise ValueError(
-                f"--xsa-layers needs --attention xsa or focus+xsa, not {args.attention}"
-            )
+        if not variant(args.attention).xsa:
+            xsa = " or ".join(v.name for v in VARIANTS.values() if v.xsa)
+            raise ValueError(f"--xsa-layers needs --attention {xsa}, not {args.attention}")
         missing = [n for n in args.xsa_layers if not 1 <= n <= args.num_layers]
         if missing:
             raise ValueError(
@@ -574,10 +551,10 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
         if len(args.window_size) != 2 or args.window_size[1] != 0 or args.window_size[0] < 0:
             raise ValueError(f"--window-size {args.window_size}: give LEFT,0 with LEFT >= 0 "
                              "(a causal window of LEFT + 1 keys)")
-        if args.attention.startswith("focus"):
+        if variant(args.attention).focus:
             raise ValueError("--window-size is for standard and xsa attention: Focus has its own "
                              "local window (--focus-window)")
-    if args.reset_attention_mask and args.attention.startswith("focus"):
+    if args.reset_attention_mask and variant(args.attention).focus:
         raise ValueError("--reset-attention-mask is for standard and xsa attention: Focus's "
                          "routing does not restart at document boundaries yet")
     _validate_architecture(args)
@@ -613,21 +590,15 @@ def _validate_architecture(args: argparse.Namespace) -> None:
 
 
 def _validate_focus(args: argparse.Namespace) -> None:
-    if not 1 <= args.focus_top_k <= args.focus_groups:
-        raise ValueError(
-            f"--focus-top-k {args.focus_top_k} must be between 1 and --focus-groups "
-            f"{args.focus_groups}"
-        )
-    if args.focus_tau <= 0:
-        raise ValueError(f"--focus-tau {args.focus_tau}: must be above 0")
-    if args.focus_kernel == "flex" and not _gpu():
+    focus = FocusConfig.from_args(args)  # the --focus-* flags checked whatever the variant
+    if focus.kernel == "flex" and not _gpu():
         raise ValueError("--focus-kernel flex needs a GPU: FlexAttention has no CPU backward "
                          "(use auto or chunked)")
     import torch
 
-    from megatron_focus.model.focus_gate import soft_kernel
+    from megatron_focus.model.kernels import soft_kernel
 
-    soft_kernel(args.focus_kernel, torch.device("cpu"), args.attention_dropout)  # flex: no dropout
+    soft_kernel(focus.kernel, torch.device("cpu"), args.attention_dropout)  # flex: no dropout
 
 
 def _schedule_in_iterations(args: argparse.Namespace, world_size: int) -> None:
@@ -718,8 +689,9 @@ def _validate_training(args: argparse.Namespace, world_size: int) -> None:
         )
     if reads_data_files(args) and args.tokenizer_type is None:
         raise ValueError("--data-path needs --tokenizer-type")
-    if args.retrofit and not args.attention.startswith("focus"):
-        raise ValueError("--retrofit adds Focus routers: it needs --attention focus or focus+xsa")
+    if args.retrofit and not variant(args.attention).focus:
+        focus = " or ".join(v.name for v in VARIANTS.values() if v.focus)
+        raise ValueError(f"--retrofit adds Focus routers: it needs --attention {focus}")
     if (args.retrofit or args.finetune) and not args.load:
         raise ValueError("--retrofit and --finetune need --load (the pretrained checkpoint)")
     if args.distributed_backend == "nccl" and not _gpu():

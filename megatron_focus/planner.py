@@ -56,6 +56,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
+from megatron_focus.variants import FocusConfig, variant
+
 GB = 1e9  # decimal gigabytes, as GPU memory sizes are quoted (80 GB)
 DEFAULT_VOCAB = 50257  # GPT-2's tokenizer
 
@@ -129,17 +131,7 @@ def _validate(args: argparse.Namespace, world: int) -> None:
     try:
         validate_args(args, world_size=world)
     except ValueError as error:
-        if "not implemented" not in str(error):
-            raise PlanError(str(error)) from None
-        # Planning a variant the trainer does not run yet: its shape is the base variant's.
-        attention = args.attention
-        args.attention = "xsa" if attention.endswith("xsa") else "standard"
-        try:
-            validate_args(args, world_size=world)
-        except ValueError as error:
-            raise PlanError(str(error)) from None
-        finally:
-            args.attention = attention
+        raise PlanError(str(error)) from None
 
 
 # --- parameters -----------------------------------------------------------------------------------
@@ -191,9 +183,7 @@ def count_parameters(args: argparse.Namespace, vocab_size: int, tp: int = 1) -> 
     qkv = h * (heads + 2 * groups) * d + (heads + 2 * groups) * d * (bias or args.add_qkv_bias)
     layer_sharded = qkv + heads * d * h + h * fc1_out + fc1_out * bias + ffn * h
     # Replicated: the two norms, the row-parallel biases (output projection, fc2), the router.
-    router = 0
-    if args.attention.startswith("focus"):
-        router = h * args.focus_dim + args.focus_groups * args.focus_dim
+    router = FocusConfig.from_args(args).router_params(h) if variant(args.attention).focus else 0
     qk_norm = 2 * (2 * d if args.normalization == "LayerNorm" else d) if args.qk_layernorm else 0
     layer_replicated = 2 * norm + 2 * h * bias + router + qk_norm
     word = vocab * h
@@ -232,7 +222,7 @@ def activation_bytes_per_layer(args: argparse.Namespace, micro_batch: int, tp: i
     else:  # flash / SDPA kernels keep their output and log-sum-exp, and recompute the scores
         tp_region += e * s * b * heads * d + 4 * s * b * heads
     tp_region += (4 if args.swiglu else 2) * e * s * b * ffn
-    if args.attention.endswith("xsa") and e < 4:
+    if variant(args.attention).xsa and e < 4:
         tp_region += 4 * s * b * (heads * d + groups * d)
     return (sp_region / tp if sp else sp_region) + tp_region / tp
 
@@ -247,7 +237,7 @@ def activation_bytes(args: argparse.Namespace, vocab: int, micro_batch: int, tp:
     around = around / tp if sp else around
     logits = (e + 4) * s * b * vocab / tp
     focus = 0.0
-    if args.attention.startswith("focus"):
+    if variant(args.attention).focus:
         chunk = min(args.focus_chunk_size, s)
         focus = 12 * b * (args.num_attention_heads / tp) * chunk * s
     return layers + around + logits + focus

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from megatron_focus.model import focus_gate
+from megatron_focus.model import kernels
 from megatron_focus.model.flex import (causal_block_mask, flex_attention_with_lse,
                                        flex_soft_focus, gate_score_mod, range_block_mask)
 from megatron_focus.model.focus_gate import attention_with_lse
@@ -146,14 +146,14 @@ def test_flex_attention_with_lse_equals_cpu_kernel(causal, mask_shape):
 
 
 def test_soft_kernel_choice():
-    assert focus_gate.soft_kernel("auto", torch.device("cpu")) == "chunked"
-    assert focus_gate.soft_kernel("auto", torch.device("cuda")) == "flex"
-    assert focus_gate.soft_kernel("chunked", torch.device("cuda")) == "chunked"
-    assert focus_gate.soft_kernel("auto", torch.device("cuda"), dropout_p=0.1) == "chunked"
+    assert kernels.soft_kernel("auto", torch.device("cpu")) == "chunked"
+    assert kernels.soft_kernel("auto", torch.device("cuda")) == "flex"
+    assert kernels.soft_kernel("chunked", torch.device("cuda")) == "chunked"
+    assert kernels.soft_kernel("auto", torch.device("cuda"), dropout_p=0.1) == "chunked"
     with pytest.raises(ValueError, match="needs --attention-dropout 0"):
-        focus_gate.soft_kernel("flex", torch.device("cuda"), dropout_p=0.1)
+        kernels.soft_kernel("flex", torch.device("cuda"), dropout_p=0.1)
     with pytest.raises(ValueError, match="unknown Focus kernel"):
-        focus_gate.soft_kernel("triton", torch.device("cpu"))
+        kernels.soft_kernel("triton", torch.device("cpu"))
 
 
 def test_compiled_flex_takes_a_new_gate_closure_without_recompiling():

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from megatron_focus.model import focus_gate
+from megatron_focus.model import kernels
 from megatron_focus.model.focus_gate import focus_attention
 from megatron_focus.model.focus_sparse import merge_by_lse, sparse_focus_attention
 from megatron_focus.model.groups import Routing
@@ -47,7 +47,7 @@ def test_sparse_dispatch_equals_dense_hard_rule(monkeypatch, kernel, b, heads, k
     if kernel == "flex":
         if n > 300:
             pytest.skip("eager FlexAttention on the CPU evaluates every pair")
-        monkeypatch.setattr(focus_gate, "lse_kernel", lambda device: "flex")
+        monkeypatch.setattr(kernels, "lse_kernel", lambda device: "flex")
     gen = torch.Generator().manual_seed(n + groups)
     q = torch.randn(b, heads, n, d, generator=gen)
     k, v = (torch.randn(b, kv, n, d, generator=gen) for _ in range(2))

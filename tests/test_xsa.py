@@ -190,7 +190,7 @@ def _layer_outputs(model):
 
 def test_xsa_layers_applies_xsa_only_on_the_listed_layers(single_process):
     from megatron_focus.model.core_attention import CoreAttention
-    from megatron_focus.model.specs import XSAAttention
+    from megatron_focus.model.xsa import XSAAttention
 
     three = FAMILIES["gpt2"] + ["--num-layers", "3"]
     _, standard = _build(three)

@@ -19,7 +19,7 @@ import argparse
 
 from megatron_focus import cli
 from megatron_focus.hf import import_from_hf
-from megatron_focus.hf.architecture import SUPPORTED_ATTENTION
+from megatron_focus.variants import VARIANTS
 
 
 def main() -> None:
@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--hf-dir", required=True, help="a folder written by save_pretrained")
     parser.add_argument("--save", required=True, help="the checkpoint folder to write")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    parser.add_argument("--attention", choices=SUPPORTED_ATTENTION, default=None,
+    parser.add_argument("--attention", choices=VARIANTS, default=None,
                         help="default: the HF model's own")
     parser.add_argument("--xsa-layers", type=int, nargs="+", default=None,
                         help="with --attention xsa or focus+xsa: the layers (1-based) that use XSA")

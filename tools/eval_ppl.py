@@ -34,7 +34,7 @@ from megatron_focus.hf.native import (  # noqa: E402
 from megatron_focus.data.loader import micro_batches, to_device  # noqa: E402
 from megatron_focus.model.focus import (  # noqa: E402
     FocusAttention, focus_statistics, recording_statistics, set_focus_mode)
-from megatron_focus.model.focus_gate import lse_kernel, soft_kernel  # noqa: E402
+from megatron_focus.model.kernels import lse_kernel, soft_kernel  # noqa: E402
 from megatron_focus.training import trainer  # noqa: E402
 
 

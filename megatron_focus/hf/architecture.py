@@ -9,57 +9,7 @@ import argparse
 import dataclasses
 from typing import List, Optional, Tuple
 
-from megatron_focus.choices import FOCUS_GATES
-
-SUPPORTED_ATTENTION = ("standard", "xsa", "focus", "focus+xsa")
-# The variant each Focus variant is without its routers (what a retrofit starts from).
-WITHOUT_FOCUS = {"focus": "standard", "focus+xsa": "xsa"}
-
-
-@dataclasses.dataclass(frozen=True)
-class FocusSettings:
-    """A Focus model's settings, named as `pretrain_gpt.py`'s `--focus-*` flags.
-
-    The first eight decide what the model computes and are recorded in `model_args.json`; `top_k`
-    and `attention_mode` are inference settings (sparse mode), free to change, not recorded: they
-    take `pretrain_gpt.py`'s defaults unless given.
-    """
-
-    groups: int
-    dim: int
-    window: int
-    tau: float
-    sinkhorn_iters: int
-    gate_scale: float
-    gate: str = "log"
-    sink_tokens: int = 0
-    top_k: int = 2
-    attention_mode: str = "soft"
-
-    RECORDED = ("groups", "dim", "window", "tau", "sinkhorn_iters", "gate_scale", "gate",
-                "sink_tokens")
-
-    def __post_init__(self):
-        if not 1 <= self.top_k <= self.groups:
-            raise ValueError(f"Focus top-k {self.top_k} must be between 1 and the groups "
-                             f"({self.groups})")
-        if self.gate not in FOCUS_GATES:
-            raise ValueError(f"Focus gate {self.gate!r}: one of {FOCUS_GATES}")
-        if self.attention_mode not in ("soft", "sparse"):
-            raise ValueError(f"Focus attention mode {self.attention_mode!r}: soft or sparse")
-
-    @classmethod
-    def from_model_args(cls, model_args: dict, **inference) -> "FocusSettings":
-        missing = [f"focus_{name}" for name in cls.RECORDED if f"focus_{name}" not in model_args]
-        if missing:
-            raise ValueError(f"model_args.json lacks {', '.join(missing)}: the Focus checkpoint "
-                             "was saved by a megatron-focus that did not record them yet")
-        return cls(**{name: model_args[f"focus_{name}"] for name in cls.RECORDED},
-                   **{k: v for k, v in inference.items() if v is not None})
-
-    def flags(self) -> List[str]:
-        return [str(flag) for name in [f.name for f in dataclasses.fields(self)]
-                for flag in (f"--focus-{name.replace('_', '-')}", getattr(self, name))]
+from megatron_focus.variants import FocusConfig, variant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,15 +39,13 @@ class Architecture:
     squared_relu: bool = False  # relu(x)^2 MLP
     use_rope_scaling: bool = False  # Llama 3.1's RoPE frequency scaling, by rope_scaling_factor
     rope_scaling_factor: float = 8.0
-    focus: Optional[FocusSettings] = None  # exactly when attention is focus or focus+xsa
+    focus: Optional[FocusConfig] = None  # exactly when the attention variant routes
 
     def __post_init__(self):
-        if self.attention not in SUPPORTED_ATTENTION:
-            raise NotImplementedError(
-                f"--attention {self.attention}: the HF conversion supports "
-                f"{', '.join(SUPPORTED_ATTENTION)}"
-            )
-        if (self.focus is not None) != self.attention.startswith("focus"):
+        if variant(self.attention).hf_attention is None:
+            raise NotImplementedError(f"--attention {self.attention}: the HF model has no layer "
+                                      "that computes it")
+        if (self.focus is not None) != variant(self.attention).focus:
             raise ValueError(f"--attention {self.attention} with Focus settings {self.focus}")
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"unknown normalization {self.normalization!r}")
@@ -112,10 +60,8 @@ class Architecture:
         return not self.untie_embeddings_and_output_weights
 
     def layer_attention(self) -> List[str]:
-        """Each layer's attention variant, first layer first."""
-        from megatron_focus.model.specs import layer_attention
-
-        return [layer_attention(self.attention, number, self.xsa_layers)
+        """Each layer's attention as the HF model names it, first layer first."""
+        return [variant(self.attention).on_layer(number, self.xsa_layers).hf_attention
                 for number in range(1, self.num_layers + 1)]
 
     @classmethod
@@ -141,8 +87,8 @@ class Architecture:
         for name in ("xsa_layers", "window_size"):
             if kwargs[name] is not None:
                 kwargs[name] = tuple(kwargs[name])
-        if kwargs["attention"] in SUPPORTED_ATTENTION and kwargs["attention"].startswith("focus"):
-            kwargs["focus"] = FocusSettings.from_model_args(
+        if variant(kwargs["attention"]).focus:
+            kwargs["focus"] = FocusConfig.from_model_args(
                 model_args, top_k=focus_top_k, attention_mode=focus_attention_mode)
         return cls(vocab_size=vocab_size, **kwargs)
 

@@ -38,7 +38,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from megatron_focus.hf.architecture import Architecture, FocusSettings
+from megatron_focus.hf.architecture import Architecture
+from megatron_focus.variants import INFERENCE, MODEL, FocusConfig
 from megatron_focus.hf.mapping import Rule, copy, merge_qkv, split_qkv, transposed, zero_bias
 
 LLAMA, QWEN2, MISTRAL, GPT2, CUSTOM = "llama", "qwen2", "mistral", "gpt2", "megatron_focus"
@@ -68,7 +69,7 @@ class HFBiases:
 # --- which family --------------------------------------------------------------------------------
 
 def _not_llama_like(arch: Architecture) -> Optional[str]:
-    if arch.attention != "standard":
+    if set(arch.layer_attention()) != {"standard"}:
         return f"--attention {arch.attention}"
     if arch.qk_layernorm:
         return "query and key norms"
@@ -100,7 +101,7 @@ def _not_mistral(arch: Architecture) -> Optional[str]:
 
 
 def _not_gpt2(arch: Architecture) -> Optional[str]:
-    if arch.attention != "standard":
+    if set(arch.layer_attention()) != {"standard"}:
         return f"--attention {arch.attention}"
     if arch.window_size is not None:
         return "sliding-window attention"
@@ -236,12 +237,9 @@ def _rope_scaling(rope: Optional[dict]) -> dict:
     return {"use_rope_scaling": True, "rope_scaling_factor": float(rope["factor"])}
 
 
-def _focus_config(focus: Optional[FocusSettings]) -> dict:
+def _focus_config(focus: Optional[FocusConfig]) -> dict:
     """MegatronFocusConfig's `focus_*` fields (its defaults without Focus: they are then unused)."""
-    if focus is None:
-        return {}
-    return {f"focus_{field.name}": getattr(focus, field.name)
-            for field in dataclasses.fields(FocusSettings)}
+    return {} if focus is None else focus.keys(MODEL, INFERENCE)
 
 
 def _require(ok: bool, why: str) -> None:
@@ -344,8 +342,8 @@ def _from_custom(config) -> Architecture:
         window_size=None if config.sliding_window is None else (config.sliding_window - 1, 0),
         **_rope_scaling(config.llama3_rope_scaling and {"rope_type": "llama3",
                                                       **config.llama3_rope_scaling}),
-        focus=FocusSettings(**{field.name: getattr(config, f"focus_{field.name}")
-                               for field in dataclasses.fields(FocusSettings)})
+        focus=FocusConfig(**{name: getattr(config, f"focus_{name}")
+                             for name in FocusConfig.names(MODEL, INFERENCE)})
         if any(focus) else None,
     )
 

@@ -19,10 +19,10 @@ import os
 from typing import Optional, Sequence
 
 from megatron_focus.hf import families, native
-from megatron_focus.hf.architecture import WITHOUT_FOCUS
 from megatron_focus.hf.mapping import hf_to_native
 from megatron_focus.hf.tokenizer import SPECIAL_TOKEN_IDS, find_hf_tokenizer
 from megatron_focus.outputs import check_fresh
+from megatron_focus.variants import VARIANTS, variant
 
 
 def _hf_config(hf_dir: str):
@@ -87,11 +87,13 @@ def import_from_hf(hf_dir: str, save_dir: str, tensor_model_parallel_size: int =
     family, arch, biases = families.from_hf_config(config)
     retrofit = None
     if attention is not None:
-        if arch.focus is not None and not attention.startswith("focus"):
+        routed = variant(attention).focus
+        if arch.focus is not None and not routed:
+            focus = " or ".join(v.name for v in VARIANTS.values() if v.focus)
             raise ValueError(f"the HF model has Focus routers: importing it as --attention "
-                             f"{attention} would drop them; import it as focus or focus+xsa")
-        if attention.startswith("focus") and arch.focus is None:
-            retrofit, attention = attention, WITHOUT_FOCUS[attention]
+                             f"{attention} would drop them; import it as {focus}")
+        if routed and arch.focus is None:
+            retrofit, attention = attention, variant(attention).without_focus
         arch = dataclasses.replace(
             arch, attention=attention, xsa_layers=tuple(xsa_layers) if xsa_layers else None)
     args = arch.native_args(tensor_model_parallel_size, make_vocab_size_divisible_by)

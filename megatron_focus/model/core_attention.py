@@ -23,10 +23,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
-try:  # optional GPU extra: pip install megatron-focus[gpu]
-    from flash_attn import flash_attn_func
-except ImportError:
-    flash_attn_func = None
+from megatron_focus.model.kernels import flash_attn_func, use_flash_attn
 
 
 class CoreAttention(MegatronModule):
@@ -88,7 +85,7 @@ class CoreAttention(MegatronModule):
         if routing is not None:
             raise ValueError("standard attention takes no attention_bias / routing")
         dropout = self.dropout_p if self.training else 0.0
-        if attention_mask is None and _use_flash_attn(q):
+        if attention_mask is None and use_flash_attn(q):
             out = flash_attn_func(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 dropout_p=dropout, softmax_scale=self.softmax_scale, causal=True,
@@ -120,6 +117,3 @@ def causal_window(queries: int, keys: int, left: int, device) -> torch.Tensor:
         - torch.arange(keys, device=device)[None, :]
     return (distance >= 0) & (distance <= left)
 
-
-def _use_flash_attn(q: torch.Tensor) -> bool:
-    return flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)

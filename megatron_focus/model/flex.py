@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from megatron_focus.model.kernels import raise_recompile_limit
+from megatron_focus.model.kernels import compiled_flex, raise_recompile_limit
 
 # g_i . g_j below this is 0 for every purpose (the clamp keeps log() and its gradient finite);
 # the same floor as focus_gate's chunked path.
@@ -98,8 +98,7 @@ def causal_block_mask(n: int, device: torch.device, window: Optional[int] = None
 
 
 def _kernel(device: torch.device):
-    """Compiled FlexAttention on a GPU; eager (a dense evaluation, forward only) elsewhere."""
-    return _compiled_flex() if device.type == "cuda" else flex_attention
+    return _compiled_flex() if compiled_flex(device) else flex_attention
 
 
 # Dynamo compiles flex_attention's one frame again for each score_mod function, grad mode, and

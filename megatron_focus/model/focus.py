@@ -35,26 +35,9 @@ from megatron_focus.model.focus_gate import focus_attention
 from megatron_focus.model.focus_sparse import sparse_focus_attention
 from megatron_focus.model.groups import Routing
 from megatron_focus.model.sinkhorn import causal_sinkhorn
+from megatron_focus.model.xsa import XSAMixin
+from megatron_focus.variants import FOCUS_MODES, FocusConfig
 from megatron_focus.parallel import sum_grad_over_tensor_parallel
-
-MODES = ("soft", "sparse")
-
-
-@dataclasses.dataclass(frozen=True)
-class FocusConfig:
-    groups: int = 8  # K
-    dim: int = 16  # d_g
-    window: int = 128  # w
-    tau: float = 0.1
-    sinkhorn_iters: int = 10
-    top_k: int = 2  # hard (sparse) mode
-    gate_scale: float = 1.0  # lambda in the log gate; 0 opens the gate everywhere
-    gate: str = "log"  # or "sigmoid", the paper's (choices.FOCUS_GATES)
-    sink_tokens: int = 0  # the first s tokens, kept for every query (as local pairs)
-    chunk_size: int = 128
-    mode: str = "soft"
-    kernel: str = "auto"  # the soft rule's: choices.FOCUS_KERNELS
-
 
 class Router(torch.nn.Module):
     """W_g (d -> d_g) and K centroids: token -> log-assignment over groups, shared by all heads."""
@@ -69,7 +52,6 @@ class Router(torch.nn.Module):
         torch.nn.init.normal_(self.proj.weight, std=config.init_method_std)
         torch.nn.init.normal_(self.centroids, std=1.0 / math.sqrt(focus.dim))
         self.proj.weight.sequence_parallel = config.sequence_parallel
-        self.top_k = focus.top_k  # for the pairs-kept statistic; set_focus_mode may change it
         self.record_stats = False  # set by `recording_statistics`
         self.stats: Optional[dict] = None
 
@@ -89,7 +71,7 @@ class Router(torch.nn.Module):
         routing = Routing.of(log_g)
         if self.record_stats:
             with torch.no_grad():
-                self.stats = group_stats(routing, self.top_k, self.focus.window,
+                self.stats = group_stats(routing, self.focus.top_k, self.focus.window,
                                          self.focus.sink_tokens)
         if self.tp > 1:
             routing = routing._replace(log_g=sum_grad_over_tensor_parallel(log_g))
@@ -167,27 +149,29 @@ class FocusAttention(CoreAttention):
                  focus: FocusConfig, **kwargs):
         super().__init__(config, layer_number, attn_mask_type, **kwargs)
         self.focus = focus
-        self.mode = focus.mode
-        self.top_k = focus.top_k
 
     def attend(self, q, k, v, attention_mask, routing=None):
         if routing is None:
             raise ValueError("Focus core attention needs the router's assignments")
         if attention_mask is not None:
             raise NotImplementedError("Focus attention is causal only (no custom attention mask)")
-        if self.mode == "sparse" and not torch.is_grad_enabled():
-            return sparse_focus_attention(q, k, v, routing, window=self.focus.window,
-                                          top_k=self.top_k, scale=self.softmax_scale,
-                                          sink=self.focus.sink_tokens)
+        focus, sparse = self.focus, self.focus.attention_mode == "sparse"
+        if sparse and not torch.is_grad_enabled():
+            return sparse_focus_attention(q, k, v, routing, window=focus.window, top_k=focus.top_k,
+                                          scale=self.softmax_scale, sink=focus.sink_tokens)
         return focus_attention(
             q, k, v, routing,
-            window=self.focus.window, gate_scale=self.focus.gate_scale,
-            top_k=self.top_k if self.mode == "sparse" else None,
-            chunk_size=self.focus.chunk_size, scale=self.softmax_scale,
-            dropout_p=self.dropout_p if self.training else 0.0, kernel=self.focus.kernel,
-            gate=self.focus.gate, sink=self.focus.sink_tokens,
+            window=focus.window, gate_scale=focus.gate_scale,
+            top_k=focus.top_k if sparse else None,
+            chunk_size=focus.chunk_size, scale=self.softmax_scale,
+            dropout_p=self.dropout_p if self.training else 0.0, kernel=focus.kernel,
+            gate=focus.gate, sink=focus.sink_tokens,
         )
 
+
+
+class FocusXSAAttention(XSAMixin, FocusAttention):
+    """Focus attention, XSA on its output (`--attention focus+xsa`)."""
 
 def train_routers_only(model: torch.nn.Module) -> None:
     """A retrofit: only the Focus routers learn; every other weight is frozen."""
@@ -196,16 +180,17 @@ def train_routers_only(model: torch.nn.Module) -> None:
 
 
 def set_focus_mode(model: torch.nn.Module, mode: str, top_k: Optional[int] = None) -> None:
-    """Switch every Focus layer between the soft gate and the hard rule (optionally its top-k)."""
-    if mode not in MODES:
-        raise ValueError(f"unknown Focus mode {mode!r}; choose from {MODES}")
+    """Switch every Focus layer between the soft gate and the hard rule (optionally its top-k):
+    each router and core attention gets a new FocusConfig."""
+    if mode not in FOCUS_MODES:
+        raise ValueError(f"unknown Focus mode {mode!r}; choose from {FOCUS_MODES}")
     for module in model.modules():
-        if isinstance(module, FocusAttention):
-            module.mode = mode
-        if top_k is not None and isinstance(module, (FocusAttention, Router)):
-            if not 1 <= top_k <= module.focus.groups:
+        if isinstance(module, (FocusAttention, Router)):
+            if top_k is not None and not 1 <= top_k <= module.focus.groups:
                 raise ValueError(f"top-k {top_k} outside 1..{module.focus.groups}")
-            module.top_k = top_k
+            module.focus = dataclasses.replace(
+                module.focus, attention_mode=mode,
+                top_k=module.focus.top_k if top_k is None else top_k)
 
 
 @contextlib.contextmanager

@@ -27,12 +27,12 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megatron_focus.model.flex import TINY_AFFINITY, flex_attention_with_lse, flex_soft_focus
-from megatron_focus.choices import FOCUS_GATES, FOCUS_KERNELS
-from megatron_focus.model.kernels import cpu_attention_with_lse
+from megatron_focus.model import kernels
+from megatron_focus.variants import FOCUS_GATES
 from megatron_focus.model.groups import Routing
 
-# The soft rule's kernels (FOCUS_KERNELS): FlexAttention's fused one, or the chunked one below.
-# Its gates on distant pairs (FOCUS_GATES): ours in log space, or the paper's multiplicative one.
+# The soft rule's kernels (kernels.soft_kernel): FlexAttention's fused one, or the chunked one
+# below. Its gates on distant pairs (FOCUS_GATES): ours in log space, or the paper's one.
 
 
 def _causal_local(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, sink: int = 0):
@@ -88,12 +88,6 @@ def hard_pair_mask(groups_q: torch.Tensor, top1_k: torch.Tensor, q_pos: torch.Te
     return causal & (local | same_group)
 
 
-def lse_kernel(device: torch.device) -> str:
-    """attention_with_lse's kernel (the sparse path's): the CPU's fused flash kernel, or
-    FlexAttention (linear memory on a GPU)."""
-    return "cpu-flash" if device.type == "cpu" else "flex"
-
-
 def attention_with_lse(q, k, v, scale: float, causal: bool, mask=None):
     """(output, log-sum-exp) of softmax attention; kv heads may be fewer than q heads (GQA).
 
@@ -101,8 +95,8 @@ def attention_with_lse(q, k, v, scale: float, causal: bool, mask=None):
     query with no key left, the CPU kernel returns output 0 with log-sum-exp 0 (FlexAttention:
     -inf).
     """
-    if lse_kernel(q.device) == "cpu-flash":
-        return cpu_attention_with_lse(q, k, v, scale, causal, mask)
+    if kernels.lse_kernel(q.device) == "cpu-flash":
+        return kernels.cpu_attention_with_lse(q, k, v, scale, causal, mask)
     return flex_attention_with_lse(q, k, v, scale, causal, mask)
 
 
@@ -133,19 +127,6 @@ def _hard_chunk(q, k, v, groups_q, top1_k, start: int, window: int, sink: int, s
                                           scale=scale, enable_gqa=gqa)
 
 
-def soft_kernel(requested: str, device: torch.device, dropout_p: float = 0.0) -> str:
-    """The soft rule's kernel: "auto" is FlexAttention's fused one on a GPU without dropout
-    (FlexAttention has no dropout, and no CPU backward), the chunked one otherwise."""
-    if requested not in FOCUS_KERNELS:
-        raise ValueError(f"unknown Focus kernel {requested!r}; choose from {FOCUS_KERNELS}")
-    if requested == "flex" and dropout_p > 0:
-        raise ValueError("FlexAttention has no attention dropout: --focus-kernel flex needs "
-                         "--attention-dropout 0")
-    if requested == "auto":
-        return "flex" if device.type == "cuda" and dropout_p == 0 else "chunked"
-    return requested
-
-
 def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, routing: Routing, *,
                     window: int, gate_scale: float, top_k: Optional[int], chunk_size: int,
                     scale: float, dropout_p: float = 0.0, kernel: str = "auto",
@@ -164,7 +145,7 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, routing: 
     gqa = q.shape[1] != k.shape[1]
     log_g = routing.log_g.float()
     if top_k is None:
-        if soft_kernel(kernel, q.device, dropout_p) == "flex":
+        if kernels.soft_kernel(kernel, q.device, dropout_p) == "flex":
             return flex_soft_focus(q, k, v, log_g, window=window, gate_scale=gate_scale,
                                    scale=scale, gate=gate, sink=sink)
         if gate == "log" and dropout_p == 0.0 and torch.is_grad_enabled():

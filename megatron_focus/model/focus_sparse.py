@@ -34,7 +34,7 @@ This is an inference path (no backward through the log-sum-exp); training uses t
 
 import torch
 
-from megatron_focus.model import focus_gate
+from megatron_focus.model import kernels
 from megatron_focus.model.flex import flex_local_part, flex_range_attention
 from megatron_focus.model.focus_gate import attention_with_lse
 from megatron_focus.model.groups import Routing
@@ -156,7 +156,7 @@ def _bucket_part(q, k, v, groups_q, num_groups: int, scale: float):
     top_k = groups_q.shape[-1]
     rows = [x.transpose(1, 2).reshape(b * n, x.shape[1], d) for x in (q, k, v)]
     bucket, order, sizes, starts, before = _buckets(groups_q, num_groups)
-    flex = focus_gate.lse_kernel(q.device) == "flex"
+    flex = kernels.lse_kernel(q.device) == "flex"
     if flex or top_k > 1:
         members_k, members_v = (_gather_rows(x, order) for x in rows[1:])
     outs, lses = [], []
@@ -261,7 +261,7 @@ def sparse_focus_attention(q, k, v, routing: Routing, *, window: int, top_k: int
         groups_q[:, :sink, 0] = num_groups
         num_groups += 1
     bucket_outs, bucket_lses = _bucket_part(q, k, v, groups_q, num_groups, scale)
-    if focus_gate.lse_kernel(q.device) == "flex":  # a GPU: one call over the band
+    if kernels.lse_kernel(q.device) == "flex":  # a GPU: one call over the band
         local_out, local_lse = flex_local_part(q, k, v, groups_q, window, scale)
     else:
         local_out, local_lse = _local_part(q, k, v, groups_q, window, scale)

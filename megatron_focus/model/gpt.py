@@ -20,8 +20,8 @@ from megatron.core.activations import squared_relu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
-from megatron_focus.model.focus import FocusConfig
 from megatron_focus.model.specs import block_spec
+from megatron_focus.variants import FocusConfig, variant
 
 
 def openai_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -80,24 +80,15 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
     )
 
 
-def focus_config(args: argparse.Namespace) -> FocusConfig:
-    return FocusConfig(
-        groups=args.focus_groups, dim=args.focus_dim, window=args.focus_window,
-        tau=args.focus_tau, sinkhorn_iters=args.focus_sinkhorn_iters, top_k=args.focus_top_k,
-        gate_scale=args.focus_gate_scale, gate=args.focus_gate, sink_tokens=args.focus_sink_tokens,
-        chunk_size=args.focus_chunk_size,
-        mode=args.focus_attention_mode, kernel=args.focus_kernel,
-    )
-
-
 def build_model(args: argparse.Namespace, vocab_size: int) -> GPTModel:
     """The GPT model for this rank's tensor-parallel shard, on this rank's device."""
     config = transformer_config(args)
+    attention = variant(args.attention)
     model = GPTModel(
         config=config,
         transformer_layer_spec=block_spec(
-            args.attention, args.normalization, args.num_layers, args.xsa_layers,
-            focus_config(args) if args.attention.startswith("focus") else None,
+            attention, args.normalization, args.num_layers, args.xsa_layers,
+            FocusConfig.from_args(args) if attention.focus else None,
             qk_layernorm=args.qk_layernorm,
         ),
         vocab_size=padded_vocab_size(

@@ -1,7 +1,12 @@
-"""The torch calls that are private or version-specific, each behind one named, guarded function.
+"""Which kernel runs where, and the torch calls that are private or version-specific.
+
+Every kernel choice is a named function here, so what runs on a given machine is decided in one
+place: flash-attn or SDPA for standard attention, FlexAttention or the chunked path for Focus's
+soft gate, the CPU flash kernel or FlexAttention for attention with its log-sum-exp (the sparse
+path's).
 
 setup.py accepts torch 2.11 to 2.15; the suite runs on 2.11 and 2.13 (and its fast part on 2.15).
-What could move between releases lives here, so a new torch is one file to check:
+What could move between releases lives here too, so a new torch is one file to check:
 
 * the CPU flash kernel's (output, log-sum-exp), a private aten op: the sparse path's CPU kernel;
   where a torch lacks it, the same result from explicit scores (correct, slower);
@@ -9,6 +14,13 @@ What could move between releases lives here, so a new torch is one file to check
 """
 
 import torch
+
+from megatron_focus.variants import FOCUS_KERNELS
+
+try:  # optional GPU extra: pip install megatron-focus[gpu]
+    from flash_attn import flash_attn_func
+except ImportError:
+    flash_attn_func = None
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -49,3 +61,33 @@ def raise_recompile_limit(limit: int) -> None:
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), limit))
+
+
+def use_flash_attn(q: torch.Tensor) -> bool:
+    """Standard attention runs flash-attn's kernel when it is installed and the inputs are on a
+    GPU in half precision; SDPA otherwise."""
+    return flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def soft_kernel(requested: str, device: torch.device, dropout_p: float = 0.0) -> str:
+    """Focus's soft rule's kernel: "auto" is FlexAttention's fused one on a GPU without dropout
+    (FlexAttention has no dropout, and no CPU backward), the chunked one otherwise."""
+    if requested not in FOCUS_KERNELS:
+        raise ValueError(f"unknown Focus kernel {requested!r}; choose from {FOCUS_KERNELS}")
+    if requested == "flex" and dropout_p > 0:
+        raise ValueError("FlexAttention has no attention dropout: --focus-kernel flex needs "
+                         "--attention-dropout 0")
+    if requested == "auto":
+        return "flex" if device.type == "cuda" and dropout_p == 0 else "chunked"
+    return requested
+
+
+def lse_kernel(device: torch.device) -> str:
+    """The kernel of attention with its log-sum-exp (the sparse path's): the CPU's fused flash
+    kernel, or FlexAttention (linear memory on a GPU)."""
+    return "cpu-flash" if device.type == "cpu" else "flex"
+
+
+def compiled_flex(device: torch.device) -> bool:
+    """FlexAttention compiled on a GPU; eager elsewhere (a dense evaluation, forward only)."""
+    return device.type == "cuda"

@@ -13,70 +13,40 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_focus.choices import ATTENTION_VARIANTS
-from megatron_focus.model.core_attention import CoreAttention
-from megatron_focus.model.focus import FocusAttention, FocusConfig, FocusSelfAttention
+from megatron_focus.model.focus import FocusSelfAttention
 from megatron_focus.model.norm import Norm, QKNorm
-from megatron_focus.model.xsa import XSAMixin
+from megatron_focus.variants import AttentionVariant, FocusConfig
 
 
-class XSAAttention(XSAMixin, CoreAttention):
-    """Standard causal attention, XSA on its output."""
-
-
-class FocusXSAAttention(XSAMixin, FocusAttention):
-    """Focus attention, XSA on its output."""
-
-
-CORE_ATTENTION = {
-    "standard": CoreAttention,
-    "xsa": XSAAttention,
-    "focus": FocusAttention,
-    "focus+xsa": FocusXSAAttention,
-}
-
-# What an XSA variant is on the layers `--xsa-layers` leaves out.
-WITHOUT_XSA = {"xsa": "standard", "focus+xsa": "focus"}
-
-
-def layer_spec(attention: str, normalization: str, focus: Optional[FocusConfig] = None,
-               qk_layernorm: bool = False) -> ModuleSpec:
+def layer_spec(attention: AttentionVariant, normalization: str,
+               focus: Optional[FocusConfig] = None, qk_layernorm: bool = False) -> ModuleSpec:
     """The spec of one transformer layer with the given attention variant."""
-    if attention not in ATTENTION_VARIANTS:
-        raise ValueError(f"unknown --attention {attention!r}; choose from {ATTENTION_VARIANTS}")
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
     spec.submodules.input_layernorm = Norm
     spec.submodules.pre_mlp_layernorm = Norm
     attn = spec.submodules.self_attention
     if qk_layernorm:
         attn.submodules.q_layernorm = attn.submodules.k_layernorm = QKNorm
-    attn.submodules.core_attention = CORE_ATTENTION[attention]
-    if attention.startswith("focus"):
+    attn.submodules.core_attention = attention.core_attention_class()
+    if attention.focus:
         if focus is None:
-            raise ValueError(f"--attention {attention} needs a FocusConfig")
+            raise ValueError(f"--attention {attention.name} needs a FocusConfig")
         attn.module = FocusSelfAttention
         attn.params = {**attn.params, "focus": focus}
-        attn.submodules.core_attention = ModuleSpec(CORE_ATTENTION[attention],
+        attn.submodules.core_attention = ModuleSpec(attention.core_attention_class(),
                                                     params={"focus": focus})
     return spec
 
 
-def layer_attention(attention: str, layer_number: int, xsa_layers: Optional[Sequence[int]]) -> str:
-    """The variant of layer `layer_number` (1-based, as Megatron's): XSA only where listed."""
-    if xsa_layers is None or layer_number in xsa_layers:
-        return attention
-    return WITHOUT_XSA[attention]
-
-
 def block_spec(
-    attention: str, normalization: str, num_layers: int, xsa_layers: Optional[Sequence[int]] = None,
-    focus: Optional[FocusConfig] = None, qk_layernorm: bool = False,
+    attention: AttentionVariant, normalization: str, num_layers: int,
+    xsa_layers: Optional[Sequence[int]] = None, focus: Optional[FocusConfig] = None,
+    qk_layernorm: bool = False,
 ) -> TransformerBlockSubmodules:
     """Every layer plus the final norm; a per-layer list so variants can differ by layer."""
     return TransformerBlockSubmodules(
         layer_specs=[
-            layer_spec(layer_attention(attention, number, xsa_layers), normalization, focus,
-                       qk_layernorm)
+            layer_spec(attention.on_layer(number, xsa_layers), normalization, focus, qk_layernorm)
             for number in range(1, num_layers + 1)
         ],
         layer_norm=Norm,

@@ -9,6 +9,8 @@ whole inside core attention) need nothing more.
 
 import torch
 
+from megatron_focus.model.core_attention import CoreAttention
+
 
 def exclusive_projection(y: torch.Tensor, v: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """`y` `[b, heads, s, hn]` minus its component along `v` `[b, groups, s, hn]`, per head.
@@ -41,3 +43,7 @@ class XSAMixin:
 
     def project(self, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return exclusive_projection(super().project(y, v), v)
+
+
+class XSAAttention(XSAMixin, CoreAttention):
+    """Standard causal attention, XSA on its output (`--attention xsa`)."""

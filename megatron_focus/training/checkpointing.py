@@ -37,6 +37,7 @@ from megatron_focus import cli, platform
 from megatron_focus.training import integrity, layouts
 from megatron_focus.training.optimizer import param_groups, schedule
 from megatron_focus.training.safe_load import check_safe_to_load, load_file
+from megatron_focus.variants import MODEL, VARIANTS, FocusConfig, variant
 
 # What must match for weights to load: the model's shape, what it computes, and how it is split.
 SHAPE_KEYS = (
@@ -48,15 +49,13 @@ SHAPE_KEYS = (
     "add_qkv_bias", "apply_layernorm_1p", "qk_layernorm", "squared_relu", "use_rope_scaling",
     "rope_scaling_factor",
 )
-# What a Focus model computes (its top-k, mode and chunk size are inference settings, free to
-# change); the routers' shapes are the first two.
-FOCUS_KEYS = ("focus_groups", "focus_dim", "focus_window", "focus_tau",
-              "focus_sinkhorn_iters", "focus_gate_scale", "focus_gate", "focus_sink_tokens")
+# What a Focus model computes: the model settings of FocusConfig (its top-k, mode and kernel are
+# free to change); the routers' shapes are the first two.
+FOCUS_KEYS = tuple(f"focus_{name}" for name in FocusConfig.names(MODEL))
 # Recorded since: what a checkpoint saved before a key was recorded computed.
 BEFORE_RECORDED = {"window_size": None, "add_qkv_bias": False, "apply_layernorm_1p": False,
                    "qk_layernorm": False, "squared_relu": False, "use_rope_scaling": False,
                    "rope_scaling_factor": 8.0}
-FOCUS_BEFORE_RECORDED = {"focus_gate": "log", "focus_sink_tokens": 0}
 LATEST = "latest"
 ARGS_FILE = "model_args.json"
 # The tokenizer the model was trained with (for the HF export); not compared on load.
@@ -75,7 +74,7 @@ def tag_for(iteration: int) -> str:
 
 def model_args(args: argparse.Namespace) -> dict:
     """What decides the model, as `model_args.json` holds it (tuples as lists)."""
-    keys = SHAPE_KEYS + (FOCUS_KEYS if args.attention.startswith("focus") else ())
+    keys = SHAPE_KEYS + (FOCUS_KEYS if variant(args.attention).focus else ())
     values = {key: getattr(args, key) for key in keys}
     return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
 
@@ -318,8 +317,8 @@ def saved_model_args(checkpoint_dir: str) -> dict:
 def with_unrecorded_defaults(saved: dict) -> dict:
     """A checkpoint's model args, with the settings it predates at what it computed."""
     saved = {**BEFORE_RECORDED, **saved}
-    if str(saved.get("attention", "")).startswith("focus"):
-        saved = {**FOCUS_BEFORE_RECORDED, **saved}
+    if saved.get("attention") in VARIANTS and variant(saved["attention"]).focus:
+        saved = {**FocusConfig.before_recorded(), **saved}
     return saved
 
 

@@ -30,7 +30,8 @@ from megatron_focus.data.mqar import MQARDataset, MQARVocabulary
 from megatron_focus.data.tokenizer import build_tokenizer, tokenizer_flags
 from megatron_focus.model.focus import (focus_statistics, recording_statistics, set_focus_mode,
                                         train_routers_only)
-from megatron_focus.model.focus_gate import lse_kernel, soft_kernel
+from megatron_focus.model.kernels import lse_kernel, soft_kernel
+from megatron_focus.variants import variant
 from megatron_focus.model.gpt import build_model, padded_vocab_size
 from megatron_focus.parallel import install_sequence_parallel_grad_allreduce, params_norm
 from megatron_focus.training import checkpointing, layouts
@@ -155,7 +156,7 @@ def _validate(engine, batches, args, iteration: int, consumed: int, reporter,
         gc.collect()
     history["validation"].append((iteration, evaluate(engine, batches, args)))
     reporter.validation(iteration, consumed, history["validation"][-1][1])
-    if args.attention.startswith("focus"):
+    if variant(args.attention).focus:
         other = "sparse" if args.focus_attention_mode == "soft" else "soft"
         loss = evaluate(engine, batches, args, other)
         history.setdefault(f"validation {other}", []).append((iteration, loss))
@@ -410,7 +411,7 @@ def _print_banner(args: argparse.Namespace, model: torch.nn.Module, iteration: i
         f"{_data_name(args)} | starting at iteration {iteration}",
         flush=True,
     )
-    if args.attention.startswith("focus"):
+    if variant(args.attention).focus:
         device = platform.setup().device
         soft = soft_kernel(args.focus_kernel, device, args.attention_dropout)
         print(f"Focus {args.focus_gate} gate | kernels: soft gate {soft}, sparse "
