@@ -6,12 +6,15 @@ Everything that asks "is this Focus? does it apply XSA? which core attention?" a
 when a model is built.
 
 A new variant is a `CoreAttention` subclass in a module of its own and one `register(...)` call;
-docs/extending.md walks through one.
+docs/extending.md walks through one. Modules named in the environment variable
+`MEGATRON_FOCUS_VARIANTS` (comma-separated) are imported with this one, so a variant registered
+outside the package is known to `pretrain_gpt.py`, the tools and every launched rank alike.
 """
 
 import argparse
 import dataclasses
 import importlib
+import os
 from typing import Dict, List, Optional
 
 FOCUS_GATES = ("log", "sigmoid")  # the soft gate on distant pairs: model/focus_gate.py
@@ -75,6 +78,10 @@ register(AttentionVariant("focus", "megatron_focus.model.focus:FocusAttention", 
 register(AttentionVariant("focus+xsa", "megatron_focus.model.focus:FocusXSAAttention",
                           focus=True, xsa=True, without_xsa="focus", without_focus="xsa",
                           hf_attention="focus+xsa"))
+
+PLUGINS = "MEGATRON_FOCUS_VARIANTS"
+for _module in filter(None, (m.strip() for m in os.environ.get(PLUGINS, "").split(","))):
+    importlib.import_module(_module)
 
 # What a setting is to the rest of the framework: part of what the model computes (recorded in
 # model_args.json, compared on load, exported), an inference setting (free to change, exported as

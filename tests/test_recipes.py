@@ -132,30 +132,15 @@ def _smoke(model, attention, tmp_path, cache, **settings):
     return out.stdout
 
 
-def _focus_refused():
-    from megatron_focus.arguments import parse_args
-
-    try:
-        parse_args(["--attention", "focus"])
-    except (ValueError, SystemExit) as error:
-        return str(error) or "refused"
-    return None
-
-
-@pytest.mark.parametrize("model, attention, fallback", [
-    ("0.7b", "standard", None), ("1.4b", "xsa", None),
-    ("2.7b", "focus+xsa", "standard"), ("7b", "focus", "xsa"),
+@pytest.mark.parametrize("model, attention", [
+    ("0.7b", "standard"), ("1.4b", "xsa"), ("2.7b", "focus+xsa"), ("7b", "focus"),
 ])
-def test_recipe_smoke_runs_on_the_cpu(model, attention, fallback, tmp_path, embedded_cache):
+def test_recipe_smoke_runs_on_the_cpu(model, attention, tmp_path, embedded_cache):
     """The recipe itself (not a copy), shrunk by SMOKE=1: first iterations in one CPU process.
 
-    Each size runs once and each attention variant once. Where pretrain_gpt.py does not take
-    Focus yet, that size runs its fallback variant (the Focus command is checked by
-    test_recipe_commands_and_their_plans). The 7b keeps its TP 2 + SP, through the DeepSpeed
-    launcher on two CPU ranks.
+    Each size runs once and each attention variant once. The 7b keeps its TP 2 + SP, through
+    the DeepSpeed launcher on two CPU ranks.
     """
-    if attention.startswith("focus") and _focus_refused():
-        attention = fallback
     settings = {}
     if model == "7b":
         from distributed import _free_port
@@ -278,8 +263,7 @@ def test_planner_counts_the_parameters_of_the_built_model(single_process):
         small + ["--qk-layernorm", "--position-embedding-type", "none", "--squared-relu"],
         small + ["--qk-layernorm", "--normalization", "RMSNorm", "--apply-layernorm-1p"],
     ]
-    if not _focus_refused():
-        families.append(small + ["--attention", "focus+xsa", "--focus-groups", "4"])
+    families.append(small + ["--attention", "focus+xsa", "--focus-groups", "4"])
     for argv in families:
         args = parse_args(argv)
         model = build_model(args, 1000)
