@@ -15,6 +15,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from megatron_focus import platform
 from timing import seconds
 
 
@@ -35,7 +36,7 @@ def median_seconds(fn, repeats: int) -> float:
 
 
 def measure(opts, length: int) -> dict:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda" if platform.has_cuda() else "cpu"
     x = torch.randn(opts.tokens // length, opts.heads, length, opts.head_dim, device=device)
     causal = median_seconds(lambda: F.scaled_dot_product_attention(x, x, x, is_causal=True), opts.repeats)
     full = median_seconds(lambda: F.scaled_dot_product_attention(x, x, x), opts.repeats)
@@ -50,7 +51,7 @@ def main() -> None:
     torch.set_grad_enabled(False)
     lengths = sorted(set(opts.lengths) | {opts.tokens})
     print(f"{opts.tokens} tokens, {opts.heads} heads of {opts.head_dim}, fp32, "
-          f"{'cuda' if torch.cuda.is_available() else f'cpu, {torch.get_num_threads()} threads'}")
+          f"{'cuda' if platform.has_cuda() else f'cpu, {torch.get_num_threads()} threads'}")
     print(f"{'length':>7}{'seqs':>6}{'causal ms':>11}{'full ms':>10}{'causal/full':>12}"
           f"{'us/M pairs':>12}")
     rows = []

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from megatron_focus import platform
 from megatron_focus.variants import variant
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,7 +85,7 @@ def generate(hf_dir: str, device: str) -> dict:
 
 def main() -> None:
     opts = parse()
-    cuda = torch.cuda.is_available()
+    cuda = platform.has_cuda()
     work = opts.workdir or tempfile.mkdtemp(prefix="end-to-end-")
     os.makedirs(work, exist_ok=True)
     log, ckpt, hf = (os.path.join(work, name) for name in ("commands.log", "ckpt", "hf"))

@@ -18,6 +18,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from megatron_focus import platform
 from megatron_focus.model.focus import group_stats
 from megatron_focus.model.focus_sparse import sparse_focus_attention
 from megatron_focus.model.groups import Routing
@@ -44,7 +45,7 @@ def parse() -> argparse.Namespace:
 
 
 def measure(opts, n: int, groups: int, top_k: int) -> dict:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda" if platform.has_cuda() else "cpu"
     gen = torch.Generator().manual_seed(n + groups)
     dtype = torch.bfloat16 if opts.dtype == "bf16" else torch.float32
     # As the model's core attention hands them: [b, heads, n, d] views of Megatron's [n, b, heads, d].
@@ -83,7 +84,7 @@ def measure(opts, n: int, groups: int, top_k: int) -> dict:
 def main() -> None:
     opts = parse()
     torch.set_grad_enabled(False)
-    where = torch.cuda.get_device_name() if torch.cuda.is_available() else \
+    where = torch.cuda.get_device_name() if platform.has_cuda() else \
         f"cpu, {torch.get_num_threads()} threads"
     print(f"{where}; {opts.heads} heads of {opts.head_dim}, window {opts.window}, batch 1, "
           f"{opts.dtype}")

@@ -4,10 +4,12 @@ import time
 
 import torch
 
+from megatron_focus import platform
+
 
 def seconds(fn) -> float:
     """Seconds that fn() takes; on a GPU, its queued kernels included (synchronised around)."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync = torch.cuda.synchronize if platform.has_cuda() else (lambda: None)
     sync()
     start = time.perf_counter()
     fn()

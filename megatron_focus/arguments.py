@@ -335,9 +335,9 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
 
 
 def _gpu() -> bool:
-    import torch  # here, not at import: --help needs no torch
+    from megatron_focus import platform  # here, not at import: --help needs no torch
 
-    return torch.cuda.is_available()
+    return platform.has_cuda()
 
 
 def _add_deepspeed_args(p: argparse.ArgumentParser) -> None:

@@ -108,10 +108,15 @@ def _set_no_cuda_rng_state(*args, **kwargs) -> None:
     return None
 
 
+def has_cuda() -> bool:
+    """Whether this process has a GPU: the one place that asks (the other modules ask here)."""
+    return torch.cuda.is_available()
+
+
 def planned_patches(cuda_available: Optional[bool] = None) -> List[Patch]:
     """What `setup()` would change on a machine with or without CUDA (nothing with CUDA)."""
     if cuda_available is None:
-        cuda_available = torch.cuda.is_available()
+        cuda_available = has_cuda()
     if cuda_available:
         return []
     return [
@@ -133,7 +138,7 @@ def setup() -> Platform:
     """Detect the device and, without CUDA, apply `planned_patches()`. Safe to call repeatedly."""
     global _PLATFORM
     if _PLATFORM is None:
-        cuda = torch.cuda.is_available()
+        cuda = has_cuda()
         for patch in planned_patches(cuda):
             patch.apply()
         if cuda:

@@ -19,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron_focus import cli  # noqa: E402
+from megatron_focus import cli, platform  # noqa: E402
 from megatron_focus.arguments import add_unsafe_checkpoints_flag  # noqa: E402
 from megatron_focus.evaluation.passkey import (  # noqa: E402
     greedy, keys, passkey_prompt, retrieved)
@@ -98,7 +98,7 @@ class HF:
 
         self.tokenizer = AutoTokenizer.from_pretrained(opts.hf,
                                                        trust_remote_code=opts.trust_remote_code)
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = "cuda" if platform.has_cuda() else "cpu"
         self.model = AutoModelForCausalLM.from_pretrained(
             opts.hf, trust_remote_code=opts.trust_remote_code).to(self.device).eval()
         config = self.model.config

@@ -64,7 +64,7 @@ class AttentionTimer:
                 module.register_forward_hook(self._exit)
 
     def _sync(self):
-        if torch.cuda.is_available():
+        if platform.has_cuda():
             torch.cuda.synchronize()
 
     def _enter(self, *_):

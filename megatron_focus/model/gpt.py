@@ -20,6 +20,7 @@ from megatron.core.activations import squared_relu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
+from megatron_focus import platform
 from megatron_focus.model.specs import block_spec
 from megatron_focus.variants import FocusConfig, variant
 
@@ -43,7 +44,7 @@ def padded_vocab_size(vocab_size: int, make_divisible_by: int, tp: int) -> int:
 
 
 def transformer_config(args: argparse.Namespace) -> TransformerConfig:
-    on_gpu = torch.cuda.is_available()
+    on_gpu = platform.has_cuda()
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -106,6 +107,6 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> GPTModel:
         rope_scaling=args.use_rope_scaling,
         rope_scaling_factor=args.rope_scaling_factor,
     )
-    if torch.cuda.is_available():
+    if platform.has_cuda():
         model.cuda(torch.cuda.current_device())
     return model

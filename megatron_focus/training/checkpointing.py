@@ -88,7 +88,7 @@ def rng_state() -> dict:
         "torch": torch.get_rng_state(),
         "tracker": get_cuda_rng_tracker().get_states(),
     }
-    if torch.cuda.is_available():
+    if platform.has_cuda():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 

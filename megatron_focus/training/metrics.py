@@ -16,6 +16,8 @@ from typing import Optional
 
 import torch
 
+from megatron_focus import platform
+
 # Dense bf16 peak of common training GPUs, for MFU; unknown devices report TFLOP/s only.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 
@@ -40,7 +42,7 @@ def flops_per_token(args: argparse.Namespace, vocab_size: int) -> float:
 
 def peak_memory_bytes() -> tuple[str, int]:
     """(tag, bytes): the CUDA allocator's peak on a GPU, the process's peak RSS on the CPU."""
-    if torch.cuda.is_available():
+    if platform.has_cuda():
         return "mem-max-allocated-bytes", torch.cuda.max_memory_allocated()
     return "mem-peak-rss-bytes", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -48,7 +50,7 @@ def peak_memory_bytes() -> tuple[str, int]:
 def memory_now() -> dict:
     """Megatron-LM's `--log-memory-to-tensorboard` curves: the CUDA allocator's on a GPU, the
     resident set on the CPU."""
-    if torch.cuda.is_available():
+    if platform.has_cuda():
         stats = torch.cuda.memory_stats()
         return {"mem-reserved-bytes": stats["reserved_bytes.all.current"],
                 "mem-allocated-bytes": stats["allocated_bytes.all.current"],
@@ -77,7 +79,7 @@ class Reporter:
                 self.writer.add_text(name, str(value), global_step=0)
         self.wandb = _wandb_run(args) if is_last_rank and args.wandb_project else None
         self.peak = None
-        if torch.cuda.is_available():
+        if platform.has_cuda():
             name = torch.cuda.get_device_name()
             self.peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
         self.started = time.time()

@@ -13,13 +13,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_focus import platform
+
 
 class StepProfiler:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.on = args.profile and dist.get_rank() in args.profile_ranks
         self.torch_profiler: Optional[torch.profiler.profile] = None
-        if self.on and (args.use_pytorch_profiler or not torch.cuda.is_available()):
+        if self.on and (args.use_pytorch_profiler or not platform.has_cuda()):
             start, end = args.profile_step_start, args.profile_step_end
             self.torch_profiler = torch.profiler.profile(
                 schedule=torch.profiler.schedule(wait=max(start - 1, 0),
