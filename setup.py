@@ -19,8 +19,10 @@ INSTALL_REQUIRES = [
 
 EXTRAS = {
     # not wandb: Megatron-Core imports it whenever it is installed (~1 s in every test process)
-    "test": ["pytest>=8", "hypothesis>=6.100", "matplotlib>=3.8"],
-    "wandb": ["wandb>=0.19,<0.32"],  # --wandb-project; offline (WANDB_MODE=offline) needs no network
+    # ruff: pinned, as its format differs between releases (.ci/run checks lint and format)
+    "test": ["pytest>=8", "hypothesis>=6.100", "matplotlib>=3.8", "ruff==0.17.6"],
+    # --wandb-project; offline (WANDB_MODE=offline) needs no network
+    "wandb": ["wandb>=0.19,<0.32"],
     "plot": ["matplotlib>=3.8"],  # tools/compare_runs.py
     # transformers: 4.57.6 and 5.24.0 are tested (.ci/run); protobuf: SentencePiece conversion
     "hf": ["transformers>=4.57,<5.25", "safetensors>=0.4", "protobuf>=4"],

@@ -14,9 +14,9 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+from timing import seconds
 
 from megatron_focus import platform
-from timing import seconds
 
 
 def parse() -> argparse.Namespace:
@@ -38,28 +38,42 @@ def median_seconds(fn, repeats: int) -> float:
 def measure(opts, length: int) -> dict:
     device = "cuda" if platform.has_cuda() else "cpu"
     x = torch.randn(opts.tokens // length, opts.heads, length, opts.head_dim, device=device)
-    causal = median_seconds(lambda: F.scaled_dot_product_attention(x, x, x, is_causal=True), opts.repeats)
+    causal = median_seconds(
+        lambda: F.scaled_dot_product_attention(x, x, x, is_causal=True), opts.repeats
+    )
     full = median_seconds(lambda: F.scaled_dot_product_attention(x, x, x), opts.repeats)
     pairs = x.shape[0] * opts.heads * length * (length + 1) / 2
-    return {"length": length, "sequences": x.shape[0], "causal_ms": causal * 1e3,
-            "full_ms": full * 1e3, "causal_over_full": causal / full,
-            "us_per_million_causal_pairs": causal * 1e6 / (pairs / 1e6)}
+    return {
+        "length": length,
+        "sequences": x.shape[0],
+        "causal_ms": causal * 1e3,
+        "full_ms": full * 1e3,
+        "causal_over_full": causal / full,
+        "us_per_million_causal_pairs": causal * 1e6 / (pairs / 1e6),
+    }
 
 
 def main() -> None:
     opts = parse()
     torch.set_grad_enabled(False)
     lengths = sorted(set(opts.lengths) | {opts.tokens})
-    print(f"{opts.tokens} tokens, {opts.heads} heads of {opts.head_dim}, fp32, "
-          f"{'cuda' if platform.has_cuda() else f'cpu, {torch.get_num_threads()} threads'}")
-    print(f"{'length':>7}{'seqs':>6}{'causal ms':>11}{'full ms':>10}{'causal/full':>12}"
-          f"{'us/M pairs':>12}")
+    print(
+        f"{opts.tokens} tokens, {opts.heads} heads of {opts.head_dim}, fp32, "
+        f"{'cuda' if platform.has_cuda() else f'cpu, {torch.get_num_threads()} threads'}"
+    )
+    print(
+        f"{'length':>7}{'seqs':>6}{'causal ms':>11}{'full ms':>10}{'causal/full':>12}"
+        f"{'us/M pairs':>12}"
+    )
     rows = []
     for length in lengths:
         r = measure(opts, length)
         rows.append(r)
-        print(f"{length:>7}{r['sequences']:>6}{r['causal_ms']:>11.1f}{r['full_ms']:>10.1f}"
-              f"{r['causal_over_full']:>12.2f}{r['us_per_million_causal_pairs']:>12.0f}", flush=True)
+        print(
+            f"{length:>7}{r['sequences']:>6}{r['causal_ms']:>11.1f}{r['full_ms']:>10.1f}"
+            f"{r['causal_over_full']:>12.2f}{r['us_per_million_causal_pairs']:>12.0f}",
+            flush=True,
+        )
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump({"config": vars(opts), "results": rows}, f, indent=2)

@@ -28,11 +28,35 @@ from megatron_focus import platform
 from megatron_focus.variants import variant
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8",
-         "--seq-length", "1024", "--micro-batch-size", "8", "--position-embedding-type", "rope",
-         "--disable-bias-linear"]
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "64", "--micro-batch-size", "4", "--focus-window", "16"]
+MODEL = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "512",
+    "--num-attention-heads",
+    "8",
+    "--seq-length",
+    "1024",
+    "--micro-batch-size",
+    "8",
+    "--position-embedding-type",
+    "rope",
+    "--disable-bias-linear",
+]
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--micro-batch-size",
+    "4",
+    "--focus-window",
+    "16",
+]
 FOCUS = ["--focus-groups", "4"]
 
 
@@ -78,9 +102,12 @@ def generate(hf_dir: str, device: str) -> dict:
     prompt = tokenizer("The function returns", return_tensors="pt").to(device)
     with torch.no_grad():
         out = model.generate(**prompt, max_new_tokens=20, do_sample=False)
-    return {"class": type(model).__name__, "device": str(next(model.parameters()).device),
-            "new_tokens": int(out.shape[1] - prompt["input_ids"].shape[1]),
-            "text": tokenizer.decode(out[0], skip_special_tokens=True)}
+    return {
+        "class": type(model).__name__,
+        "device": str(next(model.parameters()).device),
+        "new_tokens": int(out.shape[1] - prompt["input_ids"].shape[1]),
+        "text": tokenizer.decode(out[0], skip_special_tokens=True),
+    }
 
 
 def main() -> None:
@@ -93,22 +120,42 @@ def main() -> None:
     flags = (TINY if opts.tiny else MODEL) + ["--attention", opts.attention]
     flags += FOCUS if variant(opts.attention).focus else []
     flags += ["--bf16", "--attention-dropout", "0", "--hidden-dropout", "0"] if cuda else []
-    flags += ["--train-iters", str(opts.iters), "--log-interval", "1", "--eval-interval",
-              str(opts.iters), "--eval-iters", "2", "--save", ckpt, "--save-interval", str(half),
-              "--data-cache-path", os.path.join(work, "cache")]
+    flags += [
+        "--train-iters",
+        str(opts.iters),
+        "--log-interval",
+        "1",
+        "--eval-interval",
+        str(opts.iters),
+        "--eval-iters",
+        "2",
+        "--save",
+        ckpt,
+        "--save-interval",
+        str(half),
+        "--data-cache-path",
+        os.path.join(work, "cache"),
+    ]
     launch = ["deepspeed", "--num_gpus", "1", "pretrain_gpt.py"]
-    result = {"attention": opts.attention, "device": "cuda" if cuda else "cpu",
-              "iters": opts.iters, "tiny": opts.tiny, "seconds": {}}
+    result = {
+        "attention": opts.attention,
+        "device": "cuda" if cuda else "cpu",
+        "iters": opts.iters,
+        "tiny": opts.tiny,
+        "seconds": {},
+    }
     seconds = result["seconds"]
 
-    seconds["train"] = run(launch + flags + ["--tensorboard-dir", os.path.join(work, "tb1")],
-                           opts, log)
+    seconds["train"] = run(
+        launch + flags + ["--tensorboard-dir", os.path.join(work, "tb1")], opts, log
+    )
     first = tensorboard_losses(os.path.join(work, "tb1"))
     with open(os.path.join(ckpt, "latest"), "w") as f:  # resume from the halfway checkpoint
         f.write(f"iter_{half:07d}")
     shutil.rmtree(os.path.join(ckpt, f"iter_{opts.iters:07d}"))
-    seconds["resume"] = run(launch + flags + ["--load", ckpt, "--tensorboard-dir",
-                                              os.path.join(work, "tb2")], opts, log)
+    seconds["resume"] = run(
+        launch + flags + ["--load", ckpt, "--tensorboard-dir", os.path.join(work, "tb2")], opts, log
+    )
     second = tensorboard_losses(os.path.join(work, "tb2"))
     result["losses"] = [first[i] for i in sorted(first)]
     result["resumed_losses"] = [second[i] for i in sorted(second)]
@@ -117,14 +164,32 @@ def main() -> None:
 
     eval_json = os.path.join(work, "eval.json")
     data = ["--data-cache-path", os.path.join(work, "cache")]
-    seconds["eval_ppl"] = run([sys.executable, "tools/eval_ppl.py", "--load", ckpt, "--json",
-                               eval_json, "--eval-iters", "2", "--micro-batch-size", "2",
-                               "--seq-length", flags[flags.index("--seq-length") + 1]] + data,
-                              opts, log)
+    seconds["eval_ppl"] = run(
+        [
+            sys.executable,
+            "tools/eval_ppl.py",
+            "--load",
+            ckpt,
+            "--json",
+            eval_json,
+            "--eval-iters",
+            "2",
+            "--micro-batch-size",
+            "2",
+            "--seq-length",
+            flags[flags.index("--seq-length") + 1],
+        ]
+        + data,
+        opts,
+        log,
+    )
     with open(eval_json) as f:
         result["eval_ppl"] = json.load(f)["rows"]
-    seconds["export"] = run([sys.executable, "tools/convert_to_hf.py", "--load", ckpt,
-                             "--save-dir", hf, "--overwrite"], opts, log)
+    seconds["export"] = run(
+        [sys.executable, "tools/convert_to_hf.py", "--load", ckpt, "--save-dir", hf, "--overwrite"],
+        opts,
+        log,
+    )
     start = time.time()
     result["generate"] = generate(hf, "cuda" if cuda else "cpu")
     seconds["generate"] = time.time() - start
@@ -132,16 +197,22 @@ def main() -> None:
         shutil.rmtree(work)
 
     losses = result["losses"]
-    print(f"{opts.attention} on {result['device']}: loss {losses[0]:.3f} -> {losses[-1]:.3f} in "
-          f"{opts.iters} iterations; resumed at {half}: max |loss difference| "
-          f"{result['resume_max_abs_diff']:.2e} over {len(result['resumed_losses'])} iterations")
+    print(
+        f"{opts.attention} on {result['device']}: loss {losses[0]:.3f} -> {losses[-1]:.3f} in "
+        f"{opts.iters} iterations; resumed at {half}: max |loss difference| "
+        f"{result['resume_max_abs_diff']:.2e} over {len(result['resumed_losses'])} iterations"
+    )
     print(f"{'mode':<8}{'top-k':>6}{'loss':>9}{'ppl':>10}{'pairs kept':>12}")
     for r in result["eval_ppl"]:
-        print(f"{r['mode']:<8}{r['top_k'] or '':>6}{r['loss']:>9.4f}{r['ppl']:>10.2f}"
-              f"{r['pairs_kept']:>12.3f}")
+        print(
+            f"{r['mode']:<8}{r['top_k'] or '':>6}{r['loss']:>9.4f}{r['ppl']:>10.2f}"
+            f"{r['pairs_kept']:>12.3f}"
+        )
     g = result["generate"]
-    print(f"HF export: {g['class']} on {g['device']} generated {g['new_tokens']} tokens: "
-          f"{g['text']!r}")
+    print(
+        f"HF export: {g['class']} on {g['device']} generated {g['new_tokens']} tokens: "
+        f"{g['text']!r}"
+    )
     print("seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()))
     if opts.json:
         with open(opts.json, "w") as f:

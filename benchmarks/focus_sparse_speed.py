@@ -8,7 +8,8 @@ trained model. q, k, v are laid out as the model hands them to both (permuted vi
 [s, b, heads, d]). "ideal" is dense pairs / kept pairs; "of ideal" is measured speedup / ideal.
 
     python benchmarks/focus_sparse_speed.py [--seq-lengths 1024 4096 16384] [--groups 4 8]
-        [--top-k 1 2] [--heads 4 --head-dim 64 --window 128] [--dtype bf16] [--profile] [--json out.json]
+        [--top-k 1 2] [--heads 4 --head-dim 64 --window 128] [--dtype bf16] [--profile]
+        [--json out.json]
 """
 
 import argparse
@@ -17,29 +18,37 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+from timing import seconds
 
 from megatron_focus import platform
 from megatron_focus.model.focus import group_stats
 from megatron_focus.model.focus_sparse import sparse_focus_attention
 from megatron_focus.model.groups import Routing
 from megatron_focus.model.sinkhorn import causal_sinkhorn
-from timing import seconds
 
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--seq-lengths", type=int, nargs="+",
-                   default=[1024, 2048, 4096, 8192, 16384, 32768])
+    p.add_argument(
+        "--seq-lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768]
+    )
     p.add_argument("--groups", type=int, nargs="+", default=[4, 8])
     p.add_argument("--top-k", type=int, nargs="+", default=[1, 2])
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--profile", action="store_true",
-                   help="also print where the sparse call's time goes (torch.profiler, 3 calls)")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="bf16 is for GPUs (the CPU's flash kernel is fastest in fp32)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print where the sparse call's time goes (torch.profiler, 3 calls)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="bf16 is for GPUs (the CPU's flash kernel is fastest in fp32)",
+    )
     p.add_argument("--json", metavar="PATH")
     return p.parse_args()
 
@@ -48,12 +57,18 @@ def measure(opts, n: int, groups: int, top_k: int) -> dict:
     device = "cuda" if platform.has_cuda() else "cpu"
     gen = torch.Generator().manual_seed(n + groups)
     dtype = torch.bfloat16 if opts.dtype == "bf16" else torch.float32
-    # As the model's core attention hands them: [b, heads, n, d] views of Megatron's [n, b, heads, d].
-    q, k, v = (torch.randn(n, 1, opts.heads, opts.head_dim, generator=gen).to(device, dtype)
-               .permute(1, 2, 0, 3) for _ in range(3))
-    routing = Routing.of(causal_sinkhorn(torch.randn(1, n, groups, generator=gen) * 3, 10)
-                         .to(device))
-    scale = opts.head_dim ** -0.5
+    # As the model's core attention hands them: [b, heads, n, d] views of Megatron's
+    # [n, b, heads, d].
+    q, k, v = (
+        torch.randn(n, 1, opts.heads, opts.head_dim, generator=gen)
+        .to(device, dtype)
+        .permute(1, 2, 0, 3)
+        for _ in range(3)
+    )
+    routing = Routing.of(
+        causal_sinkhorn(torch.randn(1, n, groups, generator=gen) * 3, 10).to(device)
+    )
+    scale = opts.head_dim**-0.5
 
     def dense():
         F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
@@ -65,8 +80,11 @@ def measure(opts, n: int, groups: int, top_k: int) -> dict:
     with torch.no_grad():
         dense(), sparse()  # warm-up
         for rep in range(opts.repeats):  # alternate the order against drift
-            for name, fn in ((("dense", dense), ("sparse", sparse)) if rep % 2 == 0
-                             else (("sparse", sparse), ("dense", dense))):
+            for name, fn in (
+                (("dense", dense), ("sparse", sparse))
+                if rep % 2 == 0
+                else (("sparse", sparse), ("dense", dense))
+            ):
                 times[name].append(seconds(fn))
         if opts.profile:
             with torch.profiler.profile() as prof:
@@ -76,33 +94,54 @@ def measure(opts, n: int, groups: int, top_k: int) -> dict:
     kept = float(group_stats(routing, top_k, opts.window)["pairs-kept"])
     dense_s, sparse_s = statistics.median(times["dense"]), statistics.median(times["sparse"])
     speedup = statistics.median(d / s for d, s in zip(times["dense"], times["sparse"]))
-    return {"n": n, "groups": groups, "top_k": top_k, "dense_ms": dense_s * 1e3,
-            "sparse_ms": sparse_s * 1e3, "pairs_kept": kept, "speedup": speedup,
-            "ideal_speedup": 1 / kept, "of_ideal": speedup * kept}
+    return {
+        "n": n,
+        "groups": groups,
+        "top_k": top_k,
+        "dense_ms": dense_s * 1e3,
+        "sparse_ms": sparse_s * 1e3,
+        "pairs_kept": kept,
+        "speedup": speedup,
+        "ideal_speedup": 1 / kept,
+        "of_ideal": speedup * kept,
+    }
 
 
 def main() -> None:
     opts = parse()
     torch.set_grad_enabled(False)
-    where = torch.cuda.get_device_name() if platform.has_cuda() else \
-        f"cpu, {torch.get_num_threads()} threads"
-    print(f"{where}; {opts.heads} heads of {opts.head_dim}, window {opts.window}, batch 1, "
-          f"{opts.dtype}")
-    print(f"{'n':>7}{'K':>3}{'top-k':>6}{'dense ms':>10}{'focus ms':>10}{'kept':>7}"
-          f"{'speedup':>9}{'ideal':>7}{'of ideal':>9}")
+    where = (
+        torch.cuda.get_device_name()
+        if platform.has_cuda()
+        else f"cpu, {torch.get_num_threads()} threads"
+    )
+    print(
+        f"{where}; {opts.heads} heads of {opts.head_dim}, window {opts.window}, batch 1, "
+        f"{opts.dtype}"
+    )
+    print(
+        f"{'n':>7}{'K':>3}{'top-k':>6}{'dense ms':>10}{'focus ms':>10}{'kept':>7}"
+        f"{'speedup':>9}{'ideal':>7}{'of ideal':>9}"
+    )
     rows = []
     for n in opts.seq_lengths:
         for groups in opts.groups:
             for top_k in opts.top_k:
                 r = measure(opts, n, groups, top_k)
                 rows.append(r)
-                print(f"{n:>7}{groups:>3}{top_k:>6}{r['dense_ms']:>10.1f}{r['sparse_ms']:>10.1f}"
-                      f"{r['pairs_kept']:>7.3f}{r['speedup']:>8.2f}x{r['ideal_speedup']:>6.1f}x"
-                      f"{r['of_ideal']:>8.0%}", flush=True)
+                print(
+                    f"{n:>7}{groups:>3}{top_k:>6}{r['dense_ms']:>10.1f}{r['sparse_ms']:>10.1f}"
+                    f"{r['pairs_kept']:>7.3f}{r['speedup']:>8.2f}x{r['ideal_speedup']:>6.1f}x"
+                    f"{r['of_ideal']:>8.0%}",
+                    flush=True,
+                )
                 if opts.json:  # after every row: a run cut short keeps what it measured
                     with open(opts.json, "w") as f:
-                        json.dump({"config": {**vars(opts), "device": where}, "results": rows},
-                                  f, indent=2)
+                        json.dump(
+                            {"config": {**vars(opts), "device": where}, "results": rows},
+                            f,
+                            indent=2,
+                        )
 
 
 if __name__ == "__main__":

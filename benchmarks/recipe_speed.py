@@ -22,8 +22,17 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Flags of the recipe's command that a speed measurement drops (with their value).
-DROPPED = {"--save", "--load", "--save-interval", "--tensorboard-dir", "--train-iters",
-           "--log-interval", "--eval-iters", "--eval-interval", "--exit-signal-handler"}
+DROPPED = {
+    "--save",
+    "--load",
+    "--save-interval",
+    "--tensorboard-dir",
+    "--train-iters",
+    "--log-interval",
+    "--eval-iters",
+    "--eval-interval",
+    "--exit-signal-handler",
+}
 
 
 def parse() -> argparse.Namespace:
@@ -44,15 +53,34 @@ def parse() -> argparse.Namespace:
 
 def recipe_command(opts, attention: str) -> list:
     """examples/pretrain.sh's command for one process, without the flags in DROPPED."""
-    env = {**os.environ, "DRY_RUN": "1", "MODEL": opts.model, "ATTENTION": attention,
-           "NODES": "1", "GPUS_PER_NODE": "1", "LAUNCHER": "python", "PYTHON": sys.executable,
-           "DATA_PATH": "", "SMOKE": "1" if opts.smoke else "0"}
+    env = {
+        **os.environ,
+        "DRY_RUN": "1",
+        "MODEL": opts.model,
+        "ATTENTION": attention,
+        "NODES": "1",
+        "GPUS_PER_NODE": "1",
+        "LAUNCHER": "python",
+        "PYTHON": sys.executable,
+        "DATA_PATH": "",
+        "SMOKE": "1" if opts.smoke else "0",
+    }
     if opts.micro_batch_size:
         env["MBS"] = env["GBS"] = str(opts.micro_batch_size)
     else:
         env["GBS"] = ""  # one micro-batch per step: set below from the recipe's MBS
-    printed = subprocess.run(["bash", "examples/pretrain.sh"], cwd=ROOT, env=env, check=True,
-                             capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    printed = (
+        subprocess.run(
+            ["bash", "examples/pretrain.sh"],
+            cwd=ROOT,
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     cmd, kept = shlex.split(printed), []
     while cmd:
         flag = cmd.pop(0)
@@ -71,8 +99,18 @@ def measure(opts, attention: str, work: str) -> dict:
     cmd = recipe_command(opts, attention)
     mbs = cmd[cmd.index("--micro-batch-size") + 1]
     cmd[cmd.index("--global-batch-size") + 1] = mbs
-    cmd += ["--train-iters", str(opts.iters), "--log-interval", "1", "--eval-iters", "0",
-            "--tensorboard-dir", tb, "--data-cache-path", os.path.join(work, "cache")]
+    cmd += [
+        "--train-iters",
+        str(opts.iters),
+        "--log-interval",
+        "1",
+        "--eval-iters",
+        "0",
+        "--tensorboard-dir",
+        tb,
+        "--data-cache-path",
+        os.path.join(work, "cache"),
+    ]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=opts.timeout)
     if result.returncode:
         sys.stderr.write(result.stdout[-3000:] + result.stderr[-3000:])
@@ -87,11 +125,16 @@ def measure(opts, attention: str, work: str) -> dict:
         return statistics.median(e.value for e in events.Scalars(tag) if e.step > opts.warmup)
 
     memory_tag = next(t for t in ("mem-max-allocated-bytes", "mem-peak-rss-bytes") if t in tags)
-    return {"attention": attention, "micro_batch_size": int(mbs),
-            "seq_length": int(cmd[cmd.index("--seq-length") + 1]),
-            "tokens_per_s": steady("tokens-per-sec"), "tflops": steady("tflops-per-device"),
-            "mfu": steady("mfu"), "peak_memory_gib": max(
-                e.value for e in events.Scalars(memory_tag)) / 2**30, "memory": memory_tag}
+    return {
+        "attention": attention,
+        "micro_batch_size": int(mbs),
+        "seq_length": int(cmd[cmd.index("--seq-length") + 1]),
+        "tokens_per_s": steady("tokens-per-sec"),
+        "tflops": steady("tflops-per-device"),
+        "mfu": steady("mfu"),
+        "peak_memory_gib": max(e.value for e in events.Scalars(memory_tag)) / 2**30,
+        "memory": memory_tag,
+    }
 
 
 def main() -> None:
@@ -99,15 +142,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         rows = [measure(opts, variant, work) for variant in opts.variants]
     base = rows[0]["tokens_per_s"]
-    print(f"{opts.model}{' (smoke)' if opts.smoke else ''}: micro-batch "
-          f"{rows[0]['micro_batch_size']} x {rows[0]['seq_length']} tokens, one process; medians "
-          f"of iterations {opts.warmup + 1}..{opts.iters}")
-    print(f"{'variant':<12}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'peak GiB':>10}{'vs first':>10}")
+    print(
+        f"{opts.model}{' (smoke)' if opts.smoke else ''}: micro-batch "
+        f"{rows[0]['micro_batch_size']} x {rows[0]['seq_length']} tokens, one process; medians "
+        f"of iterations {opts.warmup + 1}..{opts.iters}"
+    )
+    print(
+        f"{'variant':<12}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'peak GiB':>10}{'vs first':>10}"
+    )
     for r in rows:
         r["tokens_per_s_ratio"] = r["tokens_per_s"] / base
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
-        print(f"{r['attention']:<12}{r['tokens_per_s']:>12.0f}{r['tflops']:>10.2f}{mfu:>8}"
-              f"{r['peak_memory_gib']:>10.2f}{r['tokens_per_s_ratio']:>10.2f}")
+        print(
+            f"{r['attention']:<12}{r['tokens_per_s']:>12.0f}{r['tflops']:>10.2f}{mfu:>8}"
+            f"{r['peak_memory_gib']:>10.2f}{r['tokens_per_s_ratio']:>10.2f}"
+        )
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump({"model": opts.model, "smoke": opts.smoke, "rows": rows}, f, indent=2)

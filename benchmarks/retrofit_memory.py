@@ -30,9 +30,11 @@ MODES = {"full": ["--finetune"], "retrofit": ["--retrofit", "--finetune"]}
 
 
 def parse() -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(description="retrofit vs full fine-tuning: memory and step time",
-                                allow_abbrev=False,
-                                epilog="Any other flag goes to pretrain_gpt.py.")
+    p = argparse.ArgumentParser(
+        description="retrofit vs full fine-tuning: memory and step time",
+        allow_abbrev=False,
+        epilog="Any other flag goes to pretrain_gpt.py.",
+    )
     p.add_argument("--num-layers", type=int, default=12)
     p.add_argument("--hidden-size", type=int, default=768)
     p.add_argument("--num-attention-heads", type=int, default=12)
@@ -45,8 +47,12 @@ def parse() -> tuple[argparse.Namespace, list[str]]:
 
 def run(flags: list[str]) -> tuple[str, int]:
     """pretrain_gpt.py with these flags: (its output, its peak resident set in bytes)."""
-    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *flags],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     output = process.stdout.read()
     _, status, usage = os.wait4(process.pid, 0)
     process.returncode = os.waitstatus_to_exitcode(status)
@@ -56,27 +62,70 @@ def run(flags: list[str]) -> tuple[str, int]:
 
 
 def measure(opts: argparse.Namespace, extra: list[str]) -> list[dict]:
-    model = ["--num-layers", str(opts.num_layers), "--hidden-size", str(opts.hidden_size),
-             "--num-attention-heads", str(opts.num_attention_heads),
-             "--seq-length", str(opts.seq_length), "--micro-batch-size", str(opts.micro_batch_size),
-             "--global-batch-size", str(opts.micro_batch_size), "--attention", "focus",
-             "--focus-groups", "4", "--hidden-dropout", "0", "--attention-dropout", "0",
-             "--zero-stage", "1", "--eval-iters", "0", "--log-interval", "1", *extra]
+    model = [
+        "--num-layers",
+        str(opts.num_layers),
+        "--hidden-size",
+        str(opts.hidden_size),
+        "--num-attention-heads",
+        str(opts.num_attention_heads),
+        "--seq-length",
+        str(opts.seq_length),
+        "--micro-batch-size",
+        str(opts.micro_batch_size),
+        "--global-batch-size",
+        str(opts.micro_batch_size),
+        "--attention",
+        "focus",
+        "--focus-groups",
+        "4",
+        "--hidden-dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+        "--zero-stage",
+        "1",
+        "--eval-iters",
+        "0",
+        "--log-interval",
+        "1",
+        *extra,
+    ]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         base = os.path.join(tmp, "base")
         run(model + ["--train-iters", "1", "--lr-warmup-iters", "0", "--save", base])
         for mode, flags in MODES.items():
-            output, peak = run(model + flags + ["--load", base, "--train-iters", str(opts.iters),
-                                                "--lr-warmup-iters", "0",
-                                                "--tensorboard-dir", os.path.join(tmp, mode)])
-            times = [float(t) for t in re.findall(r"elapsed time per iteration \(ms\): ([\d.]+)",
-                                                  output)][1:]
-            trained, total = (int(n.replace(",", "")) for n in re.search(
-                r"training ([\d,]+) of ([\d,]+) parameters", output).groups())
-            rows.append({"mode": mode, "trained_parameters": trained, "parameters": total,
-                         "peak_rss_bytes": peak,
-                         "step_ms": sum(times) / len(times)})
+            output, peak = run(
+                model
+                + flags
+                + [
+                    "--load",
+                    base,
+                    "--train-iters",
+                    str(opts.iters),
+                    "--lr-warmup-iters",
+                    "0",
+                    "--tensorboard-dir",
+                    os.path.join(tmp, mode),
+                ]
+            )
+            times = [
+                float(t) for t in re.findall(r"elapsed time per iteration \(ms\): ([\d.]+)", output)
+            ][1:]
+            trained, total = (
+                int(n.replace(",", ""))
+                for n in re.search(r"training ([\d,]+) of ([\d,]+) parameters", output).groups()
+            )
+            rows.append(
+                {
+                    "mode": mode,
+                    "trained_parameters": trained,
+                    "parameters": total,
+                    "peak_rss_bytes": peak,
+                    "step_ms": sum(times) / len(times),
+                }
+            )
     return rows
 
 
@@ -86,16 +135,20 @@ def main() -> None:
         raise SystemExit("--iters must be at least 2 (the first iteration is not timed)")
     rows = measure(opts, extra)
     full = rows[0]
-    print(f"{'mode':>9} {'trained params':>16} {'optimizer state MiB':>20} {'peak RSS MiB':>13} "
-          f"{'RSS ratio':>9} {'step ms':>9} {'time ratio':>10}")
+    print(
+        f"{'mode':>9} {'trained params':>16} {'optimizer state MiB':>20} {'peak RSS MiB':>13} "
+        f"{'RSS ratio':>9} {'step ms':>9} {'time ratio':>10}"
+    )
     for row in rows:
         # ZeRO-1 in fp32 keeps a master copy and Adam's two moments: 3 fp32 values per weight.
         row["optimizer_state_bytes"] = 3 * 4 * row["trained_parameters"]
         row["rss_ratio"] = row["peak_rss_bytes"] / full["peak_rss_bytes"]
         row["time_ratio"] = row["step_ms"] / full["step_ms"]
-        print(f"{row['mode']:>9} {row['trained_parameters']:>16,} "
-              f"{row['optimizer_state_bytes'] / MiB:>20.1f} {row['peak_rss_bytes'] / MiB:>13.0f} "
-              f"{row['rss_ratio']:>9.2f} {row['step_ms']:>9.0f} {row['time_ratio']:>10.2f}")
+        print(
+            f"{row['mode']:>9} {row['trained_parameters']:>16,} "
+            f"{row['optimizer_state_bytes'] / MiB:>20.1f} {row['peak_rss_bytes'] / MiB:>13.0f} "
+            f"{row['rss_ratio']:>9.2f} {row['step_ms']:>9.0f} {row['time_ratio']:>10.2f}"
+        )
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump({"settings": {**vars(opts), "extra": extra}, "rows": rows}, f, indent=1)

@@ -20,8 +20,10 @@ def _load(out: str, name: str):
 def e2e(result: dict) -> str:
     losses, rows = result["losses"], result["eval_ppl"]
     sparse = [r for r in rows if r["mode"] == "sparse"]
-    text = (f"loss {losses[0]:.2f} -> {losses[-1]:.2f}, resume |diff| "
-            f"{result['resume_max_abs_diff']:.1e}, ppl {rows[0]['ppl']:.1f}")
+    text = (
+        f"loss {losses[0]:.2f} -> {losses[-1]:.2f}, resume |diff| "
+        f"{result['resume_max_abs_diff']:.1e}, ppl {rows[0]['ppl']:.1f}"
+    )
     if sparse:
         text += f" (sparse top-1 {sparse[0]['ppl']:.1f})"
     return text + f", HF generate on {result['generate']['device']}"
@@ -32,7 +34,9 @@ def sparse(result: dict) -> str:
     longest = max(r["n"] for r in rows)
     return f"at {longest} tokens: " + ", ".join(
         f"K={r['groups']} top-{r['top_k']} {r['speedup']:.2f}x ({r['of_ideal']:.0%} of ideal)"
-        for r in rows if r["n"] == longest)
+        for r in rows
+        if r["n"] == longest
+    )
 
 
 def overhead(result: dict) -> str:
@@ -41,14 +45,19 @@ def overhead(result: dict) -> str:
         for variant, r in run["results"].items():
             ratios = (r["step_time_ratio"], r["peak_step_memory_ratio"])
             worst[variant] = tuple(map(max, zip(worst.get(variant, (0, 0)), ratios)))
-    return ", ".join(f"{v} {t:.2f}x time {m:.2f}x memory" for v, (t, m) in worst.items()
-                     if v != result["config"]["variants"][0])
+    return ", ".join(
+        f"{v} {t:.2f}x time {m:.2f}x memory"
+        for v, (t, m) in worst.items()
+        if v != result["config"]["variants"][0]
+    )
 
 
 def recipe(result: dict) -> str:
-    return ", ".join(f"{r['attention']} {r['tokens_per_s']:.0f} tok/s"
-                     + (f" MFU {r['mfu']:.0%}" if r["mfu"] is not None else "")
-                     for r in result["rows"])
+    return ", ".join(
+        f"{r['attention']} {r['tokens_per_s']:.0f} tok/s"
+        + (f" MFU {r['mfu']:.0%}" if r["mfu"] is not None else "")
+        for r in result["rows"]
+    )
 
 
 HEADLINES = {"e2e": e2e, "sparse": sparse, "overhead": overhead, "recipe": recipe}

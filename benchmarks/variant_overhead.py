@@ -29,11 +29,11 @@ import re
 import statistics
 
 import torch
+from timing import seconds
 
 from megatron_focus import platform
 from megatron_focus.arguments import parse_args
 from megatron_focus.model.gpt import build_model
-from timing import seconds
 
 MEMORY_REPETITIONS = 3
 MiB = 2**20
@@ -49,12 +49,20 @@ def parse() -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--num-attention-heads", type=int, default=4)
-    p.add_argument("--variants", nargs="+", default=["standard", "xsa"],
-                   help="the first is the baseline of the ratios")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=["standard", "xsa"],
+        help="the first is the baseline of the ratios",
+    )
     p.add_argument("--seq-lengths", type=int, nargs="+", default=[256])
     p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--vocab-size", type=int, default=4096,
-                   help="small by default, so that on a CPU the output layer does not dominate")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=4096,
+        help="small by default, so that on a CPU the output layer does not dominate",
+    )
     p.add_argument("--iters", type=int, default=20, help="measured repetitions of each variant")
     p.add_argument("--warmup", type=int, default=3, help="unmeasured repetitions first")
     p.add_argument("--bf16", action="store_true", help="bf16 weights and activations")
@@ -107,7 +115,8 @@ def step_peak_bytes(model, tokens, positions, device) -> int:
 
 
 def interleaved(measure, models, repetitions: int, skip: int = 0) -> dict:
-    """`measure(model)` of every variant, reversing the order each time; the first `skip` dropped."""
+    """`measure(model)` of every variant, reversing the order each time; the first `skip`
+    dropped."""
     samples = {variant: [] for variant in models}
     order = list(models)
     for rep in range(skip + repetitions):
@@ -120,14 +129,22 @@ def interleaved(measure, models, repetitions: int, skip: int = 0) -> dict:
 
 def run(opts: argparse.Namespace, model_argv: list[str], seq_length: int) -> dict:
     device = platform.init_distributed(1).device
-    size = ["--hidden-size", str(opts.hidden_size), "--num-layers", str(opts.num_layers),
-            "--num-attention-heads", str(opts.num_attention_heads),
-            "--seq-length", str(seq_length)]
+    size = [
+        "--hidden-size",
+        str(opts.hidden_size),
+        "--num-layers",
+        str(opts.num_layers),
+        "--num-attention-heads",
+        str(opts.num_attention_heads),
+        "--seq-length",
+        str(seq_length),
+    ]
     models = {}
     for variant in opts.variants:
         platform.manual_seed(opts.seed)
-        models[variant] = build_model(parse_args(size + model_argv + ["--attention", variant]),
-                                      opts.vocab_size).to(device)
+        models[variant] = build_model(
+            parse_args(size + model_argv + ["--attention", variant]), opts.vocab_size
+        ).to(device)
         if opts.bf16:
             models[variant].bfloat16()
     g = torch.Generator().manual_seed(opts.seed)
@@ -135,37 +152,54 @@ def run(opts: argparse.Namespace, model_argv: list[str], seq_length: int) -> dic
     tokens = torch.randint(0, opts.vocab_size, shape, generator=g).to(device)
     positions = torch.arange(seq_length, device=device).expand(shape)
 
-    times = interleaved(lambda model: seconds(lambda: step(model, tokens, positions)), models,
-                        opts.iters, skip=opts.warmup)
+    times = interleaved(
+        lambda model: seconds(lambda: step(model, tokens, positions)),
+        models,
+        opts.iters,
+        skip=opts.warmup,
+    )
     if device.type == "cpu":
         _mmap_large_allocations()
-    peaks = interleaved(lambda model: step_peak_bytes(model, tokens, positions, device), models,
-                        MEMORY_REPETITIONS)
+    peaks = interleaved(
+        lambda model: step_peak_bytes(model, tokens, positions, device), models, MEMORY_REPETITIONS
+    )
     base = opts.variants[0]
 
     def summary(variant):
         q1, _, q3 = statistics.quantiles(times[variant], n=4)
-        return {"step_ms": 1e3 * statistics.median(times[variant]),
-                "step_ms_iqr": [1e3 * q1, 1e3 * q3],
-                "peak_step_memory_mib": statistics.median(peaks[variant]) / MiB,
-                "step_time_ratio": statistics.median(
-                    x / b for x, b in zip(times[variant], times[base])),
-                "peak_step_memory_ratio": statistics.median(
-                    x / b for x, b in zip(peaks[variant], peaks[base]))}
+        return {
+            "step_ms": 1e3 * statistics.median(times[variant]),
+            "step_ms_iqr": [1e3 * q1, 1e3 * q3],
+            "peak_step_memory_mib": statistics.median(peaks[variant]) / MiB,
+            "step_time_ratio": statistics.median(
+                x / b for x, b in zip(times[variant], times[base])
+            ),
+            "peak_step_memory_ratio": statistics.median(
+                x / b for x, b in zip(peaks[variant], peaks[base])
+            ),
+        }
 
-    return {"seq_length": seq_length,
-            "results": {variant: summary(variant) for variant in opts.variants}}
+    return {
+        "seq_length": seq_length,
+        "results": {variant: summary(variant) for variant in opts.variants},
+    }
 
 
 def describe(opts: argparse.Namespace, model_argv: list[str]) -> dict:
     device = platform.setup().device
-    return {**vars(opts), "model_flags": model_argv, "device": str(device),
-            "threads": torch.get_num_threads() if device.type == "cpu" else None,
-            "dtype": "bf16" if opts.bf16 else "fp32",
-            "memory_measured": ("CUDA max_memory_allocated above the allocation before the step"
-                                if device.type == "cuda" else
-                                "peak resident set (VmHWM) above the resident set before the "
-                                "step, after malloc_trim, allocations >= 64 KiB mmapped")}
+    return {
+        **vars(opts),
+        "model_flags": model_argv,
+        "device": str(device),
+        "threads": torch.get_num_threads() if device.type == "cpu" else None,
+        "dtype": "bf16" if opts.bf16 else "fp32",
+        "memory_measured": (
+            "CUDA max_memory_allocated above the allocation before the step"
+            if device.type == "cuda"
+            else "peak resident set (VmHWM) above the resident set before the "
+            "step, after malloc_trim, allocations >= 64 KiB mmapped"
+        ),
+    }
 
 
 def table(config: dict, runs: list) -> str:
@@ -183,9 +217,11 @@ def table(config: dict, runs: list) -> str:
     for run in runs:
         for variant, r in run["results"].items():
             lo, hi = r["step_ms_iqr"]
-            rows.append(f"{run['seq_length']:>6} {variant:<11}{r['step_ms']:>10.1f}"
-                        f"{f'[{lo:.1f}, {hi:.1f}]':>20}{r['peak_step_memory_mib']:>10.1f}"
-                        f"{r['step_time_ratio']:>8.3f}{r['peak_step_memory_ratio']:>8.3f}")
+            rows.append(
+                f"{run['seq_length']:>6} {variant:<11}{r['step_ms']:>10.1f}"
+                f"{f'[{lo:.1f}, {hi:.1f}]':>20}{r['peak_step_memory_mib']:>10.1f}"
+                f"{r['step_time_ratio']:>8.3f}{r['peak_step_memory_ratio']:>8.3f}"
+            )
     return "\n".join(rows)
 
 

@@ -56,9 +56,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--focus-groups", type=int, default=4)
     p.add_argument("--mqar-pairs", type=int, default=8)
     p.add_argument("--mqar-queries", type=int, default=None)
-    p.add_argument("--mqar-two-token-pairs", action="store_true",
-                   help="zoology's form (key, value as two tokens): a two-hop recall that takes "
-                        "far more training than a CPU study affords; default: packed pairs")
+    p.add_argument(
+        "--mqar-two-token-pairs",
+        action="store_true",
+        help="zoology's form (key, value as two tokens): a two-hop recall that takes "
+        "far more training than a CPU study affords; default: packed pairs",
+    )
     p.add_argument("--mqar-vocab-size", type=int, default=256)
     p.add_argument("--mqar-min-distance", type=int, default=64)
     p.add_argument("--eval-iters", type=int, default=8)
@@ -75,10 +78,11 @@ def variant_flags(name: str, opts) -> list:
         return VARIANTS[name]
     if name == "window":
         return ["--attention", "standard", "--window-size", f"{opts.focus_window - 1},0"]
-    if name.startswith("focus-sink") and name[len("focus-sink"):].isdigit():
-        return ["--attention", "focus", "--focus-sink-tokens", name[len("focus-sink"):]]
-    raise SystemExit(f"error: unknown variant {name!r}: standard, window, focus, focus+xsa, "
-                     "focus-sinkS")
+    if name.startswith("focus-sink") and name[len("focus-sink") :].isdigit():
+        return ["--attention", "focus", "--focus-sink-tokens", name[len("focus-sink") :]]
+    raise SystemExit(
+        f"error: unknown variant {name!r}: standard, window, focus, focus+xsa, focus-sinkS"
+    )
 
 
 def data_flags(opts) -> list:
@@ -86,9 +90,16 @@ def data_flags(opts) -> list:
         return ["--data-cache-path", os.path.join(opts.out, "cache")]
     extra = ["--mqar-queries", str(opts.mqar_queries)] if opts.mqar_queries else []
     extra += [] if opts.mqar_two_token_pairs else ["--mqar-packed"]
-    return ["--mqar", "--mqar-pairs", str(opts.mqar_pairs), "--mqar-vocab-size",
-            str(opts.mqar_vocab_size), "--mqar-min-distance", str(opts.mqar_min_distance),
-            *extra]
+    return [
+        "--mqar",
+        "--mqar-pairs",
+        str(opts.mqar_pairs),
+        "--mqar-vocab-size",
+        str(opts.mqar_vocab_size),
+        "--mqar-min-distance",
+        str(opts.mqar_min_distance),
+        *extra,
+    ]
 
 
 def run(cmd: list, log: str) -> None:
@@ -103,23 +114,82 @@ def train_and_evaluate(opts, variant: str, seed: int) -> dict:
     folder = os.path.join(opts.out, name)
     os.makedirs(folder, exist_ok=True)
     ckpt, log, report = (os.path.join(folder, x) for x in ("ckpt", "log.txt", "eval.json"))
-    model = ["--num-layers", str(opts.layers), "--hidden-size", str(opts.hidden),
-             "--num-attention-heads", str(opts.heads), "--seq-length", str(opts.seq_length),
-             "--position-embedding-type", "rope", "--hidden-dropout", "0",
-             "--attention-dropout", "0", "--focus-window", str(opts.focus_window),
-             "--focus-groups", str(opts.focus_groups)]
+    model = [
+        "--num-layers",
+        str(opts.layers),
+        "--hidden-size",
+        str(opts.hidden),
+        "--num-attention-heads",
+        str(opts.heads),
+        "--seq-length",
+        str(opts.seq_length),
+        "--position-embedding-type",
+        "rope",
+        "--hidden-dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+        "--focus-window",
+        str(opts.focus_window),
+        "--focus-groups",
+        str(opts.focus_groups),
+    ]
     start = time.time()
     if not os.path.exists(report):  # an interrupted study resumes where it stopped
-        run([sys.executable, "pretrain_gpt.py", *model, *variant_flags(variant, opts),
-             *data_flags(opts), "--seed", str(seed), "--micro-batch-size",
-             str(opts.micro_batch_size), "--train-iters", str(opts.iters), "--lr", str(opts.lr),
-             "--min-lr", str(opts.lr / 10), "--lr-warmup-iters", str(opts.iters // 10),
-             "--log-interval", "50", "--eval-interval", str(opts.iters), "--eval-iters", "2",
-             "--save", ckpt, "--load", ckpt, "--save-interval", str(max(1, opts.iters // 4))], log)
-        run([sys.executable, "tools/eval_ppl.py", "--load", ckpt, *data_flags(opts),
-             "--seq-length", str(opts.seq_length), "--eval-iters", str(opts.eval_iters),
-             "--micro-batch-size", str(opts.micro_batch_size), "--seed", "999",
-             "--json", report], log)
+        run(
+            [
+                sys.executable,
+                "pretrain_gpt.py",
+                *model,
+                *variant_flags(variant, opts),
+                *data_flags(opts),
+                "--seed",
+                str(seed),
+                "--micro-batch-size",
+                str(opts.micro_batch_size),
+                "--train-iters",
+                str(opts.iters),
+                "--lr",
+                str(opts.lr),
+                "--min-lr",
+                str(opts.lr / 10),
+                "--lr-warmup-iters",
+                str(opts.iters // 10),
+                "--log-interval",
+                "50",
+                "--eval-interval",
+                str(opts.iters),
+                "--eval-iters",
+                "2",
+                "--save",
+                ckpt,
+                "--load",
+                ckpt,
+                "--save-interval",
+                str(max(1, opts.iters // 4)),
+            ],
+            log,
+        )
+        run(
+            [
+                sys.executable,
+                "tools/eval_ppl.py",
+                "--load",
+                ckpt,
+                *data_flags(opts),
+                "--seq-length",
+                str(opts.seq_length),
+                "--eval-iters",
+                str(opts.eval_iters),
+                "--micro-batch-size",
+                str(opts.micro_batch_size),
+                "--seed",
+                "999",
+                "--json",
+                report,
+            ],
+            log,
+        )
     with open(report) as f:
         rows = json.load(f)["rows"]
     return {"variant": variant, "seed": seed, "rows": rows, "seconds": time.time() - start}
@@ -136,13 +206,21 @@ def summarise(results: list) -> list:
             table.setdefault((result["variant"], mode), []).append(row)
     out = []
     for (variant, mode), rows in table.items():
+
         def stats(key):
             values = [r[key] for r in rows]
             return statistics.mean(values), min(values), max(values)
 
-        out.append({"variant": variant, "mode": mode, "seeds": len(rows),
-                    "accuracy": stats("accuracy"), "loss": stats("loss"),
-                    "pairs_kept": stats("pairs_kept")})
+        out.append(
+            {
+                "variant": variant,
+                "mode": mode,
+                "seeds": len(rows),
+                "accuracy": stats("accuracy"),
+                "loss": stats("loss"),
+                "pairs_kept": stats("pairs_kept"),
+            }
+        )
     return out
 
 
@@ -154,8 +232,10 @@ def plot(summary: list, path: str, title: str) -> None:
 
     labels = [f"{r['variant']}\n{r['mode']}" for r in summary]
     means = [r["accuracy"][0] for r in summary]
-    errors = [[r["accuracy"][0] - r["accuracy"][1] for r in summary],
-              [r["accuracy"][2] - r["accuracy"][0] for r in summary]]
+    errors = [
+        [r["accuracy"][0] - r["accuracy"][1] for r in summary],
+        [r["accuracy"][2] - r["accuracy"][0] for r in summary],
+    ]
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(labels)), 4))
     ax.bar(range(len(labels)), means, yerr=errors, capsize=4, color="tab:blue")
     for i, r in enumerate(summary):
@@ -182,16 +262,21 @@ def main() -> None:
     print(f"{'variant':<14}{'mode':<16}{metric:>10}{'range':>16}{'pairs kept':>12}")
     for r in summary:
         mean, low, high = r[metric]
-        print(f"{r['variant']:<14}{r['mode']:<16}{mean:>10.3f}{f'[{low:.3f}, {high:.3f}]':>16}"
-              f"{r['pairs_kept'][0]:>12.3f}")
+        print(
+            f"{r['variant']:<14}{r['mode']:<16}{mean:>10.3f}{f'[{low:.3f}, {high:.3f}]':>16}"
+            f"{r['pairs_kept'][0]:>12.3f}"
+        )
     if opts.json:
         with open(opts.json, "w") as f:
-            json.dump({"settings": vars(opts), "summary": summary, "runs": results}, f,
-                      indent=1)
+            json.dump({"settings": vars(opts), "summary": summary, "runs": results}, f, indent=1)
     if opts.plot and opts.task == "mqar":
-        plot(summary, opts.plot, f"MQAR: {opts.mqar_pairs} pairs, queries >= "
-             f"{opts.mqar_min_distance} tokens later, seq {opts.seq_length}; Focus window "
-             f"{opts.focus_window}, K {opts.focus_groups}")
+        plot(
+            summary,
+            opts.plot,
+            f"MQAR: {opts.mqar_pairs} pairs, queries >= "
+            f"{opts.mqar_min_distance} tokens later, seq {opts.seq_length}; Focus window "
+            f"{opts.focus_window}, K {opts.focus_groups}",
+        )
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ import warnings
 from typing import List, Optional
 
 from megatron_focus import cli
-from megatron_focus.compat import add_compat_args, check_compat_args
 from megatron_focus.choices import TOKENIZER_TYPES
+from megatron_focus.compat import add_compat_args, check_compat_args
 from megatron_focus.training.deepspeed_config import deepspeed_config
 from megatron_focus.variants import VARIANTS, FocusConfig, variant
 
@@ -30,57 +30,105 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=4)
     g.add_argument("--hidden-size", type=int, default=256)
-    g.add_argument("--ffn-hidden-size", type=int, default=None,
-                   help="default 4 x hidden, or the SwiGLU-equivalent 8/3 x hidden rounded to 64")
+    g.add_argument(
+        "--ffn-hidden-size",
+        type=int,
+        default=None,
+        help="default 4 x hidden, or the SwiGLU-equivalent 8/3 x hidden rounded to 64",
+    )
     g.add_argument("--num-attention-heads", type=int, default=4)
     g.add_argument("--kv-channels", type=int, default=None, help="head dim; default hidden/heads")
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=1)
     g.add_argument("--seq-length", type=int, default=256)
-    g.add_argument("--max-position-embeddings", type=int, default=None,
-                   help="size of the learned position table; default --seq-length")
-    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope", "none"),
-                   default="learned_absolute", help="none: no position information (NoPE)")
-    g.add_argument("--no-position-embedding", dest="add_position_embedding",
-                   action="store_false",
-                   help="deprecated in Megatron-LM: no effect with rope, refused otherwise (use "
-                        "--position-embedding-type none)")
+    g.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        default=None,
+        help="size of the learned position table; default --seq-length",
+    )
+    g.add_argument(
+        "--position-embedding-type",
+        choices=("learned_absolute", "rope", "none"),
+        default="learned_absolute",
+        help="none: no position information (NoPE)",
+    )
+    g.add_argument(
+        "--no-position-embedding",
+        dest="add_position_embedding",
+        action="store_false",
+        help="deprecated in Megatron-LM: no effect with rope, refused otherwise (use "
+        "--position-embedding-type none)",
+    )
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--rotary-percent", type=float, default=1.0)
-    g.add_argument("--use-rope-scaling", action="store_true",
-                   help="Llama 3.1's RoPE frequency scaling (low 1, high 4, original context "
-                        "8192)")
-    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
-                   help="with --use-rope-scaling: the factor")
+    g.add_argument(
+        "--use-rope-scaling",
+        action="store_true",
+        help="Llama 3.1's RoPE frequency scaling (low 1, high 4, original context 8192)",
+    )
+    g.add_argument(
+        "--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling: the factor"
+    )
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
-    g.add_argument("--apply-layernorm-1p", action="store_true",
-                   help="norm scales stored zero-centred, applied as 1 + weight (weight decay "
-                        "pulls them towards 1)")
-    g.add_argument("--qk-layernorm", action="store_true",
-                   help="normalise each query and key head (over the head dimension) before "
-                        "attention, with --normalization's norm")
+    g.add_argument(
+        "--apply-layernorm-1p",
+        action="store_true",
+        help="norm scales stored zero-centred, applied as 1 + weight (weight decay "
+        "pulls them towards 1)",
+    )
+    g.add_argument(
+        "--qk-layernorm",
+        action="store_true",
+        help="normalise each query and key head (over the head dimension) before "
+        "attention, with --normalization's norm",
+    )
     g.add_argument("--swiglu", action="store_true")
-    g.add_argument("--openai-gelu", action="store_true",
-                   help="GELU's tanh approximation (GPT-2's gelu_new) instead of the exact one")
-    g.add_argument("--squared-relu", action="store_true",
-                   help="relu(x)^2 as the MLP's activation instead of GELU")
+    g.add_argument(
+        "--openai-gelu",
+        action="store_true",
+        help="GELU's tanh approximation (GPT-2's gelu_new) instead of the exact one",
+    )
+    g.add_argument(
+        "--squared-relu",
+        action="store_true",
+        help="relu(x)^2 as the MLP's activation instead of GELU",
+    )
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
-    g.add_argument("--add-qkv-bias", action="store_true",
-                   help="a bias on the QKV projection even with --disable-bias-linear (Qwen2)")
+    g.add_argument(
+        "--add-qkv-bias",
+        action="store_true",
+        help="a bias on the QKV projection even with --disable-bias-linear (Qwen2)",
+    )
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--window-size", type=int_tuple, default=None, metavar="LEFT,RIGHT",
-                   help="sliding-window attention (standard and xsa): query i sees keys "
-                        "i - LEFT .. i; RIGHT must be 0 (causal); as Megatron-LM's")
-    g.add_argument("--attention", choices=VARIANTS, default="standard",
-                   help="core attention variant (megatron-focus)")
-    g.add_argument("--xsa-layers", type=int, nargs="+", default=None, metavar="N",
-                   help="layers (1-based) that use XSA; the others use the base attention. "
-                        "Default: all (megatron-focus)")
+    g.add_argument(
+        "--window-size",
+        type=int_tuple,
+        default=None,
+        metavar="LEFT,RIGHT",
+        help="sliding-window attention (standard and xsa): query i sees keys "
+        "i - LEFT .. i; RIGHT must be 0 (causal); as Megatron-LM's",
+    )
+    g.add_argument(
+        "--attention",
+        choices=VARIANTS,
+        default="standard",
+        help="core attention variant (megatron-focus)",
+    )
+    g.add_argument(
+        "--xsa-layers",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="layers (1-based) that use XSA; the others use the base attention. "
+        "Default: all (megatron-focus)",
+    )
 
 
 def _add_focus_args(p: argparse.ArgumentParser) -> None:
@@ -92,54 +140,116 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
-                   help="default: nccl with a GPU, gloo without")
+    g.add_argument(
+        "--distributed-backend",
+        choices=("nccl", "gloo"),
+        default=None,
+        help="default: nccl with a GPU, gloo without",
+    )
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
 
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
-    g.add_argument("--decoupled-lr", type=float, default=None,
-                   help="a peak LR of their own for the input embedding and output layer")
-    g.add_argument("--decoupled-min-lr", type=float, default=None,
-                   help="with --decoupled-lr: their minimum LR (default --min-lr)")
-    g.add_argument("--recompute-activations", action="store_true",
-                   help="recompute each layer's core attention in the backward pass (= "
-                        "--recompute-granularity selective)")
-    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
-                   help="full: recompute whole layers (with --recompute-method); selective: the "
-                        "core attention only")
-    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
-                   help="with full recompute: uniform checkpoints groups of "
-                        "--recompute-num-layers layers; block only the first "
-                        "--recompute-num-layers layers")
-    g.add_argument("--recompute-num-layers", type=int, default=None,
-                   help="layers per recompute group (uniform) or recomputed layers (block)")
-    g.add_argument("--calculate-per-token-loss", action="store_true",
-                   help="the loss is the mean over every loss token of the global batch (each "
-                        "token weighs the same), not the mean of the micro-batches' means")
+    g.add_argument(
+        "--decoupled-lr",
+        type=float,
+        default=None,
+        help="a peak LR of their own for the input embedding and output layer",
+    )
+    g.add_argument(
+        "--decoupled-min-lr",
+        type=float,
+        default=None,
+        help="with --decoupled-lr: their minimum LR (default --min-lr)",
+    )
+    g.add_argument(
+        "--recompute-activations",
+        action="store_true",
+        help="recompute each layer's core attention in the backward pass (= "
+        "--recompute-granularity selective)",
+    )
+    g.add_argument(
+        "--recompute-granularity",
+        choices=("full", "selective"),
+        default=None,
+        help="full: recompute whole layers (with --recompute-method); selective: the "
+        "core attention only",
+    )
+    g.add_argument(
+        "--recompute-method",
+        choices=("uniform", "block"),
+        default=None,
+        help="with full recompute: uniform checkpoints groups of "
+        "--recompute-num-layers layers; block only the first "
+        "--recompute-num-layers layers",
+    )
+    g.add_argument(
+        "--recompute-num-layers",
+        type=int,
+        default=None,
+        help="layers per recompute group (uniform) or recomputed layers (block)",
+    )
+    g.add_argument(
+        "--calculate-per-token-loss",
+        action="store_true",
+        help="the loss is the mean over every loss token of the global batch (each "
+        "token weighs the same), not the mean of the micro-batches' means",
+    )
     g.add_argument("--micro-batch-size", type=int, default=8)
-    g.add_argument("--global-batch-size", type=int, default=None,
-                   help="default micro batch x data-parallel size (no accumulation)")
-    g.add_argument("--train-iters", type=int, default=None,
-                   help="default 300, or --train-samples / --global-batch-size")
-    g.add_argument("--train-samples", type=int, default=None,
-                   help="instead of --train-iters: samples to train on (a multiple of the "
-                        "global batch)")
-    g.add_argument("--lr-warmup-samples", type=int, default=None,
-                   help="with --train-samples: warmup in samples")
-    g.add_argument("--lr-decay-samples", type=int, default=None,
-                   help="with --train-samples: decay in samples")
-    g.add_argument("--lr-warmup-fraction", type=float, default=None,
-                   help="warmup as a fraction of the decay (instead of --lr-warmup-iters)")
+    g.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="default micro batch x data-parallel size (no accumulation)",
+    )
+    g.add_argument(
+        "--train-iters",
+        type=int,
+        default=None,
+        help="default 300, or --train-samples / --global-batch-size",
+    )
+    g.add_argument(
+        "--train-samples",
+        type=int,
+        default=None,
+        help="instead of --train-iters: samples to train on (a multiple of the global batch)",
+    )
+    g.add_argument(
+        "--lr-warmup-samples",
+        type=int,
+        default=None,
+        help="with --train-samples: warmup in samples",
+    )
+    g.add_argument(
+        "--lr-decay-samples", type=int, default=None, help="with --train-samples: decay in samples"
+    )
+    g.add_argument(
+        "--lr-warmup-fraction",
+        type=float,
+        default=None,
+        help="warmup as a fraction of the decay (instead of --lr-warmup-iters)",
+    )
     g.add_argument("--lr", type=float, default=3e-3)
-    g.add_argument("--min-lr", type=float, default=None,
-                   help="default 0 (Megatron-LM's); the demo's: --lr / 10")
-    g.add_argument("--lr-warmup-iters", type=int, default=None,
-                   help="default 0 (Megatron-LM's); the demo's: 10%% of --train-iters")
+    g.add_argument(
+        "--min-lr",
+        type=float,
+        default=None,
+        help="default 0 (Megatron-LM's); the demo's: --lr / 10",
+    )
+    g.add_argument(
+        "--lr-warmup-iters",
+        type=int,
+        default=None,
+        help="default 0 (Megatron-LM's); the demo's: 10%% of --train-iters",
+    )
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
-    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default=None,
-                   help="default linear (Megatron-LM's); the demo's: cosine")
+    g.add_argument(
+        "--lr-decay-style",
+        choices=("constant", "linear", "cosine"),
+        default=None,
+        help="default linear (Megatron-LM's); the demo's: cosine",
+    )
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -149,189 +259,368 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     precision = g.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true")
     precision.add_argument("--fp16", action="store_true")
-    g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1,
-                   help="DeepSpeed ZeRO stage (overridden by --deepspeed_config if it sets one)")
-    g.add_argument("--exit-interval", type=int, default=None,
-                   help="save (with --save) and exit when the iteration is a multiple of this")
-    g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM, save a checkpoint and exit cleanly")
-    g.add_argument("--exit-duration-in-mins", type=float, default=None,
-                   help="save (with --save) and exit once the run has lasted this long (e.g. "
-                        "under a job's time limit)")
-    g.add_argument("--manual-gc", action="store_true",
-                   help="turn Python's automatic garbage collection off (its pauses differ "
-                        "between ranks and stall them all); collect every --manual-gc-interval "
-                        "iterations and around evaluations")
-    g.add_argument("--manual-gc-interval", type=int, default=0,
-                   help="with --manual-gc: collect every N iterations (0: only around "
-                        "evaluations)")
-    g.add_argument("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
-                   help="with --manual-gc: no collection around evaluations")
-    g.add_argument("--max-skipped-steps", type=int, default=10,
-                   help="stop with an error, saving nothing more, after this many consecutive "
-                        "steps skipped for a non-finite loss (0: never stop)")
+    g.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=(0, 1, 2, 3),
+        default=1,
+        help="DeepSpeed ZeRO stage (overridden by --deepspeed_config if it sets one)",
+    )
+    g.add_argument(
+        "--exit-interval",
+        type=int,
+        default=None,
+        help="save (with --save) and exit when the iteration is a multiple of this",
+    )
+    g.add_argument(
+        "--exit-signal-handler",
+        action="store_true",
+        help="on SIGTERM, save a checkpoint and exit cleanly",
+    )
+    g.add_argument(
+        "--exit-duration-in-mins",
+        type=float,
+        default=None,
+        help="save (with --save) and exit once the run has lasted this long (e.g. "
+        "under a job's time limit)",
+    )
+    g.add_argument(
+        "--manual-gc",
+        action="store_true",
+        help="turn Python's automatic garbage collection off (its pauses differ "
+        "between ranks and stall them all); collect every --manual-gc-interval "
+        "iterations and around evaluations",
+    )
+    g.add_argument(
+        "--manual-gc-interval",
+        type=int,
+        default=0,
+        help="with --manual-gc: collect every N iterations (0: only around evaluations)",
+    )
+    g.add_argument(
+        "--no-manual-gc-eval",
+        dest="manual_gc_eval",
+        action="store_false",
+        help="with --manual-gc: no collection around evaluations",
+    )
+    g.add_argument(
+        "--max-skipped-steps",
+        type=int,
+        default=10,
+        help="stop with an error, saving nothing more, after this many consecutive "
+        "steps skipped for a non-finite loss (0: never stop)",
+    )
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", nargs="*", default=None,
-                   help="a prefix, or weights and prefixes: 0.7 a_text_document 0.3 b_text_document;"
-                        " default: the embedded stdlib corpus")
-    g.add_argument("--mock-data", action="store_true",
-                   help="Megatron-Core's mock data: synthetic sequences, nothing read (for "
-                        "trying a launch script); needs a tokenizer, e.g. --tokenizer-type "
-                        "NullTokenizer --vocab-size 32000")
-    g.add_argument("--eod-mask-loss", action="store_true",
-                   help="leave end-of-document tokens out of the loss")
-    g.add_argument("--reset-position-ids", action="store_true",
-                   help="restart position ids after each end of document (learned position "
-                        "embeddings; RoPE follows the sequence, as in Megatron-Core)")
-    g.add_argument("--train-data-path", nargs="*", default=None,
-                   help="instead of --data-path and --split: the training data, a prefix or "
-                        "weights and prefixes as --data-path's")
-    g.add_argument("--valid-data-path", nargs="*", default=None,
-                   help="with --train-data-path: the validation data (none: no validation)")
-    g.add_argument("--test-data-path", nargs="*", default=None,
-                   help="with --train-data-path: the test data (checked, not read by training)")
-    g.add_argument("--reset-attention-mask", action="store_true",
-                   help="tokens attend only within their own document (standard and xsa "
-                        "attention; Megatron-Core's dataset builds the mask)")
-    g.add_argument("--split", default=None,
-                   help="train,valid,test weights dividing --data-path's documents; default "
-                        "969,30,1")
-    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
-                   help="default: GPT2BPETokenizer when --vocab-file and --merge-file are given "
-                        "(Megatron-LM's GPT-3 example script gives no type)")
-    g.add_argument("--tokenizer-model", default=None,
-                   help="SentencePiece .model, or an HF tokenizer.json or its folder")
+    g.add_argument(
+        "--data-path",
+        nargs="*",
+        default=None,
+        help="a prefix, or weights and prefixes: 0.7 a_text_document 0.3 b_text_document;"
+        " default: the embedded stdlib corpus",
+    )
+    g.add_argument(
+        "--mock-data",
+        action="store_true",
+        help="Megatron-Core's mock data: synthetic sequences, nothing read (for "
+        "trying a launch script); needs a tokenizer, e.g. --tokenizer-type "
+        "NullTokenizer --vocab-size 32000",
+    )
+    g.add_argument(
+        "--eod-mask-loss", action="store_true", help="leave end-of-document tokens out of the loss"
+    )
+    g.add_argument(
+        "--reset-position-ids",
+        action="store_true",
+        help="restart position ids after each end of document (learned position "
+        "embeddings; RoPE follows the sequence, as in Megatron-Core)",
+    )
+    g.add_argument(
+        "--train-data-path",
+        nargs="*",
+        default=None,
+        help="instead of --data-path and --split: the training data, a prefix or "
+        "weights and prefixes as --data-path's",
+    )
+    g.add_argument(
+        "--valid-data-path",
+        nargs="*",
+        default=None,
+        help="with --train-data-path: the validation data (none: no validation)",
+    )
+    g.add_argument(
+        "--test-data-path",
+        nargs="*",
+        default=None,
+        help="with --train-data-path: the test data (checked, not read by training)",
+    )
+    g.add_argument(
+        "--reset-attention-mask",
+        action="store_true",
+        help="tokens attend only within their own document (standard and xsa "
+        "attention; Megatron-Core's dataset builds the mask)",
+    )
+    g.add_argument(
+        "--split",
+        default=None,
+        help="train,valid,test weights dividing --data-path's documents; default 969,30,1",
+    )
+    g.add_argument(
+        "--tokenizer-type",
+        choices=TOKENIZER_TYPES,
+        default=None,
+        help="default: GPT2BPETokenizer when --vocab-file and --merge-file are given "
+        "(Megatron-LM's GPT-3 example script gives no type)",
+    )
+    g.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="SentencePiece .model, or an HF tokenizer.json or its folder",
+    )
     g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: GPT-2's vocab.json")
     g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: GPT-2's merges.txt")
-    g.add_argument("--vocab-size", type=int, default=None,
-                   help="NullTokenizer: ids before the end-of-document id")
-    g.add_argument("--data-cache-path", default=None,
-                   help="where dataset indices (and the embedded corpus) are cached")
-    g.add_argument("--mqar", action="store_true",
-                   help="train and validate on synthetic multi-query associative recall "
-                        "(data/mqar.py: key-value pairs, then queries far after them) instead of "
-                        "--data-path (megatron-focus)")
+    g.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="NullTokenizer: ids before the end-of-document id",
+    )
+    g.add_argument(
+        "--data-cache-path",
+        default=None,
+        help="where dataset indices (and the embedded corpus) are cached",
+    )
+    g.add_argument(
+        "--mqar",
+        action="store_true",
+        help="train and validate on synthetic multi-query associative recall "
+        "(data/mqar.py: key-value pairs, then queries far after them) instead of "
+        "--data-path (megatron-focus)",
+    )
     g.add_argument("--mqar-pairs", type=int, default=32, help="key-value pairs per sequence")
-    g.add_argument("--mqar-queries", type=int, default=None,
-                   help="queries per sequence: every key once, then random keys (default: one "
-                        "per pair)")
-    g.add_argument("--mqar-packed", action="store_true",
-                   help="each pair one token (key x value): recall in one attention hop, which a "
-                        "tiny model learns on a CPU")
-    g.add_argument("--mqar-vocab-size", type=int, default=512,
-                   help="ids: the filler, keys in the lower half, values in the upper")
-    g.add_argument("--mqar-min-distance", type=int, default=256,
-                   help="tokens at least between the pairs and the first query")
-    g.add_argument("--num-workers", type=int, default=2,
-                   help="DataLoader worker processes that read and collate batches ahead of the "
-                        "step (0: in the training process)")
+    g.add_argument(
+        "--mqar-queries",
+        type=int,
+        default=None,
+        help="queries per sequence: every key once, then random keys (default: one per pair)",
+    )
+    g.add_argument(
+        "--mqar-packed",
+        action="store_true",
+        help="each pair one token (key x value): recall in one attention hop, which a "
+        "tiny model learns on a CPU",
+    )
+    g.add_argument(
+        "--mqar-vocab-size",
+        type=int,
+        default=512,
+        help="ids: the filler, keys in the lower half, values in the upper",
+    )
+    g.add_argument(
+        "--mqar-min-distance",
+        type=int,
+        default=256,
+        help="tokens at least between the pairs and the first query",
+    )
+    g.add_argument(
+        "--num-workers",
+        type=int,
+        default=2,
+        help="DataLoader worker processes that read and collate batches ahead of the "
+        "step (0: in the training process)",
+    )
 
 
 def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
-    g.add_argument("--pretrained-checkpoint", default=None,
-                   help="the weights to start from while --load holds no checkpoint yet (as "
-                        "--finetune from it); once this run has saved, --load resumes it")
-    g.add_argument("--use-checkpoint-args", action="store_true",
-                   help="the model's shape flags from --load's checkpoint instead of the "
-                        "command line (all but the tensor-parallel size)")
-    g.add_argument("--no-load-optim", action="store_true",
-                   help="resume the weights, iteration and data position but not the optimizer "
-                        "state or LR schedule (this run's start afresh)")
-    g.add_argument("--no-load-rng", action="store_true",
-                   help="resume without the checkpoint's random states (seeded from --seed and "
-                        "the iteration)")
-    g.add_argument("--no-save-rng", action="store_true",
-                   help="checkpoints hold no random states (a resume seeds from --seed and the "
-                        "iteration)")
-    g.add_argument("--no-save-optim", action="store_true",
-                   help="checkpoints hold no optimizer state (smaller; such a checkpoint resumes "
-                        "with --no-load-optim or --finetune); not with ZeRO stage 3, whose "
-                        "optimizer shards hold the weights")
-    g.add_argument("--ckpt-step", type=int, default=None,
-                   help="resume from --load's checkpoint of this iteration rather than its latest "
-                        "(e.g. the one before a damaged checkpoint)")
+    g.add_argument(
+        "--pretrained-checkpoint",
+        default=None,
+        help="the weights to start from while --load holds no checkpoint yet (as "
+        "--finetune from it); once this run has saved, --load resumes it",
+    )
+    g.add_argument(
+        "--use-checkpoint-args",
+        action="store_true",
+        help="the model's shape flags from --load's checkpoint instead of the "
+        "command line (all but the tensor-parallel size)",
+    )
+    g.add_argument(
+        "--no-load-optim",
+        action="store_true",
+        help="resume the weights, iteration and data position but not the optimizer "
+        "state or LR schedule (this run's start afresh)",
+    )
+    g.add_argument(
+        "--no-load-rng",
+        action="store_true",
+        help="resume without the checkpoint's random states (seeded from --seed and the iteration)",
+    )
+    g.add_argument(
+        "--no-save-rng",
+        action="store_true",
+        help="checkpoints hold no random states (a resume seeds from --seed and the iteration)",
+    )
+    g.add_argument(
+        "--no-save-optim",
+        action="store_true",
+        help="checkpoints hold no optimizer state (smaller; such a checkpoint resumes "
+        "with --no-load-optim or --finetune); not with ZeRO stage 3, whose "
+        "optimizer shards hold the weights",
+    )
+    g.add_argument(
+        "--ckpt-step",
+        type=int,
+        default=None,
+        help="resume from --load's checkpoint of this iteration rather than its latest "
+        "(e.g. the one before a damaged checkpoint)",
+    )
     g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--finetune", action="store_true",
-                   help="load only the model weights from --load; iteration, optimizer and "
-                        "LR schedule start fresh")
-    g.add_argument("--retrofit", action="store_true",
-                   help="train only the Focus routers (W_g, C) of --load's model, every other "
-                        "weight frozen; from a non-Focus checkpoint this implies --finetune")
-    g.add_argument("--save-full", action="store_true",
-                   help="with --retrofit: checkpoints hold the whole model, not only the trained "
-                        "routers and a reference to --load's checkpoint")
+    g.add_argument(
+        "--finetune",
+        action="store_true",
+        help="load only the model weights from --load; iteration, optimizer and "
+        "LR schedule start fresh",
+    )
+    g.add_argument(
+        "--retrofit",
+        action="store_true",
+        help="train only the Focus routers (W_g, C) of --load's model, every other "
+        "weight frozen; from a non-Focus checkpoint this implies --finetune",
+    )
+    g.add_argument(
+        "--save-full",
+        action="store_true",
+        help="with --retrofit: checkpoints hold the whole model, not only the trained "
+        "routers and a reference to --load's checkpoint",
+    )
     schedule = g.add_mutually_exclusive_group()
-    schedule.add_argument("--override-opt_param-scheduler", action="store_true",
-                          help="on resume, this run's schedule flags (--lr, --min-lr, warmup, "
-                               "decay, --weight-decay, --train-iters) replace the checkpoint's")
-    schedule.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
-                          help="on resume, keep the checkpoint's schedule whatever the flags say "
-                               "(default: a difference is an error)")
+    schedule.add_argument(
+        "--override-opt_param-scheduler",
+        action="store_true",
+        help="on resume, this run's schedule flags (--lr, --min-lr, warmup, "
+        "decay, --weight-decay, --train-iters) replace the checkpoint's",
+    )
+    schedule.add_argument(
+        "--use-checkpoint-opt_param-scheduler",
+        action="store_true",
+        help="on resume, keep the checkpoint's schedule whatever the flags say "
+        "(default: a difference is an error)",
+    )
     add_unsafe_checkpoints_flag(g)
 
 
 def add_unsafe_checkpoints_flag(group) -> None:
     """`--allow-unsafe-checkpoints`, for every command that reads checkpoints."""
-    group.add_argument("--allow-unsafe-checkpoints", action="store_true",
-                       help="read checkpoint files that hold pickled objects other than tensors "
-                            "and DeepSpeed's own records (a file can run code as it loads): "
-                            "only for files from a source you trust")
+    group.add_argument(
+        "--allow-unsafe-checkpoints",
+        action="store_true",
+        help="read checkpoint files that hold pickled objects other than tensors "
+        "and DeepSpeed's own records (a file can run code as it loads): "
+        "only for files from a source you trust",
+    )
 
 
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, default=None,
-                   help="default 100 (Megatron-LM's); the demo's: 10")
-    g.add_argument("--eval-interval", type=int, default=None,
-                   help="default 1000 (Megatron-LM's); the demo's: 100")
-    g.add_argument("--eval-iters", type=int, default=None,
-                   help="default 100 (Megatron-LM's); the demo's: 10")
+    g.add_argument(
+        "--log-interval", type=int, default=None, help="default 100 (Megatron-LM's); the demo's: 10"
+    )
+    g.add_argument(
+        "--eval-interval",
+        type=int,
+        default=None,
+        help="default 1000 (Megatron-LM's); the demo's: 100",
+    )
+    g.add_argument(
+        "--eval-iters", type=int, default=None, help="default 100 (Megatron-LM's); the demo's: 10"
+    )
     g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--log-throughput", action="store_true",
-                   help="the log line shows Megatron's throughput per GPU (TFLOP/s/GPU); with "
-                        "--log-timers-to-tensorboard also the 'throughput' curve")
-    g.add_argument("--log-timers-to-tensorboard", action="store_true",
-                   help="TensorBoard gets 'iteration-time' (seconds per iteration)")
-    g.add_argument("--no-log-loss-scale-to-tensorboard", dest="log_loss_scale_to_tensorboard",
-                   action="store_false", help="TensorBoard gets no 'loss-scale' curve")
-    g.add_argument("--log-world-size-to-tensorboard", action="store_true",
-                   help="TensorBoard gets a 'world-size' curve")
-    g.add_argument("--log-params-norm", action="store_true",
-                   help="the log line and TensorBoard ('params-norm') get the L2 norm of all "
-                        "weights")
-    g.add_argument("--log-memory-to-tensorboard", action="store_true",
-                   help="TensorBoard gets the memory curves (mem-*: CUDA allocator on a GPU, "
-                        "resident set on the CPU)")
-    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
-                   help="TensorBoard gets the validation perplexity ('lm loss validation ppl')")
-    g.add_argument("--tensorboard-log-interval", type=int, default=1,
-                   help="write TensorBoard at log steps whose iteration is a multiple of this")
-    g.add_argument("--wandb-project", default="",
-                   help="also log the curves to Weights & Biases, this project (pip install -e "
-                        "'.[wandb]'; WANDB_MODE=offline needs no network)")
+    g.add_argument(
+        "--log-throughput",
+        action="store_true",
+        help="the log line shows Megatron's throughput per GPU (TFLOP/s/GPU); with "
+        "--log-timers-to-tensorboard also the 'throughput' curve",
+    )
+    g.add_argument(
+        "--log-timers-to-tensorboard",
+        action="store_true",
+        help="TensorBoard gets 'iteration-time' (seconds per iteration)",
+    )
+    g.add_argument(
+        "--no-log-loss-scale-to-tensorboard",
+        dest="log_loss_scale_to_tensorboard",
+        action="store_false",
+        help="TensorBoard gets no 'loss-scale' curve",
+    )
+    g.add_argument(
+        "--log-world-size-to-tensorboard",
+        action="store_true",
+        help="TensorBoard gets a 'world-size' curve",
+    )
+    g.add_argument(
+        "--log-params-norm",
+        action="store_true",
+        help="the log line and TensorBoard ('params-norm') get the L2 norm of all weights",
+    )
+    g.add_argument(
+        "--log-memory-to-tensorboard",
+        action="store_true",
+        help="TensorBoard gets the memory curves (mem-*: CUDA allocator on a GPU, "
+        "resident set on the CPU)",
+    )
+    g.add_argument(
+        "--log-validation-ppl-to-tensorboard",
+        action="store_true",
+        help="TensorBoard gets the validation perplexity ('lm loss validation ppl')",
+    )
+    g.add_argument(
+        "--tensorboard-log-interval",
+        type=int,
+        default=1,
+        help="write TensorBoard at log steps whose iteration is a multiple of this",
+    )
+    g.add_argument(
+        "--wandb-project",
+        default="",
+        help="also log the curves to Weights & Biases, this project (pip install -e "
+        "'.[wandb]'; WANDB_MODE=offline needs no network)",
+    )
     g.add_argument("--wandb-exp-name", default="", help="with --wandb-project: the run's name")
     g.add_argument("--wandb-entity", default="", help="with --wandb-project: the team or user")
-    g.add_argument("--wandb-save-dir", default="",
-                   help="with --wandb-project: wandb's local files (default --save/wandb, or "
-                        "--tensorboard-dir/wandb)")
-    g.add_argument("--profile", action="store_true",
-                   help="trace iterations --profile-step-start to --profile-step-end on "
-                        "--profile-ranks (see --use-pytorch-profiler)")
-    g.add_argument("--use-pytorch-profiler", action="store_true",
-                   help="with --profile: the PyTorch profiler's trace in --tensorboard-dir (always "
-                        "so without a GPU); otherwise cudaProfilerStart/Stop for nsys")
+    g.add_argument(
+        "--wandb-save-dir",
+        default="",
+        help="with --wandb-project: wandb's local files (default --save/wandb, or "
+        "--tensorboard-dir/wandb)",
+    )
+    g.add_argument(
+        "--profile",
+        action="store_true",
+        help="trace iterations --profile-step-start to --profile-step-end on "
+        "--profile-ranks (see --use-pytorch-profiler)",
+    )
+    g.add_argument(
+        "--use-pytorch-profiler",
+        action="store_true",
+        help="with --profile: the PyTorch profiler's trace in --tensorboard-dir (always "
+        "so without a GPU); otherwise cudaProfilerStart/Stop for nsys",
+    )
     g.add_argument("--profile-step-start", type=int, default=10)
     g.add_argument("--profile-step-end", type=int, default=12)
     g.add_argument("--profile-ranks", type=int, nargs="+", default=[0])
-    g.add_argument("--timing-log-level", type=int, choices=(0, 1, 2), default=0,
-                   help="accepted for Megatron-LM scripts: the one timer here (iteration time) is "
-                        "level 0, so every level logs the same")
+    g.add_argument(
+        "--timing-log-level",
+        type=int,
+        choices=(0, 1, 2),
+        default=0,
+        help="accepted for Megatron-LM scripts: the one timer here (iteration time) is "
+        "level 0, so every level logs the same",
+    )
 
 
 def _gpu() -> bool:
@@ -344,16 +633,28 @@ def _add_deepspeed_args(p: argparse.ArgumentParser) -> None:
     """DeepSpeed's own flags, as `deepspeed.add_config_arguments` adds them (tests/test_cli.py
     checks that they stay the same): importing DeepSpeed takes seconds that --help should not."""
     g = p.add_argument_group("DeepSpeed", "DeepSpeed configurations")
-    g.add_argument("--deepspeed", default=False, action="store_true",
-                   help="Enable DeepSpeed (helper flag for user code, no impact on DeepSpeed "
-                        "backend)")
-    g.add_argument("--deepspeed_config", default=None, type=str,
-                   help="DeepSpeed json configuration file.")
-    g.add_argument("--deepscale", default=False, action="store_true",
-                   help="Deprecated enable DeepSpeed (helper flag for user code, no impact on "
-                        "DeepSpeed backend)")
-    g.add_argument("--deepscale_config", default=None, type=str,
-                   help="Deprecated DeepSpeed json configuration file.")
+    g.add_argument(
+        "--deepspeed",
+        default=False,
+        action="store_true",
+        help="Enable DeepSpeed (helper flag for user code, no impact on DeepSpeed backend)",
+    )
+    g.add_argument(
+        "--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file."
+    )
+    g.add_argument(
+        "--deepscale",
+        default=False,
+        action="store_true",
+        help="Deprecated enable DeepSpeed (helper flag for user code, no impact on "
+        "DeepSpeed backend)",
+    )
+    g.add_argument(
+        "--deepscale_config",
+        default=None,
+        type=str,
+        help="Deprecated DeepSpeed json configuration file.",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -369,8 +670,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_checkpoint_args(p)
     _add_logging_args(p)
     add_compat_args(p)
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None,
-                   help="set by the deepspeed launcher")
+    p.add_argument(
+        "--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher"
+    )
     _add_deepspeed_args(p)
     return p
 
@@ -400,28 +702,65 @@ def _use_checkpoint_args(args: argparse.Namespace) -> None:
 
 # The least value each numeric flag may take (flags left unset, None, are not checked).
 AT_LEAST = {
-    **dict.fromkeys(("num_layers", "hidden_size", "num_attention_heads", "kv_channels",
-                     "ffn_hidden_size", "num_query_groups", "seq_length",
-                     "max_position_embeddings", "make_vocab_size_divisible_by",
-                     "micro_batch_size", "global_batch_size", "tensor_model_parallel_size",
-                     "train_iters", "lr_decay_iters", "log_interval", "eval_interval",
-                     "train_samples", "lr_decay_samples",
-                     "save_interval", "exit_interval", "recompute_num_layers",
-                     "tensorboard_log_interval"), 1),
-    **dict.fromkeys(("lr", "min_lr", "clip_grad", "lr_warmup_iters", "eval_iters",
-                     "num_workers", "max_skipped_steps",
-                     "lr_warmup_samples", "lr_warmup_fraction",
-                     "init_method_std",
-                     "hidden_dropout", "attention_dropout", "weight_decay", "ckpt_step",
-                     "manual_gc_interval", "decoupled_lr", "decoupled_min_lr",
-                     "profile_step_start"), 0),
+    **dict.fromkeys(
+        (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "kv_channels",
+            "ffn_hidden_size",
+            "num_query_groups",
+            "seq_length",
+            "max_position_embeddings",
+            "make_vocab_size_divisible_by",
+            "micro_batch_size",
+            "global_batch_size",
+            "tensor_model_parallel_size",
+            "train_iters",
+            "lr_decay_iters",
+            "log_interval",
+            "eval_interval",
+            "train_samples",
+            "lr_decay_samples",
+            "save_interval",
+            "exit_interval",
+            "recompute_num_layers",
+            "tensorboard_log_interval",
+        ),
+        1,
+    ),
+    **dict.fromkeys(
+        (
+            "lr",
+            "min_lr",
+            "clip_grad",
+            "lr_warmup_iters",
+            "eval_iters",
+            "num_workers",
+            "max_skipped_steps",
+            "lr_warmup_samples",
+            "lr_warmup_fraction",
+            "init_method_std",
+            "hidden_dropout",
+            "attention_dropout",
+            "weight_decay",
+            "ckpt_step",
+            "manual_gc_interval",
+            "decoupled_lr",
+            "decoupled_min_lr",
+            "profile_step_start",
+        ),
+        0,
+    ),
 }
 # Flags bounded above too: (whether a value is allowed, the rule in words).
-WITHIN = {"rotary_percent": (lambda v: 0 < v <= 1, "above 0 and at most 1"),
-          "rope_scaling_factor": (lambda v: v >= 1, "at least 1"),
-          "exit_duration_in_mins": (lambda v: v > 0, "above 0"),
-          "hidden_dropout": (lambda v: v < 1, "below 1"),
-          "attention_dropout": (lambda v: v < 1, "below 1")}
+WITHIN = {
+    "rotary_percent": (lambda v: 0 < v <= 1, "above 0 and at most 1"),
+    "rope_scaling_factor": (lambda v: v >= 1, "at least 1"),
+    "exit_duration_in_mins": (lambda v: v > 0, "above 0"),
+    "hidden_dropout": (lambda v: v < 1, "below 1"),
+    "attention_dropout": (lambda v: v < 1, "below 1"),
+}
 
 
 # Flags left unset take Megatron-LM 0.16's default, except in the demo (no --data-path: the
@@ -471,16 +810,20 @@ def _validate_recompute(args: argparse.Namespace) -> None:
         args.recompute_granularity = "selective"
     if args.recompute_granularity == "full":
         if args.recompute_method is None:
-            raise ValueError("--recompute-granularity full needs --recompute-method uniform or "
-                             "block")
+            raise ValueError(
+                "--recompute-granularity full needs --recompute-method uniform or block"
+            )
         if args.recompute_num_layers is None:
             args.recompute_num_layers = 1
         if args.recompute_method == "block" and args.recompute_num_layers > args.num_layers:
-            raise ValueError(f"--recompute-num-layers {args.recompute_num_layers} exceeds "
-                             f"--num-layers {args.num_layers}")
+            raise ValueError(
+                f"--recompute-num-layers {args.recompute_num_layers} exceeds "
+                f"--num-layers {args.num_layers}"
+            )
     elif args.recompute_method is not None or args.recompute_num_layers is not None:
-        raise ValueError("--recompute-method and --recompute-num-layers are for "
-                         "--recompute-granularity full")
+        raise ValueError(
+            "--recompute-method and --recompute-num-layers are for --recompute-granularity full"
+        )
 
 
 def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) -> None:
@@ -529,8 +872,9 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
             f"--tensor-model-parallel-size {tp}"
         )
     if args.sequence_parallel and tp == 1:  # Megatron-LM turns it off too (launch scripts set it)
-        warnings.warn("--sequence-parallel has no effect with --tensor-model-parallel-size 1: "
-                      "turned off")
+        warnings.warn(
+            "--sequence-parallel has no effect with --tensor-model-parallel-size 1: turned off"
+        )
         args.sequence_parallel = False
     if args.sequence_parallel and args.seq_length % tp:
         raise ValueError(
@@ -541,32 +885,43 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
         raise ValueError(f"world size {world_size} is not divisible by TP size {tp}")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
-    if (args.position_embedding_type == "learned_absolute"
-            and args.seq_length > args.max_position_embeddings):
+    if (
+        args.position_embedding_type == "learned_absolute"
+        and args.seq_length > args.max_position_embeddings
+    ):
         raise ValueError(
             f"--seq-length {args.seq_length} is longer than the learned position table "
             f"(--max-position-embeddings {args.max_position_embeddings})"
         )
     if args.window_size is not None:
         if len(args.window_size) != 2 or args.window_size[1] != 0 or args.window_size[0] < 0:
-            raise ValueError(f"--window-size {args.window_size}: give LEFT,0 with LEFT >= 0 "
-                             "(a causal window of LEFT + 1 keys)")
+            raise ValueError(
+                f"--window-size {args.window_size}: give LEFT,0 with LEFT >= 0 "
+                "(a causal window of LEFT + 1 keys)"
+            )
         if variant(args.attention).focus:
-            raise ValueError("--window-size is for standard and xsa attention: Focus has its own "
-                             "local window (--focus-window)")
+            raise ValueError(
+                "--window-size is for standard and xsa attention: Focus has its own "
+                "local window (--focus-window)"
+            )
     if args.reset_attention_mask and variant(args.attention).focus:
-        raise ValueError("--reset-attention-mask is for standard and xsa attention: Focus's "
-                         "routing does not restart at document boundaries yet")
+        raise ValueError(
+            "--reset-attention-mask is for standard and xsa attention: Focus's "
+            "routing does not restart at document boundaries yet"
+        )
     _validate_architecture(args)
     _validate_training(args, world_size)
     deepspeed_config(args, world_size // tp)  # the JSON checked now, and its ZeRO stage and
     # precision taken into args, before any data or model
     if args.fp16 and not _gpu():
-        raise ValueError("--fp16 needs a GPU (DeepSpeed has no fp16 on the CPU): use --bf16 or "
-                         "fp32")
+        raise ValueError(
+            "--fp16 needs a GPU (DeepSpeed has no fp16 on the CPU): use --bf16 or fp32"
+        )
     if args.zero_stage == 3 and args.no_save_optim:
-        raise ValueError("--no-save-optim: ZeRO stage 3 keeps the weights in the optimizer's "
-                         "shards; use --zero-stage 2 or lower, or save the optimizer")
+        raise ValueError(
+            "--no-save-optim: ZeRO stage 3 keeps the weights in the optimizer's "
+            "shards; use --zero-stage 2 or lower, or save the optimizer"
+        )
     if args.ffn_hidden_size is None:
         if args.swiglu:
             # Megatron-LM's rule: keep the MLP's parameter count that of a 4h GELU MLP.
@@ -580,11 +935,14 @@ def _validate_architecture(args: argparse.Namespace) -> None:
     if args.openai_gelu and args.swiglu:
         raise ValueError("--openai-gelu chooses the GELU of a GELU MLP: not with --swiglu")
     if args.squared_relu and (args.swiglu or args.openai_gelu):
-        raise ValueError("--squared-relu is the MLP's activation: not with --swiglu or "
-                         "--openai-gelu")
+        raise ValueError(
+            "--squared-relu is the MLP's activation: not with --swiglu or --openai-gelu"
+        )
     if not args.add_position_embedding and args.position_embedding_type != "rope":
-        raise ValueError("--no-position-embedding is deprecated, use --position-embedding-type "
-                         "none (as in Megatron-LM)")
+        raise ValueError(
+            "--no-position-embedding is deprecated, use --position-embedding-type "
+            "none (as in Megatron-LM)"
+        )
     if args.use_rope_scaling and args.position_embedding_type != "rope":
         raise ValueError("--use-rope-scaling scales RoPE: it needs --position-embedding-type rope")
 
@@ -592,8 +950,10 @@ def _validate_architecture(args: argparse.Namespace) -> None:
 def _validate_focus(args: argparse.Namespace) -> None:
     focus = FocusConfig.from_args(args)  # the --focus-* flags checked whatever the variant
     if focus.kernel == "flex" and not _gpu():
-        raise ValueError("--focus-kernel flex needs a GPU: FlexAttention has no CPU backward "
-                         "(use auto or chunked)")
+        raise ValueError(
+            "--focus-kernel flex needs a GPU: FlexAttention has no CPU backward "
+            "(use auto or chunked)"
+        )
     import torch
 
     from megatron_focus.model.kernels import soft_kernel
@@ -608,8 +968,11 @@ def _schedule_in_iterations(args: argparse.Namespace, world_size: int) -> None:
     data_parallel = max(world_size // args.tensor_model_parallel_size, 1)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * data_parallel
-    by_samples = {"train_iters": "train_samples", "lr_warmup_iters": "lr_warmup_samples",
-                  "lr_decay_iters": "lr_decay_samples"}
+    by_samples = {
+        "train_iters": "train_samples",
+        "lr_warmup_iters": "lr_warmup_samples",
+        "lr_decay_iters": "lr_decay_samples",
+    }
     for iters, samples in by_samples.items():
         value, flag = getattr(args, samples), "--" + samples.replace("_", "-")
         if value is None:
@@ -617,8 +980,9 @@ def _schedule_in_iterations(args: argparse.Namespace, world_size: int) -> None:
         if getattr(args, iters) is not None:
             raise ValueError(f"{flag} and --{iters.replace('_', '-')}: give one of them")
         if value % args.global_batch_size:
-            raise ValueError(f"{flag} {value} is not a multiple of the global batch "
-                             f"{args.global_batch_size}")
+            raise ValueError(
+                f"{flag} {value} is not a multiple of the global batch {args.global_batch_size}"
+            )
         setattr(args, iters, value // args.global_batch_size)
     if args.train_iters is None:
         args.train_iters = 300
@@ -640,13 +1004,17 @@ def _validate_data_paths(args: argparse.Namespace) -> None:
         args.split = args.split.strip("'\" ") if args.split else "969,30,1"
         return
     if args.data_path:
-        raise ValueError("--data-path and --train-data-path / --valid-data-path / "
-                         "--test-data-path: give one or the other")
+        raise ValueError(
+            "--data-path and --train-data-path / --valid-data-path / "
+            "--test-data-path: give one or the other"
+        )
     if not args.train_data_path:
         raise ValueError("--valid-data-path and --test-data-path need --train-data-path")
     if args.split is not None:
-        raise ValueError(f"--split {args.split} divides --data-path; with --train-data-path each "
-                         "split has its own data")
+        raise ValueError(
+            f"--split {args.split} divides --data-path; with --train-data-path each "
+            "split has its own data"
+        )
     if args.valid_data_path == [] or args.test_data_path == []:
         raise ValueError("--valid-data-path / --test-data-path given without a path")
 
@@ -661,7 +1029,10 @@ def _validate_training(args: argparse.Namespace, world_size: int) -> None:
     if args.zero_stage == 3 and args.tensor_model_parallel_size > 1:
         raise ValueError("ZeRO stage 3 is supported with --tensor-model-parallel-size 1 only")
     if args.lr_warmup_iters >= args.lr_decay_iters:
-        raise ValueError("--lr-warmup-iters must be shorter than the decay (--lr-decay-iters, default --train-iters)")
+        raise ValueError(
+            "--lr-warmup-iters must be shorter than the decay (--lr-decay-iters, default "
+            "--train-iters)"
+        )
     if args.min_lr > args.lr:
         raise ValueError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
     _validate_data_paths(args)
@@ -673,14 +1044,22 @@ def _validate_training(args: argparse.Namespace, world_size: int) -> None:
             raise ValueError("--mqar makes its own data: not with --data-path or a tokenizer")
         from megatron_focus.data.mqar import check_mqar
 
-        check_mqar(args.seq_length, args.mqar_pairs, args.mqar_vocab_size, args.mqar_min_distance,
-                   args.mqar_queries, args.mqar_packed)
+        check_mqar(
+            args.seq_length,
+            args.mqar_pairs,
+            args.mqar_vocab_size,
+            args.mqar_min_distance,
+            args.mqar_queries,
+            args.mqar_packed,
+        )
     if args.mock_data:
         if reads_data_files(args) or args.mqar:
             raise ValueError("--mock-data makes its own data: not with --data-path or --mqar")
         if args.tokenizer_type is None:
-            raise ValueError("--mock-data needs a tokenizer for its vocabulary, e.g. "
-                             "--tokenizer-type NullTokenizer --vocab-size 32000")
+            raise ValueError(
+                "--mock-data needs a tokenizer for its vocabulary, e.g. "
+                "--tokenizer-type NullTokenizer --vocab-size 32000"
+            )
     elif bool(tokenizer_given) != reads_data_files(args):
         raise ValueError(
             "--data-path and a tokenizer (--tokenizer-type with --tokenizer-model, --vocab-file "
@@ -698,12 +1077,14 @@ def _validate_training(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError("--distributed-backend nccl needs GPUs; without one the backend is gloo")
     if args.profile:
         if args.profile_step_end <= args.profile_step_start:
-            raise ValueError(f"--profile-step-end {args.profile_step_end} must be after "
-                             f"--profile-step-start {args.profile_step_start}")
-        if args.tensorboard_dir is None and (args.use_pytorch_profiler
-                                             or not _gpu()):
-            raise ValueError("--profile writes the PyTorch profiler's trace to --tensorboard-dir: "
-                             "give one")
+            raise ValueError(
+                f"--profile-step-end {args.profile_step_end} must be after "
+                f"--profile-step-start {args.profile_step_start}"
+            )
+        if args.tensorboard_dir is None and (args.use_pytorch_profiler or not _gpu()):
+            raise ValueError(
+                "--profile writes the PyTorch profiler's trace to --tensorboard-dir: give one"
+            )
     if args.wandb_project:
         if not args.wandb_exp_name:
             raise ValueError("--wandb-project needs --wandb-exp-name (as in Megatron-LM)")

@@ -16,8 +16,14 @@ class Stopped(RuntimeError):
     """A run that stopped itself, for a reason it states (exit code 1)."""
 
 
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotImplementedError,
-               FloatingPointError, Stopped)
+USER_ERRORS = (
+    ValueError,
+    FileNotFoundError,
+    FileExistsError,
+    NotImplementedError,
+    FloatingPointError,
+    Stopped,
+)
 STOPPED = (FloatingPointError, Stopped)
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,6 +59,8 @@ class Parser(argparse.ArgumentParser):
                 close = difflib.get_close_matches(flag.split("=")[0], known, n=1, cutoff=0.8)
                 if flag.startswith("-"):
                     words.append(flag + (f" (did you mean {close[0]}?)" if close else ""))
-            message = f"unknown flag{'s' if len(words) > 1 else ''} {', '.join(words)}; " \
-                      f"{self.prog} --help lists them"
+            message = (
+                f"unknown flag{'s' if len(words) > 1 else ''} {', '.join(words)}; "
+                f"{self.prog} --help lists them"
+            )
         self.exit(2, f"error: {message}\n")

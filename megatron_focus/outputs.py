@@ -18,8 +18,10 @@ def check_fresh(path: str, overwrite: bool) -> None:
     if os.path.exists(path) and not os.path.isdir(path):
         raise FileExistsError(f"{path} is a file, not a folder")
     if os.path.isdir(path) and os.listdir(path) and not overwrite:
-        raise FileExistsError(f"{path} is not empty: choose a new folder, or pass --overwrite to "
-                              "replace it once the new one is complete")
+        raise FileExistsError(
+            f"{path} is not empty: choose a new folder, or pass --overwrite to "
+            "replace it once the new one is complete"
+        )
 
 
 @contextlib.contextmanager
@@ -29,8 +31,9 @@ def fresh_folder(path: str, overwrite: bool = False) -> Iterator[str]:
     check_fresh(path, overwrite)
     path = os.path.abspath(path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    partial = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.partial-",
-                               dir=os.path.dirname(path))
+    partial = tempfile.mkdtemp(
+        prefix=f".{os.path.basename(path)}.partial-", dir=os.path.dirname(path)
+    )
     try:
         yield partial
     except BaseException:

@@ -11,7 +11,6 @@ from typing import List
 
 import torch
 import torch.distributed as dist
-
 from megatron.core import parallel_state
 
 
@@ -72,8 +71,9 @@ def merge_shards(shards: List[torch.Tensor], dim: int, stride: int = 1) -> torch
 def split_tensor(full: torch.Tensor, tp: int, dim: int, stride: int = 1) -> List[torch.Tensor]:
     """Inverse of `merge_shards`."""
     parts = [part.chunk(tp, dim=dim) for part in full.chunk(stride, dim=dim)]
-    return [torch.cat([parts[s][r] for s in range(stride)], dim=dim).contiguous()
-            for r in range(tp)]
+    return [
+        torch.cat([parts[s][r] for s in range(stride)], dim=dim).contiguous() for r in range(tp)
+    ]
 
 
 def gather_tensor_parallel(param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
@@ -96,8 +96,10 @@ def params_norm(model: torch.nn.Module) -> torch.Tensor:
     `calc_params_l2_norm`): tensor-parallel shards summed over the TP group, ZeRO-3's partitions
     over the data-parallel group, replicated weights once."""
     device = next(model.parameters()).device
-    sums = {kind: torch.zeros((), dtype=torch.float64, device=device)
-            for kind in ("shards", "partitions", "whole")}
+    sums = {
+        kind: torch.zeros((), dtype=torch.float64, device=device)
+        for kind in ("shards", "partitions", "whole")
+    }
     for p in model.parameters():
         if hasattr(p, "ds_tensor"):  # ZeRO-3: this rank's partition
             sums["partitions"] += p.ds_tensor.double().square().sum()

@@ -32,7 +32,8 @@ Formulas (bytes; Psi = parameters held by one tensor-parallel rank, N_d = data-p
         + e s b a d + 4 s b a   flash / SDPA kernels: their own output and log-sum-exp; or instead,
                                 with --materialized-attention (a kernel that keeps the scores):
           e a s^2 b (+ a s^2 b + e a s^2 b with --attention-dropout)
-        + 2 e s b f (GELU: fc1 output, fc2 input) or 4 e s b f (SwiGLU: fc1 output 2f, SiLU, product)
+        + 2 e s b f (GELU: fc1 output, fc2 input) or 4 e s b f (SwiGLU: fc1 output 2f, SiLU,
+          product)
         + XSA in half precision: 4 s b (a d + g d) (its fp32 copies of y and v)
 
   With learned positions and materialized attention, for GPT-2/3 (e = 2, g = a, a d = h,
@@ -40,8 +41,8 @@ Formulas (bytes; Psi = parameters held by one tensor-parallel rank, N_d = data-p
   s b h (34 + 5 a s / h) without tensor parallelism, s b h (10 + 24/t + 5 a s / (h t)) with TP t,
   and s b h (34/t + 5 a s / (h t)) with TP t and SP. Around the layers: the final norm's input and
   output (2 e s b h, SP region), the embedding dropout mask (s b h) and the logits with the fp32
-  softmax that the vocab-parallel cross entropy keeps ((e + 4) s b V / t). Focus adds the peak of one
-  recomputed soft-gate chunk: 12 b (a/t) c s bytes for chunk size c (fp32 bias, scores and
+  softmax that the vocab-parallel cross entropy keeps ((e + 4) s b V / t). Focus adds the peak of
+  one recomputed soft-gate chunk: 12 b (a/t) c s bytes for chunk size c (fp32 bias, scores and
   probabilities). No pipeline parallelism and no activation recomputation: one micro-batch's
   activations are alive at a time.
 * A GPU fits a configuration when weights + gradients + optimizer + activations <= its memory minus
@@ -74,23 +75,46 @@ def add_planner_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--nodes", type=int, default=1)
     g.add_argument("--gpus-per-node", type=int, default=8)
     g.add_argument("--gpu-memory-gb", type=float, default=80.0)
-    g.add_argument("--reserved-gb", type=float, default=None,
-                   help="memory per GPU not available to the model (default 10%% of the GPU's)")
-    g.add_argument("--gpu", default="H100",
-                   help="GPU name for its dense bf16 peak (H100, H200, A100, L40S, A10)")
-    g.add_argument("--peak-tflops", type=float, default=None,
-                   help="dense bf16 peak per GPU in TFLOP/s (overrides --gpu)")
-    g.add_argument("--train-tokens", type=float, default=None,
-                   help="tokens to train on (default --train-iters x --global-batch-size x "
-                        "--seq-length)")
-    g.add_argument("--target-days", type=float, default=None,
-                   help="wall-clock days the run should take: prints the tokens/s and MFU needed")
-    g.add_argument("--assumed-mfu", type=float, default=0.4,
-                   help="MFU for the time estimate (default 0.4)")
-    g.add_argument("--materialized-attention", action="store_true",
-                   help="count the s x s attention scores (an attention kernel that stores them)")
-    g.add_argument("--json", dest="json_path", default=None, metavar="PATH",
-                   help="also write the plan as JSON")
+    g.add_argument(
+        "--reserved-gb",
+        type=float,
+        default=None,
+        help="memory per GPU not available to the model (default 10%% of the GPU's)",
+    )
+    g.add_argument(
+        "--gpu",
+        default="H100",
+        help="GPU name for its dense bf16 peak (H100, H200, A100, L40S, A10)",
+    )
+    g.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="dense bf16 peak per GPU in TFLOP/s (overrides --gpu)",
+    )
+    g.add_argument(
+        "--train-tokens",
+        type=float,
+        default=None,
+        help="tokens to train on (default --train-iters x --global-batch-size x --seq-length)",
+    )
+    g.add_argument(
+        "--target-days",
+        type=float,
+        default=None,
+        help="wall-clock days the run should take: prints the tokens/s and MFU needed",
+    )
+    g.add_argument(
+        "--assumed-mfu", type=float, default=0.4, help="MFU for the time estimate (default 0.4)"
+    )
+    g.add_argument(
+        "--materialized-attention",
+        action="store_true",
+        help="count the s x s attention scores (an attention kernel that stores them)",
+    )
+    g.add_argument(
+        "--json", dest="json_path", default=None, metavar="PATH", help="also write the plan as JSON"
+    )
     return parser
 
 
@@ -109,13 +133,16 @@ def parse_plan_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         args.data_path = ["(not read by the planner)"]  # only the vocabulary is read
     _validate(args, world)
     if world % args.tensor_model_parallel_size:
-        raise PlanError(f"{world} GPUs do not split into --tensor-model-parallel-size "
-                        f"{args.tensor_model_parallel_size} groups")
+        raise PlanError(
+            f"{world} GPUs do not split into --tensor-model-parallel-size "
+            f"{args.tensor_model_parallel_size} groups"
+        )
     deepspeed_config(args, world // args.tensor_model_parallel_size)  # ZeRO stage, bf16 from JSON
     # The tokenizer's vocabulary: --vocab-size as given (NullTokenizer: and its end-of-document
     # id), else read from the tokenizer files, else GPT-2's.
-    reads = (args.tokenizer_type == "NullTokenizer"
-             or (args.vocab_size is None and (args.tokenizer_model or args.vocab_file)))
+    reads = args.tokenizer_type == "NullTokenizer" or (
+        args.vocab_size is None and (args.tokenizer_model or args.vocab_file)
+    )
     if reads:
         from megatron_focus.data.tokenizer import build_tokenizer, tokenizer_flags
 
@@ -166,8 +193,13 @@ class ParamCount:
 
 
 def _shape(args: argparse.Namespace):
-    return (args.hidden_size, args.num_attention_heads, args.num_query_groups, args.kv_channels,
-            args.ffn_hidden_size)
+    return (
+        args.hidden_size,
+        args.num_attention_heads,
+        args.num_query_groups,
+        args.kv_channels,
+        args.ffn_hidden_size,
+    )
 
 
 def count_parameters(args: argparse.Namespace, vocab_size: int, tp: int = 1) -> ParamCount:
@@ -187,13 +219,20 @@ def count_parameters(args: argparse.Namespace, vocab_size: int, tp: int = 1) -> 
     qk_norm = 2 * (2 * d if args.normalization == "LayerNorm" else d) if args.qk_layernorm else 0
     layer_replicated = 2 * norm + 2 * h * bias + router + qk_norm
     word = vocab * h
-    position = args.max_position_embeddings * h \
-        if args.position_embedding_type == "learned_absolute" else 0
+    position = (
+        args.max_position_embeddings * h
+        if args.position_embedding_type == "learned_absolute"
+        else 0
+    )
     output = 0 if not args.untie_embeddings_and_output_weights else vocab * h
     layers = args.num_layers
     return ParamCount(
-        word_embedding=word, position_embedding=position, output_layer=output,
-        per_layer=layer_sharded + layer_replicated, router_per_layer=router, final_norm=norm,
+        word_embedding=word,
+        position_embedding=position,
+        output_layer=output,
+        per_layer=layer_sharded + layer_replicated,
+        router_per_layer=router,
+        final_norm=norm,
         num_layers=layers,
         sharded=word + output + layers * layer_sharded,
         replicated=position + layers * layer_replicated + norm,
@@ -203,8 +242,13 @@ def count_parameters(args: argparse.Namespace, vocab_size: int, tp: int = 1) -> 
 # --- memory ---------------------------------------------------------------------------------------
 
 
-def activation_bytes_per_layer(args: argparse.Namespace, micro_batch: int, tp: int, sp: bool,
-                               materialized_attention: bool = False) -> float:
+def activation_bytes_per_layer(
+    args: argparse.Namespace,
+    micro_batch: int,
+    tp: int,
+    sp: bool,
+    materialized_attention: bool = False,
+) -> float:
     """Activations one transformer layer keeps for the backward, one micro-batch (formula above)."""
     h, heads, groups, d, ffn = _shape(args)
     s, b = args.seq_length, micro_batch
@@ -227,8 +271,14 @@ def activation_bytes_per_layer(args: argparse.Namespace, micro_batch: int, tp: i
     return (sp_region / tp if sp else sp_region) + tp_region / tp
 
 
-def activation_bytes(args: argparse.Namespace, vocab: int, micro_batch: int, tp: int, sp: bool,
-                     materialized_attention: bool = False) -> float:
+def activation_bytes(
+    args: argparse.Namespace,
+    vocab: int,
+    micro_batch: int,
+    tp: int,
+    sp: bool,
+    materialized_attention: bool = False,
+) -> float:
     """All activations of one micro-batch: the layers, the final norm, embedding and logits."""
     s, b, h = args.seq_length, micro_batch, args.hidden_size
     e = 2 if (args.bf16 or args.fp16) else 4
@@ -268,8 +318,9 @@ class Memory:
         return d
 
 
-def model_state_bytes(psi: float, zero_stage: int, data_parallel: int, mixed: bool,
-                      trained: Optional[float] = None):
+def model_state_bytes(
+    psi: float, zero_stage: int, data_parallel: int, mixed: bool, trained: Optional[float] = None
+):
     """(weights, gradients, optimizer) bytes per GPU for Psi parameters on its TP rank, of which
     `trained` (default all) have gradients and optimizer state (a retrofit trains the routers)."""
     n = data_parallel
@@ -287,8 +338,16 @@ def model_state_bytes(psi: float, zero_stage: int, data_parallel: int, mixed: bo
     return weights, grads, optim
 
 
-def memory(args: argparse.Namespace, world: int, tp: int, sp: bool, zero_stage: int,
-           micro_batch: int, usable: float, materialized_attention: bool = False) -> Memory:
+def memory(
+    args: argparse.Namespace,
+    world: int,
+    tp: int,
+    sp: bool,
+    zero_stage: int,
+    micro_batch: int,
+    usable: float,
+    materialized_attention: bool = False,
+) -> Memory:
     from megatron_focus.model.gpt import padded_vocab_size
 
     dp = world // tp
@@ -301,19 +360,36 @@ def memory(args: argparse.Namespace, world: int, tp: int, sp: bool, zero_stage: 
     act = activation_bytes(args, vocab, micro_batch, tp, sp, materialized_attention)
     total = weights + grads + optim + act
     per_step = micro_batch * dp
-    accumulation = args.global_batch_size // per_step if args.global_batch_size % per_step == 0 else 0
+    accumulation = (
+        args.global_batch_size // per_step if args.global_batch_size % per_step == 0 else 0
+    )
     note = ""
     if zero_stage == 3 and tp > 1:
         note = "ZeRO-3 runs with TP 1 only"
     elif zero_stage == 3 and args.retrofit:
         note = "a retrofit loads weights only, which ZeRO-3 does not support"
     elif not accumulation:
-        note = (f"global batch {args.global_batch_size} does not split into micro-batch "
-                f"{micro_batch} x {dp} data-parallel ranks")
-    return Memory(tp=tp, sp=sp, zero_stage=zero_stage, data_parallel=dp, micro_batch=micro_batch,
-                  accumulation=accumulation, params_per_gpu=psi / (dp if zero_stage == 3 else 1),
-                  weights=weights, gradients=grads, optimizer=optim, activations=act, total=total,
-                  usable=usable, fits=total <= usable and not note, note=note)
+        note = (
+            f"global batch {args.global_batch_size} does not split into micro-batch "
+            f"{micro_batch} x {dp} data-parallel ranks"
+        )
+    return Memory(
+        tp=tp,
+        sp=sp,
+        zero_stage=zero_stage,
+        data_parallel=dp,
+        micro_batch=micro_batch,
+        accumulation=accumulation,
+        params_per_gpu=psi / (dp if zero_stage == 3 else 1),
+        weights=weights,
+        gradients=grads,
+        optimizer=optim,
+        activations=act,
+        total=total,
+        usable=usable,
+        fits=total <= usable and not note,
+        note=note,
+    )
 
 
 def tp_options(args: argparse.Namespace, world: int, gpus_per_node: int) -> List[int]:
@@ -321,9 +397,12 @@ def tp_options(args: argparse.Namespace, world: int, gpus_per_node: int) -> List
     out = []
     tp = 1
     while tp <= gpus_per_node:
-        if (world % tp == 0 and args.num_attention_heads % tp == 0
-                and (args.num_query_groups % tp == 0 or tp % args.num_query_groups == 0)
-                and (tp == 1 or args.seq_length % tp == 0)):
+        if (
+            world % tp == 0
+            and args.num_attention_heads % tp == 0
+            and (args.num_query_groups % tp == 0 or tp % args.num_query_groups == 0)
+            and (tp == 1 or args.seq_length % tp == 0)
+        ):
             out.append(tp)
         tp *= 2
     return out
@@ -363,37 +442,50 @@ def make_plan(args: argparse.Namespace) -> Plan:
 
     world = args.nodes * args.gpus_per_node
     tp = args.tensor_model_parallel_size
-    reserved = args.reserved_gb * GB if args.reserved_gb is not None else 0.1 * args.gpu_memory_gb * GB
+    reserved = (
+        args.reserved_gb * GB if args.reserved_gb is not None else 0.1 * args.gpu_memory_gb * GB
+    )
     usable = args.gpu_memory_gb * GB - reserved
     vocab = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)
     params = count_parameters(args, args.vocab_size, tp)
     per_token = flops_per_token(args, vocab)
     mat = args.materialized_attention
 
-    chosen = memory(args, world, tp, args.sequence_parallel, args.zero_stage,
-                    args.micro_batch_size, usable, mat)
+    chosen = memory(
+        args, world, tp, args.sequence_parallel, args.zero_stage, args.micro_batch_size, usable, mat
+    )
     grid = []
     for t in tp_options(args, world, args.gpus_per_node):
-        for sp in ((False,) if t == 1 else (False, True)):
+        for sp in (False,) if t == 1 else (False, True):
             for stage in range(4):
                 grid.append(memory(args, world, t, sp, stage, args.micro_batch_size, usable, mat))
 
     plan = Plan(
         model=_describe(args, vocab),
         parameters={
-            "total": params.total, "embedding": params.embedding,
+            "total": params.total,
+            "embedding": params.embedding,
             "word_embedding": params.word_embedding,
             "position_embedding": params.position_embedding,
-            "output_layer": params.output_layer, "non_embedding": params.non_embedding,
-            "per_layer": params.per_layer, "router_per_layer": params.router_per_layer,
-            "per_tp_rank": params.per_tp_rank(tp), "padded_vocab_size": vocab,
+            "output_layer": params.output_layer,
+            "non_embedding": params.non_embedding,
+            "per_layer": params.per_layer,
+            "router_per_layer": params.router_per_layer,
+            "per_tp_rank": params.per_tp_rank(tp),
+            "padded_vocab_size": vocab,
             "vocab_size": args.vocab_size,
         },
         flops_per_token=per_token,
-        cluster={"nodes": args.nodes, "gpus_per_node": args.gpus_per_node, "gpus": world,
-                 "gpu_memory_gb": args.gpu_memory_gb, "reserved_gb": reserved / GB,
-                 "usable_gb": usable / GB, "gpu": args.gpu, "peak_tflops":
-                 (peak_flops(args) or 0) / 1e12 or None},
+        cluster={
+            "nodes": args.nodes,
+            "gpus_per_node": args.gpus_per_node,
+            "gpus": world,
+            "gpu_memory_gb": args.gpu_memory_gb,
+            "reserved_gb": reserved / GB,
+            "usable_gb": usable / GB,
+            "gpu": args.gpu,
+            "peak_tflops": (peak_flops(args) or 0) / 1e12 or None,
+        },
         chosen=chosen.gb(),
         grid=[m.gb() for m in grid],
         throughput=_throughput(args, per_token, world),
@@ -406,27 +498,39 @@ def make_plan(args: argparse.Namespace) -> Plan:
 
 def _describe(args: argparse.Namespace, vocab: int) -> dict:
     return {
-        "num_layers": args.num_layers, "hidden_size": args.hidden_size,
-        "num_attention_heads": args.num_attention_heads, "kv_channels": args.kv_channels,
-        "num_query_groups": args.num_query_groups, "ffn_hidden_size": args.ffn_hidden_size,
-        "swiglu": args.swiglu, "normalization": args.normalization,
+        "num_layers": args.num_layers,
+        "hidden_size": args.hidden_size,
+        "num_attention_heads": args.num_attention_heads,
+        "kv_channels": args.kv_channels,
+        "num_query_groups": args.num_query_groups,
+        "ffn_hidden_size": args.ffn_hidden_size,
+        "swiglu": args.swiglu,
+        "normalization": args.normalization,
         "position_embedding_type": args.position_embedding_type,
         "tied_embeddings": not args.untie_embeddings_and_output_weights,
-        "bias_linear": args.add_bias_linear, "attention": args.attention,
-        "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size,
-        "global_batch_size": args.global_batch_size, "train_iters": args.train_iters,
+        "bias_linear": args.add_bias_linear,
+        "attention": args.attention,
+        "seq_length": args.seq_length,
+        "micro_batch_size": args.micro_batch_size,
+        "global_batch_size": args.global_batch_size,
+        "train_iters": args.train_iters,
         "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
-        "zero_stage": args.zero_stage, "tensor_model_parallel_size": args.tensor_model_parallel_size,
-        "sequence_parallel": args.sequence_parallel, "padded_vocab_size": vocab,
+        "zero_stage": args.zero_stage,
+        "tensor_model_parallel_size": args.tensor_model_parallel_size,
+        "sequence_parallel": args.sequence_parallel,
+        "padded_vocab_size": vocab,
     }
 
 
 def _throughput(args: argparse.Namespace, per_token: float, world: int) -> dict:
     tokens = args.train_tokens or args.train_iters * args.global_batch_size * args.seq_length
     peak = peak_flops(args)
-    out = {"train_tokens": tokens, "train_flops": tokens * per_token,
-           "tokens_per_iteration": args.global_batch_size * args.seq_length,
-           "assumed_mfu": args.assumed_mfu}
+    out = {
+        "train_tokens": tokens,
+        "train_flops": tokens * per_token,
+        "tokens_per_iteration": args.global_batch_size * args.seq_length,
+        "assumed_mfu": args.assumed_mfu,
+    }
     if peak:
         rate = args.assumed_mfu * peak * world / per_token  # tokens/s at the assumed MFU
         out["tokens_per_sec_at_assumed_mfu"] = rate
@@ -447,10 +551,12 @@ def _advice(args, chosen: Memory, world: int, usable: float, mat: bool) -> str:
     if chosen.note:
         head = chosen.note
     else:
-        head = (f"needs {chosen.total / GB:.1f} GB per GPU (weights {chosen.weights / GB:.1f}, "
-                f"gradients {chosen.gradients / GB:.1f}, optimizer {chosen.optimizer / GB:.1f}, "
-                f"activations {chosen.activations / GB:.1f}) but {usable / GB:.1f} GB are usable "
-                f"(--gpu-memory-gb {args.gpu_memory_gb:g} minus reserved)")
+        head = (
+            f"needs {chosen.total / GB:.1f} GB per GPU (weights {chosen.weights / GB:.1f}, "
+            f"gradients {chosen.gradients / GB:.1f}, optimizer {chosen.optimizer / GB:.1f}, "
+            f"activations {chosen.activations / GB:.1f}) but {usable / GB:.1f} GB are usable "
+            f"(--gpu-memory-gb {args.gpu_memory_gb:g} minus reserved)"
+        )
     options = []
     tp, sp, stage, mbs = chosen.tp, chosen.sp, chosen.zero_stage, chosen.micro_batch
     for s in range(stage + 1, 4):
@@ -463,16 +569,21 @@ def _advice(args, chosen: Memory, world: int, usable: float, mat: bool) -> str:
         if t <= tp:
             continue
         stages = [st for st in dict.fromkeys((stage, 1, 2)) if st < 3]
-        fit = next((st for st in stages
-                    if memory(args, world, t, True, st, mbs, usable, mat).fits), None)
+        fit = next(
+            (st for st in stages if memory(args, world, t, True, st, mbs, usable, mat).fits), None
+        )
         if fit is not None:
-            options.append(f"--tensor-model-parallel-size {t} --sequence-parallel"
-                           + (f" --zero-stage {fit}" if fit != stage else ""))
+            options.append(
+                f"--tensor-model-parallel-size {t} --sequence-parallel"
+                + (f" --zero-stage {fit}" if fit != stage else "")
+            )
             break
     m = mbs // 2
     while m >= 1:
-        if args.global_batch_size % (m * (world // tp)) == 0 and \
-                memory(args, world, tp, sp, stage, m, usable, mat).fits:
+        if (
+            args.global_batch_size % (m * (world // tp)) == 0
+            and memory(args, world, tp, sp, stage, m, usable, mat).fits
+        ):
             options.append(f"--micro-batch-size {m}")
             break
         m //= 2
@@ -504,7 +615,8 @@ def format_plan(plan: Plan) -> str:
         f"{m['attention']}, vocab {p['vocab_size']} (padded {p['padded_vocab_size']})",
         f"parameters: total {_n(p['total'])} = embedding {_n(p['embedding'])} (word "
         f"{_n(p['word_embedding'])}, position {_n(p['position_embedding'])}) + output layer "
-        f"{_n(p['output_layer'])} + non-embedding {_n(p['non_embedding'])} ({_n(p['per_layer'])} per "
+        f"{_n(p['output_layer'])} + non-embedding {_n(p['non_embedding'])} "
+        f"({_n(p['per_layer'])} per "
         f"layer" + (f", router {_n(p['router_per_layer'])}" if p["router_per_layer"] else "") + ")",
         f"FLOPs per token (training, forward + backward): {plan.flops_per_token / 1e9:.2f} GFLOP",
         f"cluster: {c['nodes']} node(s) x {c['gpus_per_node']} GPUs = {c['gpus']} GPUs, "
@@ -529,9 +641,11 @@ def format_plan(plan: Plan) -> str:
         chosen_row = tp == ch["tp"] and sp == ch["sp"]
         accum = str(first["accumulation"]) if first["accumulation"] else "-"
         lines.append(
-            f"{'*' if chosen_row else ' '}{tp:3d}  {'on ' if sp else 'off'} {first['data_parallel']:4d}"
+            f"{'*' if chosen_row else ' '}{tp:3d}  {'on ' if sp else 'off'} "
+            f"{first['data_parallel']:4d}"
             f" {accum:>5}  {_n(first['params_per_gpu']):>10}  {first['activations_gb']:11.1f} | "
-            + " ".join(totals))
+            + " ".join(totals)
+        )
     lines += [
         "",
         f"chosen (*): TP {ch['tp']}{' + SP' if ch['sp'] else ''}, ZeRO-{ch['zero_stage']}, DP "
@@ -541,20 +655,27 @@ def format_plan(plan: Plan) -> str:
         f"{ch['total_gb']:.2f} GB of {ch['usable_gb']:.1f} usable: "
         + ("fits" if plan.fits else "DOES NOT FIT"),
         "",
-        f"training: {_n(th['train_tokens'])} tokens ({_n(th['tokens_per_iteration'])} per iteration), "
+        f"training: {_n(th['train_tokens'])} tokens "
+        f"({_n(th['tokens_per_iteration'])} per iteration), "
         f"{th['train_flops']:.3g} FLOPs",
     ]
     if "days_at_assumed_mfu" not in th:
-        lines.append(f"  (no dense bf16 peak known for --gpu {c['gpu']}: give --peak-tflops for "
-                     "the time and MFU)")
+        lines.append(
+            f"  (no dense bf16 peak known for --gpu {c['gpu']}: give --peak-tflops for "
+            "the time and MFU)"
+        )
     else:
-        lines.append(f"  at {th['assumed_mfu']:.0%} MFU on {c['gpu']} ({c['peak_tflops']:g} TFLOP/s "
-                     f"peak): {_n(th['tokens_per_sec_at_assumed_mfu'])} tokens/s, "
-                     f"{th['days_at_assumed_mfu']:.2f} days")
+        lines.append(
+            f"  at {th['assumed_mfu']:.0%} MFU on {c['gpu']} ({c['peak_tflops']:g} TFLOP/s "
+            f"peak): {_n(th['tokens_per_sec_at_assumed_mfu'])} tokens/s, "
+            f"{th['days_at_assumed_mfu']:.2f} days"
+        )
     if "target_days" in th:
-        line = (f"  to finish in {th['target_days']:g} days: {_n(th['tokens_per_sec_needed'])} "
-                f"tokens/s ({_n(th['tokens_per_sec_per_gpu_needed'])} per GPU, "
-                f"{th['tflops_per_gpu_needed']:.0f} TFLOP/s per GPU)")
+        line = (
+            f"  to finish in {th['target_days']:g} days: {_n(th['tokens_per_sec_needed'])} "
+            f"tokens/s ({_n(th['tokens_per_sec_per_gpu_needed'])} per GPU, "
+            f"{th['tflops_per_gpu_needed']:.0f} TFLOP/s per GPU)"
+        )
         if "mfu_needed" in th:
             line += f" = {th['mfu_needed']:.1%} MFU"
             if th["mfu_needed"] > 1:

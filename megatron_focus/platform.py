@@ -31,7 +31,6 @@ from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
-
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import random as mcore_random
 from megatron.core.transformer import utils as mcore_transformer_utils
@@ -120,14 +119,25 @@ def planned_patches(cuda_available: Optional[bool] = None) -> List[Patch]:
     if cuda_available:
         return []
     return [
-        Patch(torch.cuda, "current_device", _cpu_current_device,
-              "Megatron allocates communication buffers and rotary tables on the current device"),
-        Patch(mcore_transformer_utils, "get_default_causal_mask", _cpu_causal_mask,
-              "the default causal mask is hard-coded to device='cuda'"),
-        Patch(mcore_random, "_get_cuda_rng_state", _no_cuda_rng_state,
-              "activation recompute saves the CUDA RNG state around each recomputed forward"),
-        Patch(mcore_random, "_set_cuda_rng_state", _set_no_cuda_rng_state,
-              "... and restores it"),
+        Patch(
+            torch.cuda,
+            "current_device",
+            _cpu_current_device,
+            "Megatron allocates communication buffers and rotary tables on the current device",
+        ),
+        Patch(
+            mcore_transformer_utils,
+            "get_default_causal_mask",
+            _cpu_causal_mask,
+            "the default causal mask is hard-coded to device='cuda'",
+        ),
+        Patch(
+            mcore_random,
+            "_get_cuda_rng_state",
+            _no_cuda_rng_state,
+            "activation recompute saves the CUDA RNG state around each recomputed forward",
+        ),
+        Patch(mcore_random, "_set_cuda_rng_state", _set_no_cuda_rng_state, "... and restores it"),
     ]
 
 
@@ -170,8 +180,9 @@ def manual_seed(seed: int) -> None:
     tracker.add(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
 
 
-def init_distributed(tensor_model_parallel_size: int = 1, timeout_minutes: int = 10,
-                     backend: Optional[str] = None) -> Platform:
+def init_distributed(
+    tensor_model_parallel_size: int = 1, timeout_minutes: int = 10, backend: Optional[str] = None
+) -> Platform:
     """Start torch.distributed (one process needs no launcher) and Megatron's parallel groups."""
     import datetime
 
@@ -185,8 +196,7 @@ def init_distributed(tensor_model_parallel_size: int = 1, timeout_minutes: int =
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if not dist.is_initialized():
         dist.init_process_group(
-            backend=backend or platform.backend,
-            timeout=datetime.timedelta(minutes=timeout_minutes)
+            backend=backend or platform.backend, timeout=datetime.timedelta(minutes=timeout_minutes)
         )
     world = dist.get_world_size()
     if world % tensor_model_parallel_size:

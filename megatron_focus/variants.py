@@ -69,15 +69,40 @@ def variant(name: str) -> AttentionVariant:
     return VARIANTS[name]
 
 
-register(AttentionVariant("standard", "megatron_focus.model.core_attention:CoreAttention",
-                          hf_attention="standard"))
-register(AttentionVariant("xsa", "megatron_focus.model.xsa:XSAAttention", xsa=True,
-                          without_xsa="standard", hf_attention="xsa"))
-register(AttentionVariant("focus", "megatron_focus.model.focus:FocusAttention", focus=True,
-                          without_focus="standard", hf_attention="focus"))
-register(AttentionVariant("focus+xsa", "megatron_focus.model.focus:FocusXSAAttention",
-                          focus=True, xsa=True, without_xsa="focus", without_focus="xsa",
-                          hf_attention="focus+xsa"))
+register(
+    AttentionVariant(
+        "standard", "megatron_focus.model.core_attention:CoreAttention", hf_attention="standard"
+    )
+)
+register(
+    AttentionVariant(
+        "xsa",
+        "megatron_focus.model.xsa:XSAAttention",
+        xsa=True,
+        without_xsa="standard",
+        hf_attention="xsa",
+    )
+)
+register(
+    AttentionVariant(
+        "focus",
+        "megatron_focus.model.focus:FocusAttention",
+        focus=True,
+        without_focus="standard",
+        hf_attention="focus",
+    )
+)
+register(
+    AttentionVariant(
+        "focus+xsa",
+        "megatron_focus.model.focus:FocusXSAAttention",
+        focus=True,
+        xsa=True,
+        without_xsa="focus",
+        without_focus="xsa",
+        hf_attention="focus+xsa",
+    )
+)
 
 PLUGINS = "MEGATRON_FOCUS_VARIANTS"
 for _module in filter(None, (m.strip() for m in os.environ.get(PLUGINS, "").split(","))):
@@ -89,11 +114,25 @@ for _module in filter(None, (m.strip() for m in os.environ.get(PLUGINS, "").spli
 MODEL, INFERENCE, RUN = "model", "inference", "run"
 
 
-def _setting(default, help: str, kind: str = MODEL, choices=None, at_least=None,
-             before_recorded=dataclasses.MISSING):
+def _setting(
+    default,
+    help: str,
+    kind: str = MODEL,
+    choices=None,
+    at_least=None,
+    before_recorded=dataclasses.MISSING,
+):
     """`before_recorded`: what checkpoints saved before the setting was recorded computed."""
-    return dataclasses.field(default=default, metadata=dict(
-        help=help, kind=kind, choices=choices, at_least=at_least, before_recorded=before_recorded))
+    return dataclasses.field(
+        default=default,
+        metadata=dict(
+            help=help,
+            kind=kind,
+            choices=choices,
+            at_least=at_least,
+            before_recorded=before_recorded,
+        ),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,24 +146,40 @@ class FocusConfig:
     tau: float = _setting(0.1, "routing temperature (above 0)")
     sinkhorn_iters: int = _setting(10, "Sinkhorn iterations of the causal balancing", at_least=0)
     gate_scale: float = _setting(
-        1.0, "lambda: distant pairs get lambda * log(g_i . g_j); 0 = gate open", at_least=0)
+        1.0, "lambda: distant pairs get lambda * log(g_i . g_j); 0 = gate open", at_least=0
+    )
     gate: str = _setting(
-        "log", "the soft gate on distant pairs: log (ours, above) or sigmoid (the paper's "
+        "log",
+        "the soft gate on distant pairs: log (ours, above) or sigmoid (the paper's "
         "logit * sigmoid(lambda g_i . g_j), for ablations; explicit scores per chunk on the CPU, "
-        "slower)", choices=FOCUS_GATES, before_recorded="log")
+        "slower)",
+        choices=FOCUS_GATES,
+        before_recorded="log",
+    )
     sink_tokens: int = _setting(
-        0, "the first s tokens of every sequence are kept for every query, in both modes, as "
-        "local pairs are (an attention sink)", at_least=0, before_recorded=0)
+        0,
+        "the first s tokens of every sequence are kept for every query, in both modes, as "
+        "local pairs are (an attention sink)",
+        at_least=0,
+        before_recorded=0,
+    )
     top_k: int = _setting(2, "groups per query, sparse mode", INFERENCE)
     attention_mode: str = _setting(
-        "soft", "soft gate (training) or hard top-k rule (sparse inference)", INFERENCE,
-        choices=FOCUS_MODES)
+        "soft",
+        "soft gate (training) or hard top-k rule (sparse inference)",
+        INFERENCE,
+        choices=FOCUS_MODES,
+    )
     chunk_size: int = _setting(
-        128, "queries per chunk of the soft-gate attention (memory ~ chunk x seq)", RUN,
-        at_least=1)
+        128, "queries per chunk of the soft-gate attention (memory ~ chunk x seq)", RUN, at_least=1
+    )
     kernel: str = _setting(
-        "auto", "soft gate's kernel: flex (FlexAttention score_mod, fused; GPU only) or chunked; "
-        "auto = flex on a GPU, chunked on the CPU", RUN, choices=FOCUS_KERNELS)
+        "auto",
+        "soft gate's kernel: flex (FlexAttention score_mod, fused; GPU only) or chunked; "
+        "auto = flex on a GPU, chunked on the CPU",
+        RUN,
+        choices=FOCUS_KERNELS,
+    )
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -134,8 +189,9 @@ class FocusConfig:
             if rule["at_least"] is not None and value < rule["at_least"]:
                 raise ValueError(f"{flag(f.name)} {value}: must be at least {rule['at_least']}")
         if not 1 <= self.top_k <= self.groups:
-            raise ValueError(f"{flag('top_k')} {self.top_k} must be between 1 and "
-                             f"{flag('groups')} {self.groups}")
+            raise ValueError(
+                f"{flag('top_k')} {self.top_k} must be between 1 and {flag('groups')} {self.groups}"
+            )
         if self.tau <= 0:
             raise ValueError(f"{flag('tau')} {self.tau}: must be above 0")
 
@@ -146,39 +202,56 @@ class FocusConfig:
     @staticmethod
     def add_flags(group) -> None:
         for f in dataclasses.fields(FocusConfig):
-            group.add_argument(flag(f.name), type=type(f.default), default=f.default,
-                               choices=f.metadata["choices"], help=f.metadata["help"])
+            group.add_argument(
+                flag(f.name),
+                type=type(f.default),
+                default=f.default,
+                choices=f.metadata["choices"],
+                help=f.metadata["help"],
+            )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "FocusConfig":
-        return cls(**{name: getattr(args, f"focus_{name}") for name in cls.names(MODEL, INFERENCE,
-                                                                                   RUN)})
+        return cls(
+            **{name: getattr(args, f"focus_{name}") for name in cls.names(MODEL, INFERENCE, RUN)}
+        )
 
     @classmethod
     def from_model_args(cls, model_args: dict, **settings) -> "FocusConfig":
         """From a checkpoint's `model_args.json`, which holds the model settings; the others are
         taken from `settings` (None: the default)."""
-        missing = [f"focus_{name}" for name in cls.names(MODEL) if f"focus_{name}" not in model_args]
+        missing = [
+            f"focus_{name}" for name in cls.names(MODEL) if f"focus_{name}" not in model_args
+        ]
         if missing:
-            raise ValueError(f"model_args.json lacks {', '.join(missing)}: the Focus checkpoint "
-                             "was saved by a megatron-focus that did not record them yet")
-        return cls(**{name: model_args[f"focus_{name}"] for name in cls.names(MODEL)},
-                   **{k: v for k, v in settings.items() if v is not None})
+            raise ValueError(
+                f"model_args.json lacks {', '.join(missing)}: the Focus checkpoint "
+                "was saved by a megatron-focus that did not record them yet"
+            )
+        return cls(
+            **{name: model_args[f"focus_{name}"] for name in cls.names(MODEL)},
+            **{k: v for k, v in settings.items() if v is not None},
+        )
 
     def keys(self, *kinds: str) -> dict:
         """{"focus_<name>": value} of the settings of these kinds (default: the model's)."""
         return {f"focus_{name}": getattr(self, name) for name in self.names(*(kinds or (MODEL,)))}
 
     def flags(self, *kinds: str) -> List[str]:
-        return [str(x) for name in self.names(*(kinds or (MODEL, INFERENCE)))
-                for x in (flag(name), getattr(self, name))]
+        return [
+            str(x)
+            for name in self.names(*(kinds or (MODEL, INFERENCE)))
+            for x in (flag(name), getattr(self, name))
+        ]
 
     @staticmethod
     def before_recorded() -> dict:
         """{"focus_<name>": what Focus checkpoints saved before a setting was recorded computed}."""
-        return {f"focus_{f.name}": f.metadata["before_recorded"]
-                for f in dataclasses.fields(FocusConfig)
-                if f.metadata["before_recorded"] is not dataclasses.MISSING}
+        return {
+            f"focus_{f.name}": f.metadata["before_recorded"]
+            for f in dataclasses.fields(FocusConfig)
+            if f.metadata["before_recorded"] is not dataclasses.MISSING
+        }
 
     def router_params(self, hidden_size: int) -> int:
         """W_g (hidden -> d_g) and the K centroids of one layer's router."""
@@ -187,4 +260,3 @@ class FocusConfig:
 
 def flag(name: str) -> str:
     return f"--focus-{name.replace('_', '-')}"
-

@@ -47,11 +47,19 @@ def run_tool():
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
 
     def run(script, *args):
-        return subprocess.run([sys.executable, script, *map(str, args)], cwd=root, env=env,
-                              capture_output=True, text=True)
+        return subprocess.run(
+            [sys.executable, script, *map(str, args)],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
 
     return run

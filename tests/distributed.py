@@ -16,8 +16,12 @@ def _free_port() -> int:
 
 def _worker(rank, world_size, port, out_path, fn, args):
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
     )
     import torch
 
@@ -43,8 +47,11 @@ def run_distributed(fn, world_size: int, *args):
             out_path = os.path.join(tmp, "result.pkl")
             try:
                 mp.start_processes(
-                    _worker, args=(world_size, _free_port(), out_path, fn, args),
-                    nprocs=world_size, join=True, start_method="spawn",
+                    _worker,
+                    args=(world_size, _free_port(), out_path, fn, args),
+                    nprocs=world_size,
+                    join=True,
+                    start_method="spawn",
                 )
             except mp.ProcessRaisedException as e:
                 if "EADDRINUSE" in str(e) and attempt < 2:

@@ -26,9 +26,12 @@ def check(folder: str, tokens: torch.Tensor, text: str, new_tokens: int) -> dict
             model.set_focus_mode(mode)
         with torch.no_grad():
             logits = model(tokens).logits
-        generated = {cache: model.generate(tokens[:, :8], max_new_tokens=new_tokens,
-                                           do_sample=False, use_cache=cache).tolist()
-                     for cache in (True, False)}
+        generated = {
+            cache: model.generate(
+                tokens[:, :8], max_new_tokens=new_tokens, do_sample=False, use_cache=cache
+            ).tolist()
+            for cache in (True, False)
+        }
         out[str(mode)] = {"logits": logits.tolist(), "generated": generated}
     return out
 
@@ -37,9 +40,13 @@ def main(request_path: str, result_path: str) -> None:
     with open(request_path) as f:
         request = json.load(f)
     tokens = torch.tensor(request["tokens"])
-    result = {"transformers": transformers.__version__,
-              "folders": {folder: check(folder, tokens, request["text"], request["new_tokens"])
-                          for folder in request["folders"]}}
+    result = {
+        "transformers": transformers.__version__,
+        "folders": {
+            folder: check(folder, tokens, request["text"], request["new_tokens"])
+            for folder in request["folders"]
+        },
+    }
     with open(result_path, "w") as f:
         json.dump(result, f)
 

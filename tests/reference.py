@@ -39,8 +39,9 @@ def reference_focus(q, k, v, log_g, window, gate_scale, top_k, scale, gate="log"
     affinity = torch.einsum("bik,bjk->bij", g, g)
     scores = torch.einsum("bhid,bhjd->bhij", q.double(), k.double()) * scale
     if gate == "sigmoid":
-        scores = torch.where(distant[:, None], scores * (gate_scale * affinity).sigmoid()[:, None],
-                             scores)
+        scores = torch.where(
+            distant[:, None], scores * (gate_scale * affinity).sigmoid()[:, None], scores
+        )
         log_gate = 0.0
     else:
         log_gate = gate_scale * affinity.log() if top_k is None else 0.0

@@ -24,11 +24,34 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "reliability.md")
 P = "pretrain_gpt.py"
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
-        "32", "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "4",
-        "--lr-warmup-iters", "1", "--data-cache-path", "{cache}"]
-DATA = ["--data-path", "{data}", "--tokenizer-type", "SentencePieceTokenizer",
-        "--tokenizer-model", "{tok}"]
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "4",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "4",
+    "--lr-warmup-iters",
+    "1",
+    "--data-cache-path",
+    "{cache}",
+]
+DATA = [
+    "--data-path",
+    "{data}",
+    "--tokenizer-type",
+    "SentencePieceTokenizer",
+    "--tokenizer-model",
+    "{tok}",
+]
 
 
 @dataclasses.dataclass
@@ -45,6 +68,7 @@ def _write(name: str, content, binary: bool = False):
         path = os.path.join(paths["tmp"], name)
         with open(path, "wb" if binary else "w") as f:
             f.write(content)
+
     return setup
 
 
@@ -54,9 +78,11 @@ def _deepspeed_json(config):
 
 def _copy_run(change: Callable[[str], None]):
     """A copy of the shared run under {tmp}/run, then `change(its latest checkpoint folder)`."""
+
     def setup(paths):
         shutil.copytree(paths["run"], os.path.join(paths["tmp"], "run"))
         change(os.path.join(paths["tmp"], "run", "iter_0000002"))
+
     return setup
 
 
@@ -64,6 +90,7 @@ def _rewrite_latest(tag: str):
     def change(folder):
         with open(os.path.join(os.path.dirname(folder), "latest"), "w") as f:
             f.write(tag)
+
     return change
 
 
@@ -75,6 +102,7 @@ def _truncate(name: str):
     def change(folder):
         path = os.path.join(folder, name)
         os.truncate(path, os.path.getsize(path) // 2)
+
     return change
 
 
@@ -116,183 +144,496 @@ def _nonempty_out(paths):
 
 
 PRE = "tools/preprocess_data.py"
-PRE_SP = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "{tok}",
-          "--output-prefix", "{tmp}/out"]
+PRE_SP = [
+    "--tokenizer-type",
+    "SentencePieceTokenizer",
+    "--tokenizer-model",
+    "{tok}",
+    "--output-prefix",
+    "{tmp}/out",
+]
 CASES = [
     # --- pretrain_gpt.py: values no run can use, refused by flag as they are parsed
-    *[Case(P, f"{flag} {value}", [flag, value], f"^{flag} {value}: must be")
-      for flag, value in [
-          ("--num-layers", "0"), ("--hidden-size", "0"), ("--num-attention-heads", "0"),
-          ("--seq-length", "0"), ("--micro-batch-size", "0"),
-          ("--tensor-model-parallel-size", "0"), ("--kv-channels", "0"),
-          ("--make-vocab-size-divisible-by", "0"), ("--log-interval", "0"),
-          ("--eval-interval", "0"), ("--exit-interval", "-1"), ("--clip-grad", "-1.0"),
-          ("--rotary-percent", "0.0"), ("--lr", "-0.001"), ("--hidden-dropout", "1.0")]],
+    *[
+        Case(P, f"{flag} {value}", [flag, value], f"^{flag} {value}: must be")
+        for flag, value in [
+            ("--num-layers", "0"),
+            ("--hidden-size", "0"),
+            ("--num-attention-heads", "0"),
+            ("--seq-length", "0"),
+            ("--micro-batch-size", "0"),
+            ("--tensor-model-parallel-size", "0"),
+            ("--kv-channels", "0"),
+            ("--make-vocab-size-divisible-by", "0"),
+            ("--log-interval", "0"),
+            ("--eval-interval", "0"),
+            ("--exit-interval", "-1"),
+            ("--clip-grad", "-1.0"),
+            ("--rotary-percent", "0.0"),
+            ("--lr", "-0.001"),
+            ("--hidden-dropout", "1.0"),
+        ]
+    ],
     Case(P, "a misspelt flag", ["--num-layer", "2"], r"--num-layer.*--num-layers"),
     Case(P, "a word for a number", ["--num-layers", "two"], r"--num-layers.*'two'"),
     Case(P, "an unknown attention variant", ["--attention", "linear"], r"--attention.*'linear'"),
     Case(P, "an unknown tokenizer type", ["--tokenizer-type", "Nope"], r"--tokenizer-type.*Nope"),
-    Case(P, "a batch that micro-batches do not divide",
-         TINY + ["--micro-batch-size", "3"], r"not divisible by --micro-batch"),
-    Case(P, "a hidden size the heads do not divide",
-         TINY + ["--num-attention-heads", "3"], r"hidden.size.*num.attention.heads|heads"),
-    Case(P, "more tensor-parallel ranks than processes",
-         TINY + ["--tensor-model-parallel-size", "2"], r"world size 1 is not divisible by TP size 2"),
-    Case(P, "NCCL on a machine without GPUs", TINY + ["--distributed-backend", "nccl"],
-         r"--distributed-backend nccl needs GPUs"),
-    Case(P, "--profile without a folder for its trace", TINY + ["--profile"],
-         r"--profile writes the PyTorch profiler's trace to --tensorboard-dir"),
+    Case(
+        P,
+        "a batch that micro-batches do not divide",
+        TINY + ["--micro-batch-size", "3"],
+        r"not divisible by --micro-batch",
+    ),
+    Case(
+        P,
+        "a hidden size the heads do not divide",
+        TINY + ["--num-attention-heads", "3"],
+        r"hidden.size.*num.attention.heads|heads",
+    ),
+    Case(
+        P,
+        "more tensor-parallel ranks than processes",
+        TINY + ["--tensor-model-parallel-size", "2"],
+        r"world size 1 is not divisible by TP size 2",
+    ),
+    Case(
+        P,
+        "NCCL on a machine without GPUs",
+        TINY + ["--distributed-backend", "nccl"],
+        r"--distributed-backend nccl needs GPUs",
+    ),
+    Case(
+        P,
+        "--profile without a folder for its trace",
+        TINY + ["--profile"],
+        r"--profile writes the PyTorch profiler's trace to --tensorboard-dir",
+    ),
     Case(P, "both fp16 and bf16", TINY + ["--fp16", "--bf16"], r"fp16.*bf16|bf16.*fp16"),
     Case(P, "fp16 on a machine without GPUs", TINY + ["--fp16"], r"--fp16 needs a GPU"),
-    Case(P, "--wandb-project without a run name", TINY + ["--wandb-project", "p"],
-         r"--wandb-project needs --wandb-exp-name"),
+    Case(
+        P,
+        "--wandb-project without a run name",
+        TINY + ["--wandb-project", "p"],
+        r"--wandb-project needs --wandb-exp-name",
+    ),
     Case(P, "--ckpt-step without --load", TINY + ["--ckpt-step", "2"], r"--ckpt-step needs --load"),
-    Case(P, "--data-path and --train-data-path", TINY + DATA + ["--train-data-path", "{data}"],
-         r"--data-path and --train-data-path .*: give one"),
-    Case(P, "--valid-data-path without --train-data-path", TINY + ["--valid-data-path", "{data}"],
-         r"--valid-data-path and --test-data-path need --train-data-path"),
-    Case(P, "--split with per-split paths", TINY + ["--train-data-path", "{data}", "--split",
-         "98,2,0", *DATA[2:]], r"--split 98,2,0 divides --data-path"),
-    Case(P, "--squared-relu with --swiglu", TINY + ["--squared-relu", "--swiglu"],
-         r"--squared-relu is the MLP's activation: not with --swiglu"),
-    Case(P, "--no-position-embedding with learned positions", TINY + ["--no-position-embedding"],
-         r"--no-position-embedding is deprecated, use --position-embedding-type none"),
-    Case(P, "--use-rope-scaling without RoPE", TINY + ["--use-rope-scaling"],
-         r"--use-rope-scaling scales RoPE: it needs --position-embedding-type rope"),
-    Case(P, "--no-save-optim under ZeRO-3", TINY + ["--no-save-optim", "--zero-stage", "3"],
-         r"--no-save-optim: ZeRO stage 3 keeps the weights"),
-    Case(P, "--retrofit without --load", TINY + ["--attention", "focus", "--retrofit"],
-         r"need --load"),
-    Case(P, "--retrofit on a standard model", TINY + ["--retrofit", "--load", "{run}"],
-         r"--retrofit adds Focus"),
-    Case(P, "--save-interval without --save", TINY + ["--save-interval", "2"],
-         r"--save-interval needs --save"),
-    Case(P, "a Focus top-k above its group count",
-         TINY + ["--attention", "focus", "--focus-groups", "4", "--focus-top-k", "5"],
-         r"--focus-top-k"),
+    Case(
+        P,
+        "--data-path and --train-data-path",
+        TINY + DATA + ["--train-data-path", "{data}"],
+        r"--data-path and --train-data-path .*: give one",
+    ),
+    Case(
+        P,
+        "--valid-data-path without --train-data-path",
+        TINY + ["--valid-data-path", "{data}"],
+        r"--valid-data-path and --test-data-path need --train-data-path",
+    ),
+    Case(
+        P,
+        "--split with per-split paths",
+        TINY + ["--train-data-path", "{data}", "--split", "98,2,0", *DATA[2:]],
+        r"--split 98,2,0 divides --data-path",
+    ),
+    Case(
+        P,
+        "--squared-relu with --swiglu",
+        TINY + ["--squared-relu", "--swiglu"],
+        r"--squared-relu is the MLP's activation: not with --swiglu",
+    ),
+    Case(
+        P,
+        "--no-position-embedding with learned positions",
+        TINY + ["--no-position-embedding"],
+        r"--no-position-embedding is deprecated, use --position-embedding-type none",
+    ),
+    Case(
+        P,
+        "--use-rope-scaling without RoPE",
+        TINY + ["--use-rope-scaling"],
+        r"--use-rope-scaling scales RoPE: it needs --position-embedding-type rope",
+    ),
+    Case(
+        P,
+        "--no-save-optim under ZeRO-3",
+        TINY + ["--no-save-optim", "--zero-stage", "3"],
+        r"--no-save-optim: ZeRO stage 3 keeps the weights",
+    ),
+    Case(
+        P,
+        "--retrofit without --load",
+        TINY + ["--attention", "focus", "--retrofit"],
+        r"need --load",
+    ),
+    Case(
+        P,
+        "--retrofit on a standard model",
+        TINY + ["--retrofit", "--load", "{run}"],
+        r"--retrofit adds Focus",
+    ),
+    Case(
+        P,
+        "--save-interval without --save",
+        TINY + ["--save-interval", "2"],
+        r"--save-interval needs --save",
+    ),
+    Case(
+        P,
+        "a Focus top-k above its group count",
+        TINY + ["--attention", "focus", "--focus-groups", "4", "--focus-top-k", "5"],
+        r"--focus-top-k",
+    ),
     # --- DeepSpeed JSON
-    Case(P, "a DeepSpeed config that does not exist", TINY + ["--deepspeed_config", "{tmp}/no.json"],
-         r"no.json: no such file"),
-    Case(P, "a DeepSpeed config with a syntax error", TINY + ["--deepspeed_config", "{tmp}/ds.json"],
-         r"ds.json: not valid JSON: .* line 1", _deepspeed_json('{"zero_optimization": }')),
-    Case(P, "a DeepSpeed config that is a list", TINY + ["--deepspeed_config", "{tmp}/ds.json"],
-         r"ds.json: the JSON must be an object", _deepspeed_json([1, 2])),
-    Case(P, "ZeRO stage 7", TINY + ["--deepspeed_config", "{tmp}/ds.json"],
-         r"stage must be 0, 1, 2 or 3, not 7", _deepspeed_json({"zero_optimization": {"stage": 7}})),
-    Case(P, "an optimizer section DeepSpeed would use instead of ours",
-         TINY + ["--deepspeed_config", "{tmp}/ds.json"], r"section 'optimizer' is not used here",
-         _deepspeed_json({"optimizer": {"type": "Adam"}})),
-    Case(P, "a misspelt DeepSpeed section", TINY + ["--deepspeed_config", "{tmp}/ds.json"],
-         r"unknown section 'zero_optimisation' \(did you mean 'zero_optimization'",
-         _deepspeed_json({"zero_optimisation": {"stage": 1}})),
-    Case(P, "a DeepSpeed batch size that disagrees with the flags",
-         TINY + ["--deepspeed_config", "{tmp}/ds.json"], r"train_batch_size=16 but the flags give 8",
-         _deepspeed_json({"train_batch_size": 16})),
+    Case(
+        P,
+        "a DeepSpeed config that does not exist",
+        TINY + ["--deepspeed_config", "{tmp}/no.json"],
+        r"no.json: no such file",
+    ),
+    Case(
+        P,
+        "a DeepSpeed config with a syntax error",
+        TINY + ["--deepspeed_config", "{tmp}/ds.json"],
+        r"ds.json: not valid JSON: .* line 1",
+        _deepspeed_json('{"zero_optimization": }'),
+    ),
+    Case(
+        P,
+        "a DeepSpeed config that is a list",
+        TINY + ["--deepspeed_config", "{tmp}/ds.json"],
+        r"ds.json: the JSON must be an object",
+        _deepspeed_json([1, 2]),
+    ),
+    Case(
+        P,
+        "ZeRO stage 7",
+        TINY + ["--deepspeed_config", "{tmp}/ds.json"],
+        r"stage must be 0, 1, 2 or 3, not 7",
+        _deepspeed_json({"zero_optimization": {"stage": 7}}),
+    ),
+    Case(
+        P,
+        "an optimizer section DeepSpeed would use instead of ours",
+        TINY + ["--deepspeed_config", "{tmp}/ds.json"],
+        r"section 'optimizer' is not used here",
+        _deepspeed_json({"optimizer": {"type": "Adam"}}),
+    ),
+    Case(
+        P,
+        "a misspelt DeepSpeed section",
+        TINY + ["--deepspeed_config", "{tmp}/ds.json"],
+        r"unknown section 'zero_optimisation' \(did you mean 'zero_optimization'",
+        _deepspeed_json({"zero_optimisation": {"stage": 1}}),
+    ),
+    Case(
+        P,
+        "a DeepSpeed batch size that disagrees with the flags",
+        TINY + ["--deepspeed_config", "{tmp}/ds.json"],
+        r"train_batch_size=16 but the flags give 8",
+        _deepspeed_json({"train_batch_size": 16}),
+    ),
     # --- data and tokenizers
-    Case(P, "--data-path without a tokenizer", TINY + ["--data-path", "{data}"],
-         r"--data-path and a tokenizer .* go together"),
-    Case(P, "a data prefix with no files", TINY + DATA[:0] + [
-        "--data-path", "{tmp}/missing_text_document", *DATA[2:]], r"missing_text_document"),
-    Case(P, "a tokenizer model that does not exist", TINY + DATA[:4] + [
-        "--tokenizer-model", "{tmp}/none.model"], r"none.model"),
-    Case(P, "a damaged .idx file", TINY + ["--data-path", "{tmp}/d_text_document", *DATA[2:]],
-         r"d_text_document.idx", _bad_index),
-    Case(P, "data tokenized with a larger vocabulary than the tokenizer's",
-         TINY + ["--data-path", "{data}", "--tokenizer-type", "NullTokenizer", "--vocab-size",
-                 "100"], r"vocab"),
-    Case(P, "blend weights without a prefix for each",
-         TINY + ["--data-path", "0.7", "{data}", "0.3", *DATA[2:]], r"--data-path"),
-    Case(P, "a negative blend weight",
-         TINY + ["--data-path", "-1", "{data}", "2", "{data}", *DATA[2:]], r"weight"),
-    Case(P, "a blend weight that is not a number",
-         TINY + ["--data-path", "heavy", "{data}", "light", "{data}", *DATA[2:]], r"weight"),
+    Case(
+        P,
+        "--data-path without a tokenizer",
+        TINY + ["--data-path", "{data}"],
+        r"--data-path and a tokenizer .* go together",
+    ),
+    Case(
+        P,
+        "a data prefix with no files",
+        TINY + DATA[:0] + ["--data-path", "{tmp}/missing_text_document", *DATA[2:]],
+        r"missing_text_document",
+    ),
+    Case(
+        P,
+        "a tokenizer model that does not exist",
+        TINY + DATA[:4] + ["--tokenizer-model", "{tmp}/none.model"],
+        r"none.model",
+    ),
+    Case(
+        P,
+        "a damaged .idx file",
+        TINY + ["--data-path", "{tmp}/d_text_document", *DATA[2:]],
+        r"d_text_document.idx",
+        _bad_index,
+    ),
+    Case(
+        P,
+        "data tokenized with a larger vocabulary than the tokenizer's",
+        TINY
+        + ["--data-path", "{data}", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"],
+        r"vocab",
+    ),
+    Case(
+        P,
+        "blend weights without a prefix for each",
+        TINY + ["--data-path", "0.7", "{data}", "0.3", *DATA[2:]],
+        r"--data-path",
+    ),
+    Case(
+        P,
+        "a negative blend weight",
+        TINY + ["--data-path", "-1", "{data}", "2", "{data}", *DATA[2:]],
+        r"weight",
+    ),
+    Case(
+        P,
+        "a blend weight that is not a number",
+        TINY + ["--data-path", "heavy", "{data}", "light", "{data}", *DATA[2:]],
+        r"weight",
+    ),
     Case(P, "a split of four parts", TINY + DATA + ["--split", "90,5,3,2"], r"--split"),
-    Case(P, "a SentencePiece file given as an HF tokenizer",
-         TINY + ["--data-path", "{data}", "--tokenizer-type", "HuggingFaceTokenizer",
-                 "--tokenizer-model", "{tok}"], r"tokenizer.model.*(Hugging Face|tokenizer.json)"),
+    Case(
+        P,
+        "a SentencePiece file given as an HF tokenizer",
+        TINY
+        + [
+            "--data-path",
+            "{data}",
+            "--tokenizer-type",
+            "HuggingFaceTokenizer",
+            "--tokenizer-model",
+            "{tok}",
+        ],
+        r"tokenizer.model.*(Hugging Face|tokenizer.json)",
+    ),
     # --- checkpoints
-    Case(P, "a --save inside a file", TINY + ["--save", "{tmp}/file/ckpt"],
-         r"--save .*file/ckpt: cannot write there", _write("file", "")),
-    Case(P, "a --load with no checkpoint", TINY + ["--load", "{tmp}/none", "--save", "{tmp}/new"],
-         r"--load .*none: no checkpoint there"),
-    Case(P, "checkpoints whose 'latest' file is gone", TINY + ["--load", "{tmp}/run"],
-         r"holds checkpoints iter_0000002 but no 'latest' file", _copy_run(_remove_latest)),
-    Case(P, "a 'latest' naming a missing checkpoint", TINY + ["--load", "{tmp}/run"],
-         r"names 'iter_0000009', which is not in", _copy_run(_rewrite_latest("iter_0000009"))),
-    Case(P, "--ckpt-step of a checkpoint that is not there",
-         TINY + ["--load", "{run}", "--ckpt-step", "7"], r"holds no iter_0000007 \(it holds: "
-                                                         r"iter_0000002\)"),
-    Case(P, "a checkpoint of another shape", TINY[:2] + ["--hidden-size", "128"] + TINY[4:] + [
-        "--load", "{run}"], r"is of another model: .*hidden_size: checkpoint 64, this run 128"),
-    Case(P, "a changed learning rate on resume", TINY + ["--lr", "0.01", "--load", "{run}"],
-         r"schedule differs from the checkpoint's: --lr 0.01"),
-    Case(P, "a checkpoint shard that runs code as it loads", TINY + ["--load", "{tmp}/run"],
-         r"holds pickled objects that could run code", _copy_run(_pickled_code)),
-    Case(P, "a truncated checkpoint shard", TINY + ["--load", "{tmp}/run"],
-         r"iter_0000002 is damaged: mp_rank_00_model_states.pt is \d+ bytes",
-         _copy_run(_truncate("mp_rank_00_model_states.pt"))),
-    Case(P, "a truncated model_args.json", TINY + ["--load", "{tmp}/run"],
-         r"is damaged: model_args.json is \d+ bytes", _copy_run(_truncate("model_args.json"))),
+    Case(
+        P,
+        "a --save inside a file",
+        TINY + ["--save", "{tmp}/file/ckpt"],
+        r"--save .*file/ckpt: cannot write there",
+        _write("file", ""),
+    ),
+    Case(
+        P,
+        "a --load with no checkpoint",
+        TINY + ["--load", "{tmp}/none", "--save", "{tmp}/new"],
+        r"--load .*none: no checkpoint there",
+    ),
+    Case(
+        P,
+        "checkpoints whose 'latest' file is gone",
+        TINY + ["--load", "{tmp}/run"],
+        r"holds checkpoints iter_0000002 but no 'latest' file",
+        _copy_run(_remove_latest),
+    ),
+    Case(
+        P,
+        "a 'latest' naming a missing checkpoint",
+        TINY + ["--load", "{tmp}/run"],
+        r"names 'iter_0000009', which is not in",
+        _copy_run(_rewrite_latest("iter_0000009")),
+    ),
+    Case(
+        P,
+        "--ckpt-step of a checkpoint that is not there",
+        TINY + ["--load", "{run}", "--ckpt-step", "7"],
+        r"holds no iter_0000007 \(it holds: "
+        r"iter_0000002\)",
+    ),
+    Case(
+        P,
+        "a checkpoint of another shape",
+        TINY[:2] + ["--hidden-size", "128"] + TINY[4:] + ["--load", "{run}"],
+        r"is of another model: .*hidden_size: checkpoint 64, this run 128",
+    ),
+    Case(
+        P,
+        "a changed learning rate on resume",
+        TINY + ["--lr", "0.01", "--load", "{run}"],
+        r"schedule differs from the checkpoint's: --lr 0.01",
+    ),
+    Case(
+        P,
+        "a checkpoint shard that runs code as it loads",
+        TINY + ["--load", "{tmp}/run"],
+        r"holds pickled objects that could run code",
+        _copy_run(_pickled_code),
+    ),
+    Case(
+        P,
+        "a truncated checkpoint shard",
+        TINY + ["--load", "{tmp}/run"],
+        r"iter_0000002 is damaged: mp_rank_00_model_states.pt is \d+ bytes",
+        _copy_run(_truncate("mp_rank_00_model_states.pt")),
+    ),
+    Case(
+        P,
+        "a truncated model_args.json",
+        TINY + ["--load", "{tmp}/run"],
+        r"is damaged: model_args.json is \d+ bytes",
+        _copy_run(_truncate("model_args.json")),
+    ),
     # --- tools/preprocess_data.py
-    Case(PRE, "an input pattern that matches nothing", ["--input", "{tmp}/none-*.jsonl", *PRE_SP],
-         r"none-\*.jsonl"),
-    Case(PRE, "a tokenizer model that does not exist",
-         ["--input", "{corpus}", "--tokenizer-type", "SentencePieceTokenizer",
-          "--tokenizer-model", "{tmp}/none.model", "--output-prefix", "{tmp}/out"], r"none.model"),
-    Case(PRE, "input that is not UTF-8", ["--input", "{tmp}/latin1.jsonl", *PRE_SP],
-         r"latin1.jsonl:2: not UTF-8 text \(byte 0xe9", _write("latin1.jsonl", '{"text": "ok"}\n{"text": "caf\xe9"}\n'
-                                        .encode("latin-1"), binary=True)),
-    Case(PRE, "a truncated .gz input", ["--input", "{tmp}/in.jsonl.gz", *PRE_SP],
-         r"in.jsonl.gz: the gzip stream is damaged or truncated", _gz_truncated),
-    Case(PRE, "a line that is not JSON", ["--input", "{tmp}/bad.jsonl", *PRE_SP],
-         r"bad.jsonl:2: not valid JSON", _write("bad.jsonl", '{"text": "ok"}\nnot json\n')),
-    Case(PRE, "documents without the text key", ["--input", "{tmp}/k.jsonl", *PRE_SP],
-         r"k.jsonl.*'text'", _write("k.jsonl", '{"body": "no text key"}\n')),
+    Case(
+        PRE,
+        "an input pattern that matches nothing",
+        ["--input", "{tmp}/none-*.jsonl", *PRE_SP],
+        r"none-\*.jsonl",
+    ),
+    Case(
+        PRE,
+        "a tokenizer model that does not exist",
+        [
+            "--input",
+            "{corpus}",
+            "--tokenizer-type",
+            "SentencePieceTokenizer",
+            "--tokenizer-model",
+            "{tmp}/none.model",
+            "--output-prefix",
+            "{tmp}/out",
+        ],
+        r"none.model",
+    ),
+    Case(
+        PRE,
+        "input that is not UTF-8",
+        ["--input", "{tmp}/latin1.jsonl", *PRE_SP],
+        r"latin1.jsonl:2: not UTF-8 text \(byte 0xe9",
+        _write(
+            "latin1.jsonl", '{"text": "ok"}\n{"text": "caf\xe9"}\n'.encode("latin-1"), binary=True
+        ),
+    ),
+    Case(
+        PRE,
+        "a truncated .gz input",
+        ["--input", "{tmp}/in.jsonl.gz", *PRE_SP],
+        r"in.jsonl.gz: the gzip stream is damaged or truncated",
+        _gz_truncated,
+    ),
+    Case(
+        PRE,
+        "a line that is not JSON",
+        ["--input", "{tmp}/bad.jsonl", *PRE_SP],
+        r"bad.jsonl:2: not valid JSON",
+        _write("bad.jsonl", '{"text": "ok"}\nnot json\n'),
+    ),
+    Case(
+        PRE,
+        "documents without the text key",
+        ["--input", "{tmp}/k.jsonl", *PRE_SP],
+        r"k.jsonl.*'text'",
+        _write("k.jsonl", '{"body": "no text key"}\n'),
+    ),
     # --- tools/train_tokenizer.py
-    Case("tools/train_tokenizer.py", "a vocabulary too small for the corpus",
-         ["--input", "{corpus}", "--output-prefix", "{tmp}/tok", "--vocab-size", "300"],
-         r"--vocab-size 300"),
-    Case("tools/train_tokenizer.py", "an input that does not exist",
-         ["--input", "{tmp}/none.jsonl", "--output-prefix", "{tmp}/tok", "--vocab-size", "1000"],
-         r"none.jsonl"),
+    Case(
+        "tools/train_tokenizer.py",
+        "a vocabulary too small for the corpus",
+        ["--input", "{corpus}", "--output-prefix", "{tmp}/tok", "--vocab-size", "300"],
+        r"--vocab-size 300",
+    ),
+    Case(
+        "tools/train_tokenizer.py",
+        "an input that does not exist",
+        ["--input", "{tmp}/none.jsonl", "--output-prefix", "{tmp}/tok", "--vocab-size", "1000"],
+        r"none.jsonl",
+    ),
     # --- tools/convert_to_hf.py
-    Case("tools/convert_to_hf.py", "a checkpoint folder that does not exist",
-         ["--load", "{tmp}/none", "--save-dir", "{tmp}/out"], r"none"),
-    Case("tools/convert_to_hf.py", "an export into a folder holding another model",
-         ["--load", "{run}", "--save-dir", "{tmp}/out"], r"out.*--overwrite", _nonempty_out),
-    Case("tools/convert_to_hf.py", "an iteration that was not saved",
-         ["--load", "{run}", "--save-dir", "{tmp}/out", "--iteration", "9"], r"iter_0000009"),
+    Case(
+        "tools/convert_to_hf.py",
+        "a checkpoint folder that does not exist",
+        ["--load", "{tmp}/none", "--save-dir", "{tmp}/out"],
+        r"none",
+    ),
+    Case(
+        "tools/convert_to_hf.py",
+        "an export into a folder holding another model",
+        ["--load", "{run}", "--save-dir", "{tmp}/out"],
+        r"out.*--overwrite",
+        _nonempty_out,
+    ),
+    Case(
+        "tools/convert_to_hf.py",
+        "an iteration that was not saved",
+        ["--load", "{run}", "--save-dir", "{tmp}/out", "--iteration", "9"],
+        r"iter_0000009",
+    ),
     # --- tools/convert_from_hf.py
-    Case("tools/convert_from_hf.py", "an HF folder that does not exist",
-         ["--hf-dir", "{tmp}/none", "--save", "{tmp}/out"], r"--hf-dir .*none: no such folder"),
-    Case("tools/convert_from_hf.py", "an HF folder without config.json",
-         ["--hf-dir", "{tmp}/hf", "--save", "{tmp}/out"], r"hf: no config.json", _hf_folder),
-    Case("tools/convert_from_hf.py", "an import into an existing run",
-         ["--hf-dir", "{hf}", "--save", "{run}"], r"--overwrite"),
-    Case("tools/convert_from_hf.py", "a TP size that does not divide the heads",
-         ["--hf-dir", "{hf}", "--save", "{tmp}/out", "--tensor-model-parallel-size", "3"],
-         r"tensor-model-parallel-size 3|3.*heads"),
+    Case(
+        "tools/convert_from_hf.py",
+        "an HF folder that does not exist",
+        ["--hf-dir", "{tmp}/none", "--save", "{tmp}/out"],
+        r"--hf-dir .*none: no such folder",
+    ),
+    Case(
+        "tools/convert_from_hf.py",
+        "an HF folder without config.json",
+        ["--hf-dir", "{tmp}/hf", "--save", "{tmp}/out"],
+        r"hf: no config.json",
+        _hf_folder,
+    ),
+    Case(
+        "tools/convert_from_hf.py",
+        "an import into an existing run",
+        ["--hf-dir", "{hf}", "--save", "{run}"],
+        r"--overwrite",
+    ),
+    Case(
+        "tools/convert_from_hf.py",
+        "a TP size that does not divide the heads",
+        ["--hf-dir", "{hf}", "--save", "{tmp}/out", "--tensor-model-parallel-size", "3"],
+        r"tensor-model-parallel-size 3|3.*heads",
+    ),
     # --- evaluation tools
-    Case("tools/eval_ppl.py", "a checkpoint folder that does not exist", ["--load", "{tmp}/none"],
-         r"none"),
-    Case("tools/eval_ppl.py", "a zero evaluation length", ["--load", "{run}", "--seq-lengths", "0"],
-         r"--seq-lengths"),
-    Case("tools/eval_passkey.py", "a checkpoint folder that does not exist",
-         ["--load", "{tmp}/none"], r"none"),
-    Case("tools/eval_passkey.py", "a depth outside 0-1", ["--load", "{run}", "--depths", "1.5"],
-         r"--depths"),
-    Case("tools/plan.py", "heads the tensor-parallel size does not divide",
-         TINY + ["--tensor-model-parallel-size", "3", "--gpus-per-node", "3"],
-         r"--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"),
-    Case("tools/compare_runs.py", "a run folder with no TensorBoard events", ["{tmp}"],
-         r"no TensorBoard"),
-    Case("tools/prepare_fineweb.py", "an input that does not exist",
-         ["--input", "{tmp}/none.parquet", "--output-prefix", "{tmp}/fw", "--tokenizer-type",
-          "SentencePieceTokenizer", "--tokenizer-model", "{tok}"], r"none.parquet"),
+    Case(
+        "tools/eval_ppl.py",
+        "a checkpoint folder that does not exist",
+        ["--load", "{tmp}/none"],
+        r"none",
+    ),
+    Case(
+        "tools/eval_ppl.py",
+        "a zero evaluation length",
+        ["--load", "{run}", "--seq-lengths", "0"],
+        r"--seq-lengths",
+    ),
+    Case(
+        "tools/eval_passkey.py",
+        "a checkpoint folder that does not exist",
+        ["--load", "{tmp}/none"],
+        r"none",
+    ),
+    Case(
+        "tools/eval_passkey.py",
+        "a depth outside 0-1",
+        ["--load", "{run}", "--depths", "1.5"],
+        r"--depths",
+    ),
+    Case(
+        "tools/plan.py",
+        "heads the tensor-parallel size does not divide",
+        TINY + ["--tensor-model-parallel-size", "3", "--gpus-per-node", "3"],
+        r"--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3",
+    ),
+    Case(
+        "tools/compare_runs.py",
+        "a run folder with no TensorBoard events",
+        ["{tmp}"],
+        r"no TensorBoard",
+    ),
+    Case(
+        "tools/prepare_fineweb.py",
+        "an input that does not exist",
+        [
+            "--input",
+            "{tmp}/none.parquet",
+            "--output-prefix",
+            "{tmp}/fw",
+            "--tokenizer-type",
+            "SentencePieceTokenizer",
+            "--tokenizer-model",
+            "{tok}",
+        ],
+        r"none.parquet",
+    ),
 ]
 
 
 # --- running the table: one process (imports once), each case from a clean state ---------------
+
 
 def _snapshot(roots):
     seen = {}
@@ -360,32 +701,46 @@ def _run_all(paths: dict) -> list:
 
 @pytest.fixture(scope="module")
 def outcomes(embedded_cache, tmp_path_factory):
+    from test_training import train
+
     from megatron_focus.data.embedded import ensure_embedded_data
     from megatron_focus.hf import export_to_hf
-    from test_training import train
 
     shared = tmp_path_factory.mktemp("shared")
     data, tok = ensure_embedded_data(embedded_cache)
     run = str(shared / "run")
-    train(1, [part.replace("{cache}", embedded_cache) for part in TINY]
-          + ["--save", run, "--exit-interval", "2"])
+    train(
+        1,
+        [part.replace("{cache}", embedded_cache) for part in TINY]
+        + ["--save", run, "--exit-interval", "2"],
+    )
     hf = str(shared / "hf")
     export_to_hf(run, hf, progress=False)
-    paths = {"data": data, "tok": tok, "corpus": os.path.join(os.path.dirname(data), "stdlib.jsonl"),
-             "run": run, "hf": hf, "shared": str(shared), "cache": embedded_cache, "base": str(tmp_path_factory.mktemp("cases"))}
+    paths = {
+        "data": data,
+        "tok": tok,
+        "corpus": os.path.join(os.path.dirname(data), "stdlib.jsonl"),
+        "run": run,
+        "hf": hf,
+        "shared": str(shared),
+        "cache": embedded_cache,
+        "base": str(tmp_path_factory.mktemp("cases")),
+    }
     with concurrent.futures.ProcessPoolExecutor(
-            1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        1, mp_context=multiprocessing.get_context("spawn")
+    ) as pool:
         results = pool.submit(_run_all, paths).result(timeout=1200)
     return {"results": results, "paths": paths}
 
 
 def _message(outcome) -> str:
     lines = [line for line in re.split(r"[\r\n]", outcome["stderr"]) if line.startswith("error: ")]
-    return lines[0][len("error: "):] if lines else ""
+    return lines[0][len("error: ") :] if lines else ""
 
 
-@pytest.mark.parametrize("index", range(len(CASES)),
-                         ids=[f"{c.script.split('/')[-1]}: {c.what}" for c in CASES])
+@pytest.mark.parametrize(
+    "index", range(len(CASES)), ids=[f"{c.script.split('/')[-1]}: {c.what}" for c in CASES]
+)
 def test_bad_input_is_refused_in_one_line_before_compute(outcomes, index):
     case, outcome = CASES[index], outcomes["results"][index]
     assert outcome["code"] == 2, (outcome["code"], outcome["stderr"][-3000:])
@@ -400,8 +755,11 @@ def test_the_table_has_sixty_distinct_cases():
 
 def _doc(outcomes) -> str:
     rows = []
-    replace = {value: "{" + key + "}" for key, value in outcomes["paths"].items()
-               if key not in ("base", "shared")}
+    replace = {
+        value: "{" + key + "}"
+        for key, value in outcomes["paths"].items()
+        if key not in ("base", "shared")
+    }
     for i, (case, outcome) in enumerate(zip(CASES, outcomes["results"])):
         message = _message(outcome)
         message = message.replace(os.path.join(outcomes["paths"]["base"], f"case{i:03d}"), "...")
@@ -409,21 +767,23 @@ def _doc(outcomes) -> str:
             message = message.replace(value, name)
         message = message.replace("`", "'").replace("|", "\\|")
         rows.append(f"| `{case.script}` | {case.what} | `error: {message}` |")
-    return "\n".join([
-        "# Reliability: what a mistake looks like",
-        "",
-        "Generated from `tests/test_bad_input.py` (rewrite with `UPDATE_DOCS=1 python -m pytest "
-        "tests/test_bad_input.py`): every case exits with code 2 and the one line shown, before "
-        "any model is built, and leaves every file as it was. `...` is the case's folder; "
-        "`{run}` a checkpoint folder, `{data}` / `{tok}` a dataset and its tokenizer, `{hf}` an HF "
-        "export.",
-        "",
-        "| Command | Mistake | What the user sees |",
-        "|---|---|---|",
-        *rows,
-        "",
-        FAULTS,
-    ])
+    return "\n".join(
+        [
+            "# Reliability: what a mistake looks like",
+            "",
+            "Generated from `tests/test_bad_input.py` (rewrite with `UPDATE_DOCS=1 python -m "
+            "pytest tests/test_bad_input.py`): every case exits with code 2 and the one line "
+            "shown, before any model is built, and leaves every file as it was. `...` is the "
+            "case's folder; `{run}` a checkpoint folder, `{data}` / `{tok}` a dataset and its "
+            "tokenizer, `{hf}` an HF export.",
+            "",
+            "| Command | Mistake | What the user sees |",
+            "|---|---|---|",
+            *rows,
+            "",
+            FAULTS,
+        ]
+    )
 
 
 FAULTS = """## Faults during a run
@@ -449,8 +809,9 @@ def test_reliability_doc_is_generated_from_this_table(outcomes):
         with open(DOC, "w") as f:
             f.write(text)
     with open(DOC) as f:  # numbers (sizes, line counts) vary with library versions
-        assert re.sub(r"\d+", "N", f.read()) == re.sub(r"\d+", "N", text), \
+        assert re.sub(r"\d+", "N", f.read()) == re.sub(r"\d+", "N", text), (
             "docs/reliability.md is stale: rerun with UPDATE_DOCS=1"
+        )
 
 
 def test_every_fault_row_names_a_test_that_exists():

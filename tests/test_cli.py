@@ -9,24 +9,49 @@ import pytest
 from megatron_focus import cli
 
 
-@pytest.mark.parametrize("command", [
-    ["pretrain_gpt.py", "--num-layers", "0"],
-    ["pretrain_gpt.py", "--num-layer", "2"],
-    ["pretrain_gpt.py", "--deepspeed_config", "{tmp}/missing.json"],
-    ["pretrain_gpt.py", "--data-path", "{tmp}/none_text_document", "--tokenizer-type",
-     "SentencePieceTokenizer", "--tokenizer-model", "{tmp}/none.model"],
-    ["tools/convert_to_hf.py", "--load", "{tmp}/no-run", "--save-dir", "{tmp}/out"],
-    ["tools/convert_from_hf.py", "--hf-dir", "{tmp}/no-model", "--save", "{tmp}/out"],
-    ["tools/eval_ppl.py", "--load", "{tmp}/no-run"],
-    ["tools/preprocess_data.py", "--input", "{tmp}/none-*.jsonl", "--output-prefix", "{tmp}/out",
-     "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "{tmp}/none.model"],
-], ids=lambda c: " ".join(c[:2]).replace("{tmp}/", ""))
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["pretrain_gpt.py", "--num-layers", "0"],
+        ["pretrain_gpt.py", "--num-layer", "2"],
+        ["pretrain_gpt.py", "--deepspeed_config", "{tmp}/missing.json"],
+        [
+            "pretrain_gpt.py",
+            "--data-path",
+            "{tmp}/none_text_document",
+            "--tokenizer-type",
+            "SentencePieceTokenizer",
+            "--tokenizer-model",
+            "{tmp}/none.model",
+        ],
+        ["tools/convert_to_hf.py", "--load", "{tmp}/no-run", "--save-dir", "{tmp}/out"],
+        ["tools/convert_from_hf.py", "--hf-dir", "{tmp}/no-model", "--save", "{tmp}/out"],
+        ["tools/eval_ppl.py", "--load", "{tmp}/no-run"],
+        [
+            "tools/preprocess_data.py",
+            "--input",
+            "{tmp}/none-*.jsonl",
+            "--output-prefix",
+            "{tmp}/out",
+            "--tokenizer-type",
+            "SentencePieceTokenizer",
+            "--tokenizer-model",
+            "{tmp}/none.model",
+        ],
+    ],
+    ids=lambda c: " ".join(c[:2]).replace("{tmp}/", ""),
+)
 def test_bad_input_is_one_error_line_and_exit_code_2(run_tool, tmp_path, command):
     out = run_tool(*[part.format(tmp=tmp_path) for part in command])
     # libraries' own log lines (DeepSpeed's accelerator probe, torch's C++ logging "W1130 ...")
     # are not the command's words
-    lines = [line for line in out.stderr.splitlines() if "[WARNING]" not in line
-             and "warn" not in line.lower() and not re.match(r"[IWE]\d{4} ", line)]
+    lines = [
+        line
+        for line in out.stderr.splitlines()
+        if "[WARNING]" not in line
+        and "warn" not in line.lower()
+        and not re.match(r"[IWE]\d{4} ", line)
+    ]
     assert out.returncode == 2, out.stderr[-2000:]
     assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr[-2000:]
     assert "Traceback" not in out.stderr
@@ -47,8 +72,9 @@ def test_megatron_compat_doc_is_generated_from_the_parser():
     flags = megatron_flags(os.path.join(root, "docs", "megatron-lm-flags.txt"))
     assert len(flags) > 600 and "--num-layers" in flags
     with open(os.path.join(root, "docs", "megatron-compat.md")) as f:
-        assert f.read() == compat_table(flags, build_parser()), \
+        assert f.read() == compat_table(flags, build_parser()), (
             "stale: run python tools/megatron_compat.py"
+        )
 
 
 def test_help_imports_neither_torch_nor_deepspeed_nor_megatron():
@@ -56,12 +82,18 @@ def test_help_imports_neither_torch_nor_deepspeed_nor_megatron():
     import subprocess
     import sys
 
-    code = ("import sys, pretrain_gpt\n"
-            "try:\n    pretrain_gpt.main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "print(sorted(m for m in ('torch', 'deepspeed', 'megatron') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                         check=True).stdout
+    code = (
+        "import sys, pretrain_gpt\n"
+        "try:\n    pretrain_gpt.main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'deepspeed', 'megatron') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        check=True,
+    ).stdout
     assert "--deepspeed_config" in out and out.strip().splitlines()[-1] == "[]"
 
 
@@ -75,8 +107,12 @@ def test_deepspeed_flags_are_deepspeeds_own():
     from megatron_focus.arguments import build_parser
 
     def described(parser, options):
-        return {o: (a.dest, a.default, a.help, a.nargs, a.type) for a in parser._actions
-                for o in a.option_strings if o in options}
+        return {
+            o: (a.dest, a.default, a.help, a.nargs, a.type)
+            for a in parser._actions
+            for o in a.option_strings
+            if o in options
+        }
 
     theirs = deepspeed.add_config_arguments(argparse.ArgumentParser())
     options = {o for a in theirs._actions for o in a.option_strings} - {"-h", "--help"}

@@ -14,9 +14,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from distributed import run_distributed
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from distributed import run_distributed
 from megatron_focus.data.corpus import write_stdlib_corpus
 from megatron_focus.data.datasets import build_datasets
 from megatron_focus.data.embedded import ensure_embedded_data
@@ -97,8 +97,11 @@ def _hf_tokenizer(path, special_tokens):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=special_tokens,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=special_tokens,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(DOCS * 10, trainer=trainer)
     os.makedirs(path, exist_ok=True)
     tok.save(os.path.join(path, "tokenizer.json"))
@@ -137,8 +140,9 @@ def _openai_gpt2_encode(vocab_file, merges_file, text):
     def bpe(word):
         parts = list(word)
         while len(parts) > 1:
-            pairs = [(ranks.get(pair, float("inf")), i)
-                     for i, pair in enumerate(zip(parts, parts[1:]))]
+            pairs = [
+                (ranks.get(pair, float("inf")), i) for i, pair in enumerate(zip(parts, parts[1:]))
+            ]
             rank, i = min(pairs)
             if rank == float("inf"):
                 break
@@ -154,7 +158,9 @@ def _openai_gpt2_encode(vocab_file, merges_file, text):
             parts = merged
         return parts
 
-    pattern = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+    pattern = regex.compile(
+        r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+    )
     ids = []
     for i, piece in enumerate(text.split("<|endoftext|>")):
         if i:
@@ -210,21 +216,61 @@ def test_megatron_tokenizers_train_and_export(kind, sp_model, tmp_path, run_tool
     else:
         flags = ["--tokenizer-model", sp_model]
     docs = _write(tmp_path / "docs.jsonl", [f"{text} {i}" for i in range(40) for text in PROBES])
-    out = run_tool("tools/preprocess_data.py", "--input", docs, "--output-prefix",
-                   tmp_path / "data", "--tokenizer-type", kind, *flags, "--append-eod")
+    out = run_tool(
+        "tools/preprocess_data.py",
+        "--input",
+        docs,
+        "--output-prefix",
+        tmp_path / "data",
+        "--tokenizer-type",
+        kind,
+        *flags,
+        "--append-eod",
+    )
     assert out.returncode == 0, out.stderr[-2000:]
-    out = run_tool("pretrain_gpt.py", "--num-layers", "1", "--hidden-size", "32",
-                   "--num-attention-heads", "2", "--seq-length", "32", "--micro-batch-size", "2",
-                   "--train-iters", "2", "--eval-iters", "1", "--split", "90,10,0",
-                   "--data-path", tmp_path / "data_text_document", "--tokenizer-type", kind,
-                   *flags, "--data-cache-path", tmp_path / "cache", "--save", tmp_path / "ckpt",
-                   "--num-workers", "0")
+    out = run_tool(
+        "pretrain_gpt.py",
+        "--num-layers",
+        "1",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "2",
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--train-iters",
+        "2",
+        "--eval-iters",
+        "1",
+        "--split",
+        "90,10,0",
+        "--data-path",
+        tmp_path / "data_text_document",
+        "--tokenizer-type",
+        kind,
+        *flags,
+        "--data-cache-path",
+        tmp_path / "cache",
+        "--save",
+        tmp_path / "ckpt",
+        "--num-workers",
+        "0",
+    )
     assert out.returncode == 0, out.stderr[-2000:]
-    out = run_tool("tools/convert_to_hf.py", "--load", tmp_path / "ckpt", "--save-dir",
-                   tmp_path / "hf")
+    out = run_tool(
+        "tools/convert_to_hf.py", "--load", tmp_path / "ckpt", "--save-dir", tmp_path / "hf"
+    )
     assert out.returncode == 0, out.stderr[-2000:]
-    ours = build_tokenizer(kind, **({"vocab_file": vocab, "merge_file": merges}
-                                    if kind == "GPT2BPETokenizer" else {"tokenizer_model": sp_model}))
+    ours = build_tokenizer(
+        kind,
+        **(
+            {"vocab_file": vocab, "merge_file": merges}
+            if kind == "GPT2BPETokenizer"
+            else {"tokenizer_model": sp_model}
+        ),
+    )
     theirs = AutoTokenizer.from_pretrained(tmp_path / "hf")
     for text in PROBES:
         assert theirs(text)["input_ids"] == ours.tokenize(text), text
@@ -240,7 +286,13 @@ def test_huggingface_tokenizer_json(tmp_path):
             assert tok.detokenize(tok.tokenize(text)) == text
 
     corpus = _write(tmp_path / "docs.jsonl", DOCS)
-    stats = preprocess([corpus], str(tmp_path / "out"), "HuggingFaceTokenizer", str(tmp_path / "hf"), append_eod=True)
+    stats = preprocess(
+        [corpus],
+        str(tmp_path / "out"),
+        "HuggingFaceTokenizer",
+        str(tmp_path / "hf"),
+        append_eod=True,
+    )
     expected = [tok.tokenize(d) + [tok.eod] for d in DOCS if d]
     assert _read_back(stats.prefixes[0]) == expected
 
@@ -261,21 +313,37 @@ def test_preprocess_round_trip(sp_model, tmp_path, suffix):
     expected = [tok.tokenize(d) + [tok.eod] for d in DOCS if d]
     assert stats.prefixes == [str(tmp_path / "out_text_document")]
     assert _read_back(stats.prefixes[0]) == expected
-    assert (stats.docs, stats.empty_skipped, stats.tokens) == (len(expected), 1, sum(map(len, expected)))
+    assert (stats.docs, stats.empty_skipped, stats.tokens) == (
+        len(expected),
+        1,
+        sum(map(len, expected)),
+    )
     assert IndexedDataset(stats.prefixes[0]).index.dtype == np.uint16
-    assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(corpus), "out_text_document.bin",
-                                                   "out_text_document.idx"])  # no temporaries left
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        [os.path.basename(corpus), "out_text_document.bin", "out_text_document.idx"]
+    )  # no temporaries left
 
 
 def test_preprocess_globs_keys_workers_and_no_eod(sp_model, tmp_path):
     for i in range(3):
         _write(tmp_path / f"shard{i}.jsonl", [f"shard {i} doc {j}" for j in range(40)])
-    one = preprocess([str(tmp_path / "shard*.jsonl")], str(tmp_path / "one"), SP, sp_model, append_eod=False)
-    two = preprocess([str(tmp_path / "shard*.jsonl")], str(tmp_path / "two"), SP, sp_model, append_eod=False,
-                     workers=2, log_interval=7)
+    one = preprocess(
+        [str(tmp_path / "shard*.jsonl")], str(tmp_path / "one"), SP, sp_model, append_eod=False
+    )
+    two = preprocess(
+        [str(tmp_path / "shard*.jsonl")],
+        str(tmp_path / "two"),
+        SP,
+        sp_model,
+        append_eod=False,
+        workers=2,
+        log_interval=7,
+    )
     tok = build_tokenizer(SP, sp_model)
     expected = [tok.tokenize(f"shard {i} doc {j}") for i in range(3) for j in range(40)]
-    assert _read_back(one.prefixes[0]) == _read_back(two.prefixes[0]) == expected  # sorted glob order, no EOD
+    assert (
+        _read_back(one.prefixes[0]) == _read_back(two.prefixes[0]) == expected
+    )  # sorted glob order, no EOD
 
 
 def test_files_left_by_a_killed_preprocessing_run_are_removed(sp_model, tmp_path, capsys):
@@ -285,17 +353,18 @@ def test_files_left_by_a_killed_preprocessing_run_are_removed(sp_model, tmp_path
 
     docs = _write(tmp_path / "in.jsonl", ["one doc", "two docs"])
     prefix = str(tmp_path / "out_text_document")
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True).stdout.strip()
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     stale = [f"{prefix}.tmp{gone}.bin", f"{prefix}.tmp{gone}.idx"]
     running = f"{prefix}.tmp{os.getppid()}.bin"
     for path in stale + [running]:
         open(path, "wb").write(b"partial")
     preprocess([docs], str(tmp_path / "out"), SP, sp_model, append_eod=True)
     assert "left by an interrupted run" in capsys.readouterr().out
-    assert sorted(os.listdir(tmp_path)) == sorted(["in.jsonl", "out_text_document.bin",
-                                                   "out_text_document.idx",
-                                                   os.path.basename(running)])
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["in.jsonl", "out_text_document.bin", "out_text_document.idx", os.path.basename(running)]
+    )
 
 
 def test_empty_documents_are_skipped_and_counted(sp_model, tmp_path):
@@ -313,7 +382,9 @@ def test_empty_documents_are_skipped_and_counted(sp_model, tmp_path):
 def test_missing_text_field_is_a_clear_error(sp_model, tmp_path):
     corpus = tmp_path / "bad.jsonl"
     corpus.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"content": "oops"}) + "\n")
-    with pytest.raises(ValueError, match=r"bad\.jsonl:2: record has no 'text' field \(fields: content\)"):
+    with pytest.raises(
+        ValueError, match=r"bad\.jsonl:2: record has no 'text' field \(fields: content\)"
+    ):
         preprocess([str(corpus)], str(tmp_path / "out"), SP, sp_model, append_eod=True)
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]  # nothing half-written
 
@@ -321,7 +392,13 @@ def test_missing_text_field_is_a_clear_error(sp_model, tmp_path):
     with pytest.raises(ValueError, match=r"bad\.parquet: no column 'text' \(columns: content\)"):
         preprocess([table], str(tmp_path / "out"), SP, sp_model, append_eod=True)
     with pytest.raises(FileNotFoundError, match="missing_\\*.jsonl"):
-        preprocess([str(tmp_path / "missing_*.jsonl")], str(tmp_path / "out"), SP, sp_model, append_eod=True)
+        preprocess(
+            [str(tmp_path / "missing_*.jsonl")],
+            str(tmp_path / "out"),
+            SP,
+            sp_model,
+            append_eod=True,
+        )
 
 
 # --- indexed dataset checks ---------------------------------------------------------------------
@@ -344,20 +421,28 @@ def test_truncated_idx_is_a_clear_error(small_prefix, keep_bytes):
     idx = small_prefix + ".idx"
     data = open(idx, "rb").read()
     open(idx, "wb").write(data[:keep_bytes])
-    with pytest.raises(ValueError, match=r"out_text_document\.idx is truncated or (corrupt: \d+ bytes|not a Megatron index)"):
+    with pytest.raises(
+        ValueError,
+        match=r"out_text_document\.idx is truncated or (corrupt: \d+ bytes|not a Megatron index)",
+    ):
         check_indexed_dataset(small_prefix, 400)
 
 
 def test_truncated_bin_is_a_clear_error(small_prefix):
     os.truncate(small_prefix + ".bin", os.path.getsize(small_prefix + ".bin") - 2)
-    with pytest.raises(ValueError, match=r"out_text_document\.bin has \d+ bytes but .* describes \d+"):
+    with pytest.raises(
+        ValueError, match=r"out_text_document\.bin has \d+ bytes but .* describes \d+"
+    ):
         check_indexed_dataset(small_prefix, 400)
 
 
 def test_vocab_smaller_than_data_is_a_clear_error(small_prefix):
     largest = max(max(doc) for doc in _read_back(small_prefix))
     check_indexed_dataset(small_prefix, largest + 1)
-    with pytest.raises(ValueError, match=f"vocabulary {largest} is smaller than the data's largest token id {largest}"):
+    with pytest.raises(
+        ValueError,
+        match=f"vocabulary {largest} is smaller than the data's largest token id {largest}",
+    ):
         check_indexed_dataset(small_prefix, largest)
 
 
@@ -375,7 +460,9 @@ def _check_samples(dataset, seq_length):
 
 def test_build_datasets_single_prefix(sp_model, sp_data, tmp_path):
     tok = build_tokenizer(SP, sp_model)
-    train, valid, test = build_datasets(sp_data[:1], "90,5,5", 16, 1234, tok, (50, 5, 5), str(tmp_path))
+    train, valid, test = build_datasets(
+        sp_data[:1], "90,5,5", 16, 1234, tok, (50, 5, 5), str(tmp_path)
+    )
     assert len(train) >= 50 and len(valid) >= 5 and len(test) >= 5
     for dataset in (train, valid, test):
         _check_samples(dataset, 16)
@@ -384,7 +471,9 @@ def test_build_datasets_single_prefix(sp_model, sp_data, tmp_path):
     first_doc = data[int(train.document_index[0])].tolist()
     assert tok.eod in first_doc and first_doc[-1] == tok.eod
 
-    _, none_valid, none_test = build_datasets(sp_data[:1], "1", 16, 1234, tok, (50, 5, 5), str(tmp_path))
+    _, none_valid, none_test = build_datasets(
+        sp_data[:1], "1", 16, 1234, tok, (50, 5, 5), str(tmp_path)
+    )
     assert none_valid is None and none_test is None
 
 
@@ -392,19 +481,37 @@ def test_per_split_data_paths_as_megatron(sp_model, sp_data, tmp_path):
     """--train-data-path / --valid-data-path: each split is its data whole, the samples of that
     data given alone to its split (--split 1,0,0 / 0,1,0); no --test-data-path, no test split."""
     tok = build_tokenizer(SP, sp_model)
-    train, valid, test = build_datasets(None, None, 16, 1234, tok, (40, 6, 0), str(tmp_path),
-                                        per_split=[sp_data[:1], sp_data[1:2], None])
-    alone_train, _, _ = build_datasets(sp_data[:1], "1,0,0", 16, 1234, tok, (40, 0, 0),
-                                       str(tmp_path))
-    _, alone_valid, _ = build_datasets(sp_data[1:2], "0,1,0", 16, 1234, tok, (0, 6, 0),
-                                       str(tmp_path))
+    train, valid, test = build_datasets(
+        None,
+        None,
+        16,
+        1234,
+        tok,
+        (40, 6, 0),
+        str(tmp_path),
+        per_split=[sp_data[:1], sp_data[1:2], None],
+    )
+    alone_train, _, _ = build_datasets(
+        sp_data[:1], "1,0,0", 16, 1234, tok, (40, 0, 0), str(tmp_path)
+    )
+    _, alone_valid, _ = build_datasets(
+        sp_data[1:2], "0,1,0", 16, 1234, tok, (0, 6, 0), str(tmp_path)
+    )
     assert test is None and len(train) == len(alone_train) and len(valid) == len(alone_valid)
     for ours, alone in ((train, alone_train), (valid, alone_valid)):
         for i in range(len(ours)):
             assert torch.equal(ours[i]["tokens"], alone[i]["tokens"])
     with pytest.raises(ValueError, match="--valid-data-path x: neither a blend weight"):
-        build_datasets(None, None, 16, 1, tok, (4, 2, 0), str(tmp_path),
-                       per_split=[sp_data[:1], ["x", sp_data[1]], None])
+        build_datasets(
+            None,
+            None,
+            16,
+            1,
+            tok,
+            (4, 2, 0),
+            str(tmp_path),
+            per_split=[sp_data[:1], ["x", sp_data[1]], None],
+        )
 
 
 def test_build_datasets_blend_with_weights(sp_model, sp_data, tmp_path):
@@ -426,9 +533,13 @@ def test_build_datasets_under_initialized_gloo_group(sp_model, sp_data, tmp_path
     tok = build_tokenizer(SP, sp_model)
     owns_group = not torch.distributed.is_initialized()
     if owns_group:
-        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+        torch.distributed.init_process_group(
+            "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+        )
     try:
-        train, _, _ = build_datasets(["1", sp_data[0], "1", sp_data[1]], "98,1,1", 16, 7, tok, (60, 4, 4), str(tmp_path))
+        train, _, _ = build_datasets(
+            ["1", sp_data[0], "1", sp_data[1]], "98,1,1", 16, 7, tok, (60, 4, 4), str(tmp_path)
+        )
         _check_samples(train, 16)
         assert torch.distributed.is_initialized()  # the caller's group is left alone
     finally:
@@ -448,7 +559,9 @@ def _build_on_rank(sp_model, data_path, cache_dir):
 
 @pytest.mark.slow
 def test_build_datasets_on_two_ranks(sp_model, sp_data, tmp_path):
-    rank0, rank1 = run_distributed(_build_on_rank, 2, sp_model, ["1", sp_data[0], "1", sp_data[1]], str(tmp_path))
+    rank0, rank1 = run_distributed(
+        _build_on_rank, 2, sp_model, ["1", sp_data[0], "1", sp_data[1]], str(tmp_path)
+    )
     assert rank0 == rank1 and len(rank0) >= 60
 
 
@@ -465,7 +578,8 @@ def test_two_jobs_building_one_index_cache_at_once(sp_model, sp_data, tmp_path):
 
     blend = ["1", sp_data[0], "1", sp_data[1]]
     with concurrent.futures.ProcessPoolExecutor(
-            2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        2, mp_context=multiprocessing.get_context("spawn")
+    ) as pool:
         jobs = [pool.submit(_build_alone, sp_model, blend, str(tmp_path)) for _ in range(2)]
         first, second = (job.result(timeout=300) for job in jobs)
     assert first == second
@@ -494,8 +608,17 @@ def test_eod_mask_loss_and_reset_position_ids_as_megatron(sp_model, sp_data, tmp
     loss, and positions restart after each one."""
     tok = build_tokenizer(SP, sp_model)
     plain, _, _ = build_datasets(sp_data[:1], "1", 64, 3, tok, (20, 0, 0), str(tmp_path))
-    masked, _, _ = build_datasets(sp_data[:1], "1", 64, 3, tok, (20, 0, 0), str(tmp_path),
-                                  reset_position_ids=True, eod_mask_loss=True)
+    masked, _, _ = build_datasets(
+        sp_data[:1],
+        "1",
+        64,
+        3,
+        tok,
+        (20, 0, 0),
+        str(tmp_path),
+        reset_position_ids=True,
+        eod_mask_loss=True,
+    )
     ends = 0
     for i in range(20):
         a, b = plain[i], masked[i]
@@ -525,7 +648,9 @@ def test_build_datasets_rejects_bad_splits(sp_model, tmp_path):
     # 50 documents * 1/1000 rounds to none: Megatron would loop forever asking for test samples.
     with pytest.raises(ValueError, match="gives the test split none of the 50 documents"):
         build_datasets([prefix], "969,30,1", 16, 1, tok, (10, 2, 2), str(tmp_path))
-    with pytest.raises(ValueError, match="gives the test split none"):  # even when no test samples are asked
+    with pytest.raises(
+        ValueError, match="gives the test split none"
+    ):  # even when no test samples are asked
         build_datasets([prefix], "969,30,1", 16, 1, tok, (10, 2, 0), str(tmp_path))
     build_datasets([prefix], "969,31,0", 16, 1, tok, (10, 2, 2), str(tmp_path))
     for bad in ("abc", "0,0,0", "1,2,3,4"):

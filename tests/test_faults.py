@@ -5,7 +5,6 @@ import os
 
 import pytest
 import torch
-
 from distributed import run_distributed
 from test_training import _argv, _train, train
 
@@ -25,18 +24,23 @@ def _train_with_disk_full_at(argv, tag, rank):
     return _train(argv)
 
 
-def test_a_save_that_fails_on_one_rank_stops_the_run_and_keeps_the_last(embedded_cache,
-                                                                       tmp_path):
+def test_a_save_that_fails_on_one_rank_stops_the_run_and_keeps_the_last(embedded_cache, tmp_path):
     ckpt = tmp_path / "ckpt"
-    argv = _argv(embedded_cache, "--save", str(ckpt), "--save-interval", "2", "--zero-stage", "1",
-                 iters=6)
-    with pytest.raises(Exception, match=r"saving iter_0000004 failed on rank 1: No space left on "
-                                         r"device \(.*iter_0000004.partial.*\); iter_0000002 "
-                                         "stays the latest checkpoint"):
+    argv = _argv(
+        embedded_cache, "--save", str(ckpt), "--save-interval", "2", "--zero-stage", "1", iters=6
+    )
+    with pytest.raises(
+        Exception,
+        match=r"saving iter_0000004 failed on rank 1: No space left on "
+        r"device \(.*iter_0000004.partial.*\); iter_0000002 "
+        "stays the latest checkpoint",
+    ):
         run_distributed(_train_with_disk_full_at, 2, argv, "iter_0000004", 1)
     assert (ckpt / "latest").read_text() == "iter_0000002"
     assert sorted(p for p in os.listdir(ckpt) if p.startswith(("iter_", "latest"))) == [
-        "iter_0000002", "latest"]
+        "iter_0000002",
+        "latest",
+    ]
 
 
 def test_a_damaged_checkpoint_is_refused_and_the_previous_one_resumes(embedded_cache, tmp_path):
@@ -48,15 +52,19 @@ def test_a_damaged_checkpoint_is_refused_and_the_previous_one_resumes(embedded_c
     data[len(data) // 2] ^= 0xFF  # one flipped bit pattern, the size unchanged
     open(shard, "wb").write(bytes(data))
     resume = _argv(embedded_cache, *flags, "--load", ckpt, iters=6)
-    with pytest.raises(Exception, match=r"iter_0000004 is damaged: mp_rank_00_model_states.pt "
-                                        r"differs from what was saved \(SHA-256\); the previous "
-                                        r"checkpoint, iter_0000002, is complete: resume from it "
-                                        r"with --ckpt-step 2") as failure:
+    with pytest.raises(
+        Exception,
+        match=r"iter_0000004 is damaged: mp_rank_00_model_states.pt "
+        r"differs from what was saved \(SHA-256\); the previous "
+        r"checkpoint, iter_0000002, is complete: resume from it "
+        r"with --ckpt-step 2",
+    ) as failure:
         train(1, resume)
     assert "build_model" not in str(failure.value)  # found before any compute
     open(shard, "wb").write(bytes(data[: len(data) // 2]))
-    with pytest.raises(Exception, match="mp_rank_00_model_states.pt is [0-9]+ bytes, [0-9]+ when "
-                                        "saved"):
+    with pytest.raises(
+        Exception, match="mp_rank_00_model_states.pt is [0-9]+ bytes, [0-9]+ when saved"
+    ):
         train(1, resume)
     again = train(1, _argv(embedded_cache, *flags, "--load", ckpt, "--ckpt-step", "2", iters=4))
     assert again["losses"] == straight["losses"][2:]  # iterations 3-4 again, exactly
@@ -66,8 +74,11 @@ def test_a_damaged_checkpoint_is_refused_and_the_previous_one_resumes(embedded_c
 def test_ckpt_step_names_a_checkpoint_that_exists(embedded_cache, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     train(1, _argv(embedded_cache, "--save", ckpt, iters=3))
-    with pytest.raises(Exception, match=r"--ckpt-step 2: .* holds no iter_0000002 \(it holds: "
-                                        r"iter_0000003\)"):
+    with pytest.raises(
+        Exception,
+        match=r"--ckpt-step 2: .* holds no iter_0000002 \(it holds: "
+        r"iter_0000003\)",
+    ):
         train(1, _argv(embedded_cache, "--load", ckpt, "--ckpt-step", "2", iters=4))
 
 
@@ -78,35 +89,58 @@ def test_what_an_interrupted_run_left_is_removed_and_reported(embedded_cache, tm
         (ckpt / debris).mkdir()
         (ckpt / debris / "mp_rank_00_model_states.pt").write_bytes(b"half")
     (ckpt / "latest.tmp").write_text("iter_00")
-    train(1, _argv(embedded_cache, "--save", str(ckpt), "--load", str(ckpt),
-                   "--override-opt_param-scheduler", iters=4))
+    train(
+        1,
+        _argv(
+            embedded_cache,
+            "--save",
+            str(ckpt),
+            "--load",
+            str(ckpt),
+            "--override-opt_param-scheduler",
+            iters=4,
+        ),
+    )
     assert "removed what an interrupted run left in" in capfd.readouterr().out
     assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith(("iter_", "latest"))) == [
-        "iter_0000003", "iter_0000004", "latest"]
+        "iter_0000003",
+        "iter_0000004",
+        "latest",
+    ]
 
 
 @pytest.mark.parametrize("stage", ["0", "1"])
-def test_no_save_optim_no_load_optim_no_save_rng_and_exit_duration(embedded_cache, tmp_path,
-                                                                     stage):
+def test_no_save_optim_no_load_optim_no_save_rng_and_exit_duration(embedded_cache, tmp_path, stage):
     """Megatron's checkpoint-content flags and its time limit: a run whose limit has passed at
     its first check saves (no optimizer state, no random states) and stops; resumed without the
     optimizer, its weights and data position carry on while the LR schedule starts again."""
     ckpt = str(tmp_path / "ckpt")
     flags = ["--lr-decay-style", "constant", "--zero-stage", stage]
     straight = train(1, _argv(embedded_cache, *flags, iters=4))
-    first = train(1, _argv(embedded_cache, *flags, "--save", ckpt, "--no-save-optim",
-                           "--no-save-rng", "--exit-duration-in-mins", "1e-9", iters=4))
-    assert len(first["losses"]) == 1 and open(os.path.join(ckpt, "latest")).read() == \
-        "iter_0000001"
+    first = train(
+        1,
+        _argv(
+            embedded_cache,
+            *flags,
+            "--save",
+            ckpt,
+            "--no-save-optim",
+            "--no-save-rng",
+            "--exit-duration-in-mins",
+            "1e-9",
+            iters=4,
+        ),
+    )
+    assert len(first["losses"]) == 1 and open(os.path.join(ckpt, "latest")).read() == "iter_0000001"
     files = os.listdir(os.path.join(ckpt, "iter_0000001"))
     assert not [f for f in files if "optim_states" in f], files
-    saved = torch.load(os.path.join(ckpt, "iter_0000001", "mp_rank_00_model_states.pt"),
-                       weights_only=False)
+    saved = torch.load(
+        os.path.join(ckpt, "iter_0000001", "mp_rank_00_model_states.pt"), weights_only=False
+    )
     assert saved["optimizer"] is None and "rng" not in saved
     with pytest.raises(Exception, match="--no-save-optim: it resumes with --no-load-optim"):
         train(1, _argv(embedded_cache, *flags, "--load", ckpt, iters=4))
-    resumed = train(1, _argv(embedded_cache, *flags, "--load", ckpt, "--no-load-optim",
-                             iters=4))
+    resumed = train(1, _argv(embedded_cache, *flags, "--load", ckpt, "--no-load-optim", iters=4))
     assert resumed["losses"][0] == straight["losses"][1]  # the same weights and batch
     assert resumed["lr"][0] == straight["lr"][0]  # warmup's first step again
     assert len(resumed["losses"]) == 3
@@ -118,12 +152,42 @@ def test_pretrained_checkpoint_and_use_checkpoint_args(embedded_cache, tmp_path)
     base, run = str(tmp_path / "base"), str(tmp_path / "run")
     train(1, _argv(embedded_cache, "--save", base, iters=3))
     finetune = train(1, _argv(embedded_cache, "--load", base, "--finetune", iters=3))
-    started = train(1, _argv(embedded_cache, "--pretrained-checkpoint", base, "--save", run,
-                             "--load", run, "--exit-interval", "2", iters=3))
+    started = train(
+        1,
+        _argv(
+            embedded_cache,
+            "--pretrained-checkpoint",
+            base,
+            "--save",
+            run,
+            "--load",
+            run,
+            "--exit-interval",
+            "2",
+            iters=3,
+        ),
+    )
     assert started["losses"] == finetune["losses"][:2]
-    resumed = train(1, _argv(embedded_cache, "--pretrained-checkpoint", base, "--save", run,
-                             "--load", run, iters=3))  # --load now holds the run's own
+    resumed = train(
+        1,
+        _argv(
+            embedded_cache, "--pretrained-checkpoint", base, "--save", run, "--load", run, iters=3
+        ),
+    )  # --load now holds the run's own
     assert resumed["losses"] == finetune["losses"][2:]
-    shaped = train(1, _argv(embedded_cache, "--load", base, "--finetune", "--hidden-size", "128",
-                            "--num-layers", "5", "--use-checkpoint-args", iters=3))
+    shaped = train(
+        1,
+        _argv(
+            embedded_cache,
+            "--load",
+            base,
+            "--finetune",
+            "--hidden-size",
+            "128",
+            "--num-layers",
+            "5",
+            "--use-checkpoint-args",
+            iters=3,
+        ),
+    )
     assert shaped["losses"] == finetune["losses"]

@@ -10,23 +10,28 @@ differentiates. The sparse path on FlexAttention is tested in test_focus_sparse.
 
 import pytest
 import torch
+from reference import assignments, reference_focus
 from torch.nn.attention.flex_attention import create_block_mask
 
 from megatron_focus.model import kernels
-from megatron_focus.model.flex import (causal_block_mask, flex_attention_with_lse,
-                                       flex_soft_focus, gate_score_mod, range_block_mask)
+from megatron_focus.model.flex import (
+    causal_block_mask,
+    flex_attention_with_lse,
+    flex_soft_focus,
+    gate_score_mod,
+    range_block_mask,
+)
 from megatron_focus.model.focus_gate import attention_with_lse
 from megatron_focus.model.focus_sparse import _buckets, _key_ranges
 from megatron_focus.model.groups import Routing
 from megatron_focus.model.sinkhorn import causal_sinkhorn
-from reference import assignments, reference_focus
 
 SOFT_CASES = [  # (b, heads, kv groups, n, d, K, window, sink tokens)
-    (2, 4, 4, 37, 8, 4, 5, 0),     # n not a multiple of anything
-    (1, 4, 2, 20, 8, 3, 64, 0),    # n < w, GQA
-    (2, 4, 1, 33, 16, 1, 4, 0),    # K = 1, multi-query
-    (2, 4, 2, 40, 8, 4, 5, 3),     # sinks
-    (1, 2, 2, 300, 8, 8, 6, 2),    # several of FlexAttention's 128-blocks, the last partial
+    (2, 4, 4, 37, 8, 4, 5, 0),  # n not a multiple of anything
+    (1, 4, 2, 20, 8, 3, 64, 0),  # n < w, GQA
+    (2, 4, 1, 33, 16, 1, 4, 0),  # K = 1, multi-query
+    (2, 4, 2, 40, 8, 4, 5, 3),  # sinks
+    (1, 2, 2, 300, 8, 8, 6, 2),  # several of FlexAttention's 128-blocks, the last partial
 ]
 
 
@@ -42,7 +47,7 @@ def soft_inputs(b, heads, kv, n, d, groups, seed):
 @pytest.mark.parametrize("b, heads, kv, n, d, groups, window, sink", SOFT_CASES)
 def test_flex_soft_focus_equals_dense_reference(b, heads, kv, n, d, groups, window, sink, gate):
     q, k, v, log_g, _ = soft_inputs(b, heads, kv, n, d, groups, n + window)
-    kwargs = dict(window=window, gate_scale=0.7, scale=d ** -0.5, gate=gate, sink=sink)
+    kwargs = dict(window=window, gate_scale=0.7, scale=d**-0.5, gate=gate, sink=sink)
     out = flex_soft_focus(q, k, v, log_g, **kwargs)
     ref = reference_focus(q, k, v, log_g, top_k=None, **kwargs)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -50,18 +55,21 @@ def test_flex_soft_focus_equals_dense_reference(b, heads, kv, n, d, groups, wind
 
 @pytest.mark.parametrize("gate", ["log", "sigmoid"])
 @pytest.mark.parametrize("b, heads, kv, n, d, groups, window, sink", SOFT_CASES[:4])
-def test_gate_score_mod_gradients_equal_dense_reference(b, heads, kv, n, d, groups, window, sink,
-                                                        gate):
+def test_gate_score_mod_gradients_equal_dense_reference(
+    b, heads, kv, n, d, groups, window, sink, gate
+):
     """Values and gradients (q, k, v, log g) of attention with gate_score_mod on dense grids."""
     q, k, v, log_g, gen = soft_inputs(b, heads, kv, n, d, groups, n * window)
     for t in (q, k, v, log_g):
         t.requires_grad_()
-    kwargs = dict(window=window, gate_scale=0.7, scale=d ** -0.5, gate=gate, sink=sink)
+    kwargs = dict(window=window, gate_scale=0.7, scale=d**-0.5, gate=gate, sink=sink)
     score_mod = gate_score_mod(log_g.exp(), window, kwargs["gate_scale"], gate, sink)
     rep = heads // kv
     scores = q @ k.repeat_interleave(rep, 1).transpose(-1, -2) * kwargs["scale"]
-    index = [torch.arange(size).view([-1 if i == dim else 1 for i in range(4)])
-             for dim, size in enumerate(scores.shape)]
+    index = [
+        torch.arange(size).view([-1 if i == dim else 1 for i in range(4)])
+        for dim, size in enumerate(scores.shape)
+    ]
     scores = score_mod(scores, *index).masked_fill(index[3] > index[2], float("-inf"))
     out = scores.softmax(-1) @ v.repeat_interleave(rep, 1)
     ref = reference_focus(q, k, v, log_g, top_k=None, **kwargs)
@@ -80,22 +88,30 @@ def test_causal_block_mask_is_exact(n, window):
     holds only kept pairs (FlexAttention skips the mask there)."""
     w = n if window is None else window
     ours = causal_block_mask(n, torch.device("cpu"), window)
-    ref = create_block_mask(lambda b, h, q, kv: (q >= kv) & (q - kv < w), None, None, n, n,
-                            device="cpu")
+    ref = create_block_mask(
+        lambda b, h, q, kv: (q >= kv) & (q - kv < w), None, None, n, n, device="cpu"
+    )
     assert torch.equal(ours.to_dense(), ref.to_dense())
     assert ours.seq_lengths == (n, n)
     pos = torch.arange(n)
     kept = (pos[:, None] >= pos) & (pos[:, None] - pos < w)
     block = ours.BLOCK_SIZE[0]
     for i in range(ours.full_kv_num_blocks.shape[-1]):
-        for j in ours.full_kv_indices[0, 0, i, :int(ours.full_kv_num_blocks[0, 0, i])].tolist():
-            assert kept[i * block:(i + 1) * block, j * block:(j + 1) * block].all(), (i, j)
+        for j in ours.full_kv_indices[0, 0, i, : int(ours.full_kv_num_blocks[0, 0, i])].tolist():
+            assert kept[i * block : (i + 1) * block, j * block : (j + 1) * block].all(), (i, j)
 
 
-@pytest.mark.parametrize("n, groups, top_k, how", [(300, 4, 2, "random"), (700, 8, 3, "random"),
-                                                  (400, 4, 2, "lonely"), (129, 1, 1, "random"),
-                                                  (1000, 1, 1, "random"),
-                                                  (500, 8, 5, "coarse")])
+@pytest.mark.parametrize(
+    "n, groups, top_k, how",
+    [
+        (300, 4, 2, "random"),
+        (700, 8, 3, "random"),
+        (400, 4, 2, "lonely"),
+        (129, 1, 1, "random"),
+        (1000, 1, 1, "random"),
+        (500, 8, 5, "coarse"),
+    ],
+)
 def test_range_block_mask_covers_every_kept_pair(n, groups, top_k, how):
     """The bucket part's ranges, as the sparse path sorts them: no kept pair in a skipped block,
     only kept pairs in a block marked whole."""
@@ -110,18 +126,19 @@ def test_range_block_mask_covers_every_kept_pair(n, groups, top_k, how):
         keys = torch.arange(2 * n)
         kept = (keys >= lo[:, None]) & (keys < hi[:, None])
         present = mask.to_dense()[0, 0].repeat_interleave(128, 0).repeat_interleave(128, 1)
-        assert not (kept & ~present[:2 * n, :2 * n].bool()).any(), slot
+        assert not (kept & ~present[: 2 * n, : 2 * n].bool()).any(), slot
         assert mask.seq_lengths == (2 * n, 2 * n)
         whole = 0
         for i in range(mask.full_kv_num_blocks.shape[-1]):
-            for j in mask.full_kv_indices[0, 0, i, :int(mask.full_kv_num_blocks[0, 0, i])]:
-                assert kept[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].all(), (slot, i, j)
+            for j in mask.full_kv_indices[0, 0, i, : int(mask.full_kv_num_blocks[0, 0, i])]:
+                assert kept[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].all(), (slot, i, j)
                 whole += 1
         assert whole > 0 or n < 1000  # 2000 tokens in one group: most blocks are whole
 
 
-@pytest.mark.parametrize("causal, mask_shape", [(True, None), (False, None),
-                                                (True, "keys"), (False, "pairs")])
+@pytest.mark.parametrize(
+    "causal, mask_shape", [(True, None), (False, None), (True, "keys"), (False, "pairs")]
+)
 def test_flex_attention_with_lse_equals_cpu_kernel(causal, mask_shape):
     gen = torch.Generator().manual_seed(3)
     b, heads, kv, n, d = 3, 4, 2, 150, 16
@@ -130,8 +147,9 @@ def test_flex_attention_with_lse_equals_cpu_kernel(causal, mask_shape):
     mask = None
     if mask_shape is not None:
         shape = (b, 1, 1, n) if mask_shape == "keys" else (b, 1, n, n)
-        mask = torch.zeros(shape).masked_fill_(torch.rand(shape, generator=gen) < 0.5,
-                                               float("-inf"))
+        mask = torch.zeros(shape).masked_fill_(
+            torch.rand(shape, generator=gen) < 0.5, float("-inf")
+        )
         mask[0, ..., :] = float("-inf")  # a sequence where no query has a key
     out, lse = flex_attention_with_lse(q, k, v, 0.25, causal, mask)
     want_out, want_lse = attention_with_lse(q, k, v, 0.25, causal, mask)

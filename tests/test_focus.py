@@ -1,16 +1,16 @@
-"""Focus: causal Sinkhorn, the pair rule, chunked attention vs a dense reference, model-level checks."""
+"""Focus: causal Sinkhorn, the pair rule, chunked attention vs a dense reference, model-level
+checks."""
 
 import math
 
 import pytest
 import torch
+from reference import assignments, reference_focus, reference_ranking
 
 from megatron_focus.model.focus import group_stats
 from megatron_focus.model.focus_gate import focus_attention
-from megatron_focus.model.groups import Routing
+from megatron_focus.model.groups import Routing, rank_groups
 from megatron_focus.model.sinkhorn import causal_sinkhorn
-from megatron_focus.model.groups import rank_groups
-from reference import assignments, reference_focus, reference_ranking
 
 
 def whole_sequence_sinkhorn(scores, iters):
@@ -77,33 +77,35 @@ def test_token_zero_is_uniform_and_ranks_its_groups_in_order():
 # --- the pair rule and the chunked attention, against the dense reference (tests/reference.py) ---
 
 CASES = [  # (b, heads, kv groups, n, d, K, window, chunk, top_k, sink tokens)
-    (2, 4, 4, 37, 8, 4, 5, 16, None, 0),     # n not a multiple of the chunk
-    (1, 4, 2, 20, 8, 3, 64, 8, None, 0),     # n < w, GQA
-    (2, 4, 1, 33, 16, 1, 4, 7, None, 0),     # K = 1, multi-query
-    (1, 2, 2, 48, 8, 8, 6, 48, None, 0),     # one chunk
-    (2, 4, 2, 37, 8, 4, 5, 16, 1, 0),        # hard, top-1
-    (1, 4, 4, 40, 8, 4, 3, 9, 2, 0),         # hard, top-2
-    (1, 2, 1, 30, 8, 4, 3, 8, 4, 0),         # hard, top-k = K: full causal attention
-    (2, 4, 2, 45, 8, 4, 5, 16, None, 3),     # sinks, soft
-    (1, 4, 4, 40, 8, 4, 3, 9, None, 12),     # more sinks than the window and the chunk
-    (2, 4, 2, 37, 8, 4, 5, 16, 1, 4),        # sinks, hard
+    (2, 4, 4, 37, 8, 4, 5, 16, None, 0),  # n not a multiple of the chunk
+    (1, 4, 2, 20, 8, 3, 64, 8, None, 0),  # n < w, GQA
+    (2, 4, 1, 33, 16, 1, 4, 7, None, 0),  # K = 1, multi-query
+    (1, 2, 2, 48, 8, 8, 6, 48, None, 0),  # one chunk
+    (2, 4, 2, 37, 8, 4, 5, 16, 1, 0),  # hard, top-1
+    (1, 4, 4, 40, 8, 4, 3, 9, 2, 0),  # hard, top-2
+    (1, 2, 1, 30, 8, 4, 3, 8, 4, 0),  # hard, top-k = K: full causal attention
+    (2, 4, 2, 45, 8, 4, 5, 16, None, 3),  # sinks, soft
+    (1, 4, 4, 40, 8, 4, 3, 9, None, 12),  # more sinks than the window and the chunk
+    (2, 4, 2, 37, 8, 4, 5, 16, 1, 4),  # sinks, hard
 ]
 
 
 @pytest.mark.parametrize("b, heads, kv, n, d, groups, window, chunk, top_k, sink", CASES)
-def test_chunked_focus_attention_matches_dense_reference(b, heads, kv, n, d, groups, window,
-                                                         chunk, top_k, sink):
+def test_chunked_focus_attention_matches_dense_reference(
+    b, heads, kv, n, d, groups, window, chunk, top_k, sink
+):
     gen = torch.Generator().manual_seed(n * groups + window)
     q = torch.randn(b, heads, n, d, generator=gen, requires_grad=True)
     k, v = (torch.randn(b, kv, n, d, generator=gen, requires_grad=True) for _ in range(2))
     log_g = causal_sinkhorn(torch.randn(b, n, groups, generator=gen) * 3, 5).requires_grad_()
-    kwargs = dict(window=window, gate_scale=0.7, top_k=top_k, scale=d ** -0.5, sink=sink)
+    kwargs = dict(window=window, gate_scale=0.7, top_k=top_k, scale=d**-0.5, sink=sink)
     out = focus_attention(q, k, v, Routing.of(log_g), chunk_size=chunk, **kwargs)
     ref = reference_focus(q, k, v, log_g, **kwargs)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     if top_k == groups:
         full = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=d ** -0.5, enable_gqa=kv != heads)
+            q, k, v, is_causal=True, scale=d**-0.5, enable_gqa=kv != heads
+        )
         torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-5)
     if top_k is None:
         cotangent = torch.randn(out.shape, generator=gen)
@@ -113,21 +115,28 @@ def test_chunked_focus_attention_matches_dense_reference(b, heads, kv, n, d, gro
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("b, heads, kv, n, d, groups, window, chunk, top_k, sink",
-                         CASES[:3] + CASES[7:8])
-def test_sigmoid_gate_matches_dense_reference(b, heads, kv, n, d, groups, window, chunk, top_k,
-                                              sink):
+@pytest.mark.parametrize(
+    "b, heads, kv, n, d, groups, window, chunk, top_k, sink", CASES[:3] + CASES[7:8]
+)
+def test_sigmoid_gate_matches_dense_reference(
+    b, heads, kv, n, d, groups, window, chunk, top_k, sink
+):
     """The paper's gate (an ablation option): values and gradients of the chunked path."""
     gen = torch.Generator().manual_seed(n + groups)
     q = torch.randn(b, heads, n, d, dtype=torch.float64, generator=gen, requires_grad=True)
-    k, v = (torch.randn(b, kv, n, d, dtype=torch.float64, generator=gen, requires_grad=True)
-            for _ in range(2))
-    log_g = causal_sinkhorn(torch.randn(b, n, groups, generator=gen, dtype=torch.float64) * 3,
-                            5).requires_grad_()
-    kwargs = dict(window=window, gate_scale=2.5, top_k=None, scale=d ** -0.5, gate="sigmoid",
-                  sink=sink)
-    out = focus_attention(q.float(), k.float(), v.float(), Routing.of(log_g.float()),
-                          chunk_size=chunk, **kwargs)
+    k, v = (
+        torch.randn(b, kv, n, d, dtype=torch.float64, generator=gen, requires_grad=True)
+        for _ in range(2)
+    )
+    log_g = causal_sinkhorn(
+        torch.randn(b, n, groups, generator=gen, dtype=torch.float64) * 3, 5
+    ).requires_grad_()
+    kwargs = dict(
+        window=window, gate_scale=2.5, top_k=None, scale=d**-0.5, gate="sigmoid", sink=sink
+    )
+    out = focus_attention(
+        q.float(), k.float(), v.float(), Routing.of(log_g.float()), chunk_size=chunk, **kwargs
+    )
     ref = reference_focus(q, k, v, log_g, **kwargs)
     torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-5)
     cotangent = torch.randn(out.shape, generator=gen)
@@ -136,18 +145,25 @@ def test_sigmoid_gate_matches_dense_reference(b, heads, kv, n, d, groups, window
     for name, got, want in zip("qkvg", grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
     with pytest.raises(ValueError, match="unknown Focus gate"):
-        focus_attention(q, k, v, Routing.of(log_g), chunk_size=chunk,
-                        **{**kwargs, "gate": "tanh"})
+        focus_attention(q, k, v, Routing.of(log_g), chunk_size=chunk, **{**kwargs, "gate": "tanh"})
 
 
 def test_open_gate_is_standard_attention():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 50, 8, generator=gen) for _ in range(3))
     log_g = causal_sinkhorn(torch.randn(2, 50, 4, generator=gen) * 3, 5)
-    out = focus_attention(q, k, v, Routing.of(log_g), window=4, gate_scale=0.0, top_k=None,
-                          chunk_size=16, scale=8 ** -0.5)
-    full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                            scale=8 ** -0.5)
+    out = focus_attention(
+        q,
+        k,
+        v,
+        Routing.of(log_g),
+        window=4,
+        gate_scale=0.0,
+        top_k=None,
+        chunk_size=16,
+        scale=8**-0.5,
+    )
+    full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=8**-0.5)
     torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-6)
 
 
@@ -165,8 +181,9 @@ def test_pairs_kept_statistic_counts_the_hard_rule(sink):
     stats = group_stats(Routing.of(log_g), top_k, window, sink)
     assert math.isclose(float(stats["pairs-kept"]), kept / (3 * n * (n + 1) / 2), rel_tol=1e-6)
     top1_share = torch.stack([torch.bincount(t, minlength=groups).max() for t in tops[..., 0]])
-    assert math.isclose(float(stats["largest-group"]), float(top1_share.float().mean()) / n,
-                        rel_tol=1e-6)
+    assert math.isclose(
+        float(stats["largest-group"]), float(top1_share.float().mean()) / n, rel_tol=1e-6
+    )
 
 
 def _saved_bytes(fn, *inputs):
@@ -187,8 +204,18 @@ def test_soft_gate_memory_is_linear_in_sequence_length():
         q, k, v = (torch.randn(1, 2, n, 8, requires_grad=True) for _ in range(3))
         log_g = causal_sinkhorn(torch.randn(1, n, 4), 3).requires_grad_()
         return _saved_bytes(
-            lambda: focus_attention(q, k, v, Routing.of(log_g), window=16, gate_scale=1.0, top_k=None,
-                                    chunk_size=64, scale=0.3))
+            lambda: focus_attention(
+                q,
+                k,
+                v,
+                Routing.of(log_g),
+                window=16,
+                gate_scale=1.0,
+                top_k=None,
+                chunk_size=64,
+                scale=0.3,
+            )
+        )
 
     small, large = run(512), run(2048)
     assert large / small < 4.5  # 4x the tokens: linear; an n x n tensor would make it 16x
@@ -197,8 +224,20 @@ def test_soft_gate_memory_is_linear_in_sequence_length():
 
 # --- model level ---
 
-SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-         "--seq-length", "48", "--hidden-dropout", "0", "--attention-dropout", "0"]
+SMALL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "48",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+]
 FOCUS = ["--focus-window", "4", "--focus-groups", "4", "--focus-chunk-size", "16"]
 
 
@@ -217,13 +256,20 @@ def _logits(model, tokens):
         return model(tokens, positions, None)
 
 
-@pytest.mark.parametrize("argv", [
-    ["--attention", "standard"], ["--attention", "xsa"],
-    ["--attention", "focus"] + FOCUS, ["--attention", "focus+xsa"] + FOCUS,
-    ["--attention", "focus"] + FOCUS + ["--focus-attention-mode", "sparse"],
-    ["--attention", "focus+xsa", "--position-embedding-type", "rope"] + FOCUS
-    + ["--focus-attention-mode", "sparse", "--focus-top-k", "1"],
-], ids=lambda a: "-".join(x.strip("-") for x in a[1:2] + a[-1:]))
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--attention", "standard"],
+        ["--attention", "xsa"],
+        ["--attention", "focus"] + FOCUS,
+        ["--attention", "focus+xsa"] + FOCUS,
+        ["--attention", "focus"] + FOCUS + ["--focus-attention-mode", "sparse"],
+        ["--attention", "focus+xsa", "--position-embedding-type", "rope"]
+        + FOCUS
+        + ["--focus-attention-mode", "sparse", "--focus-top-k", "1"],
+    ],
+    ids=lambda a: "-".join(x.strip("-") for x in a[1:2] + a[-1:]),
+)
 def test_later_tokens_change_no_earlier_logit(single_process, argv):
     model = _model(SMALL + argv)
     tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
@@ -245,8 +291,9 @@ def test_focus_model_with_open_gate_equals_standard(single_process):
     missing, unexpected = focus.load_state_dict(standard.state_dict(), strict=False)
     assert unexpected == [] and all(".router." in name for name in missing)
     tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(_logits(focus, tokens), _logits(standard, tokens),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        _logits(focus, tokens), _logits(standard, tokens), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_router_parameters_per_layer(single_process):

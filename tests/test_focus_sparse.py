@@ -4,44 +4,47 @@ import math
 
 import pytest
 import torch
+from reference import assignments, dense_hard_rule
 
 from megatron_focus.model import kernels
 from megatron_focus.model.focus_gate import focus_attention
 from megatron_focus.model.focus_sparse import merge_by_lse, sparse_focus_attention
 from megatron_focus.model.groups import Routing
-from reference import assignments, dense_hard_rule
-
 
 NO_SINK = [  # b, heads, kv heads, n, d, K, w, top_k, assignment
     (1, 2, 2, 1, 8, 4, 4, 1, "random"),
     (2, 4, 4, 37, 8, 4, 5, 1, "random"),
-    (1, 4, 2, 40, 8, 4, 64, 2, "random"),      # n < w
-    (2, 4, 1, 300, 16, 8, 16, 2, "random"),    # multi-query, batch with other group sizes
-    (2, 4, 2, 257, 8, 4, 8, 4, "random"),      # top-k = K: full causal attention
-    (1, 2, 2, 90, 8, 1, 8, 1, "random"),       # K = 1
-    (2, 2, 2, 64, 8, 4, 4, 1, "one-group"),    # all tokens in one group, the others empty
-    (2, 2, 2, 64, 8, 4, 4, 2, "lonely"),       # a single-token group
+    (1, 4, 2, 40, 8, 4, 64, 2, "random"),  # n < w
+    (2, 4, 1, 300, 16, 8, 16, 2, "random"),  # multi-query, batch with other group sizes
+    (2, 4, 2, 257, 8, 4, 8, 4, "random"),  # top-k = K: full causal attention
+    (1, 2, 2, 90, 8, 1, 8, 1, "random"),  # K = 1
+    (2, 2, 2, 64, 8, 4, 4, 1, "one-group"),  # all tokens in one group, the others empty
+    (2, 2, 2, 64, 8, 4, 4, 2, "lonely"),  # a single-token group
     (1, 4, 2, 2500, 32, 8, 128, 2, "random"),  # several thousand tokens
     # exact ties everywhere (tests/reference.py): K = 8 with every top-k, GQA, n a multiple of
     # no block size
-    *[(1, 4, 2, 150, 8, 8, 8, top_k, how)
-      for how in ("uniform", "duplicated", "coarse") for top_k in range(1, 9)],
+    *[
+        (1, 4, 2, 150, 8, 8, 8, top_k, how)
+        for how in ("uniform", "duplicated", "coarse")
+        for top_k in range(1, 9)
+    ],
 ]
 CASES = [case + (0,) for case in NO_SINK] + [  # ..., the first s tokens kept for every query
     (2, 4, 2, 200, 8, 4, 16, 1, "random", 4),
-    (1, 4, 1, 100, 8, 8, 8, 2, "coarse", 1),     # token 0 alone, ties
-    (1, 2, 2, 60, 8, 4, 70, 2, "random", 3),     # n < w
-    (2, 4, 4, 150, 8, 4, 8, 4, "random", 20),    # top-k = K: full causal attention
+    (1, 4, 1, 100, 8, 8, 8, 2, "coarse", 1),  # token 0 alone, ties
+    (1, 2, 2, 60, 8, 4, 70, 2, "random", 3),  # n < w
+    (2, 4, 4, 150, 8, 4, 8, 4, "random", 20),  # top-k = K: full causal attention
     (1, 2, 2, 50, 8, 4, 4, 1, "one-group", 10),
-    (1, 2, 2, 12, 8, 4, 4, 1, "random", 20),     # s > n: every pair
-    (1, 4, 2, 300, 8, 4, 8, 2, "random", 32),    # s > w
+    (1, 2, 2, 12, 8, 4, 4, 1, "random", 20),  # s > n: every pair
+    (1, 4, 2, 300, 8, 4, 8, 2, "random", 32),  # s > w
 ]
 
 
 @pytest.mark.parametrize("kernel", ["cpu-flash", "flex"])
 @pytest.mark.parametrize("b, heads, kv, n, d, groups, window, top_k, how, sink", CASES)
-def test_sparse_dispatch_equals_dense_hard_rule(monkeypatch, kernel, b, heads, kv, n, d, groups,
-                                                window, top_k, how, sink):
+def test_sparse_dispatch_equals_dense_hard_rule(
+    monkeypatch, kernel, b, heads, kv, n, d, groups, window, top_k, how, sink
+):
     """kernel "flex": the sparse path as it runs on a GPU, every call through FlexAttention
     (here eagerly: a dense evaluation, so only up to a few hundred tokens)."""
     if kernel == "flex":
@@ -52,17 +55,29 @@ def test_sparse_dispatch_equals_dense_hard_rule(monkeypatch, kernel, b, heads, k
     q = torch.randn(b, heads, n, d, generator=gen)
     k, v = (torch.randn(b, kv, n, d, generator=gen) for _ in range(2))
     log_g = assignments(b, n, groups, gen, how)
-    out = sparse_focus_attention(q, k, v, Routing.of(log_g), window=window, top_k=top_k,
-                                 scale=d ** -0.5, sink=sink)
-    ref = dense_hard_rule(q, k, v, log_g, window, top_k, d ** -0.5, sink)
+    out = sparse_focus_attention(
+        q, k, v, Routing.of(log_g), window=window, top_k=top_k, scale=d**-0.5, sink=sink
+    )
+    ref = dense_hard_rule(q, k, v, log_g, window, top_k, d**-0.5, sink)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     if n <= 300 and kernel == "cpu-flash":  # the masked path (used with gradients): same rule
-        masked = focus_attention(q, k, v, Routing.of(log_g), window=window, gate_scale=1.0,
-                                 top_k=top_k, chunk_size=32, scale=d ** -0.5, sink=sink)
+        masked = focus_attention(
+            q,
+            k,
+            v,
+            Routing.of(log_g),
+            window=window,
+            gate_scale=1.0,
+            top_k=top_k,
+            chunk_size=32,
+            scale=d**-0.5,
+            sink=sink,
+        )
         torch.testing.assert_close(out, masked, rtol=1e-5, atol=1e-5)
     if top_k == groups or sink >= n:
         full = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=d ** -0.5, enable_gqa=heads != kv)
+            q, k, v, is_causal=True, scale=d**-0.5, enable_gqa=heads != kv
+        )
         torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-5)
 
 
@@ -91,11 +106,31 @@ def test_model_in_sparse_mode_dispatch_equals_masked_rule(single_process, forbid
     from megatron_focus.model.gpt import build_model
 
     platform.manual_seed(0)
-    args = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-                       "--seq-length", "96", "--attention", attention, "--focus-window", "8",
-                       "--focus-groups", "8", "--focus-chunk-size", "32",
-                       "--focus-attention-mode", "sparse", "--group-query-attention",
-                       "--num-query-groups", "2"])
+    args = parse_args(
+        [
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "96",
+            "--attention",
+            attention,
+            "--focus-window",
+            "8",
+            "--focus-groups",
+            "8",
+            "--focus-chunk-size",
+            "32",
+            "--focus-attention-mode",
+            "sparse",
+            "--group-query-attention",
+            "--num-query-groups",
+            "2",
+        ]
+    )
     model = build_model(args, 256).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -124,19 +159,47 @@ def test_eval_ppl_reports_every_top_k_at_every_length(embedded_cache, tmp_path, 
     from test_training import _argv, train
 
     ckpt, report = str(tmp_path / "ckpt"), str(tmp_path / "ppl.json")
-    train(1, _argv(embedded_cache, "--attention", "focus", "--focus-window", "4",
-                   "--focus-groups", "3", "--position-embedding-type", "rope", "--save", ckpt,
-                   iters=3))
-    out = run_tool("tools/eval_ppl.py", "--load", ckpt, "--data-cache-path", embedded_cache,
-                   *EVAL, "--seq-lengths", "16", "32", "64", "--json", report)
+    train(
+        1,
+        _argv(
+            embedded_cache,
+            "--attention",
+            "focus",
+            "--focus-window",
+            "4",
+            "--focus-groups",
+            "3",
+            "--position-embedding-type",
+            "rope",
+            "--save",
+            ckpt,
+            iters=3,
+        ),
+    )
+    out = run_tool(
+        "tools/eval_ppl.py",
+        "--load",
+        ckpt,
+        "--data-cache-path",
+        embedded_cache,
+        *EVAL,
+        "--seq-lengths",
+        "16",
+        "32",
+        "64",
+        "--json",
+        report,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ppl@64" in out.stdout
     result = json.load(open(report))
     assert result["focus_kernels"] == {"soft": "chunked", "sparse": "cpu-flash"}
     rows = result["rows"]
     assert [(r["mode"], r["top_k"], r["seq_length"]) for r in rows] == [
-        (mode, top_k, n) for mode, top_k in [("soft", None), ("sparse", 1), ("sparse", 2),
-                                             ("sparse", 3)] for n in (16, 32, 64)]
+        (mode, top_k, n)
+        for mode, top_k in [("soft", None), ("sparse", 1), ("sparse", 2), ("sparse", 3)]
+        for n in (16, 32, 64)
+    ]
     for n in (16, 32, 64):
         kept = [r["pairs_kept"] for r in rows if r["mode"] == "sparse" and r["seq_length"] == n]
         assert kept == sorted(kept) and kept[0] < 1.0 and abs(kept[-1] - 1.0) < 1e-6  # K: all
@@ -150,8 +213,17 @@ def test_eval_ppl_refuses_lengths_beyond_learned_positions(embedded_cache, tmp_p
 
     ckpt = str(tmp_path / "ckpt")
     train(1, _argv(embedded_cache, "--save", ckpt, iters=3))  # learned positions, 32 of them
-    out = run_tool("tools/eval_ppl.py", "--load", ckpt, "--data-cache-path", embedded_cache,
-                   *EVAL, "--seq-lengths", "16", "64")
+    out = run_tool(
+        "tools/eval_ppl.py",
+        "--load",
+        ckpt,
+        "--data-cache-path",
+        embedded_cache,
+        *EVAL,
+        "--seq-lengths",
+        "16",
+        "64",
+    )
     assert out.returncode != 0
     assert "error: --seq-lengths 64: the model's learned position table has 32" in out.stderr
 
@@ -183,7 +255,8 @@ def test_sparse_memory_is_linear_in_sequence_length():
     for n in (512, 2048):
         q, k, v = (torch.randn(1, 2, n, 16, generator=gen) for _ in range(3))
         routing = Routing.of(assignments(1, n, 4, gen))
-        largest[n] = _largest_intermediate(sparse_focus_attention, q, k, v, routing, window=32,
-                                           top_k=2, scale=0.25)
+        largest[n] = _largest_intermediate(
+            sparse_focus_attention, q, k, v, routing, window=32, top_k=2, scale=0.25
+        )
         assert largest[n] < 8 * q.numel()
     assert largest[2048] / largest[512] < 4.5

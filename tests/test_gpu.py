@@ -6,12 +6,12 @@ Skipped without CUDA (CI has none); `benchmarks/gpu_session.sh` runs them on a l
 
 import pytest
 import torch
+from reference import assignments, dense_hard_rule, reference_focus
 
 from megatron_focus.model.focus_gate import focus_attention
 from megatron_focus.model.focus_sparse import sparse_focus_attention
-from megatron_focus.model.sinkhorn import causal_sinkhorn
 from megatron_focus.model.groups import Routing
-from reference import assignments, dense_hard_rule, reference_focus
+from megatron_focus.model.sinkhorn import causal_sinkhorn
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -29,21 +29,31 @@ def inputs(b, heads, kv, n, d, groups, dtype=torch.float32, seed=0):
     q = torch.randn(b, heads, n, d, generator=gen)
     k, v = (torch.randn(b, kv, n, d, generator=gen) for _ in range(2))
     log_g = causal_sinkhorn(torch.randn(b, n, groups, generator=gen) * 3, 5)
-    return [t.cuda().to(dtype).requires_grad_() for t in (q, k, v)] + \
-        [log_g.cuda().requires_grad_()]
+    return [t.cuda().to(dtype).requires_grad_() for t in (q, k, v)] + [
+        log_g.cuda().requires_grad_()
+    ]
 
 
 @pytest.mark.parametrize("gate", ["log", "sigmoid"])
-@pytest.mark.parametrize("b, heads, kv, n, d, groups, window, sink", [
-    (2, 4, 2, 777, 64, 8, 128, 0),   # GQA, n not a multiple of the 128-block
-    (1, 4, 4, 300, 64, 1, 64, 0),    # K = 1
-    (1, 4, 2, 500, 64, 4, 64, 4),    # sinks
-])
-def test_flex_soft_focus_equals_chunked_path_fp32(b, heads, kv, n, d, groups, window, sink,
-                                                  gate):
+@pytest.mark.parametrize(
+    "b, heads, kv, n, d, groups, window, sink",
+    [
+        (2, 4, 2, 777, 64, 8, 128, 0),  # GQA, n not a multiple of the 128-block
+        (1, 4, 4, 300, 64, 1, 64, 0),  # K = 1
+        (1, 4, 2, 500, 64, 4, 64, 4),  # sinks
+    ],
+)
+def test_flex_soft_focus_equals_chunked_path_fp32(b, heads, kv, n, d, groups, window, sink, gate):
     q, k, v, log_g = inputs(b, heads, kv, n, d, groups)
-    kwargs = dict(window=window, gate_scale=0.7, top_k=None, chunk_size=128, scale=d ** -0.5,
-                  gate=gate, sink=sink)
+    kwargs = dict(
+        window=window,
+        gate_scale=0.7,
+        top_k=None,
+        chunk_size=128,
+        scale=d**-0.5,
+        gate=gate,
+        sink=sink,
+    )
     flex = focus_attention(q, k, v, Routing.of(log_g), kernel="flex", **kwargs)
     chunked = focus_attention(q, k, v, Routing.of(log_g), kernel="chunked", **kwargs)
     torch.testing.assert_close(flex, chunked, rtol=1e-4, atol=1e-4)
@@ -57,30 +67,42 @@ def test_flex_soft_focus_equals_chunked_path_fp32(b, heads, kv, n, d, groups, wi
 def test_flex_soft_focus_bf16_is_close_to_the_dense_reference():
     q, k, v, log_g = inputs(1, 4, 4, 512, 64, 8, dtype=torch.bfloat16)
     kwargs = dict(window=64, gate_scale=1.0, scale=0.125)
-    out = focus_attention(q, k, v, Routing.of(log_g), kernel="flex", top_k=None, chunk_size=128,
-                          **kwargs)
-    ref = reference_focus(*(t.detach().float().cpu() for t in (q, k, v, log_g)), top_k=None,
-                          **kwargs)
+    out = focus_attention(
+        q, k, v, Routing.of(log_g), kernel="flex", top_k=None, chunk_size=128, **kwargs
+    )
+    ref = reference_focus(
+        *(t.detach().float().cpu() for t in (q, k, v, log_g)), top_k=None, **kwargs
+    )
     torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("n, top_k, how, dtype, sink", [
-    (3000, 1, "random", torch.float32, 0), (3000, 2, "random", torch.float32, 0),
-    (600, 2, "lonely", torch.float32, 0), (512, 4, "random", torch.float32, 0),
-    (700, 3, "coarse", torch.float32, 0),  # exact ties between groups everywhere
-    (3000, 2, "random", torch.bfloat16, 0),
-    (1000, 2, "random", torch.float32, 4),  # sinks
-])
+@pytest.mark.parametrize(
+    "n, top_k, how, dtype, sink",
+    [
+        (3000, 1, "random", torch.float32, 0),
+        (3000, 2, "random", torch.float32, 0),
+        (600, 2, "lonely", torch.float32, 0),
+        (512, 4, "random", torch.float32, 0),
+        (700, 3, "coarse", torch.float32, 0),  # exact ties between groups everywhere
+        (3000, 2, "random", torch.bfloat16, 0),
+        (1000, 2, "random", torch.float32, 4),  # sinks
+    ],
+)
 def test_sparse_dispatch_on_gpu_equals_dense(n, top_k, how, dtype, sink):
     gen = torch.Generator().manual_seed(n)
     q = torch.randn(2, 4, n, 64, generator=gen)
     k, v = (torch.randn(2, 2, n, 64, generator=gen) for _ in range(2))
     log_g = assignments(2, n, 4, gen, how)
-    out = sparse_focus_attention(*(t.cuda().to(dtype) for t in (q, k, v)), Routing.of(log_g.cuda()),
-                                 window=128, top_k=top_k, scale=0.125, sink=sink)
+    out = sparse_focus_attention(
+        *(t.cuda().to(dtype) for t in (q, k, v)),
+        Routing.of(log_g.cuda()),
+        window=128,
+        top_k=top_k,
+        scale=0.125,
+        sink=sink,
+    )
     assert out.dtype == dtype
-    ref = dense_hard_rule(*(t.to(dtype).float() for t in (q, k, v)), log_g, 128, top_k, 0.125,
-                          sink)
+    ref = dense_hard_rule(*(t.to(dtype).float() for t in (q, k, v)), log_g, 128, top_k, 0.125, sink)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float().cpu(), ref, rtol=tol, atol=tol)
 
@@ -97,14 +119,28 @@ def _peak_bytes(fn) -> int:
 def test_soft_and_sparse_memory_grow_linearly_on_gpu():
     def soft_step(n):
         q, k, v, log_g = inputs(1, 8, 8, n, 64, 8, dtype=torch.bfloat16)
-        return lambda: focus_attention(q, k, v, Routing.of(log_g), kernel="flex", window=128,
-                                       gate_scale=1.0, top_k=None, chunk_size=128,
-                                       scale=0.125).sum().backward()
+        return lambda: (
+            focus_attention(
+                q,
+                k,
+                v,
+                Routing.of(log_g),
+                kernel="flex",
+                window=128,
+                gate_scale=1.0,
+                top_k=None,
+                chunk_size=128,
+                scale=0.125,
+            )
+            .sum()
+            .backward()
+        )
 
     def sparse_call(n):
         q, k, v, log_g = (t.detach() for t in inputs(1, 8, 8, n, 64, 8, dtype=torch.bfloat16))
-        return lambda: sparse_focus_attention(q, k, v, Routing.of(log_g), window=128, top_k=2,
-                                              scale=0.125)
+        return lambda: sparse_focus_attention(
+            q, k, v, Routing.of(log_g), window=128, top_k=2, scale=0.125
+        )
 
     for make, small, large in ((soft_step, 8192, 32768), (sparse_call, 16384, 65536)):
         make(small)()  # compile first
@@ -119,9 +155,26 @@ def test_focus_model_step_on_flex_equals_chunked(single_process):
     from megatron_focus.arguments import parse_args
     from megatron_focus.model.gpt import build_model
 
-    argv = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
-            "--seq-length", "600", "--max-position-embeddings", "600", "--attention", "focus+xsa",
-            "--focus-window", "64", "--hidden-dropout", "0", "--attention-dropout", "0"]
+    argv = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "128",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "600",
+        "--max-position-embeddings",
+        "600",
+        "--attention",
+        "focus+xsa",
+        "--focus-window",
+        "64",
+        "--hidden-dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+    ]
     tokens = torch.randint(0, 256, (2, 600), generator=torch.Generator().manual_seed(0)).cuda()
     positions = torch.arange(600, device="cuda").expand_as(tokens)
     results = {}
@@ -134,6 +187,5 @@ def test_focus_model_step_on_flex_equals_chunked(single_process):
     torch.testing.assert_close(results["flex"][0], results["chunked"][0], rtol=1e-5, atol=1e-5)
     for name, grad in results["chunked"][1].items():
         assert grad is not None, name
-        torch.testing.assert_close(results["flex"][1][name], grad, rtol=1e-3, atol=1e-5,
-                                   msg=name)
+        torch.testing.assert_close(results["flex"][1][name], grad, rtol=1e-3, atol=1e-5, msg=name)
     assert any(".router." in name for name in results["flex"][1])

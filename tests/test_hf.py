@@ -12,11 +12,11 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-
 from distributed import run_distributed
-from megatron_focus.hf.families import rope_fields
 from test_parallel import LLAMA
 from test_training import _argv
+
+from megatron_focus.hf.families import rope_fields
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -34,12 +34,17 @@ TRAINED = {
     # Sliding-window attention (8 keys of the 32 tokens): Mistral's
     "llama-window": (LLAMA + GQA + ["--window-size", "7,0"], 1, "MistralForCausalLM"),
     # zero-centred norm scales (exported as 1 + weight), Llama 3.1's RoPE scaling
-    "llama-1p-rope-scaling": (LLAMA + GQA + ["--apply-layernorm-1p", "--use-rope-scaling",
-                                             "--rotary-base", "500000"], 1, "LlamaForCausalLM"),
+    "llama-1p-rope-scaling": (
+        LLAMA + GQA + ["--apply-layernorm-1p", "--use-rope-scaling", "--rotary-base", "500000"],
+        1,
+        "LlamaForCausalLM",
+    ),
     # no stock class: query/key norms, squared ReLU, no positions (NoPE)
-    "gpt2-qk-norm-relu2-nope-tp2": (["--qk-layernorm", "--squared-relu",
-                                     "--position-embedding-type", "none"] + TP2, 2,
-                                    "MegatronFocusForCausalLM"),
+    "gpt2-qk-norm-relu2-nope-tp2": (
+        ["--qk-layernorm", "--squared-relu", "--position-embedding-type", "none"] + TP2,
+        2,
+        "MegatronFocusForCausalLM",
+    ),
 }
 # Focus with a window of 4 keys on 32 tokens: most pairs are distant, so the router decides them.
 FOCUS = ["--focus-window", "4", "--focus-groups", "4", "--focus-chunk-size", "16"]
@@ -51,11 +56,17 @@ TRAINED_FOCUS = {
     "llama-focus-xsa": (LLAMA + GQA + FOCUS_XSA, 1, "MegatronFocusForCausalLM"),
     "llama-focus-xsa-tp2": (LLAMA + GQA + FOCUS_XSA + TP2, 2, "MegatronFocusForCausalLM"),
     # The paper's gate, an ablation option
-    "gpt2-focus-sigmoid-gate": (FOCUS_ONLY + ["--focus-gate", "sigmoid", "--focus-gate-scale", "3"],
-                                1, "MegatronFocusForCausalLM"),
+    "gpt2-focus-sigmoid-gate": (
+        FOCUS_ONLY + ["--focus-gate", "sigmoid", "--focus-gate-scale", "3"],
+        1,
+        "MegatronFocusForCausalLM",
+    ),
     # The first 3 tokens kept for every query
-    "llama-focus-sinks": (LLAMA + GQA + FOCUS_ONLY + ["--focus-sink-tokens", "3"], 1,
-                          "MegatronFocusForCausalLM"),
+    "llama-focus-sinks": (
+        LLAMA + GQA + FOCUS_ONLY + ["--focus-sink-tokens", "3"],
+        1,
+        "MegatronFocusForCausalLM",
+    ),
 }
 
 
@@ -68,9 +79,13 @@ def _train_and_batches(argv):
     args = parse_args(argv)
     history = trainer.pretrain(args)
     train, valid = trainer.datasets_for(args, trainer.tokenizer_for(args, rank0=True))
-    for name, data in (("train_batches", train), ("valid_batches", valid)):  # one data-parallel rank
-        history[name] = list(micro_batches(data, 0, args.global_batch_size, args.micro_batch_size,
-                                           1, 0))
+    for name, data in (
+        ("train_batches", train),
+        ("valid_batches", valid),
+    ):  # one data-parallel rank
+        history[name] = list(
+            micro_batches(data, 0, args.global_batch_size, args.micro_batch_size, 1, 0)
+        )
     return history
 
 
@@ -100,10 +115,15 @@ def _train_and_export(cases, cache, tmp_path_factory):
     for name, (flags, ranks, _) in cases.items():
         root = tmp_path_factory.mktemp(name)
         ckpt, hf = str(root / "ckpt"), str(root / "hf")
-        history = run_distributed(_train_and_batches, ranks,
-                                  _argv(cache, *flags, "--save", ckpt, iters=3))
-        out[name] = {"ckpt": ckpt, "hf": hf, "history": history,
-                     "class": export_to_hf(ckpt, hf, max_shard_size="100KB", progress=False)}
+        history = run_distributed(
+            _train_and_batches, ranks, _argv(cache, *flags, "--save", ckpt, iters=3)
+        )
+        out[name] = {
+            "ckpt": ckpt,
+            "hf": hf,
+            "history": history,
+            "class": export_to_hf(ckpt, hf, max_shard_size="100KB", progress=False),
+        }
     return out
 
 
@@ -182,6 +202,7 @@ def test_generate_with_cache_equals_argmax_of_full_forwards(trained):
 
 # --- Focus ---------------------------------------------------------------------------------------
 
+
 def _focus_logits(model, tokens, mode, top_k=2):
     model.set_focus_mode(mode, top_k)
     with torch.no_grad():
@@ -199,12 +220,18 @@ def test_focus_export_computes_what_the_native_model_computes(trained_focus, nam
     model = _load_hf(case["hf"])
     assert type(model).__name__ == TRAINED_FOCUS[name][2]
     config = model.config
-    assert (config.focus_groups, config.focus_window, config.focus_top_k,
-            config.focus_attention_mode) == (4, 4, 2, "soft")
+    assert (
+        config.focus_groups,
+        config.focus_window,
+        config.focus_top_k,
+        config.focus_attention_mode,
+    ) == (4, 4, 2, "soft")
     assert config.focus_gate == ("sigmoid" if name.endswith("sigmoid-gate") else "log")
     assert config.layer_attention == {
-        "gpt2-focus": ["focus", "focus"], "gpt2-focus-xsa-layer-2": ["focus", "focus+xsa"],
-        "llama-focus": ["focus", "focus"], "gpt2-focus-sigmoid-gate": ["focus", "focus"],
+        "gpt2-focus": ["focus", "focus"],
+        "gpt2-focus-xsa-layer-2": ["focus", "focus+xsa"],
+        "llama-focus": ["focus", "focus"],
+        "gpt2-focus-sigmoid-gate": ["focus", "focus"],
         "llama-focus-sinks": ["focus", "focus"],
     }.get(name, ["focus+xsa", "focus+xsa"])
     assert config.focus_sink_tokens == (3 if name.endswith("sinks") else 0)
@@ -219,8 +246,9 @@ def test_focus_export_computes_what_the_native_model_computes(trained_focus, nam
 
     for top_k in (2, 1) if name == "llama-focus-xsa" else (2,):
         sparse = _focus_logits(model, TOKENS, "sparse", top_k)
-        native = native_logits(case["ckpt"], TOKENS, focus_attention_mode="sparse",
-                               focus_top_k=top_k)
+        native = native_logits(
+            case["ckpt"], TOKENS, focus_attention_mode="sparse", focus_top_k=top_k
+        )
         assert (sparse - native).abs().max().item() < 1e-4
         assert not torch.allclose(sparse, soft, atol=1e-3)  # the rule removed distant pairs
 
@@ -258,8 +286,9 @@ def test_focus_generate_routes_incrementally_as_a_full_forward(trained_focus, na
     model.set_focus_mode(mode)
     model.generation_config.eos_token_id = None  # exactly 20 tokens, no early stop
     prompt, new = TOKENS[:, :8], 20  # 28 tokens, window 4: most pairs distant
-    out = model.generate(prompt, max_new_tokens=new, do_sample=False, use_cache=True,
-                         return_dict_in_generate=True)
+    out = model.generate(
+        prompt, max_new_tokens=new, do_sample=False, use_cache=True, return_dict_in_generate=True
+    )
     tokens = prompt
     with torch.no_grad():
         for _ in range(new):
@@ -281,19 +310,32 @@ def _custom_focus_model(**overrides):
     from megatron_focus.hf.configuration_megatron_focus import MegatronFocusConfig
     from megatron_focus.hf.modeling_megatron_focus import MegatronFocusForCausalLM
 
-    config = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, normalization="RMSNorm",
-                  activation="swiglu", bias=False, position_embedding_type="rope",
-                  tie_word_embeddings=False, layer_attention=["focus", "focus+xsa"],
-                  focus_groups=4, focus_window=4, focus_tau=0.5, focus_sinkhorn_iters=3)
+    config = dict(
+        vocab_size=200,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        normalization="RMSNorm",
+        activation="swiglu",
+        bias=False,
+        position_embedding_type="rope",
+        tie_word_embeddings=False,
+        layer_attention=["focus", "focus+xsa"],
+        focus_groups=4,
+        focus_window=4,
+        focus_tau=0.5,
+        focus_sinkhorn_iters=3,
+    )
     return MegatronFocusForCausalLM(MegatronFocusConfig(**{**config, **overrides}))
 
 
 def _every_variant_model(**overrides):
     """`_custom_focus_model` with four layers: standard, XSA, Focus, Focus + XSA."""
-    return _custom_focus_model(num_hidden_layers=4,
-                               layer_attention=["standard", "xsa", "focus", "focus+xsa"],
-                               **overrides)
+    return _custom_focus_model(
+        num_hidden_layers=4, layer_attention=["standard", "xsa", "focus", "focus+xsa"], **overrides
+    )
 
 
 @pytest.mark.parametrize("sinks", [0, 2])
@@ -325,8 +367,12 @@ def test_routing_state_follows_beam_search_and_crop(mode):
     model.set_focus_mode(mode)
     model.generation_config.eos_token_id = None
     prompt, tokens = TOKENS[:, :6] % 200, TOKENS[:, :20] % 200
-    beams = {cached: model.generate(prompt, max_new_tokens=10, num_beams=3, do_sample=False,
-                                    use_cache=cached) for cached in (True, False)}
+    beams = {
+        cached: model.generate(
+            prompt, max_new_tokens=10, num_beams=3, do_sample=False, use_cache=cached
+        )
+        for cached in (True, False)
+    }
     assert torch.equal(beams[True], beams[False])
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
@@ -353,8 +399,11 @@ def test_cache_given_as_past_key_values_is_used(mode):
         torch.testing.assert_close(rest.logits, whole[:, 9:], rtol=0, atol=1e-5)
         assert rest.past_key_values.get_seq_length() == 12
         with pytest.raises(ValueError, match="not both"):
-            model(tokens[:, 9:], cache=DynamicCache(config=model.config),
-                  past_key_values=DynamicCache(config=model.config))
+            model(
+                tokens[:, 9:],
+                cache=DynamicCache(config=model.config),
+                past_key_values=DynamicCache(config=model.config),
+            )
 
 
 @pytest.mark.parametrize("mode", ["soft", "sparse"])
@@ -369,9 +418,15 @@ def test_sampled_generation_scores_are_the_full_forward_logits(mode):
     runs = {}
     for cached in (True, False):
         torch.manual_seed(1)
-        runs[cached] = model.generate(prompt, max_new_tokens=new, do_sample=True, top_k=0,
-                                      use_cache=cached, output_logits=True,
-                                      return_dict_in_generate=True)
+        runs[cached] = model.generate(
+            prompt,
+            max_new_tokens=new,
+            do_sample=True,
+            top_k=0,
+            use_cache=cached,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     assert torch.equal(runs[True].sequences, runs[False].sequences)
     with torch.no_grad():
         full = model(runs[True].sequences[:, :-1], use_cache=False).logits[:, -new:]
@@ -400,31 +455,51 @@ def test_focus_mode_chosen_from_a_folder_or_a_generate_call(tmp_path):
         return model.generate(prompt, max_new_tokens=8, do_sample=False, **kwargs)
 
     assert torch.equal(generate(focus_attention_mode="sparse", focus_top_k=1), expected["sparse"])
-    assert torch.equal(model.generate(prompt, generation_config=GenerationConfig(
-        max_new_tokens=8, do_sample=False, eos_token_id=None, focus_attention_mode="sparse",
-        focus_top_k=1)), expected["sparse"])
+    assert torch.equal(
+        model.generate(
+            prompt,
+            generation_config=GenerationConfig(
+                max_new_tokens=8,
+                do_sample=False,
+                eos_token_id=None,
+                focus_attention_mode="sparse",
+                focus_top_k=1,
+            ),
+        ),
+        expected["sparse"],
+    )
     assert (model.config.focus_attention_mode, model.config.focus_top_k) == ("soft", 2)
     assert torch.equal(generate(), expected["soft"])
 
-    loaded = cls.from_pretrained(tmp_path / "soft", focus_attention_mode="sparse",
-                                 focus_top_k=1).eval()
+    loaded = cls.from_pretrained(
+        tmp_path / "soft", focus_attention_mode="sparse", focus_top_k=1
+    ).eval()
     assert (loaded.config.focus_attention_mode, loaded.config.focus_top_k) == ("sparse", 1)
     model.generation_config = GenerationConfig(focus_attention_mode="sparse", focus_top_k=1)
     model.save_pretrained(tmp_path / "sparse")  # generation_config.json holds the rule
     loaded = cls.from_pretrained(tmp_path / "sparse").eval()
     assert loaded.config.focus_attention_mode == "soft"
-    assert torch.equal(loaded.generate(prompt, max_new_tokens=8, do_sample=False),
-                       expected["sparse"])
+    assert torch.equal(
+        loaded.generate(prompt, max_new_tokens=8, do_sample=False), expected["sparse"]
+    )
 
 
-@pytest.mark.parametrize("backend", [
-    "sdpa",
-    # On the CPU, torch 2.13's compiled FlexAttention aborts the process (heap corruption) for
-    # any score_mod that reads a tensor, as transformers' flex_attention_forward does with a
-    # mask; benchmarks/gpu_session.sh runs this case on a GPU.
-    pytest.param("flex_attention", marks=pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="compiled FlexAttention with a score mask: GPU")),
-])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "sdpa",
+        # On the CPU, torch 2.13's compiled FlexAttention aborts the process (heap corruption) for
+        # any score_mod that reads a tensor, as transformers' flex_attention_forward does with a
+        # mask; benchmarks/gpu_session.sh runs this case on a GPU.
+        pytest.param(
+            "flex_attention",
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available(),
+                reason="compiled FlexAttention with a score mask: GPU",
+            ),
+        ),
+    ],
+)
 def test_attention_backends_compute_what_eager_computes(backend):
     """attn_implementation reaches every layer's softmax through transformers' attention
     interface (a registered backend counts its calls) and changes no logit: every variant,
@@ -452,8 +527,12 @@ def test_attention_backends_compute_what_eager_computes(backend):
                 model.set_attn_implementation(name)
                 whole = model(tokens, attention_mask=mask).logits
                 first = model(tokens[:, :9], attention_mask=mask[:, :9], use_cache=True)
-                rest = model(tokens[:, 9:], attention_mask=mask,
-                             past_key_values=first.past_key_values, use_cache=True).logits
+                rest = model(
+                    tokens[:, 9:],
+                    attention_mask=mask,
+                    past_key_values=first.past_key_values,
+                    use_cache=True,
+                ).logits
                 logits[name] = torch.cat([whole, first.logits, rest], dim=1)
             torch.testing.assert_close(logits["counted"], logits["eager"], rtol=0, atol=1e-5)
     assert sorted(set(calls)) == [0, 1, 2, 3] and len(calls) == 2 * 3 * 4
@@ -461,9 +540,18 @@ def test_attention_backends_compute_what_eager_computes(backend):
 
 # Four variants x both families, Mistral's window and Llama 3.1's RoPE: what a serving stack
 # pinned to transformers 4 (vLLM, TGI, lm-evaluation-harness) loads.
-IN_TRANSFORMERS4 = ["gpt2-zero3", "gpt2-xsa", "llama", "llama-xsa", "llama-window",
-                    "llama-1p-rope-scaling", "gpt2-focus", "gpt2-focus-xsa-layer-2", "llama-focus",
-                    "llama-focus-xsa"]
+IN_TRANSFORMERS4 = [
+    "gpt2-zero3",
+    "gpt2-xsa",
+    "llama",
+    "llama-xsa",
+    "llama-window",
+    "llama-1p-rope-scaling",
+    "gpt2-focus",
+    "gpt2-focus-xsa-layer-2",
+    "llama-focus",
+    "llama-focus-xsa",
+]
 # A folder holding transformers 4.57 (pip install --target; .ci/run makes one)
 TRANSFORMERS4 = os.environ.get("MEGATRON_FOCUS_TRANSFORMERS4")
 
@@ -479,12 +567,24 @@ def test_exports_load_and_generate_alike_in_transformers4(trained, trained_focus
     import hf_check
 
     folders = [{**trained, **trained_focus}[name]["hf"] for name in IN_TRANSFORMERS4]
-    request = {"folders": folders, "tokens": TOKENS[:, :24].tolist(), "new_tokens": 6,
-               "text": "Hello world, and a second sentence."}
+    request = {
+        "folders": folders,
+        "tokens": TOKENS[:, :24].tolist(),
+        "new_tokens": 6,
+        "text": "Hello world, and a second sentence.",
+    }
     (tmp_path / "request.json").write_text(json.dumps(request))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([TRANSFORMERS4, os.path.dirname(__file__)])}
-    subprocess.run([sys.executable, hf_check.__file__, str(tmp_path / "request.json"),
-                    str(tmp_path / "result.json")], env=env, check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            hf_check.__file__,
+            str(tmp_path / "request.json"),
+            str(tmp_path / "result.json"),
+        ],
+        env=env,
+        check=True,
+    )
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["transformers"].startswith("4.")
     tokens = torch.tensor(request["tokens"])
@@ -493,11 +593,17 @@ def test_exports_load_and_generate_alike_in_transformers4(trained, trained_focus
         ours = hf_check.check(folder, tokens, request["text"], request["new_tokens"])
         assert theirs["class"] == ours["class"] and theirs["ids"] == ours["ids"], folder
         for mode in ours.keys() - {"class", "ids"}:
-            torch.testing.assert_close(torch.tensor(theirs[mode]["logits"]),
-                                       torch.tensor(ours[mode]["logits"]), rtol=0, atol=1e-5)
+            torch.testing.assert_close(
+                torch.tensor(theirs[mode]["logits"]),
+                torch.tensor(ours[mode]["logits"]),
+                rtol=0,
+                atol=1e-5,
+            )
             generated = theirs[mode]["generated"]
-            assert generated["true"] == generated["false"] == ours[mode]["generated"][True], \
-                (folder, mode)
+            assert generated["true"] == generated["false"] == ours[mode]["generated"][True], (
+                folder,
+                mode,
+            )
 
 
 def test_focus_mode_and_settings_are_checked():
@@ -534,77 +640,167 @@ def test_exported_tokenizer_encodes_as_training_did(trained, embedded_cache):
 
 # --- HF -> native -> HF --------------------------------------------------------------------------
 
+
 def _hf_model(name: str):
     """A small HF model of each kind the importer reads."""
-    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                              MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     from megatron_focus.hf.configuration_megatron_focus import MegatronFocusConfig
     from megatron_focus.hf.modeling_megatron_focus import MegatronFocusForCausalLM
 
-    small = dict(vocab_size=200, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                 num_attention_heads=4)
+    small = dict(
+        vocab_size=200,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+    )
     return {
-        "llama-gqa-untied": lambda: LlamaForCausalLM(LlamaConfig(
-            **small, num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False,
-            **rope_fields({"rope_type": "default", "rope_theta": 500000.0}))),
-        "llama-biases-tied": lambda: LlamaForCausalLM(LlamaConfig(
-            **small, attention_bias=True, mlp_bias=True, tie_word_embeddings=True)),
-        "mistral": lambda: MistralForCausalLM(MistralConfig(**small, num_key_value_heads=2,
-                                                    sliding_window=None, head_dim=32)),
+        "llama-gqa-untied": lambda: LlamaForCausalLM(
+            LlamaConfig(
+                **small,
+                num_key_value_heads=2,
+                rms_norm_eps=1e-6,
+                tie_word_embeddings=False,
+                **rope_fields({"rope_type": "default", "rope_theta": 500000.0}),
+            )
+        ),
+        "llama-biases-tied": lambda: LlamaForCausalLM(
+            LlamaConfig(**small, attention_bias=True, mlp_bias=True, tie_word_embeddings=True)
+        ),
+        "mistral": lambda: MistralForCausalLM(
+            MistralConfig(**small, num_key_value_heads=2, sliding_window=None, head_dim=32)
+        ),
         "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**small, num_key_value_heads=2)),
         # Mistral-7B-v0.1's shape of window: 8 keys, on 16 tokens
-        "mistral-window": lambda: MistralForCausalLM(MistralConfig(
-            **small, num_key_value_heads=2, sliding_window=8, head_dim=16)),
-        "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=200, n_embd=64, n_layer=2, n_head=4,
-                                           n_positions=32, activation_function="gelu")),
+        "mistral-window": lambda: MistralForCausalLM(
+            MistralConfig(**small, num_key_value_heads=2, sliding_window=8, head_dim=16)
+        ),
+        "gpt2": lambda: GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=200,
+                n_embd=64,
+                n_layer=2,
+                n_head=4,
+                n_positions=32,
+                activation_function="gelu",
+            )
+        ),
         # the real GPT-2's activation (tanh GELU): --openai-gelu
-        "gpt2-gelu-new": lambda: GPT2LMHeadModel(GPT2Config(
-            vocab_size=200, n_embd=64, n_layer=2, n_head=4, n_positions=32)),
-        "custom-gpt2-rope-gelu-tanh": lambda: MegatronFocusForCausalLM(MegatronFocusConfig(
-            **small, position_embedding_type="rope", activation="gelu_tanh")),
+        "gpt2-gelu-new": lambda: GPT2LMHeadModel(
+            GPT2Config(vocab_size=200, n_embd=64, n_layer=2, n_head=4, n_positions=32)
+        ),
+        "custom-gpt2-rope-gelu-tanh": lambda: MegatronFocusForCausalLM(
+            MegatronFocusConfig(**small, position_embedding_type="rope", activation="gelu_tanh")
+        ),
         # GPT-2 family with RoPE and GQA: no stock class, standard attention in the custom one
-        "custom-gpt2-rope-gqa": lambda: MegatronFocusForCausalLM(MegatronFocusConfig(
-            **small, num_key_value_heads=2, position_embedding_type="rope")),
-        "custom-llama-xsa-layer-2": lambda: MegatronFocusForCausalLM(MegatronFocusConfig(
-            **small, num_key_value_heads=1, normalization="RMSNorm", activation="swiglu",
-            bias=False, position_embedding_type="rope", tie_word_embeddings=False,
-            layer_attention=["standard", "xsa"])),
+        "custom-gpt2-rope-gqa": lambda: MegatronFocusForCausalLM(
+            MegatronFocusConfig(**small, num_key_value_heads=2, position_embedding_type="rope")
+        ),
+        "custom-llama-xsa-layer-2": lambda: MegatronFocusForCausalLM(
+            MegatronFocusConfig(
+                **small,
+                num_key_value_heads=1,
+                normalization="RMSNorm",
+                activation="swiglu",
+                bias=False,
+                position_embedding_type="rope",
+                tie_word_embeddings=False,
+                layer_attention=["standard", "xsa"],
+            )
+        ),
         # XSA with a sliding window of 8 keys, on 16 tokens: the custom model's window
-        "custom-llama-xsa-window": lambda: MegatronFocusForCausalLM(MegatronFocusConfig(
-            **small, num_key_value_heads=2, normalization="RMSNorm", activation="swiglu",
-            bias=False, position_embedding_type="rope", layer_attention=["xsa", "xsa"],
-            sliding_window=8)),
+        "custom-llama-xsa-window": lambda: MegatronFocusForCausalLM(
+            MegatronFocusConfig(
+                **small,
+                num_key_value_heads=2,
+                normalization="RMSNorm",
+                activation="swiglu",
+                bias=False,
+                position_embedding_type="rope",
+                layer_attention=["xsa", "xsa"],
+                sliding_window=8,
+            )
+        ),
         # a Qwen2 retrofitted with XSA: the QKV bias alone
-        "custom-qwen2-xsa": lambda: MegatronFocusForCausalLM(MegatronFocusConfig(
-            **small, num_key_value_heads=2, normalization="RMSNorm", activation="swiglu",
-            bias=False, qkv_bias=True, position_embedding_type="rope",
-            layer_attention=["xsa", "xsa"])),
+        "custom-qwen2-xsa": lambda: MegatronFocusForCausalLM(
+            MegatronFocusConfig(
+                **small,
+                num_key_value_heads=2,
+                normalization="RMSNorm",
+                activation="swiglu",
+                bias=False,
+                qkv_bias=True,
+                position_embedding_type="rope",
+                layer_attention=["xsa", "xsa"],
+            )
+        ),
         # Focus (routers replicated over TP=2), XSA on the second layer
         "custom-llama-focus-xsa-layer-2": _custom_focus_model,
         # Llama 3.1's RoPE scaling (head size 16, base 5e5: every band of the scaling is used)
-        "llama31-rope-scaling": lambda: LlamaForCausalLM(LlamaConfig(
-            **small, num_key_value_heads=2, **rope_fields(LLAMA31_ROPE))),
-        "custom-gpt2-qk-norm-relu2-nope": lambda: MegatronFocusForCausalLM(MegatronFocusConfig(
-            **small, qk_norm=True, activation="relu2", position_embedding_type="none")),
+        "llama31-rope-scaling": lambda: LlamaForCausalLM(
+            LlamaConfig(**small, num_key_value_heads=2, **rope_fields(LLAMA31_ROPE))
+        ),
+        "custom-gpt2-qk-norm-relu2-nope": lambda: MegatronFocusForCausalLM(
+            MegatronFocusConfig(
+                **small, qk_norm=True, activation="relu2", position_embedding_type="none"
+            )
+        ),
         "custom-llama-xsa-qk-norm-rope-scaling": lambda: MegatronFocusForCausalLM(
-            MegatronFocusConfig(**small, normalization="RMSNorm", activation="swiglu", bias=False,
-                                position_embedding_type="rope", rotary_base=500000.0, qk_norm=True,
-                                llama3_rope_scaling={k: v for k, v in LLAMA31_ROPE.items()
-                                                     if k not in ("rope_type", "rope_theta")},
-                                layer_attention=["xsa", "xsa"])),
+            MegatronFocusConfig(
+                **small,
+                normalization="RMSNorm",
+                activation="swiglu",
+                bias=False,
+                position_embedding_type="rope",
+                rotary_base=500000.0,
+                qk_norm=True,
+                llama3_rope_scaling={
+                    k: v for k, v in LLAMA31_ROPE.items() if k not in ("rope_type", "rope_theta")
+                },
+                layer_attention=["xsa", "xsa"],
+            )
+        ),
     }[name]()
 
 
-LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
-HF_MODELS = ["llama-gqa-untied", "llama-biases-tied", "mistral", "mistral-window", "qwen2",
-             "gpt2", "gpt2-gelu-new", "custom-gpt2-rope-gelu-tanh", "custom-gpt2-rope-gqa",
-             "custom-llama-xsa-layer-2", "custom-llama-xsa-window", "custom-qwen2-xsa",
-             "custom-llama-focus-xsa-layer-2", "llama31-rope-scaling",
-             "custom-gpt2-qk-norm-relu2-nope", "custom-llama-xsa-qk-norm-rope-scaling"]
+HF_MODELS = [
+    "llama-gqa-untied",
+    "llama-biases-tied",
+    "mistral",
+    "mistral-window",
+    "qwen2",
+    "gpt2",
+    "gpt2-gelu-new",
+    "custom-gpt2-rope-gelu-tanh",
+    "custom-gpt2-rope-gqa",
+    "custom-llama-xsa-layer-2",
+    "custom-llama-xsa-window",
+    "custom-qwen2-xsa",
+    "custom-llama-focus-xsa-layer-2",
+    "llama31-rope-scaling",
+    "custom-gpt2-qk-norm-relu2-nope",
+    "custom-llama-xsa-qk-norm-rope-scaling",
+]
 
 
 @pytest.mark.parametrize("name", HF_MODELS)
@@ -633,8 +829,9 @@ def test_hf_to_native_to_hf(name, tmp_path):
     # Each comes back as its own class, but a Mistral without a window: the Llama it computes
     hf_class = export_to_hf(ckpt, back, progress=False)
     assert hf_class == ("LlamaForCausalLM" if name == "mistral" else type(model).__name__)
-    original, exported = (load_file(os.path.join(d, "model.safetensors"))
-                          for d in (tmp_path / "hf", back))
+    original, exported = (
+        load_file(os.path.join(d, "model.safetensors")) for d in (tmp_path / "hf", back)
+    )
     assert exported.keys() == original.keys()
     assert all(torch.equal(exported[k], v) for k, v in original.items())
     if name == "mistral-window":
@@ -643,7 +840,8 @@ def test_hf_to_native_to_hf(name, tmp_path):
     if name.startswith("custom-"):  # the family it extends, named
         with open(os.path.join(back, "config.json")) as f:
             assert json.load(f)["family"] == (
-                "mistral" if name.endswith("-window") else name.split("-")[1])
+                "mistral" if name.endswith("-window") else name.split("-")[1]
+            )
     # the special ids the original config gave, where they name a token (GPT-2's 50256 does not)
     with open(tmp_path / "hf" / "config.json") as f, open(tmp_path / "back" / "config.json") as g:
         before, after = json.load(f), json.load(g)
@@ -655,16 +853,45 @@ def test_hf_to_native_to_hf(name, tmp_path):
             assert after.get(key) == before[key], key
 
 
-SHAPE_FIELDS = ("vocab_size", "hidden_size", "n_embd", "num_hidden_layers", "n_layer",
-                "num_attention_heads", "n_head", "num_key_value_heads", "head_dim",
-                "intermediate_size", "n_inner", "hidden_act", "activation_function",
-                "rms_norm_eps", "layer_norm_epsilon", "norm_eps", "max_position_embeddings",
-                "n_positions", "tie_word_embeddings", "sliding_window", "rope_parameters",
-                "rope_theta", "rope_scaling", "llama3_rope_scaling", "attention_bias", "mlp_bias",
-                "layer_attention", "normalization", "activation", "bias", "qkv_bias", "qk_norm",
-                "position_embedding_type", "rotary_base") + tuple(
-                    f"focus_{name}" for name in ("groups", "dim", "window", "tau",
-                                                 "sinkhorn_iters", "gate_scale", "gate"))
+SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "n_embd",
+    "num_hidden_layers",
+    "n_layer",
+    "num_attention_heads",
+    "n_head",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "n_inner",
+    "hidden_act",
+    "activation_function",
+    "rms_norm_eps",
+    "layer_norm_epsilon",
+    "norm_eps",
+    "max_position_embeddings",
+    "n_positions",
+    "tie_word_embeddings",
+    "sliding_window",
+    "rope_parameters",
+    "rope_theta",
+    "rope_scaling",
+    "llama3_rope_scaling",
+    "attention_bias",
+    "mlp_bias",
+    "layer_attention",
+    "normalization",
+    "activation",
+    "bias",
+    "qkv_bias",
+    "qk_norm",
+    "position_embedding_type",
+    "rotary_base",
+) + tuple(
+    f"focus_{name}"
+    for name in ("groups", "dim", "window", "tau", "sinkhorn_iters", "gate_scale", "gate")
+)
 
 
 def test_llama31_rope_frequencies_agree_three_ways():
@@ -679,11 +906,20 @@ def test_llama31_rope_frequencies_agree_three_ways():
     dim = 64
     for base in (10000.0, 500000.0):
         plain = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-        megatron = RotaryEmbedding(dim, 1.0, rotary_base=base, rope_scaling=True,
-                                   rope_scaling_factor=8.0, use_cpu_initialization=True).inv_freq
-        config = LlamaConfig(hidden_size=dim * 2, num_attention_heads=2,
-                             max_position_embeddings=8192,
-                             **rope_fields({**LLAMA31_ROPE, "rope_theta": base}))
+        megatron = RotaryEmbedding(
+            dim,
+            1.0,
+            rotary_base=base,
+            rope_scaling=True,
+            rope_scaling_factor=8.0,
+            use_cpu_initialization=True,
+        ).inv_freq
+        config = LlamaConfig(
+            hidden_size=dim * 2,
+            num_attention_heads=2,
+            max_position_embeddings=8192,
+            **rope_fields({**LLAMA31_ROPE, "rope_theta": base}),
+        )
         hf, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
         ours = llama3_scaled(plain, LLAMA31_ROPE)
         assert not torch.equal(ours, plain)
@@ -693,24 +929,45 @@ def test_llama31_rope_frequencies_agree_three_ways():
 
 @pytest.mark.slow
 def test_imported_model_trains_from_the_hf_loss(embedded_cache, tmp_path):
-    """`pretrain_gpt.py --load` of an import (TP=2): its first loss is the HF model's, then it trains."""
+    """`pretrain_gpt.py --load` of an import (TP=2): its first loss is the HF model's, then it
+    trains."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from megatron_focus.hf import export_to_hf, import_from_hf
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=4096, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=4096,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    ).eval()
     model.save_pretrained(tmp_path / "hf")
     ckpt, trained, back = (str(tmp_path / d) for d in ("ckpt", "trained", "back"))
-    flags = import_from_hf(str(tmp_path / "hf"), ckpt, tensor_model_parallel_size=2,
-                           progress=False)
-    history = run_distributed(_train_and_batches, 2, _argv(
-        embedded_cache, *flags, "--tensor-model-parallel-size", "2", "--load", ckpt,
-        "--save", trained, iters=3))
-    assert history["losses"][0] == pytest.approx(_hf_loss(model, history["train_batches"]),
-                                                 rel=1e-5)
+    flags = import_from_hf(str(tmp_path / "hf"), ckpt, tensor_model_parallel_size=2, progress=False)
+    history = run_distributed(
+        _train_and_batches,
+        2,
+        _argv(
+            embedded_cache,
+            *flags,
+            "--tensor-model-parallel-size",
+            "2",
+            "--load",
+            ckpt,
+            "--save",
+            trained,
+            iters=3,
+        ),
+    )
+    assert history["losses"][0] == pytest.approx(
+        _hf_loss(model, history["train_batches"]), rel=1e-5
+    )
     # The optimizer started from the imported weights (DeepSpeed's fp32 copy was refreshed):
     # three small Adam steps away from them, not back to a fresh initialisation.
     export_to_hf(trained, back, progress=False)
@@ -731,9 +988,17 @@ def test_focus_retrofit_of_an_imported_model(embedded_cache, tmp_path):
     from megatron_focus.hf import export_to_hf, import_from_hf, native_logits
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=4096, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=4096,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    ).eval()
     model.save_pretrained(tmp_path / "hf")
     ckpt, retrofitted, back = (str(tmp_path / d) for d in ("ckpt", "retrofitted", "back"))
     flags = import_from_hf(str(tmp_path / "hf"), ckpt, attention="focus", progress=False)
@@ -744,8 +1009,11 @@ def test_focus_retrofit_of_an_imported_model(embedded_cache, tmp_path):
     shard = torch.load(os.path.join(tag, "mp_rank_00_model_states.pt"), weights_only=False)
     assert not any(".router." in name for name in shard["module"])
 
-    history = run_distributed(_train_and_batches, 1, _argv(
-        embedded_cache, *flags, *FOCUS, "--load", ckpt, "--save", retrofitted, iters=3))
+    history = run_distributed(
+        _train_and_batches,
+        1,
+        _argv(embedded_cache, *flags, *FOCUS, "--load", ckpt, "--save", retrofitted, iters=3),
+    )
     assert len(history["losses"]) == 3 and all(math.isfinite(x) for x in history["losses"])
     assert export_to_hf(retrofitted, back, progress=False) == "MegatronFocusForCausalLM"
     hf_model = _load_hf(back)
@@ -791,19 +1059,29 @@ def test_focus_model_imports_as_focus_only(tmp_path):
 
     _custom_focus_model().save_pretrained(tmp_path / "hf")
     with pytest.raises(ValueError, match="would drop them"):
-        import_from_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), attention="xsa",
-                       progress=False)
+        import_from_hf(
+            str(tmp_path / "hf"), str(tmp_path / "ckpt"), attention="xsa", progress=False
+        )
 
 
 # --- refusals ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("config, message", [
-    ({"model_type": "gpt2", "activation_function": "relu"}, "'relu': only the exact GELU"),
-    ({"model_type": "llama", **rope_fields({"rope_type": "linear", "rope_theta": 1e4,
-                                            "factor": 2.0})}, "RoPE scaling"),
-    ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
-    ({"model_type": "bert"}, "not supported"),
-])
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"model_type": "gpt2", "activation_function": "relu"}, "'relu': only the exact GELU"),
+        (
+            {
+                "model_type": "llama",
+                **rope_fields({"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}),
+            },
+            "RoPE scaling",
+        ),
+        ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
+        ({"model_type": "bert"}, "not supported"),
+    ],
+)
 def test_inexact_hf_models_are_refused(config, message, tmp_path):
     import json
 
@@ -825,28 +1103,51 @@ def test_unmapped_settings_are_refused():
     from megatron_focus.training.checkpointing import with_unrecorded_defaults
 
     model_args = dict(
-        num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4,
-        num_query_groups=4, kv_channels=16, normalization="LayerNorm", norm_epsilon=1e-5,
-        swiglu=False, add_bias_linear=True, position_embedding_type="learned_absolute",
-        rotary_base=10000, rotary_percent=1.0, max_position_embeddings=32,
-        untie_embeddings_and_output_weights=False, attention="standard", xsa_layers=None,
-        openai_gelu=False)
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=256,
+        num_attention_heads=4,
+        num_query_groups=4,
+        kv_channels=16,
+        normalization="LayerNorm",
+        norm_epsilon=1e-5,
+        swiglu=False,
+        add_bias_linear=True,
+        position_embedding_type="learned_absolute",
+        rotary_base=10000,
+        rotary_percent=1.0,
+        max_position_embeddings=32,
+        untie_embeddings_and_output_weights=False,
+        attention="standard",
+        xsa_layers=None,
+        openai_gelu=False,
+    )
     Architecture.from_model_args(model_args, 200)
-    focus = dict(focus_groups=4, focus_dim=16, focus_window=4, focus_tau=0.1,
-                 focus_sinkhorn_iters=10, focus_gate_scale=1.0)  # as saved before focus_gate
+    focus = dict(
+        focus_groups=4,
+        focus_dim=16,
+        focus_window=4,
+        focus_tau=0.1,
+        focus_sinkhorn_iters=10,
+        focus_gate_scale=1.0,
+    )  # as saved before focus_gate
     recorded = with_unrecorded_defaults({**model_args, **focus, "attention": "focus"})
     arch = Architecture.from_model_args(recorded, 200, focus_top_k=1)
     assert (arch.focus.window, arch.focus.top_k, arch.focus.attention_mode) == (4, 1, "soft")
     assert arch.focus.gate == "log"
-    assert with_unrecorded_defaults({**recorded, "focus_gate": "sigmoid"})["focus_gate"] == "sigmoid"
+    assert (
+        with_unrecorded_defaults({**recorded, "focus_gate": "sigmoid"})["focus_gate"] == "sigmoid"
+    )
     with pytest.raises(ValueError, match="lacks focus_window, focus_tau"):  # an older checkpoint
-        Architecture.from_model_args({**model_args, "attention": "focus", "focus_groups": 4,
-                                      "focus_dim": 16}, 200)
+        Architecture.from_model_args(
+            {**model_args, "attention": "focus", "focus_groups": 4, "focus_dim": 16}, 200
+        )
     with pytest.raises(NotImplementedError, match="partial rotary"):
         Architecture.from_model_args({**model_args, "rotary_percent": 0.5}, 200)
     with pytest.raises(ValueError, match="lacks norm_epsilon"):
-        Architecture.from_model_args({k: v for k, v in model_args.items()
-                                      if k != "norm_epsilon"}, 200)
+        Architecture.from_model_args(
+            {k: v for k, v in model_args.items() if k != "norm_epsilon"}, 200
+        )
 
 
 def test_hf_tokenizer_json_is_exported(tmp_path):
@@ -860,9 +1161,14 @@ def test_hf_tokenizer_json_is_exported(tmp_path):
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(PROBES * 10, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.train_from_iterator(
+        PROBES * 10,
+        trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     bpe.save(str(tmp_path / "tokenizer.json"))
     ours = build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "tokenizer.json"))
     ids = save_hf_tokenizer(ours, str(tmp_path / "hf"), max_length=64)
@@ -887,10 +1193,19 @@ def _bpe_with_config(folder, config: dict):
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(PROBES * 10, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>", "<|begin_of_text|>", "<|end_of_text|>",
-                                        "<|finetune_right_pad_id|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.train_from_iterator(
+        PROBES * 10,
+        trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=[
+                "<|endoftext|>",
+                "<|begin_of_text|>",
+                "<|end_of_text|>",
+                "<|finetune_right_pad_id|>",
+            ],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     bpe.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return bpe
@@ -905,19 +1220,29 @@ def test_hf_tokenizer_config_names_the_special_tokens(tmp_path):
     from megatron_focus.hf.tokenizer import save_hf_tokenizer
 
     template = "{% for m in messages %}{{ m['content'] }}<|end_of_text|>{% endfor %}"
-    bpe = _bpe_with_config(tmp_path / "tok", {
-        "bos_token": "<|begin_of_text|>", "eos_token": {"content": "<|end_of_text|>"},
-        "pad_token": "<|finetune_right_pad_id|>", "chat_template": template})
+    bpe = _bpe_with_config(
+        tmp_path / "tok",
+        {
+            "bos_token": "<|begin_of_text|>",
+            "eos_token": {"content": "<|end_of_text|>"},
+            "pad_token": "<|finetune_right_pad_id|>",
+            "chat_template": template,
+        },
+    )
     ours = build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "tok"))
-    ids = [bpe.token_to_id(t) for t in ("<|begin_of_text|>", "<|end_of_text|>",
-                                        "<|finetune_right_pad_id|>")]
+    ids = [
+        bpe.token_to_id(t)
+        for t in ("<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad_id|>")
+    ]
     assert [ours.bos, ours.eod, ours.pad] == ids
     save_hf_tokenizer(ours, str(tmp_path / "hf"), max_length=128)
     theirs = AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert [theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id] == ids
     assert theirs.chat_template == template
-    assert theirs.apply_chat_template([{"role": "user", "content": "Hello world"}],
-                                      tokenize=False) == "Hello world<|end_of_text|>"
+    assert (
+        theirs.apply_chat_template([{"role": "user", "content": "Hello world"}], tokenize=False)
+        == "Hello world<|end_of_text|>"
+    )
 
 
 def test_imported_tokenizer_config_survives_export(tmp_path):
@@ -926,16 +1251,26 @@ def test_imported_tokenizer_config_survives_export(tmp_path):
 
     from megatron_focus.hf import export_to_hf, import_from_hf
 
-    bpe = _bpe_with_config(tmp_path / "hf", {"bos_token": "<|begin_of_text|>",
-                                             "eos_token": "<|end_of_text|>"})
+    bpe = _bpe_with_config(
+        tmp_path / "hf", {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
+    )
     bos, eos = bpe.token_to_id("<|begin_of_text|>"), bpe.token_to_id("<|end_of_text|>")
-    LlamaForCausalLM(LlamaConfig(vocab_size=400, hidden_size=64, intermediate_size=96,
-                                 num_hidden_layers=1, num_attention_heads=4, bos_token_id=bos,
-                                 eos_token_id=eos)).save_pretrained(tmp_path / "hf")
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=400,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            bos_token_id=bos,
+            eos_token_id=eos,
+        )
+    ).save_pretrained(tmp_path / "hf")
     import_from_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), progress=False)
     export_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "back"), progress=False)
-    config, tokenizer = (cls.from_pretrained(tmp_path / "back")
-                         for cls in (AutoConfig, AutoTokenizer))
+    config, tokenizer = (
+        cls.from_pretrained(tmp_path / "back") for cls in (AutoConfig, AutoTokenizer)
+    )
     assert (config.bos_token_id, config.eos_token_id) == (bos, eos)
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (bos, eos)
 
@@ -949,8 +1284,9 @@ def test_hf_tokenizer_config_naming_an_absent_token_is_refused(tmp_path):
 
 
 def _tree(folder) -> dict:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file()}
+    return {
+        str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
 
 
 def test_tools_never_write_over_a_folder_that_holds_files(tmp_path, monkeypatch):
@@ -992,9 +1328,15 @@ def test_an_imported_checkpoint_can_be_moved(tmp_path):
     from megatron_focus.hf import export_to_hf, import_from_hf
 
     _bpe_with_config(tmp_path / "hf", {"eos_token": "<|end_of_text|>"})
-    LlamaForCausalLM(LlamaConfig(vocab_size=400, hidden_size=64, intermediate_size=96,
-                                 num_hidden_layers=1, num_attention_heads=4)).save_pretrained(
-        tmp_path / "hf")
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=400,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+        )
+    ).save_pretrained(tmp_path / "hf")
     import_from_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), progress=False)
     os.rename(tmp_path / "ckpt", tmp_path / "moved")
     export_to_hf(str(tmp_path / "moved"), str(tmp_path / "back"), progress=False)

@@ -2,16 +2,22 @@
 
 import pytest
 import torch
+from reference import assignments, dense_hard_rule
 
 from megatron_focus.model import kernels
 from megatron_focus.model.focus_sparse import sparse_focus_attention
 from megatron_focus.model.groups import Routing
-from reference import assignments, dense_hard_rule
 
 
-@pytest.mark.parametrize("causal, mask_kind, kv_heads", [
-    (True, None, 4), (False, None, 2), (False, "pairs", 4), (True, "keys", 1),
-])
+@pytest.mark.parametrize(
+    "causal, mask_kind, kv_heads",
+    [
+        (True, None, 4),
+        (False, None, 2),
+        (False, "pairs", 4),
+        (True, "keys", 1),
+    ],
+)
 def test_explicit_fallback_equals_the_cpu_flash_kernel(causal, mask_kind, kv_heads):
     """Where this torch has the private op, the fallback computes what it computes, empty rows
     (every key masked) included."""
@@ -39,8 +45,9 @@ def test_sparse_dispatch_on_the_fallback_equals_the_dense_rule(monkeypatch):
     k, v = (torch.randn(1, 2, 300, 16, generator=gen) for _ in range(2))
     log_g = assignments(1, 300, 4, gen)
     out = sparse_focus_attention(q, k, v, Routing.of(log_g), window=16, top_k=2, scale=0.25)
-    torch.testing.assert_close(out, dense_hard_rule(q, k, v, log_g, 16, 2, 0.25),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        out, dense_hard_rule(q, k, v, log_g, 16, 2, 0.25), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_recompile_limit_is_raised_never_lowered():

@@ -30,8 +30,10 @@ def test_cloze_answers_follow_their_context():
     assert len(items) > 100
     for item in items:
         assert len(item["choices"]) == 4
-        follows = [any(f"{item['context']} {choice}" in text for text in texts)
-                   for choice in item["choices"]]
+        follows = [
+            any(f"{item['context']} {choice}" in text for text in texts)
+            for choice in item["choices"]
+        ]
         assert follows == [i == item["label"] for i in range(4)], item["context"]
     # the answer's position is not a giveaway
     assert len({item["label"] for item in items}) == 4

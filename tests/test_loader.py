@@ -26,8 +26,11 @@ def stream(size, consumed, total, mbs, dp, rank, accumulation):
     G = accumulation x mbs x dp, modulo the size; its micro-batch m on rank r takes the slice
     [(m dp + r) mbs, + mbs)."""
     g = accumulation * mbs * dp
-    return [[(t * g + (m * dp + rank) * mbs + i) % size for i in range(mbs)]
-            for t in range(consumed // g, total // g) for m in range(accumulation)]
+    return [
+        [(t * g + (m * dp + rank) * mbs + i) % size for i in range(mbs)]
+        for t in range(consumed // g, total // g)
+        for m in range(accumulation)
+    ]
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -45,8 +48,9 @@ def test_a_loader_from_consumed_samples_continues_the_stream(workers):
     size, mbs, dp, total = 50, 2, 2, 2 * 2 * 20
     whole = [b["tokens"] for b in micro_batches(Numbered(size), 0, total, mbs, dp, 1, workers)]
     for consumed in (0, 8, 36):
-        resumed = [b["tokens"] for b in
-                   micro_batches(Numbered(size), consumed, total, mbs, dp, 1, workers)]
+        resumed = [
+            b["tokens"] for b in micro_batches(Numbered(size), consumed, total, mbs, dp, 1, workers)
+        ]
         skipped = consumed // (mbs * dp)
         assert len(resumed) == len(whole) - skipped
         assert all(torch.equal(a, b) for a, b in zip(resumed, whole[skipped:]))
@@ -71,10 +75,13 @@ def test_gpt_dataset_through_workers_equals_indexing(embedded_cache):
 
     prefix, model = ensure_embedded_data(embedded_cache)
     tokenizer = build_tokenizer("SentencePieceTokenizer", model)
-    train, _, _ = build_datasets([prefix], "98,2,0", 64, 1234, tokenizer, (64, 0, 0),
-                                 os.path.join(embedded_cache, "indices"))
-    for batch, indices in zip(micro_batches(train, 8, 40, 4, 1, 0, num_workers=2),
-                              stream(len(train), 8, 40, 4, 1, 0, accumulation=2)):
+    train, _, _ = build_datasets(
+        [prefix], "98,2,0", 64, 1234, tokenizer, (64, 0, 0), os.path.join(embedded_cache, "indices")
+    )
+    for batch, indices in zip(
+        micro_batches(train, 8, 40, 4, 1, 0, num_workers=2),
+        stream(len(train), 8, 40, 4, 1, 0, accumulation=2),
+    ):
         for key in ("tokens", "labels", "loss_mask", "position_ids"):
             want = torch.stack([torch.as_tensor(train[i][key]) for i in indices])
             assert torch.equal(batch[key], want), key

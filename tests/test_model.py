@@ -14,8 +14,12 @@ from megatron_focus.model.gpt import padded_vocab_size
 def test_platform_changes_nothing_when_cuda_is_present():
     assert platform.planned_patches(cuda_available=True) == []
     cpu = {p.name for p in platform.planned_patches(cuda_available=False)}
-    assert cpu == {"current_device", "get_default_causal_mask", "_get_cuda_rng_state",
-                   "_set_cuda_rng_state"}
+    assert cpu == {
+        "current_device",
+        "get_default_causal_mask",
+        "_get_cuda_rng_state",
+        "_set_cuda_rng_state",
+    }
 
 
 def test_platform_setup_is_idempotent():
@@ -58,8 +62,17 @@ def test_core_attention_matches_dense_reference(single_process, groups):
     from megatron_focus.model.core_attention import CoreAttention
     from megatron_focus.model.gpt import transformer_config
 
-    args = parse_args(["--hidden-size", "64", "--num-attention-heads", "4",
-                       "--group-query-attention", "--num-query-groups", str(groups)])
+    args = parse_args(
+        [
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "4",
+            "--group-query-attention",
+            "--num-query-groups",
+            str(groups),
+        ]
+    )
     attn = CoreAttention(transformer_config(args), layer_number=1, attn_mask_type=None).eval()
     g = torch.Generator().manual_seed(groups)
     q = torch.randn(12, 3, 4, 16, generator=g)
@@ -78,18 +91,37 @@ def test_sliding_window_matches_dense_reference(single_process, left, groups):
     from megatron_focus.model.core_attention import CoreAttention
     from megatron_focus.model.gpt import transformer_config
 
-    args = parse_args(["--hidden-size", "64", "--num-attention-heads", "4", "--window-size",
-                       f"{left},0", "--group-query-attention", "--num-query-groups", str(groups)])
+    args = parse_args(
+        [
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "4",
+            "--window-size",
+            f"{left},0",
+            "--group-query-attention",
+            "--num-query-groups",
+            str(groups),
+        ]
+    )
     attn = CoreAttention(transformer_config(args), layer_number=1, attn_mask_type=None).eval()
     g = torch.Generator().manual_seed(left)
     q = torch.randn(12, 2, 4, 16, generator=g)
     k, v = (torch.randn(12, 2, groups, 16, generator=g) for _ in range(2))
-    torch.testing.assert_close(attn(q, k, v, None), _reference_attention(q, k, v, 0.25, left),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        attn(q, k, v, None), _reference_attention(q, k, v, 0.25, left), rtol=1e-5, atol=1e-5
+    )
 
 
-@pytest.mark.parametrize("variant", [[], ["--attention", "xsa"], ["--window-size", "5,0"],
-                                     ["--position-embedding-type", "rope", "--attention", "xsa"]])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        [],
+        ["--attention", "xsa"],
+        ["--window-size", "5,0"],
+        ["--position-embedding-type", "rope", "--attention", "xsa"],
+    ],
+)
 def test_reset_attention_mask_equals_separate_documents(single_process, variant):
     """--reset-attention-mask with --reset-position-ids: Megatron-Core's dataset mask and
     positions make two packed documents compute what each computes alone."""
@@ -97,9 +129,25 @@ def test_reset_attention_mask_equals_separate_documents(single_process, variant)
 
     from megatron_focus.model.gpt import build_model
 
-    args = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-                       "--seq-length", "32", "--hidden-dropout", "0", "--attention-dropout", "0",
-                       "--reset-attention-mask", "--reset-position-ids", *variant])
+    args = parse_args(
+        [
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "32",
+            "--hidden-dropout",
+            "0",
+            "--attention-dropout",
+            "0",
+            "--reset-attention-mask",
+            "--reset-position-ids",
+            *variant,
+        ]
+    )
     platform.manual_seed(3)
     model = build_model(args, 100).eval()
     eod = 99
@@ -108,19 +156,24 @@ def test_reset_attention_mask_equals_separate_documents(single_process, variant)
     mask, _, positions = _get_ltor_masks_and_position_ids(tokens, eod, True, True, False, True)
     with torch.no_grad():
         packed = model(tokens[None], positions[None], mask[None])
-        alone = [model(doc[None], torch.arange(len(doc))[None], None)
-                 for doc in (tokens[:12], tokens[12:])]
+        alone = [
+            model(doc[None], torch.arange(len(doc))[None], None)
+            for doc in (tokens[:12], tokens[12:])
+        ]
         plain = model(tokens[None], torch.arange(32)[None], None)
     torch.testing.assert_close(packed, torch.cat(alone, dim=1), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(packed[:, 12:], plain[:, 12:], atol=1e-3)  # the mask matters
 
 
-@pytest.mark.parametrize("argv, error", [
-    (["--reset-attention-mask", "--attention", "focus"], "Focus's routing does not restart"),
-    (["--window-size", "7,3"], "give LEFT,0"),
-    (["--window-size", "7"], "give LEFT,0"),
-    (["--window-size", "7,0", "--attention", "focus"], "Focus has its own local window"),
-])
+@pytest.mark.parametrize(
+    "argv, error",
+    [
+        (["--reset-attention-mask", "--attention", "focus"], "Focus's routing does not restart"),
+        (["--window-size", "7,3"], "give LEFT,0"),
+        (["--window-size", "7"], "give LEFT,0"),
+        (["--window-size", "7,0", "--attention", "focus"], "Focus has its own local window"),
+    ],
+)
 def test_bad_window_sizes_are_refused(argv, error):
     with pytest.raises(ValueError, match=error):
         parse_args(BASE + argv)
@@ -135,13 +188,22 @@ def test_vocab_padding_follows_megatron():
 BASE = ["--num-attention-heads", "4", "--hidden-size", "64"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (BASE + ["--tensor-model-parallel-size", "3"], "not divisible by --tensor-model-parallel"),
-    (BASE + ["--group-query-attention", "--num-query-groups", "3"], "does not divide"),
-    (BASE + ["--seq-length", "512", "--max-position-embeddings", "256"], "longer than the learned"),
-    (["--hidden-size", "65", "--num-attention-heads", "4"], "--kv-channels"),
-    (BASE + ["--attention", "focus", "--focus-kernel", "flex"], "FlexAttention has no CPU backward"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (BASE + ["--tensor-model-parallel-size", "3"], "not divisible by --tensor-model-parallel"),
+        (BASE + ["--group-query-attention", "--num-query-groups", "3"], "does not divide"),
+        (
+            BASE + ["--seq-length", "512", "--max-position-embeddings", "256"],
+            "longer than the learned",
+        ),
+        (["--hidden-size", "65", "--num-attention-heads", "4"], "--kv-channels"),
+        (
+            BASE + ["--attention", "focus", "--focus-kernel", "flex"],
+            "FlexAttention has no CPU backward",
+        ),
+    ],
+)
 def test_bad_flags_are_refused(monkeypatch, argv, message):
     monkeypatch.setenv("WORLD_SIZE", "6")
     with pytest.raises(ValueError, match=message):
@@ -158,15 +220,35 @@ def test_sequence_parallel_without_tensor_parallel_is_turned_off():
 def test_unset_schedule_and_logging_flags_take_megatrons_defaults():
     """Megatron-LM 0.16's defaults for a run on its own data; the demo's (embedded corpus) where
     the user left them unset, relative to what the user gave (--lr 1e-4 alone is valid)."""
-    data = ["--data-path", "x_text_document", "--tokenizer-type", "HuggingFaceTokenizer",
-            "--tokenizer-model", "x.json"]
+    data = [
+        "--data-path",
+        "x_text_document",
+        "--tokenizer-type",
+        "HuggingFaceTokenizer",
+        "--tokenizer-model",
+        "x.json",
+    ]
     ours = parse_args(BASE + data + ["--lr", "1e-4"])
-    assert (ours.min_lr, ours.lr_decay_style, ours.lr_warmup_iters, ours.log_interval,
-            ours.eval_interval, ours.eval_iters) == (0.0, "linear", 0, 100, 1000, 100)
+    assert (
+        ours.min_lr,
+        ours.lr_decay_style,
+        ours.lr_warmup_iters,
+        ours.log_interval,
+        ours.eval_interval,
+        ours.eval_iters,
+    ) == (0.0, "linear", 0, 100, 1000, 100)
     demo = parse_args(BASE + ["--lr", "1e-4", "--train-iters", "50"])
-    assert (demo.min_lr, demo.lr_decay_style, demo.lr_warmup_iters, demo.log_interval,
-            demo.eval_interval, demo.eval_iters) == (1e-5, "cosine", 5, 10, 100, 10)
-    given = parse_args(BASE + ["--lr-decay-style", "linear", "--min-lr", "0", "--log-interval", "7"])
+    assert (
+        demo.min_lr,
+        demo.lr_decay_style,
+        demo.lr_warmup_iters,
+        demo.log_interval,
+        demo.eval_interval,
+        demo.eval_iters,
+    ) == (1e-5, "cosine", 5, 10, 100, 10)
+    given = parse_args(
+        BASE + ["--lr-decay-style", "linear", "--min-lr", "0", "--log-interval", "7"]
+    )
     assert (given.lr_decay_style, given.min_lr, given.log_interval) == ("linear", 0.0, 7)
 
 
@@ -175,19 +257,24 @@ def test_unknown_flags_are_named_with_the_closest_known_one(capsys):
         parse_args(["--num-layer", "2", "--lr-warmup-iter=5", "--frobnicate"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "usage:" not in err and err.count("\n") == 1
-    assert err.startswith("error: unknown flags --num-layer (did you mean --num-layers?), "
-                          "--lr-warmup-iter=5 (did you mean --lr-warmup-iters?), --frobnicate;")
+    assert err.startswith(
+        "error: unknown flags --num-layer (did you mean --num-layers?), "
+        "--lr-warmup-iter=5 (did you mean --lr-warmup-iters?), --frobnicate;"
+    )
 
 
-@pytest.mark.parametrize("text, message", [
-    ('{"zero_optimization": {"stage": 2},}', "not valid JSON: .* line 1"),
-    ('[{"bf16": {"enabled": true}}]', "must be an object of sections, not a list"),
-    ('{"zero_optimization": {"stage": 7}}', "stage must be 0, 1, 2 or 3, not 7"),
-    ('{"optimizer": {"type": "Adam", "params": {"lr": 1e-4}}}', "'optimizer' is not used here"),
-    ('{"scheduler": {"type": "WarmupLR"}}', "'scheduler' is not used here.*--lr-warmup-iters"),
-    ('{"zero_optimisation": {"stage": 3}}', "unknown section 'zero_optimisation' .*'zero_opt"),
-    ('{"train_batch_size": 64}', "sets train_batch_size=64 but the flags give 8"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"zero_optimization": {"stage": 2},}', "not valid JSON: .* line 1"),
+        ('[{"bf16": {"enabled": true}}]', "must be an object of sections, not a list"),
+        ('{"zero_optimization": {"stage": 7}}', "stage must be 0, 1, 2 or 3, not 7"),
+        ('{"optimizer": {"type": "Adam", "params": {"lr": 1e-4}}}', "'optimizer' is not used here"),
+        ('{"scheduler": {"type": "WarmupLR"}}', "'scheduler' is not used here.*--lr-warmup-iters"),
+        ('{"zero_optimisation": {"stage": 3}}', "unknown section 'zero_optimisation' .*'zero_opt"),
+        ('{"train_batch_size": 64}', "sets train_batch_size=64 but the flags give 8"),
+    ],
+)
 def test_deepspeed_json_is_checked_as_flags_are_parsed(tmp_path, text, message):
     path = tmp_path / "ds.json"
     path.write_text(text)
@@ -203,15 +290,21 @@ def test_deepspeed_json_sets_stage_and_precision_at_parse_time(tmp_path):
     assert (args.zero_stage, args.bf16, args.fp16) == (2, True, False)
 
 
-@pytest.mark.parametrize("flag, value, message", [
-    ("--pipeline-model-parallel-size", "2", "pipeline parallelism is not supported; use "
-                                            "--zero-stage 3 or tensor parallelism"),
-    ("--context-parallel-size", "2", "context parallelism is not supported"),
-    ("--num-experts", "8", "mixture of experts is not supported"),
-    ("--fp8-format", "hybrid", "fp8 needs Transformer Engine"),
-    ("--ckpt-format", "torch_dist", "checkpoints are DeepSpeed's torch files"),
-    ("--rampup-batch-size", "16 16 5859375", "the global batch is constant here"),
-])
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        (
+            "--pipeline-model-parallel-size",
+            "2",
+            "pipeline parallelism is not supported; use --zero-stage 3 or tensor parallelism",
+        ),
+        ("--context-parallel-size", "2", "context parallelism is not supported"),
+        ("--num-experts", "8", "mixture of experts is not supported"),
+        ("--fp8-format", "hybrid", "fp8 needs Transformer Engine"),
+        ("--ckpt-format", "torch_dist", "checkpoints are DeepSpeed's torch files"),
+        ("--rampup-batch-size", "16 16 5859375", "the global batch is constant here"),
+    ],
+)
 def test_what_is_not_offered_is_refused_by_name(flag, value, message):
     shown = str(value.split()).replace("'", "") if " " in value else value
     with pytest.raises(ValueError, match=f"^{re.escape(flag)} {re.escape(shown)}: {message}"):
@@ -223,10 +316,23 @@ def test_megatron_flags_without_effect_or_done_by_deepspeed_are_accepted():
     from megatron_focus.training.deepspeed_config import deepspeed_config
 
     flags = [f for f, (kwargs, _) in NO_EFFECT.items() if kwargs.get("action") == "store_true"]
-    args = parse_args(BASE + flags + ["--empty-unused-memory-level", "2", "--attention-backend",
-                                      "flash", "--pipeline-model-parallel-size", "1",
-                                      "--ckpt-format", "torch", "--use-distributed-optimizer",
-                                      "--overlap-grad-reduce", "--overlap-param-gather"])
+    args = parse_args(
+        BASE
+        + flags
+        + [
+            "--empty-unused-memory-level",
+            "2",
+            "--attention-backend",
+            "flash",
+            "--pipeline-model-parallel-size",
+            "1",
+            "--ckpt-format",
+            "torch",
+            "--use-distributed-optimizer",
+            "--overlap-grad-reduce",
+            "--overlap-param-gather",
+        ]
+    )
     assert args.zero_stage == 1
     assert deepspeed_config(args, 1)["zero_optimization"]["overlap_comm"] is True
     with pytest.raises(ValueError, match="not with --zero-stage 0"):
@@ -236,12 +342,16 @@ def test_megatron_flags_without_effect_or_done_by_deepspeed_are_accepted():
 def test_sample_based_schedules_are_the_iterations_they_imply():
     schedule = ("train_iters", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "min_lr")
     batch = BASE + ["--micro-batch-size", "4", "--global-batch-size", "32", "--lr", "1e-3"]
-    by_iters = parse_args(batch + ["--train-iters", "100", "--lr-warmup-iters", "10",
-                                   "--lr-decay-iters", "90"])
-    by_samples = parse_args(batch + ["--train-samples", "3200", "--lr-warmup-samples", "320",
-                                     "--lr-decay-samples", "2880"])
-    by_fraction = parse_args(batch + ["--train-iters", "100", "--lr-decay-iters", "90",
-                                      "--lr-warmup-fraction", "0.12"])
+    by_iters = parse_args(
+        batch + ["--train-iters", "100", "--lr-warmup-iters", "10", "--lr-decay-iters", "90"]
+    )
+    by_samples = parse_args(
+        batch
+        + ["--train-samples", "3200", "--lr-warmup-samples", "320", "--lr-decay-samples", "2880"]
+    )
+    by_fraction = parse_args(
+        batch + ["--train-iters", "100", "--lr-decay-iters", "90", "--lr-warmup-fraction", "0.12"]
+    )
     assert [getattr(by_samples, k) for k in schedule] == [getattr(by_iters, k) for k in schedule]
     assert by_fraction.lr_warmup_iters == 10  # int(0.12 x 90)
     with pytest.raises(ValueError, match="--train-samples 3201 is not a multiple"):
@@ -257,14 +367,33 @@ def test_unknown_attention_is_refused(capsys):
 
 
 def test_rope_allows_sequences_past_the_position_table():
-    args = parse_args(BASE + ["--position-embedding-type", "rope", "--seq-length", "512",
-                              "--max-position-embeddings", "256"])
+    args = parse_args(
+        BASE
+        + [
+            "--position-embedding-type",
+            "rope",
+            "--seq-length",
+            "512",
+            "--max-position-embeddings",
+            "256",
+        ]
+    )
     assert args.seq_length == 512
 
 
 def test_model_families_defaults():
     gpt2 = parse_args(BASE)
     assert (gpt2.ffn_hidden_size, gpt2.num_query_groups, gpt2.kv_channels) == (256, 4, 16)
-    llama = parse_args(["--hidden-size", "4096", "--num-attention-heads", "32", "--swiglu",
-                        "--group-query-attention", "--num-query-groups", "8"])
+    llama = parse_args(
+        [
+            "--hidden-size",
+            "4096",
+            "--num-attention-heads",
+            "32",
+            "--swiglu",
+            "--group-query-attention",
+            "--num-query-groups",
+            "8",
+        ]
+    )
     assert (llama.ffn_hidden_size, llama.num_query_groups) == (10880, 8)

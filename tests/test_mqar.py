@@ -33,8 +33,9 @@ def test_sequences_hold_pairs_then_far_queries_and_only_values_count():
 
 
 def test_more_queries_ask_every_key_then_random_ones():
-    data = MQARDataset(5, seq_length=200, pairs=6, vocab_size=40, min_distance=30, seed=0,
-                       queries=20)
+    data = MQARDataset(
+        5, seq_length=200, pairs=6, vocab_size=40, min_distance=30, seed=0, queries=20
+    )
     for index in range(len(data)):
         sample = data[index]
         tokens = sample["tokens"].tolist()
@@ -47,8 +48,9 @@ def test_more_queries_ask_every_key_then_random_ones():
 
 
 def test_packed_pairs_are_one_token_each():
-    data = MQARDataset(4, seq_length=100, pairs=5, vocab_size=49, min_distance=30, seed=2,
-                       packed=True)
+    data = MQARDataset(
+        4, seq_length=100, pairs=5, vocab_size=49, min_distance=30, seed=2, packed=True
+    )
     n = 6  # floor(sqrt(49)) - 1 keys and values
     for index in range(len(data)):
         sample = data[index]
@@ -73,11 +75,14 @@ def test_samples_are_a_pure_function_of_seed_split_and_index():
     assert not torch.equal(a[0]["tokens"], a[1]["tokens"])
 
 
-@pytest.mark.parametrize("settings, error", [
-    ((96, 4, 8, 30), "needs --mqar-vocab-size >= 10"),
-    ((40, 8, 64, 20), "needs --seq-length >= 53"),
-    ((96, 4, 64, 0), "needs --seq-length"),
-])
+@pytest.mark.parametrize(
+    "settings, error",
+    [
+        ((96, 4, 8, 30), "needs --mqar-vocab-size >= 10"),
+        ((40, 8, 64, 20), "needs --seq-length >= 53"),
+        ((96, 4, 64, 0), "needs --seq-length"),
+    ],
+)
 def test_impossible_settings_are_refused(settings, error):
     with pytest.raises(ValueError, match=error):
         check_mqar(*settings)
@@ -90,20 +95,52 @@ def test_pretrain_and_eval_ppl_on_mqar(tmp_path, run_tool):
 
     mqar = ["--mqar", "--mqar-pairs", "4", "--mqar-vocab-size", "64", "--mqar-min-distance", "15"]
     ckpt = str(tmp_path / "ckpt")
-    history = train(1, TINY + mqar + ["--attention", "focus", "--focus-window", "8",
-                                      "--focus-groups", "2", "--train-iters", "3", "--save", ckpt,
-                                      "--eval-interval", "3"])
+    history = train(
+        1,
+        TINY
+        + mqar
+        + [
+            "--attention",
+            "focus",
+            "--focus-window",
+            "8",
+            "--focus-groups",
+            "2",
+            "--train-iters",
+            "3",
+            "--save",
+            ckpt,
+            "--eval-interval",
+            "3",
+        ],
+    )
     assert len(history["losses"]) == 3 and history["validation"]
     tokenizer = json.load(open(os.path.join(ckpt, "iter_0000003", "tokenizer_args.json")))
-    assert tokenizer == {"tokenizer_type": None, "tokenizer_model": None, "vocab_file": None,
-                         "merge_file": None, "vocab_size": 64}
+    assert tokenizer == {
+        "tokenizer_type": None,
+        "tokenizer_model": None,
+        "vocab_file": None,
+        "merge_file": None,
+        "vocab_size": 64,
+    }
     report = str(tmp_path / "eval.json")
-    out = run_tool("tools/eval_ppl.py", "--load", ckpt, *mqar, "--seq-length", "32",
-                   "--eval-iters", "2", "--micro-batch-size", "2", "--json", report)
+    out = run_tool(
+        "tools/eval_ppl.py",
+        "--load",
+        ckpt,
+        *mqar,
+        "--seq-length",
+        "32",
+        "--eval-iters",
+        "2",
+        "--micro-batch-size",
+        "2",
+        "--json",
+        report,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.load(open(report))["rows"]
-    assert [(r["mode"], r["top_k"]) for r in rows] == [("soft", None), ("sparse", 1),
-                                                        ("sparse", 2)]
+    assert [(r["mode"], r["top_k"]) for r in rows] == [("soft", None), ("sparse", 1), ("sparse", 2)]
     assert all(0 <= r["accuracy"] <= 1 for r in rows)
     assert rows[-1]["pairs_kept"] == pytest.approx(1.0)  # top-k = K keeps every pair
 
@@ -111,12 +148,42 @@ def test_pretrain_and_eval_ppl_on_mqar(tmp_path, run_tool):
 @pytest.mark.slow
 def test_mqar_study_script_trains_evaluates_and_plots(tmp_path, run_tool):
     """examples/mqar_study.py itself, shrunk: two variants, one seed, 3 iterations."""
-    out = run_tool("examples/mqar_study.py", "--out", tmp_path / "runs", "--variants", "window",
-                   "focus-sink1", "--seeds", "1", "--seq-length", "48", "--iters", "3",
-                   "--layers", "1", "--hidden", "32", "--mqar-pairs", "3", "--mqar-queries", "4",
-                   "--mqar-min-distance", "20", "--mqar-vocab-size", "16", "--focus-window", "4",
-                   "--micro-batch-size", "2", "--eval-iters", "1", "--json", tmp_path / "s.json",
-                   "--plot", tmp_path / "s.png")
+    out = run_tool(
+        "examples/mqar_study.py",
+        "--out",
+        tmp_path / "runs",
+        "--variants",
+        "window",
+        "focus-sink1",
+        "--seeds",
+        "1",
+        "--seq-length",
+        "48",
+        "--iters",
+        "3",
+        "--layers",
+        "1",
+        "--hidden",
+        "32",
+        "--mqar-pairs",
+        "3",
+        "--mqar-queries",
+        "4",
+        "--mqar-min-distance",
+        "20",
+        "--mqar-vocab-size",
+        "16",
+        "--focus-window",
+        "4",
+        "--micro-batch-size",
+        "2",
+        "--eval-iters",
+        "1",
+        "--json",
+        tmp_path / "s.json",
+        "--plot",
+        tmp_path / "s.png",
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     summary = json.load(open(tmp_path / "s.json"))["summary"]
     modes = {(r["variant"], r["mode"]) for r in summary}
@@ -125,5 +192,6 @@ def test_mqar_study_script_trains_evaluates_and_plots(tmp_path, run_tool):
     assert all(0 <= r["accuracy"][0] <= 1 for r in summary)
     window = next(r for r in summary if r["variant"] == "window")  # keys i - 3 .. i of 48
     assert window["pairs_kept"][0] == pytest.approx(
-        sum(min(i + 1, 4) for i in range(48)) / (48 * 49 / 2))
+        sum(min(i + 1, 4) for i in range(48)) / (48 * 49 / 2)
+    )
     assert os.path.getsize(tmp_path / "s.png") > 5_000

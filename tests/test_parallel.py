@@ -2,27 +2,53 @@
 
 import pytest
 import torch
-
 from distributed import run_distributed
 
 VOCAB = 200  # not a multiple of 128: exercises Megatron's vocabulary padding
 SEQ, BATCH = 16, 2
-SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-         "--seq-length", str(SEQ), "--hidden-dropout", "0", "--attention-dropout", "0"]
-LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
-         "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+SMALL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    str(SEQ),
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+]
+LLAMA = [
+    "--normalization",
+    "RMSNorm",
+    "--swiglu",
+    "--position-embedding-type",
+    "rope",
+    "--untie-embeddings-and-output-weights",
+    "--disable-bias-linear",
+]
 FAMILIES = {
     "gpt2": SMALL,
-    "gpt2-rope-gqa": SMALL + ["--position-embedding-type", "rope",
-                              "--group-query-attention", "--num-query-groups", "2"],
+    "gpt2-rope-gqa": SMALL
+    + ["--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups", "2"],
     "llama": SMALL + LLAMA,
     "llama-gqa": SMALL + LLAMA + ["--group-query-attention", "--num-query-groups", "2"],
 }
 # XSA on the plainest family and on one with RoPE and GQA (under TP=2: one key/value group per
 # rank, shared by that rank's two query heads).
 XSA = ["--attention", "xsa"]
-FOCUS = ["--attention", "focus", "--focus-window", "4", "--focus-groups", "4",
-         "--focus-chunk-size", "6"]
+FOCUS = [
+    "--attention",
+    "focus",
+    "--focus-window",
+    "4",
+    "--focus-groups",
+    "4",
+    "--focus-chunk-size",
+    "6",
+]
 CASES = {
     **FAMILIES,
     "gpt2-xsa": FAMILIES["gpt2"] + XSA,
@@ -31,11 +57,13 @@ CASES = {
     "gpt2-focus": FAMILIES["gpt2"] + FOCUS,
     "llama-gqa-focus+xsa": FAMILIES["llama-gqa"] + FOCUS + ["--attention", "focus+xsa"],
     # fewer key/value groups than TP ranks: Megatron gives each rank a copy of the one group
-    "llama-mqa-xsa": FAMILIES["llama"] + ["--group-query-attention", "--num-query-groups", "1"] + XSA,
+    "llama-mqa-xsa": FAMILIES["llama"]
+    + ["--group-query-attention", "--num-query-groups", "1"]
+    + XSA,
     # query/key norms see only their rank's heads: their gradients are summed over TP, SP or not
     "llama-gqa-qk-norm-1p": FAMILIES["llama-gqa"] + ["--qk-layernorm", "--apply-layernorm-1p"],
-    "gpt2-qk-norm-relu2-nope": FAMILIES["gpt2"] + ["--qk-layernorm", "--squared-relu",
-                                                   "--position-embedding-type", "none"],
+    "gpt2-qk-norm-relu2-nope": FAMILIES["gpt2"]
+    + ["--qk-layernorm", "--squared-relu", "--position-embedding-type", "none"],
 }
 
 
@@ -45,7 +73,10 @@ def _loss_and_grads(argv, tokens):
     from megatron_focus import platform
     from megatron_focus.arguments import parse_args
     from megatron_focus.model.gpt import build_model
-    from megatron_focus.parallel import gather_tensor_parallel, install_sequence_parallel_grad_allreduce
+    from megatron_focus.parallel import (
+        gather_tensor_parallel,
+        install_sequence_parallel_grad_allreduce,
+    )
 
     args = parse_args(argv)
     platform.init_distributed(args.tensor_model_parallel_size)
@@ -60,8 +91,11 @@ def _loss_and_grads(argv, tokens):
         return loss
 
     backward()  # without the sequence-parallel hooks: norm gradients stay partial
-    unsynced = {n: p.grad.clone() for n, p in model.named_parameters()
-                if getattr(p, "sequence_parallel", False)}
+    unsynced = {
+        n: p.grad.clone()
+        for n, p in model.named_parameters()
+        if getattr(p, "sequence_parallel", False)
+    }
     install_sequence_parallel_grad_allreduce(model)
     loss = backward()
     grads = {n: gather_tensor_parallel(p, p.grad) for n, p in model.named_parameters()}
@@ -133,8 +167,12 @@ def test_sequence_parallel_norm_grads_need_the_allreduce(results, family):
     """Under SP each rank's norm gradient is partial; only the TP all-reduce makes it whole."""
     _, ref_grads, _ = results[family]["tp1"]
     _, _, unsynced = results[family]["tp2-sp"]
-    norms = [n for n in unsynced if n.endswith("layernorm.weight")
-             and not n.endswith(("q_layernorm.weight", "k_layernorm.weight"))]
+    norms = [
+        n
+        for n in unsynced
+        if n.endswith("layernorm.weight")
+        and not n.endswith(("q_layernorm.weight", "k_layernorm.weight"))
+    ]
     assert len(norms) == 2 * 2 + 1  # two per layer and the final norm
     for name in norms:
         assert not torch.allclose(unsynced[name], ref_grads[name], rtol=1e-3, atol=1e-5), name
@@ -169,8 +207,19 @@ def _params_norm(argv):
 
 def test_params_norm_counts_each_weight_once_at_any_tensor_parallel_size():
     """`--log-params-norm`: the same model (weights built on the CPU, split by TP) has one norm."""
-    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-            "--seq-length", "32", "--micro-batch-size", "2", "--swiglu"]
+    argv = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--swiglu",
+    ]
     tp1, direct = run_distributed(_params_norm, 1, argv)
     tp2, _ = run_distributed(_params_norm, 2, argv + ["--tensor-model-parallel-size", "2"])
     assert tp1 == pytest.approx(direct, rel=1e-6) and tp2 == pytest.approx(tp1, rel=1e-6)

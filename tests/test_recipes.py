@@ -32,21 +32,30 @@ LAUNCH_ENV = _recipe_variables()
 
 
 def _env(**settings):
-    """This process's environment without launcher/recipe variables (a fixture may have set some)."""
+    """This process's environment without launcher/recipe variables (a fixture may have set
+    some)."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
     env.update({k: str(v) for k, v in settings.items()})
     return env
 
 
 def _script(*argv, **settings):
-    return subprocess.run(["bash", *argv], env=_env(**settings), capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+    return subprocess.run(
+        ["bash", *argv], env=_env(**settings), capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
 
 
 def _dry_run(model, attention, **settings):
-    """(the settings line, the launcher's argv, pretrain_gpt.py's flags) that the recipe would run."""
-    out = _script(SCRIPT, DRY_RUN=1, MODEL=model, ATTENTION=attention,
-                  HOSTFILE="examples/hostfile", **settings)
+    """(the settings line, the launcher's argv, pretrain_gpt.py's flags) that the recipe would
+    run."""
+    out = _script(
+        SCRIPT,
+        DRY_RUN=1,
+        MODEL=model,
+        ATTENTION=attention,
+        HOSTFILE="examples/hostfile",
+        **settings,
+    )
     assert out.returncode == 0, out.stderr
     header, command = out.stdout.splitlines()[:2]
     argv = shlex.split(command)
@@ -93,7 +102,10 @@ def test_recipe_commands_and_their_plans(model):
             assert _flag(launcher, "--hostfile") == "examples/hostfile"
             assert _flag(launcher, "--num_nodes") == settings["NODES"]
         assert os.path.isfile(_flag(flags, "--deepspeed_config"))
-        assert (_flag(flags, "--seq-length"), _flag(flags, "--global-batch-size")) == ("2048", "256")
+        assert (_flag(flags, "--seq-length"), _flag(flags, "--global-batch-size")) == (
+            "2048",
+            "256",
+        )
         assert float(_flag(flags, "--min-lr")) == pytest.approx(float(_flag(flags, "--lr")) / 10)
         if attention == "standard":
             standard = flags
@@ -101,10 +113,21 @@ def test_recipe_commands_and_their_plans(model):
             assert _without_variant(flags) == _without_variant(standard)
 
         # The planner reads the same flags: the paper's sizes, and room to spare on 80 GB GPUs.
-        plan = make_plan(parse_plan_args(
-            flags + ["--nodes", settings["NODES"], "--gpus-per-node", settings["GPUS_PER_NODE"],
-                     "--vocab-size", "32000" if model == "7b" else "50257",
-                     "--gpu-memory-gb", "80"]))
+        plan = make_plan(
+            parse_plan_args(
+                flags
+                + [
+                    "--nodes",
+                    settings["NODES"],
+                    "--gpus-per-node",
+                    settings["GPUS_PER_NODE"],
+                    "--vocab-size",
+                    "32000" if model == "7b" else "50257",
+                    "--gpu-memory-gb",
+                    "80",
+                ]
+            )
+        )
         p = plan.parameters
         if model == "7b":
             router = 32 * (4096 * 16 + 4 * 16) if attention.startswith("focus") else 0
@@ -121,20 +144,39 @@ def test_recipe_commands_and_their_plans(model):
 
 def _smoke(model, attention, tmp_path, cache, **settings):
     run_dir = tmp_path / f"{model}-{attention}"
-    out = _script(SCRIPT, SMOKE=1, MODEL=model, ATTENTION=attention, RUN_DIR=run_dir,
-                  DATA_CACHE=cache, **settings)
+    out = _script(
+        SCRIPT,
+        SMOKE=1,
+        MODEL=model,
+        ATTENTION=attention,
+        RUN_DIR=run_dir,
+        DATA_CACHE=cache,
+        **settings,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "iteration        3/       3" in out.stdout and "validation loss at iteration 3" in out.stdout
+    assert (
+        "iteration        3/       3" in out.stdout
+        and "validation loss at iteration 3" in out.stdout
+    )
     meta = json.loads((run_dir / "run.json").read_text())
     assert (meta["label"], meta["seq_length"], meta["global_batch_size"]) == (
-        f"{model} {attention}", 64, 4)
+        f"{model} {attention}",
+        64,
+        4,
+    )
     assert os.listdir(run_dir / "tensorboard") and (run_dir / "checkpoints" / "latest").exists()
     return out.stdout
 
 
-@pytest.mark.parametrize("model, attention", [
-    ("0.7b", "standard"), ("1.4b", "xsa"), ("2.7b", "focus+xsa"), ("7b", "focus"),
-])
+@pytest.mark.parametrize(
+    "model, attention",
+    [
+        ("0.7b", "standard"),
+        ("1.4b", "xsa"),
+        ("2.7b", "focus+xsa"),
+        ("7b", "focus"),
+    ],
+)
 def test_recipe_smoke_runs_on_the_cpu(model, attention, tmp_path, embedded_cache):
     """The recipe itself (not a copy), shrunk by SMOKE=1: first iterations in one CPU process.
 
@@ -164,27 +206,55 @@ def test_recipe_refuses_bad_settings():
 
 
 def test_recipe_overrides_and_the_plan_command():
-    settings, launcher, flags = _dry_run("1.4b", "xsa", NODES=4, TP=2, MBS=4, SEED=7,
-                                         EXTRA_ARGS="--eval-iters 5", LAUNCHER_ARGS="--force_multi")
+    settings, launcher, flags = _dry_run(
+        "1.4b",
+        "xsa",
+        NODES=4,
+        TP=2,
+        MBS=4,
+        SEED=7,
+        EXTRA_ARGS="--eval-iters 5",
+        LAUNCHER_ARGS="--force_multi",
+    )
     assert (settings["NODES"], settings["SP"]) == ("4", "1")  # SP comes with TP > 1 unless set
     assert _flag(launcher, "--num_nodes") == "4" and "--force_multi" in launcher
-    assert (_flag(flags, "--tensor-model-parallel-size"), _flag(flags, "--micro-batch-size")) == ("2", "4")
+    assert (_flag(flags, "--tensor-model-parallel-size"), _flag(flags, "--micro-batch-size")) == (
+        "2",
+        "4",
+    )
     assert "--sequence-parallel" in flags
     assert flags[-2:] == ["--eval-iters", "5"] and "runs/1.4b-xsa-seed7/checkpoints" in flags
     _, launcher, flags = _dry_run("7b", "focus", LAUNCHER="torchrun", NODE_RANK=1, MASTER_ADDR="n0")
-    assert launcher[:7] == ["torchrun", "--nnodes", "2", "--nproc_per_node", "8", "--node_rank", "1"]
+    assert launcher[:7] == [
+        "torchrun",
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "8",
+        "--node_rank",
+        "1",
+    ]
     assert _flag(launcher, "--master_addr") == "n0" and "--sequence-parallel" in flags
 
     # PLAN=1 hands the same flags to tools/plan.py (a stand-in python echoes the command line).
-    out = _script(SCRIPT, PLAN=1, MODEL="7b", ATTENTION="xsa", PYTHON="echo",
-                  PLAN_ARGS="--gpu-memory-gb 40")
+    out = _script(
+        SCRIPT, PLAN=1, MODEL="7b", ATTENTION="xsa", PYTHON="echo", PLAN_ARGS="--gpu-memory-gb 40"
+    )
     assert out.returncode == 0, out.stderr
     argv = shlex.split(out.stdout)
     assert argv[0].endswith("tools/plan.py")
     _, _, flags = _dry_run("7b", "xsa")
-    assert argv[1:len(flags) + 1] == flags
-    assert argv[len(flags) + 1:] == ["--nodes", "2", "--gpus-per-node", "8", "--vocab-size",
-                                     "32000", "--gpu-memory-gb", "40"]
+    assert argv[1 : len(flags) + 1] == flags
+    assert argv[len(flags) + 1 :] == [
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "8",
+        "--vocab-size",
+        "32000",
+        "--gpu-memory-gb",
+        "40",
+    ]
     from megatron_focus.planner import make_plan, parse_plan_args
 
     assert make_plan(parse_plan_args(argv[1:])).fits  # 7b fits 40 GB GPUs too
@@ -198,21 +268,39 @@ def test_slurm_script_builds_the_hostfile_and_launches_every_node(tmp_path):
     # srun runs its command once per node, as SLURM would, with that node's SLURM_NODEID.
     (bin_dir / "srun").write_text(
         "#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\n"
-        "for id in 0 1; do SLURM_NODEID=$id \"$@\" || exit 1; done\n")
+        'for id in 0 1; do SLURM_NODEID=$id "$@" || exit 1; done\n'
+    )
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     hostfile = tmp_path / "hostfile"
-    env = dict(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NUM_NODES=2, SLURM_JOB_ID=4242,
-               SLURM_JOB_NODELIST="gpu-a[1-2]", SLURM_SUBMIT_DIR=ROOT, HOSTFILE=hostfile,
-               DRY_RUN=1, MODEL="7b", ATTENTION="focus+xsa")
+    env = dict(
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        SLURM_JOB_NUM_NODES=2,
+        SLURM_JOB_ID=4242,
+        SLURM_JOB_NODELIST="gpu-a[1-2]",
+        SLURM_SUBMIT_DIR=ROOT,
+        HOSTFILE=hostfile,
+        DRY_RUN=1,
+        MODEL="7b",
+        ATTENTION="focus+xsa",
+    )
     out = _script(os.path.join(ROOT, "examples", "pretrain.slurm"), **env)
     assert out.returncode == 0, out.stderr
     assert hostfile.read_text() == "gpu-a1 slots=8\ngpu-a2 slots=8\n"
-    commands = [shlex.split(line) for line in out.stdout.splitlines() if line.startswith("deepspeed")]
+    commands = [
+        shlex.split(line) for line in out.stdout.splitlines() if line.startswith("deepspeed")
+    ]
     assert len(commands) == 2
     for rank, argv in enumerate(commands):
-        assert argv[:argv.index("--no_ssh")] == ["deepspeed", "--hostfile", str(hostfile),
-                                                 "--num_nodes", "2", "--num_gpus", "8"]
+        assert argv[: argv.index("--no_ssh")] == [
+            "deepspeed",
+            "--hostfile",
+            str(hostfile),
+            "--num_nodes",
+            "2",
+            "--num_gpus",
+            "8",
+        ]
         assert _flag(argv, "--node_rank") == str(rank)
         assert (_flag(argv, "--master_addr"), _flag(argv, "--master_port")) == ("gpu-a1", "29742")
         assert _flag(argv, "--attention") == "focus+xsa"
@@ -233,9 +321,24 @@ def test_planner_retrofit_keeps_state_for_the_routers_only():
     ZeRO-3 is refused, as the trainer refuses it."""
     from megatron_focus.planner import memory
 
-    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-             "--attention", "focus", "--focus-groups", "4", "--nodes", "1",
-             "--gpus-per-node", "1", "--vocab-size", "4096"]
+    flags = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--attention",
+        "focus",
+        "--focus-groups",
+        "4",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "1",
+        "--vocab-size",
+        "4096",
+    ]
     full, retrofit = _plan_args(*flags), _plan_args(*flags, "--retrofit", "--load", "ckpt")
     routers = 2 * (64 * 16 + 4 * 16)
     a = memory(full, 1, 1, False, 1, 1, 1e12)
@@ -254,12 +357,33 @@ def test_planner_counts_the_parameters_of_the_built_model(single_process):
     small = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
     families = [
         small,  # GPT-2: LayerNorm, GELU, biases, learned positions, tied
-        small + ["--kv-channels", "24", "--position-embedding-type", "rope", "--disable-bias-linear"],
-        small + ["--group-query-attention", "--num-query-groups", "2", "--swiglu", "--normalization",
-                 "RMSNorm", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
-                 "--ffn-hidden-size", "176", "--position-embedding-type", "rope"],
-        small + ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
-                 "--add-qkv-bias", "--position-embedding-type", "rope"],  # Qwen2
+        small
+        + ["--kv-channels", "24", "--position-embedding-type", "rope", "--disable-bias-linear"],
+        small
+        + [
+            "--group-query-attention",
+            "--num-query-groups",
+            "2",
+            "--swiglu",
+            "--normalization",
+            "RMSNorm",
+            "--untie-embeddings-and-output-weights",
+            "--disable-bias-linear",
+            "--ffn-hidden-size",
+            "176",
+            "--position-embedding-type",
+            "rope",
+        ],
+        small
+        + [
+            "--swiglu",
+            "--normalization",
+            "RMSNorm",
+            "--disable-bias-linear",
+            "--add-qkv-bias",
+            "--position-embedding-type",
+            "rope",
+        ],  # Qwen2
         small + ["--qk-layernorm", "--position-embedding-type", "none", "--squared-relu"],
         small + ["--qk-layernorm", "--normalization", "RMSNorm", "--apply-layernorm-1p"],
     ]
@@ -286,9 +410,24 @@ def test_retrofit_flops_match_counted_flops(single_process):
     from megatron_focus.model.gpt import build_model
     from megatron_focus.training.metrics import flops_per_token
 
-    argv = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
-            "--attention", "focus", "--focus-groups", "4", "--seq-length", "64",
-            "--hidden-dropout", "0", "--attention-dropout", "0"]
+    argv = [
+        "--num-layers",
+        "8",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--attention",
+        "focus",
+        "--focus-groups",
+        "4",
+        "--seq-length",
+        "64",
+        "--hidden-dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+    ]
     vocab, tokens = 256, torch.randint(0, 256, (2, 64))
     counted = {}
     for mode in ("full", "retrofit"):
@@ -308,14 +447,38 @@ def test_retrofit_flops_match_counted_flops(single_process):
 
 
 def test_planner_memory_matches_a_hand_computation():
-    """TP 2 + SP, ZeRO-2, bf16, 2 nodes x 4 GPUs (DP 4), GPT-2 style, dropout on, flash attention."""
+    """TP 2 + SP, ZeRO-2, bf16, 2 nodes x 4 GPUs (DP 4), GPT-2 style, dropout on, flash
+    attention."""
     from megatron_focus.planner import make_plan
 
-    args = _plan_args("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-                      "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "16",
-                      "--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16",
-                      "--zero-stage", "2", "--nodes", "2", "--gpus-per-node", "4",
-                      "--vocab-size", "1000", "--gpu-memory-gb", "1")
+    args = _plan_args(
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "16",
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--bf16",
+        "--zero-stage",
+        "2",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "4",
+        "--vocab-size",
+        "1000",
+        "--gpu-memory-gb",
+        "1",
+    )
     plan = make_plan(args)
     vocab = 1024  # 1000 padded to a multiple of 128 x TP 2
     word, position = vocab * 64, 32 * 64
@@ -332,10 +495,13 @@ def test_planner_memory_matches_a_hand_computation():
     sbh = s * b * h
     per_layer = (
         (4 * 2 * sbh + 2 * sbh) / t  # SP region: norm inputs/outputs, 2 dropout masks
-        + (2 * s * b * (64 + 2 * 64)  # Q, K, V
-           + 2 * s * b * 64  # attention output
-           + 4 * s * b * 4  # log-sum-exp
-           + 2 * 2 * s * b * 256) / t  # GELU in and out
+        + (
+            2 * s * b * (64 + 2 * 64)  # Q, K, V
+            + 2 * s * b * 64  # attention output
+            + 4 * s * b * 4  # log-sum-exp
+            + 2 * 2 * s * b * 256
+        )
+        / t  # GELU in and out
     )
     around = (2 * 2 * sbh + sbh) / t + (2 + 4) * s * b * vocab / t  # final norm, mask; logits
     activations = 2 * per_layer + around
@@ -349,19 +515,34 @@ def test_planner_memory_matches_a_hand_computation():
     # Without SP the norm region is whole on each rank; ZeRO-0 keeps every state whole.
     no_sp = next(g for g in plan.grid if g["tp"] == 2 and not g["sp"] and g["zero_stage"] == 0)
     assert no_sp["total_gb"] == round(
-        (16 * psi + activations + 2 * (10 * sbh - 10 * sbh / t) + (5 * sbh - 5 * sbh / t)) / gb, 3)
+        (16 * psi + activations + 2 * (10 * sbh - 10 * sbh / t) + (5 * sbh - 5 * sbh / t)) / gb, 3
+    )
 
 
 def test_activation_formula_is_korthikanti_for_gpt3():
-    """e = 2, f = 4h, a d = h, dropout, scores kept: s b h (34 + 5 a s / h) per layer, and the TP/SP forms."""
+    """e = 2, f = 4h, a d = h, dropout, scores kept: s b h (34 + 5 a s / h) per layer, and the
+    TP/SP forms."""
     from megatron_focus.planner import activation_bytes_per_layer
 
-    args = _plan_args("--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
-                      "--seq-length", "2048", "--bf16", "--gpus-per-node", "1")
+    args = _plan_args(
+        "--num-layers",
+        "24",
+        "--hidden-size",
+        "2048",
+        "--num-attention-heads",
+        "16",
+        "--seq-length",
+        "2048",
+        "--bf16",
+        "--gpus-per-node",
+        "1",
+    )
     s, b, h, a = 2048, 1, 2048, 16
-    for tp, sp, expected in ((1, False, 34 + 5 * a * s / h),
-                             (4, False, 10 + 24 / 4 + 5 * a * s / (h * 4)),
-                             (4, True, 34 / 4 + 5 * a * s / (h * 4))):
+    for tp, sp, expected in (
+        (1, False, 34 + 5 * a * s / h),
+        (4, False, 10 + 24 / 4 + 5 * a * s / (h * 4)),
+        (4, True, 34 / 4 + 5 * a * s / (h * 4)),
+    ):
         got = activation_bytes_per_layer(args, b, tp, sp, materialized_attention=True)
         assert got == pytest.approx(s * b * h * expected, rel=1e-12), (tp, sp)
 
@@ -369,22 +550,66 @@ def test_activation_formula_is_korthikanti_for_gpt3():
 def test_plan_json_and_the_error_that_names_what_to_change(tmp_path, capsys):
     from megatron_focus.planner import main
 
-    mistral = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32",
-               "--group-query-attention", "--num-query-groups", "8", "--ffn-hidden-size", "14336",
-               "--swiglu", "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights",
-               "--disable-bias-linear", "--position-embedding-type", "rope", "--seq-length", "2048",
-               "--global-batch-size", "256", "--train-iters", "3815", "--bf16", "--vocab-size", "32000",
-               "--hidden-dropout", "0", "--attention-dropout", "0"]
+    mistral = [
+        "--num-layers",
+        "32",
+        "--hidden-size",
+        "4096",
+        "--num-attention-heads",
+        "32",
+        "--group-query-attention",
+        "--num-query-groups",
+        "8",
+        "--ffn-hidden-size",
+        "14336",
+        "--swiglu",
+        "--normalization",
+        "RMSNorm",
+        "--untie-embeddings-and-output-weights",
+        "--disable-bias-linear",
+        "--position-embedding-type",
+        "rope",
+        "--seq-length",
+        "2048",
+        "--global-batch-size",
+        "256",
+        "--train-iters",
+        "3815",
+        "--bf16",
+        "--vocab-size",
+        "32000",
+        "--hidden-dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+    ]
     path = tmp_path / "plan.json"
-    assert main(mistral + ["--micro-batch-size", "2", "--nodes", "2", "--zero-stage", "3",
-                           "--target-days", "0.5", "--json", str(path)]) == 0
+    assert (
+        main(
+            mistral
+            + [
+                "--micro-batch-size",
+                "2",
+                "--nodes",
+                "2",
+                "--zero-stage",
+                "3",
+                "--target-days",
+                "0.5",
+                "--json",
+                str(path),
+            ]
+        )
+        == 0
+    )
     plan = json.loads(path.read_text())
     assert plan["fits"] and plan["parameters"]["total"] == 7_241_732_096
     th = plan["throughput"]
     assert th["train_tokens"] == 3815 * 256 * 2048
     assert th["tokens_per_sec_needed"] == pytest.approx(th["train_tokens"] / 43200)
     assert th["mfu_needed"] == pytest.approx(
-        th["tokens_per_sec_needed"] * plan["flops_per_token"] / 16 / 989e12)
+        th["tokens_per_sec_needed"] * plan["flops_per_token"] / 16 / 989e12
+    )
     assert "7.24B" in capsys.readouterr().out
 
     # ZeRO-1 on one 8-GPU node with micro-batch 8: optimizer states fit, activations do not.
@@ -405,19 +630,30 @@ def _fineweb_shards(folder, shards=3, docs=40):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    words = ("attention model token group window sparse exclusive value head layer train loss "
-             "the a of to and in is that for with as on by it from at this be are").split()
+    words = (
+        "attention model token group window sparse exclusive value head layer train loss "
+        "the a of to and in is that for with as on by it from at this be are"
+    ).split()
     rng = np.random.default_rng(0)
     folder.mkdir(parents=True)
     expected = []
     for shard in range(shards):
-        texts = [" ".join(rng.choice(words, size=int(rng.integers(5, 60)))).capitalize() + "."
-                 for _ in range(docs)]
+        texts = [
+            " ".join(rng.choice(words, size=int(rng.integers(5, 60)))).capitalize() + "."
+            for _ in range(docs)
+        ]
         texts[3] = ""  # an empty document: skipped and counted
-        pq.write_table(pa.table({
-            "text": texts, "id": [f"<urn:{shard}:{i}>" for i in range(docs)],
-            "url": ["https://example.org"] * docs, "token_count": [len(t) for t in texts],
-        }), folder / f"{shard:03d}_00000.parquet")
+        pq.write_table(
+            pa.table(
+                {
+                    "text": texts,
+                    "id": [f"<urn:{shard}:{i}>" for i in range(docs)],
+                    "url": ["https://example.org"] * docs,
+                    "token_count": [len(t) for t in texts],
+                }
+            ),
+            folder / f"{shard:03d}_00000.parquet",
+        )
         expected.append(docs - 1)
     return expected
 
@@ -430,19 +666,34 @@ def test_prepare_fineweb_holds_out_the_last_shard(tmp_path, tokenizer):
     from megatron_focus.data.tokenizer import build_tokenizer
 
     docs = _fineweb_shards(tmp_path / "fineweb" / "sample" / "10BT")
-    argv = ["--input", str(tmp_path / "fineweb/sample/10BT/*.parquet"),
-            "--output-prefix", str(tmp_path / "data" / "fw"), "--workers", "1"]
+    argv = [
+        "--input",
+        str(tmp_path / "fineweb/sample/10BT/*.parquet"),
+        "--output-prefix",
+        str(tmp_path / "data" / "fw"),
+        "--workers",
+        "1",
+    ]
     if tokenizer == "huggingface":
         from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.train_from_iterator(["attention model token group"] * 5, trainers.BpeTrainer(
-            vocab_size=300, special_tokens=["<pad>", "<|endoftext|>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        tok.train_from_iterator(
+            ["attention model token group"] * 5,
+            trainers.BpeTrainer(
+                vocab_size=300,
+                special_tokens=["<pad>", "<|endoftext|>"],
+                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            ),
+        )
         tok.save(str(tmp_path / "tokenizer.json"))
-        argv += ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
-                 str(tmp_path / "tokenizer.json")]
+        argv += [
+            "--tokenizer-type",
+            "HuggingFaceTokenizer",
+            "--tokenizer-model",
+            str(tmp_path / "tokenizer.json"),
+        ]
     else:
         argv += ["--train-tokenizer", "--vocab-size", "300"]
     tool = _tool("prepare_fineweb")
@@ -464,8 +715,9 @@ def test_prepare_fineweb_holds_out_the_last_shard(tmp_path, tokenizer):
     for i in range(len(held_out)):
         assert data[sum(docs[:2]) + i].tolist() == held_out[i].tolist()
     tokenizer_ = build_tokenizer(manifest["tokenizer_type"], manifest["tokenizer_model"])
-    train, valid, test = build_datasets([prefix], split, 16, 1, tokenizer_, (4, 4, 0),
-                                        str(tmp_path / "cache"))
+    train, valid, test = build_datasets(
+        [prefix], split, 16, 1, tokenizer_, (4, 4, 0), str(tmp_path / "cache")
+    )
     assert test is None
     assert valid.indices.tolist() == list(range(sum(docs[:2]), sum(docs)))
     assert train.indices.tolist() == list(range(sum(docs[:2])))
@@ -474,8 +726,17 @@ def test_prepare_fineweb_holds_out_the_last_shard(tmp_path, tokenizer):
 def test_prepare_fineweb_needs_a_shard_to_train_on(tmp_path):
     _fineweb_shards(tmp_path / "fw", shards=1)
     tool = _tool("prepare_fineweb")
-    args = tool.parse_args(["--input", str(tmp_path / "fw" / "*.parquet"), "--output-prefix",
-                            str(tmp_path / "out"), "--train-tokenizer", "--vocab-size", "300"])
+    args = tool.parse_args(
+        [
+            "--input",
+            str(tmp_path / "fw" / "*.parquet"),
+            "--output-prefix",
+            str(tmp_path / "out"),
+            "--train-tokenizer",
+            "--vocab-size",
+            "300",
+        ]
+    )
     with pytest.raises(ValueError, match="cannot hold out --valid-shards 1"):
         tool.prepare(args)
 
@@ -490,15 +751,38 @@ def test_compare_runs_plots_real_training_logs(embedded_cache, tmp_path, capsys)
     runs = tmp_path / "runs"
     for attention in ("standard", "xsa"):
         tb = runs / f"{attention}-seed1" / "tensorboard"
-        history = train(1, _argv(embedded_cache, "--attention", attention, "--tensorboard-dir",
-                                 str(tb), "--eval-interval", "3", iters=6))
+        history = train(
+            1,
+            _argv(
+                embedded_cache,
+                "--attention",
+                attention,
+                "--tensorboard-dir",
+                str(tb),
+                "--eval-interval",
+                "3",
+                iters=6,
+            ),
+        )
         assert len(history["validation"]) == 2
     # A second xsa "seed": same curves, so the group mean equals them and the spread is 0.
     shutil.copytree(runs / "xsa-seed1", runs / "xsa-seed2")
 
     out = tmp_path / "plots" / "compare"
-    assert _tool("compare_runs").main([str(runs), "--seq-length", "32", "--out", str(out),
-                                       "--json", str(tmp_path / "table.json")]) == 0
+    assert (
+        _tool("compare_runs").main(
+            [
+                str(runs),
+                "--seq-length",
+                "32",
+                "--out",
+                str(out),
+                "--json",
+                str(tmp_path / "table.json"),
+            ]
+        )
+        == 0
+    )
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert [row.split(" | ")[0] for row in table[1:]] == ["| standard", "| xsa"]
     assert table[2].split(" | ")[1] == "2"  # two xsa seeds
@@ -508,7 +792,8 @@ def test_compare_runs_plots_real_training_logs(embedded_cache, tmp_path, capsys)
     assert standard["tokens"] == xsa["tokens"] == 6 * 8 * 32  # iterations x batch x sequence
     assert xsa["runs"] == 2 and xsa["validation_loss_std"] == 0.0 and xsa["baseline"] == "standard"
     assert xsa["delta_validation_loss"] == pytest.approx(
-        xsa["validation_loss"] - standard["validation_loss"])
+        xsa["validation_loss"] - standard["validation_loss"]
+    )
     assert standard["validation_loss"] != xsa["validation_loss"]
 
     import matplotlib.image
@@ -532,8 +817,20 @@ def test_compare_runs_needs_the_sequence_length(tmp_path):
         tool.main([str(tmp_path / "a"), "--out", str(tmp_path / "x")])
     (tmp_path / "a" / "run.json").write_text(json.dumps({"label": "mine", "seq_length": 100}))
     path = tmp_path / "t.json"
-    assert tool.main([str(tmp_path / "a"), "--out", str(tmp_path / "x"), "--format", "svg",
-                      "--json", str(path)]) == 0
+    assert (
+        tool.main(
+            [
+                str(tmp_path / "a"),
+                "--out",
+                str(tmp_path / "x"),
+                "--format",
+                "svg",
+                "--json",
+                str(path),
+            ]
+        )
+        == 0
+    )
     (row,) = json.loads(path.read_text())["groups"]
     assert (row["label"], row["tokens"], row["train_loss"]) == ("mine", 3 * 16 * 100, 7.5)
     assert row["validation_loss"] is None and (tmp_path / "x.svg").exists()
@@ -541,11 +838,19 @@ def test_compare_runs_needs_the_sequence_length(tmp_path):
 
 def test_cpu_study_script_trains_every_variant_and_compares_them(tmp_path, embedded_cache):
     """examples/study_cpu.sh itself, shrunk: one seed, 2 iterations, a 1-layer model."""
-    shrink = (f"--data-cache-path {embedded_cache} --num-layers 1 --hidden-size 64 "
-              "--num-attention-heads 4 --micro-batch-size 2 --eval-iters 1 --focus-window 8")
-    out = _script(os.path.join(ROOT, "examples", "study_cpu.sh"), SEEDS="1", ITERS="2",
-                  SEQ_LENGTH="32", OUT=str(tmp_path / "runs"), STUDY_OUT=str(tmp_path / "study"),
-                  EXTRA_ARGS=shrink)
+    shrink = (
+        f"--data-cache-path {embedded_cache} --num-layers 1 --hidden-size 64 "
+        "--num-attention-heads 4 --micro-batch-size 2 --eval-iters 1 --focus-window 8"
+    )
+    out = _script(
+        os.path.join(ROOT, "examples", "study_cpu.sh"),
+        SEEDS="1",
+        ITERS="2",
+        SEQ_LENGTH="32",
+        OUT=str(tmp_path / "runs"),
+        STUDY_OUT=str(tmp_path / "study"),
+        EXTRA_ARGS=shrink,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     table = json.load(open(tmp_path / "study.json"))
     assert os.path.getsize(tmp_path / "study.png") > 10_000
@@ -558,14 +863,19 @@ def test_retrofit_recipe_smoke_runs_every_step(embedded_cache, tmp_path):
     export. Sparse mode with top-k = K keeps every causal pair, so it must score the base model's
     loss exactly (a check on the chain: routers trained, base read through the reference)."""
     run_dir = tmp_path / "retrofit"
-    out = _script(os.path.join(ROOT, "examples", "retrofit_gpt2.sh"), SMOKE=1,
-                  RUN_DIR=str(run_dir), DATA_CACHE=embedded_cache)
+    out = _script(
+        os.path.join(ROOT, "examples", "retrofit_gpt2.sh"),
+        SMOKE=1,
+        RUN_DIR=str(run_dir),
+        DATA_CACHE=embedded_cache,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "training 2,176 of" in out.stdout and "validation loss at iteration 0" in out.stdout
     base = json.load(open(run_dir / "eval-base.json"))["rows"]
     rows = json.load(open(run_dir / "eval-checkpoints.json"))["rows"]
     assert [(r["mode"], r["top_k"]) for r in rows] == [("soft", None)] + [
-        ("sparse", k) for k in range(1, 5)]
+        ("sparse", k) for k in range(1, 5)
+    ]
     assert rows[-1]["pairs_kept"] == 1.0 and rows[1]["pairs_kept"] < 1.0
     assert abs(rows[-1]["loss"] - base[0]["loss"]) < 1e-4
     assert os.path.isfile(run_dir / "checkpoints" / "iter_0000006" / "base_checkpoint.json")

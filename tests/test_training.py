@@ -8,20 +8,44 @@ import shutil
 
 import pytest
 import torch
-
 from distributed import run_distributed
 
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "8",
-        "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "2", "--log-interval", "1",
-        "--eval-interval", "1000", "--eval-iters", "1", "--hidden-dropout", "0",
-        "--attention-dropout", "0"]
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "4",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "1e-3",
+    "--min-lr",
+    "1e-4",
+    "--lr-warmup-iters",
+    "2",
+    "--log-interval",
+    "1",
+    "--eval-interval",
+    "1000",
+    "--eval-iters",
+    "1",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+]
 
 
 def _train(argv):
-    from pretrain_gpt import main as _  # noqa: F401  (the entry point imports cleanly)
     from megatron_focus.arguments import parse_args
     from megatron_focus.training.trainer import pretrain
+    from pretrain_gpt import main as _  # noqa: F401  (the entry point imports cleanly)
 
     return pretrain(parse_args(argv))
 
@@ -67,8 +91,11 @@ def test_checkpoints_with_pickled_code_are_refused(embedded_cache, tmp_path):
         with pytest.raises(Exception, match=f"{name} holds pickled objects that could run code"):
             train(1, _argv(embedded_cache, "--save", str(ckpt), "--load", str(ckpt), iters=4))
         _crafted(tag, name, original)
-    _crafted(tag, files[0], {**torch.load(tag / files[0], weights_only=False),
-                             "extra": _Payload(str(marker))})
+    _crafted(
+        tag,
+        files[0],
+        {**torch.load(tag / files[0], weights_only=False), "extra": _Payload(str(marker))},
+    )
     with pytest.raises(ValueError, match="--allow-unsafe-checkpoints"):
         export_to_hf(str(ckpt), str(tmp_path / "hf"), progress=False)
     assert not marker.exists()
@@ -87,8 +114,17 @@ def test_zero_data_parallel_matches_one_process(embedded_cache):
 @pytest.mark.slow
 def test_zero1_tensor_parallel_matches_tp1(embedded_cache):
     tp1 = train(1, _argv(embedded_cache, "--zero-stage", "1"))
-    tp2 = train(2, _argv(embedded_cache, "--zero-stage", "1", "--tensor-model-parallel-size", "2",
-                         "--sequence-parallel"))
+    tp2 = train(
+        2,
+        _argv(
+            embedded_cache,
+            "--zero-stage",
+            "1",
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+        ),
+    )
     torch.testing.assert_close(tp2["losses"], tp1["losses"], rtol=1e-5, atol=1e-5)
 
 
@@ -96,8 +132,9 @@ def _straight_stopped_resumed(world_size, cache, ckpt, flags, iters, stop):
     """The histories of a run of `iters` iterations, and of the same run stopped at `stop` and
     resumed from its checkpoint."""
     straight = train(world_size, _argv(cache, *flags, iters=iters))
-    first = train(world_size, _argv(cache, *flags, "--save", ckpt, "--exit-interval", str(stop),
-                                    iters=iters))
+    first = train(
+        world_size, _argv(cache, *flags, "--save", ckpt, "--exit-interval", str(stop), iters=iters)
+    )
     second = train(world_size, _argv(cache, *flags, "--save", ckpt, "--load", ckpt, iters=iters))
     return straight, first, second
 
@@ -117,7 +154,8 @@ def test_zero3_resume_is_exact_over_two_ranks(embedded_cache, tmp_path):
     """ZeRO-3's weights live partitioned in its optimizer files: a run stopped at 3 continues as
     if uninterrupted, as every other stage does."""
     straight, first, second = _straight_stopped_resumed(
-        2, embedded_cache, str(tmp_path / "ckpt"), ["--zero-stage", "3"], 5, 3)
+        2, embedded_cache, str(tmp_path / "ckpt"), ["--zero-stage", "3"], 5, 3
+    )
     assert first["losses"] + second["losses"] == straight["losses"]
 
 
@@ -126,18 +164,41 @@ def test_a_changed_schedule_on_resume_is_refused_unless_chosen(embedded_cache, t
     --override-opt_param-scheduler (this run's values) or --use-checkpoint-opt_param-scheduler
     (the checkpoint's); the LR the resumed run logs shows which won."""
     ckpt = str(tmp_path / "ckpt")
-    base = ["--save", ckpt, "--lr-decay-style", "constant", "--lr-warmup-iters", "0",
-            "--min-lr", "0"]
+    base = [
+        "--save",
+        ckpt,
+        "--lr-decay-style",
+        "constant",
+        "--lr-warmup-iters",
+        "0",
+        "--min-lr",
+        "0",
+    ]
     train(1, _argv(embedded_cache, *base, "--lr", "1e-3", "--exit-interval", "2"))
-    with pytest.raises(Exception, match=r"schedule differs from the checkpoint's: --lr 0.002 "
-                                        r"\(checkpoint: 0.001\), --lr-decay-iters 6"):
+    with pytest.raises(
+        Exception,
+        match=r"schedule differs from the checkpoint's: --lr 0.002 "
+        r"\(checkpoint: 0.001\), --lr-decay-iters 6",
+    ):
         train(1, _argv(embedded_cache, *base, "--lr", "2e-3", "--load", ckpt, iters=6))
     runs = {}
     for choice in ("--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"):
         shutil.copytree(ckpt, tmp_path / choice)
-        runs[choice] = train(1, _argv(embedded_cache, *base[2:], "--save", str(tmp_path / choice),
-                                      "--load", str(tmp_path / choice), "--lr", "2e-3", choice,
-                                      iters=3))
+        runs[choice] = train(
+            1,
+            _argv(
+                embedded_cache,
+                *base[2:],
+                "--save",
+                str(tmp_path / choice),
+                "--load",
+                str(tmp_path / choice),
+                "--lr",
+                "2e-3",
+                choice,
+                iters=3,
+            ),
+        )
     assert runs["--override-opt_param-scheduler"]["lr"] == [2e-3]
     assert runs["--use-checkpoint-opt_param-scheduler"]["lr"] == [1e-3]
 
@@ -163,8 +224,9 @@ def test_focus_gate_is_recorded_and_older_checkpoints_read_as_log_gate(embedded_
     sigmoid = _argv(embedded_cache, *focus, "--focus-gate", "sigmoid", "--load", ckpt, iters=4)
     with pytest.raises(Exception, match=r"focus_gate: checkpoint 'log', this run 'sigmoid'"):
         train(1, sigmoid)
-    resumed = train(1, _argv(embedded_cache, *focus, "--load", ckpt,
-                             "--override-opt_param-scheduler", iters=4))  # one more iteration
+    resumed = train(
+        1, _argv(embedded_cache, *focus, "--load", ckpt, "--override-opt_param-scheduler", iters=4)
+    )  # one more iteration
     assert len(resumed["losses"]) == 1
 
 
@@ -172,22 +234,60 @@ def test_default_run_loss_falls_and_logs_to_tensorboard(embedded_cache, tmp_path
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tb = str(tmp_path / "tb")
-    history = train(1, ["--data-cache-path", embedded_cache, "--train-iters", "12",
-                        "--num-layers", "2", "--seq-length", "64", "--eval-interval", "6",
-                        "--eval-iters", "1", "--log-interval", "3", "--tensorboard-dir", tb,
-                        "--log-throughput", "--log-timers-to-tensorboard",
-                        "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard",
-                        "--log-params-norm"])
+    history = train(
+        1,
+        [
+            "--data-cache-path",
+            embedded_cache,
+            "--train-iters",
+            "12",
+            "--num-layers",
+            "2",
+            "--seq-length",
+            "64",
+            "--eval-interval",
+            "6",
+            "--eval-iters",
+            "1",
+            "--log-interval",
+            "3",
+            "--tensorboard-dir",
+            tb,
+            "--log-throughput",
+            "--log-timers-to-tensorboard",
+            "--log-validation-ppl-to-tensorboard",
+            "--log-memory-to-tensorboard",
+            "--log-params-norm",
+        ],
+    )
     losses = history["losses"]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5
     events = EventAccumulator(tb)
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    megatron = {"lm loss", "lm loss validation", "lm loss validation ppl", "learning-rate",
-                "grad-norm", "params-norm", "batch-size", "loss-scale"}  # also vs samples
-    assert megatron | {f"{tag} vs samples" for tag in megatron} | {
-        "iteration-time", "throughput", "tokens-per-sec", "tflops-per-device",
-        "mem-peak-rss-bytes", "mem-rss-bytes"} <= tags
+    megatron = {
+        "lm loss",
+        "lm loss validation",
+        "lm loss validation ppl",
+        "learning-rate",
+        "grad-norm",
+        "params-norm",
+        "batch-size",
+        "loss-scale",
+    }  # also vs samples
+    assert (
+        megatron
+        | {f"{tag} vs samples" for tag in megatron}
+        | {
+            "iteration-time",
+            "throughput",
+            "tokens-per-sec",
+            "tflops-per-device",
+            "mem-peak-rss-bytes",
+            "mem-rss-bytes",
+        }
+        <= tags
+    )
     assert [e.step for e in events.Scalars("lm loss")] == [3, 6, 9, 12]
     # 8 sequences per iteration (the demo's micro-batch, one rank)
     assert [e.step for e in events.Scalars("lm loss vs samples")] == [24, 48, 72, 96]
@@ -228,6 +328,7 @@ def _host_reads(argv):
         def read(self, *args, **kwargs):
             counts["reads"] += ours()
             return method(self, *args, **kwargs)
+
         return read
 
     for name in ("tolist", "cpu", "numpy"):
@@ -240,10 +341,22 @@ def _host_reads(argv):
 def test_training_reads_the_device_once_per_logged_iteration(embedded_cache):
     """Twice the iterations with the same number of log lines: not one host read more; one
     more log line: exactly one more. Focus+XSA, whose statistics are logged too."""
+
     def reads(iters, log_interval):
-        argv = _argv(embedded_cache, "--attention", "focus+xsa", "--focus-window", "8",
-                     "--focus-groups", "4", "--eval-iters", "0", "--log-interval",
-                     str(log_interval), iters=iters)
+        argv = _argv(
+            embedded_cache,
+            "--attention",
+            "focus+xsa",
+            "--focus-window",
+            "8",
+            "--focus-groups",
+            "4",
+            "--eval-iters",
+            "0",
+            "--log-interval",
+            str(log_interval),
+            iters=iters,
+        )
         count, steps = run_distributed(_host_reads, 1, argv)
         assert steps == iters
         return count
@@ -253,26 +366,54 @@ def test_training_reads_the_device_once_per_logged_iteration(embedded_cache):
     assert reads(8, 4) == one_log + 1
 
 
-@pytest.mark.parametrize("argv, error", [
-    (["--micro-batch-size", "3", "--global-batch-size", "8"], "not divisible by --micro-batch"),
-    (["--data-path", "nowhere/text_document", "--tokenizer-type", "SentencePieceTokenizer",
-      "--tokenizer-model", "nowhere.model"], "nowhere"),
-    (["--data-path", "x_text_document"], "go together"),
-])
+@pytest.mark.parametrize(
+    "argv, error",
+    [
+        (["--micro-batch-size", "3", "--global-batch-size", "8"], "not divisible by --micro-batch"),
+        (
+            [
+                "--data-path",
+                "nowhere/text_document",
+                "--tokenizer-type",
+                "SentencePieceTokenizer",
+                "--tokenizer-model",
+                "nowhere.model",
+            ],
+            "nowhere",
+        ),
+        (["--data-path", "x_text_document"], "go together"),
+    ],
+)
 def test_bad_flags_are_refused_before_any_model(argv, error):
     with pytest.raises(Exception, match=error) as failure:
         train(1, argv)
     assert "build_model" not in str(failure.value)  # refused before the model was built
 
 
-@pytest.mark.parametrize("flag, value", [
-    ("--seq-length", "0"), ("--num-layers", "0"), ("--hidden-size", "0"),
-    ("--num-attention-heads", "0"), ("--kv-channels", "0"), ("--micro-batch-size", "0"),
-    ("--tensor-model-parallel-size", "0"), ("--make-vocab-size-divisible-by", "0"),
-    ("--log-interval", "0"), ("--eval-interval", "0"), ("--exit-interval", "-1"),
-    ("--clip-grad", "-1.0"), ("--rotary-percent", "0.0"), ("--rotary-percent", "1.5"),
-    ("--hidden-dropout", "1.0"), ("--max-skipped-steps", "-1"), ("--lr", "-0.001"),
-    ("--focus-groups", "0"), ("--focus-tau", "0.0")])
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--seq-length", "0"),
+        ("--num-layers", "0"),
+        ("--hidden-size", "0"),
+        ("--num-attention-heads", "0"),
+        ("--kv-channels", "0"),
+        ("--micro-batch-size", "0"),
+        ("--tensor-model-parallel-size", "0"),
+        ("--make-vocab-size-divisible-by", "0"),
+        ("--log-interval", "0"),
+        ("--eval-interval", "0"),
+        ("--exit-interval", "-1"),
+        ("--clip-grad", "-1.0"),
+        ("--rotary-percent", "0.0"),
+        ("--rotary-percent", "1.5"),
+        ("--hidden-dropout", "1.0"),
+        ("--max-skipped-steps", "-1"),
+        ("--lr", "-0.001"),
+        ("--focus-groups", "0"),
+        ("--focus-tau", "0.0"),
+    ],
+)
 def test_values_no_run_can_use_are_refused_by_name(flag, value):
     """Checked as the flags are parsed: before data, model or engine."""
     from megatron_focus.arguments import parse_args
@@ -293,8 +434,21 @@ def test_skipped_steps_in_a_row_stop_the_run(embedded_cache, tmp_path):
     third in a row stops the run before another checkpoint."""
     ckpt = tmp_path / "ckpt"
     with pytest.raises(Exception, match=r"non-finite for 3 steps in a row \(iterations 1-3\)"):
-        train(1, _argv(embedded_cache, "--init-method-std", "1e30", "--max-skipped-steps", "3",
-                       "--save", str(ckpt), "--save-interval", "1", iters=30))
+        train(
+            1,
+            _argv(
+                embedded_cache,
+                "--init-method-std",
+                "1e30",
+                "--max-skipped-steps",
+                "3",
+                "--save",
+                str(ckpt),
+                "--save-interval",
+                "1",
+                iters=30,
+            ),
+        )
     assert (ckpt / "latest").read_text() == "iter_0000002"
     assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000001", "iter_0000002"]
 
@@ -332,11 +486,19 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(embedded_cache, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     argv = _argv(embedded_cache, "--save", ckpt, "--exit-signal-handler", iters=10_000)
     # A fresh world of one: not the rendezvous of this pytest process's own process group.
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.Popen([sys.executable, "pretrain_gpt.py", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=os.path.dirname(os.path.dirname(__file__)))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "pretrain_gpt.py", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
     try:
         for line in proc.stdout:
             if "iteration        2/" in line:
@@ -355,9 +517,25 @@ def test_focus_training_logs_groups_and_both_validation_modes(embedded_cache, tm
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tb = str(tmp_path / "tb")
-    history = train(1, _argv(embedded_cache, "--attention", "focus+xsa", "--focus-window", "8",
-                             "--focus-groups", "4", "--lr", "3e-3", "--eval-interval", "6",
-                             "--tensorboard-dir", tb, iters=12))
+    history = train(
+        1,
+        _argv(
+            embedded_cache,
+            "--attention",
+            "focus+xsa",
+            "--focus-window",
+            "8",
+            "--focus-groups",
+            "4",
+            "--lr",
+            "3e-3",
+            "--eval-interval",
+            "6",
+            "--tensorboard-dir",
+            tb,
+            iters=12,
+        ),
+    )
     losses = history["losses"]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3
     events = EventAccumulator(tb)
@@ -365,8 +543,9 @@ def test_focus_training_logs_groups_and_both_validation_modes(embedded_cache, tm
     tags = set(events.Tags()["scalars"])
     assert {"lm loss validation", "lm loss validation sparse"} <= tags
     for layer in ("01", "02"):
-        assert {f"focus/layer{layer}/{s}" for s in ("largest-group", "group-entropy",
-                                                     "pairs-kept")} <= tags
+        assert {
+            f"focus/layer{layer}/{s}" for s in ("largest-group", "group-entropy", "pairs-kept")
+        } <= tags
         largest = [e.value for e in events.Scalars(f"focus/layer{layer}/largest-group")]
         assert len(largest) == 12 and max(largest) < 2 / 4  # never twice the balanced share
 
@@ -384,8 +563,9 @@ def _full_weights(ckpt):
 
     tag_dir = native.checkpoint_tag_dir(ckpt)
     vocab_size, _ = native.checkpoint_vocabulary(tag_dir)
-    return native.read_weights(tag_dir, native.read_architecture(tag_dir, vocab_size),
-                               progress=False)
+    return native.read_weights(
+        tag_dir, native.read_architecture(tag_dir, vocab_size), progress=False
+    )
 
 
 def _optimizer_numel(ckpt):
@@ -404,22 +584,50 @@ def _optimizer_numel(ckpt):
 
     files = [f for f in os.listdir(tag_dir) if f.endswith("optim_states.pt")]
     assert files
-    return sum(numel(torch.load(os.path.join(tag_dir, f), weights_only=False)["optimizer_state_dict"])
-               for f in files)
+    return sum(
+        numel(torch.load(os.path.join(tag_dir, f), weights_only=False)["optimizer_state_dict"])
+        for f in files
+    )
 
 
 def test_retrofit_trains_only_the_routers(embedded_cache, tmp_path):
     base_ckpt, retro_ckpt, full_ckpt = (str(tmp_path / d) for d in ("base", "retro", "full"))
     train(1, _argv(embedded_cache, "--save", base_ckpt, iters=3))
     base = _full_weights(base_ckpt)
-    focus = ["--attention", "focus", "--focus-window", "4", "--focus-groups", "4",
-             "--eval-interval", "3", "--lr", "1e-2"]
-    train(1, _argv(embedded_cache, *focus, "--retrofit", "--load", base_ckpt,
-                   "--save", retro_ckpt, "--save-interval", "1", iters=3))
+    focus = [
+        "--attention",
+        "focus",
+        "--focus-window",
+        "4",
+        "--focus-groups",
+        "4",
+        "--eval-interval",
+        "3",
+        "--lr",
+        "1e-2",
+    ]
+    train(
+        1,
+        _argv(
+            embedded_cache,
+            *focus,
+            "--retrofit",
+            "--load",
+            base_ckpt,
+            "--save",
+            retro_ckpt,
+            "--save-interval",
+            "1",
+            iters=3,
+        ),
+    )
     routers = 2 * (64 * 16 + 4 * 16)
     # The checkpoint holds the routers only, their optimizer state only, and names its base.
     first, trained = _module(retro_ckpt, "iter_0000001"), _module(retro_ckpt)
-    assert all(".router." in k for k in trained) and sum(w.numel() for w in trained.values()) == routers
+    assert (
+        all(".router." in k for k in trained)
+        and sum(w.numel() for w in trained.values()) == routers
+    )
     assert all(not torch.equal(trained[k], first[k]) for k in trained)  # the routers learn
     assert _optimizer_numel(retro_ckpt) == 3 * routers  # fp32 master, exp_avg, exp_avg_sq
     assert _optimizer_numel(base_ckpt) == 3 * sum(w.numel() for w in _module(base_ckpt).values())
@@ -431,8 +639,20 @@ def test_retrofit_trains_only_the_routers(embedded_cache, tmp_path):
         assert torch.equal(after[name], weight), name  # every base weight bit-identical
     # Resuming a retrofit run is an ordinary resume (iteration 3 -> 4, base still frozen), and
     # its checkpoints still name the original base.
-    resumed = train(1, _argv(embedded_cache, *focus, "--retrofit", "--load", retro_ckpt,
-                             "--save", retro_ckpt, "--override-opt_param-scheduler", iters=4))
+    resumed = train(
+        1,
+        _argv(
+            embedded_cache,
+            *focus,
+            "--retrofit",
+            "--load",
+            retro_ckpt,
+            "--save",
+            retro_ckpt,
+            "--override-opt_param-scheduler",
+            iters=4,
+        ),
+    )
     assert len(resumed["losses"]) == 1
     with open(os.path.join(retro_ckpt, "iter_0000004", "base_checkpoint.json")) as f:
         assert json.load(f)["load"] == os.path.abspath(base_ckpt)
@@ -440,16 +660,39 @@ def test_retrofit_trains_only_the_routers(embedded_cache, tmp_path):
     assert all(torch.equal(after_resume[k], w) for k, w in base.items())
     assert all(not torch.equal(after_resume[k], after[k]) for k in trained)
     # --save-full: a complete checkpoint, equal to base + routers.
-    train(1, _argv(embedded_cache, *focus, "--retrofit", "--save-full", "--load", base_ckpt,
-                   "--save", full_ckpt, iters=3))
+    train(
+        1,
+        _argv(
+            embedded_cache,
+            *focus,
+            "--retrofit",
+            "--save-full",
+            "--load",
+            base_ckpt,
+            "--save",
+            full_ckpt,
+            iters=3,
+        ),
+    )
     assert not os.path.exists(os.path.join(full_ckpt, "iter_0000003", "base_checkpoint.json"))
     whole = _module(full_ckpt)
     assert whole.keys() == after.keys() and sum(".router." in k for k in whole) == len(trained)
     # A trained-only checkpoint whose base is gone is refused before any weight is read.
     shutil.rmtree(base_ckpt)
     with pytest.raises(Exception, match="holds only a retrofit.s routers"):
-        train(1, _argv(embedded_cache, *focus, "--retrofit", "--load", retro_ckpt,
-                       "--save", retro_ckpt, iters=5))
+        train(
+            1,
+            _argv(
+                embedded_cache,
+                *focus,
+                "--retrofit",
+                "--load",
+                retro_ckpt,
+                "--save",
+                retro_ckpt,
+                iters=5,
+            ),
+        )
 
 
 @pytest.mark.slow
@@ -459,9 +702,27 @@ def test_retrofit_under_tensor_and_sequence_parallelism(embedded_cache, tmp_path
     base_ckpt, retro_ckpt = str(tmp_path / "base"), str(tmp_path / "retro")
     tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--zero-stage", "2"]
     train(2, _argv(embedded_cache, *tp, "--save", base_ckpt, iters=3))
-    train(2, _argv(embedded_cache, *tp, "--attention", "focus", "--focus-window", "4",
-                   "--focus-groups", "4", "--lr", "1e-2", "--retrofit", "--load", base_ckpt,
-                   "--save", retro_ckpt, iters=3))
+    train(
+        2,
+        _argv(
+            embedded_cache,
+            *tp,
+            "--attention",
+            "focus",
+            "--focus-window",
+            "4",
+            "--focus-groups",
+            "4",
+            "--lr",
+            "1e-2",
+            "--retrofit",
+            "--load",
+            base_ckpt,
+            "--save",
+            retro_ckpt,
+            iters=3,
+        ),
+    )
     base, after = _full_weights(base_ckpt), _full_weights(retro_ckpt)
     assert all(torch.equal(after[k], w) for k, w in base.items())
     assert len(after.keys() - base.keys()) == 4  # 2 layers x (W_g, C)
@@ -473,17 +734,58 @@ def test_retrofit_lowers_the_validation_loss(embedded_cache, tmp_path):
     pairs are distant), only the routers trained. The run validates at iteration 0 (the base with
     fresh routers) and must win back a good part of what adding Focus cost, in soft mode; the
     sparse (top-2) loss is reported beside it and falls too."""
-    model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-             "--seq-length", "128", "--micro-batch-size", "8", "--global-batch-size", "8",
-             "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-iters", "4",
-             "--log-interval", "50", "--data-cache-path", embedded_cache]
+    model = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "128",
+        "--micro-batch-size",
+        "8",
+        "--global-batch-size",
+        "8",
+        "--hidden-dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+        "--eval-iters",
+        "4",
+        "--log-interval",
+        "50",
+        "--data-cache-path",
+        embedded_cache,
+    ]
     base_ckpt = str(tmp_path / "base")
-    base = train(1, model + ["--train-iters", "400", "--lr", "3e-3", "--eval-interval", "400",
-                             "--save", base_ckpt])
-    retrofit = train(1, model + ["--train-iters", "100", "--lr", "1e-2", "--eval-interval", "100",
-                                 "--attention", "focus", "--focus-window", "2",
-                                 "--focus-groups", "4", "--retrofit", "--load", base_ckpt])
-    (_, pretrained), = base["validation"]
+    base = train(
+        1,
+        model
+        + ["--train-iters", "400", "--lr", "3e-3", "--eval-interval", "400", "--save", base_ckpt],
+    )
+    retrofit = train(
+        1,
+        model
+        + [
+            "--train-iters",
+            "100",
+            "--lr",
+            "1e-2",
+            "--eval-interval",
+            "100",
+            "--attention",
+            "focus",
+            "--focus-window",
+            "2",
+            "--focus-groups",
+            "4",
+            "--retrofit",
+            "--load",
+            base_ckpt,
+        ],
+    )
+    ((_, pretrained),) = base["validation"]
     (start_iter, start), (end_iter, end) = retrofit["validation"]
     (_, sparse_start), (_, sparse_end) = retrofit["validation sparse"]
     assert (start_iter, end_iter) == (0, 100)
@@ -499,10 +801,31 @@ def test_retrofit_trains_148k_parameters_on_gpt2_124m_shape(single_process):
     from megatron_focus.model.gpt import build_model
 
     platform.manual_seed(0)
-    args = parse_args(["--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12",
-                       "--seq-length", "1024", "--attention", "focus", "--focus-groups", "4",
-                       "--retrofit", "--load", "unused", "--data-path", "x",
-                       "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", "y"])
+    args = parse_args(
+        [
+            "--num-layers",
+            "12",
+            "--hidden-size",
+            "768",
+            "--num-attention-heads",
+            "12",
+            "--seq-length",
+            "1024",
+            "--attention",
+            "focus",
+            "--focus-groups",
+            "4",
+            "--retrofit",
+            "--load",
+            "unused",
+            "--data-path",
+            "x",
+            "--tokenizer-type",
+            "SentencePieceTokenizer",
+            "--tokenizer-model",
+            "y",
+        ]
+    )
     model = build_model(args, 50257)
     router = sum(p.numel() for n, p in model.named_parameters() if ".router." in n)
     total = sum(p.numel() for p in model.parameters())
@@ -525,8 +848,9 @@ def _saved_bytes_loss_and_grad(argvs):
         platform.manual_seed(args.seed)
         args.padded_vocab_size = 128
         model = build_model(args, 100)
-        tokens = torch.randint(0, 100, (2, args.seq_length),
-                               generator=torch.Generator().manual_seed(0))
+        tokens = torch.randint(
+            0, 100, (2, args.seq_length), generator=torch.Generator().manual_seed(0)
+        )
         kept = []
 
         def pack(t):
@@ -541,10 +865,18 @@ def _saved_bytes_loss_and_grad(argvs):
     return results
 
 
-RECOMPUTE = (["--recompute-activations"],
-             ["--recompute-granularity", "full", "--recompute-method", "uniform"],
-             ["--recompute-granularity", "full", "--recompute-method", "block",
-              "--recompute-num-layers", "2"])
+RECOMPUTE = (
+    ["--recompute-activations"],
+    ["--recompute-granularity", "full", "--recompute-method", "uniform"],
+    [
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "block",
+        "--recompute-num-layers",
+        "2",
+    ],
+)
 
 
 def test_recompute_keeps_less_for_backward_and_computes_the_same():
@@ -552,13 +884,14 @@ def test_recompute_keeps_less_for_backward_and_computes_the_same():
     input of the selective checkpoint): fewer bytes kept, the same loss and gradients."""
     argvs = []
     for attention in ("standard", "xsa", "focus+xsa"):
-        focus = ["--focus-window", "8", "--focus-groups", "4"] if attention.startswith(
-            "focus") else []
+        focus = (
+            ["--focus-window", "8", "--focus-groups", "4"] if attention.startswith("focus") else []
+        )
         base = TINY + ["--attention", attention, "--num-layers", "4", *focus]
         argvs += [base] + [base + flags for flags in RECOMPUTE]
     results = run_distributed(_saved_bytes_loss_and_grad, 1, argvs)
     for i in range(0, len(results), 1 + len(RECOMPUTE)):
-        (saved, loss, grad), *recomputed = results[i: i + 1 + len(RECOMPUTE)]
+        (saved, loss, grad), *recomputed = results[i : i + 1 + len(RECOMPUTE)]
         for flags, (less, same_loss, same_grad) in zip(RECOMPUTE, recomputed):
             assert less < saved, (argvs[i], flags)
             assert same_loss == pytest.approx(loss, rel=1e-6), (argvs[i], flags)
@@ -570,8 +903,9 @@ def test_decoupled_lr_gives_the_embedding_and_output_their_own_schedule(embedded
     their own peak and floor; every other weight follows --lr. Untied, so both layers exist."""
     flags = ["--untie-embeddings-and-output-weights", "--lr-decay-style", "linear"]
     plain = train(1, _argv(embedded_cache, *flags))
-    same = train(1, _argv(embedded_cache, *flags, "--decoupled-lr", "1e-3",
-                          "--decoupled-min-lr", "1e-4"))  # = --lr, --min-lr of TINY
+    same = train(
+        1, _argv(embedded_cache, *flags, "--decoupled-lr", "1e-3", "--decoupled-min-lr", "1e-4")
+    )  # = --lr, --min-lr of TINY
     assert same["losses"] == plain["losses"]
     other = train(1, _argv(embedded_cache, *flags, "--decoupled-lr", "1e-2"))
     assert other["losses"][0] == plain["losses"][0] and other["losses"][1:] != plain["losses"][1:]
@@ -615,8 +949,16 @@ def test_wandb_gets_the_curves_megatron_logs(embedded_cache, tmp_path, monkeypat
     (fake / "wandb" / "__init__.py").write_text(FAKE_WANDB)
     monkeypatch.syspath_prepend(str(fake))  # the spawned ranks take the parent's sys.path
     monkeypatch.setenv("FAKE_WANDB_OUT", str(tmp_path / "calls.json"))
-    flags = ["--wandb-project", "proj", "--wandb-exp-name", "exp", "--eval-interval", "2",
-             "--save", str(tmp_path / "run")]
+    flags = [
+        "--wandb-project",
+        "proj",
+        "--wandb-exp-name",
+        "exp",
+        "--eval-interval",
+        "2",
+        "--save",
+        str(tmp_path / "run"),
+    ]
     history = train(1, _argv(embedded_cache, *flags))
     calls = json.loads((tmp_path / "calls.json").read_text())
     assert calls["init"]["project"] == "proj" and calls["init"]["name"] == "exp"
@@ -624,8 +966,11 @@ def test_wandb_gets_the_curves_megatron_logs(embedded_cache, tmp_path, monkeypat
     assert "lr" in calls["init"]["config"] and "attention" in calls["init"]["config"]
     logged = [(step, data["lm loss"]) for step, data in calls["log"] if "lm loss" in data]
     assert logged == list(enumerate(history["losses"], start=1))
-    assert [(step, data["lm loss validation"]) for step, data in calls["log"]
-            if "lm loss validation" in data] == history["validation"]
+    assert [
+        (step, data["lm loss validation"])
+        for step, data in calls["log"]
+        if "lm loss validation" in data
+    ] == history["validation"]
 
 
 def test_real_wandb_offline_takes_the_same_calls(embedded_cache, tmp_path, monkeypatch):
@@ -634,24 +979,61 @@ def test_real_wandb_offline_takes_the_same_calls(embedded_cache, tmp_path, monke
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    real = train(1, _argv(embedded_cache, "--wandb-project", "proj", "--wandb-exp-name", "exp",
-                          "--wandb-save-dir", str(tmp_path / "wb"), iters=3))
+    real = train(
+        1,
+        _argv(
+            embedded_cache,
+            "--wandb-project",
+            "proj",
+            "--wandb-exp-name",
+            "exp",
+            "--wandb-save-dir",
+            str(tmp_path / "wb"),
+            iters=3,
+        ),
+    )
     assert len(real["losses"]) == 3
     runs = glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(runs) == 1 and os.path.getsize(runs[0]) > 0
 
 
 def test_mock_data_trains_with_megatron_data_flags(tmp_path):
-    history = train(1, TINY + ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
-                               "500", "--train-iters", "3", "--eod-mask-loss",
-                               "--reset-position-ids", "--reset-attention-mask",
-                               "--data-cache-path", str(tmp_path)])
+    history = train(
+        1,
+        TINY
+        + [
+            "--mock-data",
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "500",
+            "--train-iters",
+            "3",
+            "--eod-mask-loss",
+            "--reset-position-ids",
+            "--reset-attention-mask",
+            "--data-cache-path",
+            str(tmp_path),
+        ],
+    )
     assert len(history["losses"]) == 3 and all(math.isfinite(x) for x in history["losses"])
 
 
 def test_profile_writes_a_pytorch_trace_of_the_chosen_steps(embedded_cache, tmp_path):
     tb = tmp_path / "tb"
-    train(1, _argv(embedded_cache, "--profile", "--profile-step-start", "1",
-                   "--profile-step-end", "2", "--tensorboard-dir", str(tb), iters=3))
+    train(
+        1,
+        _argv(
+            embedded_cache,
+            "--profile",
+            "--profile-step-start",
+            "1",
+            "--profile-step-end",
+            "2",
+            "--tensorboard-dir",
+            str(tb),
+            iters=3,
+        ),
+    )
     traces = list(tb.glob("*.pt.trace.json"))
     assert len(traces) == 1 and '"ProfilerStep#' in traces[0].read_text()

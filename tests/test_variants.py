@@ -4,7 +4,6 @@ exports, with no other file knowing its name."""
 
 import pytest
 import torch
-
 from distributed import run_distributed
 from test_training import _argv, train
 
@@ -24,13 +23,13 @@ def _export_and_compare(ckpt, hf):
     return getattr(model.config, "layer_attention", None), type(model).__name__, diff
 
 
-def test_a_registered_variant_trains_checkpoints_and_exports(embedded_cache, tmp_path,
-                                                             monkeypatch):
+def test_a_registered_variant_trains_checkpoints_and_exports(embedded_cache, tmp_path, monkeypatch):
     monkeypatch.setenv("MEGATRON_FOCUS_VARIANTS", "toy_variant")
     ckpt, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     explicit = ["--attention", "explicit"]
-    first = train(1, _argv(embedded_cache, *explicit, "--save", ckpt, "--exit-interval", "3",
-                           iters=4))
+    first = train(
+        1, _argv(embedded_cache, *explicit, "--save", ckpt, "--exit-interval", "3", iters=4)
+    )
     resumed = train(1, _argv(embedded_cache, *explicit, "--save", ckpt, "--load", ckpt, iters=4))
     standard = train(1, _argv(embedded_cache, iters=4))  # the same function, SDPA's kernel
     assert first["losses"] + resumed["losses"] == pytest.approx(standard["losses"], rel=1e-5)

@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_parallel import BATCH, FAMILIES, SEQ, VOCAB
 
 from megatron_focus import platform
 from megatron_focus.arguments import parse_args
 from megatron_focus.model.xsa import exclusive_projection
-from test_parallel import BATCH, FAMILIES, SEQ, VOCAB
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -116,8 +116,9 @@ def _reference_logits(args, model, tokens):
     def norm(x, name):
         if args.normalization == "RMSNorm":
             return F.rms_norm(x, x.shape[-1:], w[f"{name}.weight"], args.norm_epsilon)
-        return F.layer_norm(x, x.shape[-1:], w[f"{name}.weight"], w[f"{name}.bias"],
-                            args.norm_epsilon)
+        return F.layer_norm(
+            x, x.shape[-1:], w[f"{name}.weight"], w[f"{name}.bias"], args.norm_epsilon
+        )
 
     def linear(x, name):
         return F.linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"))
@@ -149,8 +150,11 @@ def _reference_logits(args, model, tokens):
             h = F.gelu(h)
         x = x + linear(h, f"{layer}.mlp.linear_fc2")
     x = norm(x, "decoder.final_layernorm")
-    out = w["output_layer.weight" if args.untie_embeddings_and_output_weights
-            else "embedding.word_embeddings.weight"]
+    out = w[
+        "output_layer.weight"
+        if args.untie_embeddings_and_output_weights
+        else "embedding.word_embeddings.weight"
+    ]
     return x @ out.T
 
 
@@ -160,8 +164,9 @@ def test_model_matches_plain_pytorch_reference(single_process, family, attention
     args, model = _build(FAMILIES[family] + ["--attention", attention])
     with torch.no_grad():
         logits = model(TOKENS, POSITIONS, None)
-        torch.testing.assert_close(logits, _reference_logits(args, model, TOKENS),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            logits, _reference_logits(args, model, TOKENS), rtol=1e-5, atol=1e-5
+        )
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama-gqa"])
@@ -179,8 +184,10 @@ def test_xsa_adds_no_parameters_and_changes_the_logits(single_process, family):
 def _layer_outputs(model):
     """Each transformer layer's output hidden state for TOKENS."""
     outputs = []
-    hooks = [layer.register_forward_hook(lambda _m, _i, out: outputs.append(out[0]))
-             for layer in model.decoder.layers]
+    hooks = [
+        layer.register_forward_hook(lambda _m, _i, out: outputs.append(out[0]))
+        for layer in model.decoder.layers
+    ]
     with torch.no_grad():
         logits = model(TOKENS, POSITIONS, None)
     for hook in hooks:
@@ -210,11 +217,16 @@ def test_xsa_layers_applies_xsa_only_on_the_listed_layers(single_process):
     assert torch.equal(_layer_outputs(listed)[1], _layer_outputs(every)[1])
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--xsa-layers", "1"], "needs --attention xsa or focus\\+xsa, not standard"),
-    (["--attention", "xsa", "--num-layers", "4", "--xsa-layers", "0", "2", "5"],
-     "--xsa-layers 0 5: no such layer; layers are numbered 1 to --num-layers 4"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--xsa-layers", "1"], "needs --attention xsa or focus\\+xsa, not standard"),
+        (
+            ["--attention", "xsa", "--num-layers", "4", "--xsa-layers", "0", "2", "5"],
+            "--xsa-layers 0 5: no such layer; layers are numbered 1 to --num-layers 4",
+        ),
+    ],
+)
 def test_bad_xsa_layers_are_refused(argv, message):
     with pytest.raises(ValueError, match=message):
         parse_args(argv)

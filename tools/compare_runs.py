@@ -1,7 +1,8 @@
 """Put the loss curves of several runs side by side: plots (PNG/SVG) and a final-loss table.
 
     python tools/compare_runs.py runs/0.7b-*/ --out plots/0.7b
-    python tools/compare_runs.py standard=runs/a/tensorboard xsa=runs/b/tensorboard --seq-length 2048
+    python tools/compare_runs.py standard=runs/a/tensorboard xsa=runs/b/tensorboard \
+        --seq-length 2048
 
 Each argument is a run, `LABEL=PATH`, or a glob; PATH is a TensorBoard folder, a run folder with a
 `tensorboard/` inside (as examples/pretrain.sh makes), or a folder of such runs. Runs that share a
@@ -60,8 +61,7 @@ class Run:
         elif self.global_batch_size:
             batch = np.full(len(steps), float(self.global_batch_size))
         else:
-            raise ValueError(f"{self.path} logs no '{BATCH_TAG}' scalar: pass "
-                             "--global-batch-size")
+            raise ValueError(f"{self.path} logs no '{BATCH_TAG}' scalar: pass --global-batch-size")
         return steps * batch * self.seq_length
 
 
@@ -87,8 +87,11 @@ def find_runs(arguments: List[str]) -> List[tuple]:
             elif _has_events(os.path.join(path, "tensorboard")):
                 matched.append(os.path.join(path, "tensorboard"))
             else:
-                matched += sorted(root for root, _, files in os.walk(path)
-                                  if any(f.startswith("events.out.tfevents.") for f in files))
+                matched += sorted(
+                    root
+                    for root, _, files in os.walk(path)
+                    if any(f.startswith("events.out.tfevents.") for f in files)
+                )
         if not matched:
             raise FileNotFoundError(f"{pattern}: no TensorBoard event files found")
         found += [(label or None, m) for m in matched]
@@ -112,14 +115,22 @@ def _default_label(tb_dir: str) -> str:
     return SEED_RE.sub("", name) or name
 
 
-def read_run(label: Optional[str], tb_dir: str, seq_length: Optional[int],
-             global_batch_size: Optional[int], tags: List[str]) -> Run:
+def read_run(
+    label: Optional[str],
+    tb_dir: str,
+    seq_length: Optional[int],
+    global_batch_size: Optional[int],
+    tags: List[str],
+) -> Run:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     meta = _run_json(tb_dir)
-    run = Run(path=tb_dir, label=label or meta.get("label") or _default_label(tb_dir),
-              seq_length=seq_length or meta.get("seq_length"),
-              global_batch_size=global_batch_size or meta.get("global_batch_size"))
+    run = Run(
+        path=tb_dir,
+        label=label or meta.get("label") or _default_label(tb_dir),
+        seq_length=seq_length or meta.get("seq_length"),
+        global_batch_size=global_batch_size or meta.get("global_batch_size"),
+    )
     events = EventAccumulator(tb_dir, size_guidance={"scalars": 0})  # 0: keep every point
     events.Reload()
     available = set(events.Tags()["scalars"])
@@ -132,8 +143,9 @@ def read_run(label: Optional[str], tb_dir: str, seq_length: Optional[int],
         steps = np.array(sorted(latest), dtype=np.float64)
         run.series[tag] = (steps, np.array([latest[s] for s in sorted(latest)], dtype=np.float64))
     if TRAIN_TAG in tags and TRAIN_TAG not in run.series:
-        raise ValueError(f"{tb_dir} has no '{TRAIN_TAG}' scalar "
-                         f"(tags: {', '.join(sorted(available)) or 'none'})")
+        raise ValueError(
+            f"{tb_dir} has no '{TRAIN_TAG}' scalar (tags: {', '.join(sorted(available)) or 'none'})"
+        )
     return run
 
 
@@ -148,7 +160,7 @@ def smooth(values: np.ndarray, weight: float) -> np.ndarray:
     for i, v in enumerate(values):
         n += 1
         last = last * weight + (1 - weight) * v
-        out[i] = last / (1 - weight ** n)
+        out[i] = last / (1 - weight**n)
     return out
 
 
@@ -201,7 +213,7 @@ def baseline_of(label: str, labels: List[str], forced: Optional[str]) -> Optiona
     match = ATTENTION_RE.search(label)
     if not match or match.group(0) == "standard":
         return None
-    candidate = label[:match.start()] + "standard" + label[match.end():]
+    candidate = label[: match.start()] + "standard" + label[match.end() :]
     return candidate if candidate in labels else None
 
 
@@ -213,17 +225,31 @@ def summarize(groups: Dict[str, List[Run]], args: argparse.Namespace) -> List[di
         for run in runs:
             steps = run.series[TRAIN_TAG][0]
             tokens = float(run.tokens(steps[-1:])[0]) if args.x == "tokens" else None
-            per_run.append({"path": run.path, "iterations": int(steps[-1]), "tokens": tokens,
-                            "final_train_loss": _final(run, TRAIN_TAG, args.final_window),
-                            "final_validation_loss": _final(run, args.valid_tag, 1)})
+            per_run.append(
+                {
+                    "path": run.path,
+                    "iterations": int(steps[-1]),
+                    "tokens": tokens,
+                    "final_train_loss": _final(run, TRAIN_TAG, args.final_window),
+                    "final_validation_loss": _final(run, args.valid_tag, 1),
+                }
+            )
         train_mean, train_std = _mean_std([r["final_train_loss"] for r in per_run])
         valid_mean, valid_std = _mean_std([r["final_validation_loss"] for r in per_run])
-        rows.append({"label": label, "runs": len(runs),
-                     "iterations": min(r["iterations"] for r in per_run),
-                     "tokens": min(r["tokens"] for r in per_run) if args.x == "tokens" else None,
-                     "train_loss": train_mean, "train_loss_std": train_std,
-                     "validation_loss": valid_mean, "validation_loss_std": valid_std,
-                     "baseline": baseline_of(label, labels, args.baseline), "per_run": per_run})
+        rows.append(
+            {
+                "label": label,
+                "runs": len(runs),
+                "iterations": min(r["iterations"] for r in per_run),
+                "tokens": min(r["tokens"] for r in per_run) if args.x == "tokens" else None,
+                "train_loss": train_mean,
+                "train_loss_std": train_std,
+                "validation_loss": valid_mean,
+                "validation_loss_std": valid_std,
+                "baseline": baseline_of(label, labels, args.baseline),
+                "per_run": per_run,
+            }
+        )
     by_label = {row["label"]: row for row in rows}
     for row in rows:
         base = by_label.get(row["baseline"]) if row["baseline"] else None
@@ -250,17 +276,24 @@ def _pm(mean, std, n):
 
 
 def markdown_table(rows: List[dict], x_axis: str) -> str:
-    lines = ["| run | seeds | " + ("tokens" if x_axis == "tokens" else "iterations")
-             + " | train loss | validation loss | Δ train | Δ validation | vs |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | seeds | "
+        + ("tokens" if x_axis == "tokens" else "iterations")
+        + " | train loss | validation loss | Δ train | Δ validation | vs |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         amount = _si(r["tokens"]) if x_axis == "tokens" else str(r["iterations"])
-        delta = [f"{r[k]:+.4f}" if r[k] is not None else "" for k in
-                 ("delta_train_loss", "delta_validation_loss")]
-        lines.append(f"| {r['label']} | {r['runs']} | {amount} | "
-                     f"{_pm(r['train_loss'], r['train_loss_std'], r['runs'])} | "
-                     f"{_pm(r['validation_loss'], r['validation_loss_std'], r['runs'])} | "
-                     f"{delta[0]} | {delta[1]} | {r['baseline'] or ''} |")
+        delta = [
+            f"{r[k]:+.4f}" if r[k] is not None else ""
+            for k in ("delta_train_loss", "delta_validation_loss")
+        ]
+        lines.append(
+            f"| {r['label']} | {r['runs']} | {amount} | "
+            f"{_pm(r['train_loss'], r['train_loss_std'], r['runs'])} | "
+            f"{_pm(r['validation_loss'], r['validation_loss_std'], r['runs'])} | "
+            f"{delta[0]} | {delta[1]} | {r['baseline'] or ''} |"
+        )
     return "\n".join(lines)
 
 
@@ -271,17 +304,27 @@ def plot(groups: Dict[str, List[Run]], rows: List[dict], args: argparse.Namespac
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter
 
-    train = {label: group_curve(runs, TRAIN_TAG, args.smoothing, args.x)
-             for label, runs in groups.items()}
-    valid = {label: group_curve(runs, args.valid_tag, args.valid_smoothing, args.x)
-             for label, runs in groups.items()}
+    train = {
+        label: group_curve(runs, TRAIN_TAG, args.smoothing, args.x)
+        for label, runs in groups.items()
+    }
+    valid = {
+        label: group_curve(runs, args.valid_tag, args.valid_smoothing, args.x)
+        for label, runs in groups.items()
+    }
     pairs = [(r["label"], r["baseline"]) for r in rows if r["baseline"]]
     delta_weight = args.delta_smoothing
     if delta_weight is None:  # an EMA over ~2% of the logged points: a difference of noisy curves
         points = max(len(run.series[TRAIN_TAG][0]) for runs in groups.values() for run in runs)
         delta_weight = max(args.smoothing, 1 - 50 / points) if points > 50 else args.smoothing
-    delta = {label: group_curve(runs, TRAIN_TAG, delta_weight, args.x)
-             for label, runs in groups.items()} if pairs else {}
+    delta = (
+        {
+            label: group_curve(runs, TRAIN_TAG, delta_weight, args.x)
+            for label, runs in groups.items()
+        }
+        if pairs
+        else {}
+    )
     panels = 3 if pairs else 2
     fig, axes = plt.subplots(1, panels, figsize=(6.2 * panels, 4.6), squeeze=False)
     axes = axes[0]
@@ -294,11 +337,19 @@ def plot(groups: Dict[str, List[Run]], rows: List[dict], args: argparse.Namespac
                 continue
             n = f" ({curve.runs} seeds)" if curve.runs > 1 else ""
             marker = "o" if len(curve.x) <= 30 else None
-            ax.plot(curve.x, curve.mean, color=color[label], label=label + n, marker=marker,
-                    markersize=3, linewidth=1.4)
+            ax.plot(
+                curve.x,
+                curve.mean,
+                color=color[label],
+                label=label + n,
+                marker=marker,
+                markersize=3,
+                linewidth=1.4,
+            )
             if curve.runs > 1:
-                ax.fill_between(curve.x, curve.low, curve.high, color=color[label], alpha=0.2,
-                                linewidth=0)
+                ax.fill_between(
+                    curve.x, curve.low, curve.high, color=color[label], alpha=0.2, linewidth=0
+                )
         ax.set_title(title)
         ax.set_ylabel("loss")
         if args.ylim:
@@ -325,8 +376,10 @@ def plot(groups: Dict[str, List[Run]], rows: List[dict], args: argparse.Namespac
         if shown.size and np.ptp(shown) > 0:
             pad = 0.1 * np.ptp(shown)
             ax.set_ylim(min(shown.min(), 0) - pad, max(shown.max(), 0) + pad)
-        ax.set_title("training loss difference"
-                     + (f", smoothing {delta_weight:.3g}" if delta_weight > 0 else ""))
+        ax.set_title(
+            "training loss difference"
+            + (f", smoothing {delta_weight:.3g}" if delta_weight > 0 else "")
+        )
         ax.set_ylabel("Δ loss (below 0: better than baseline)")
     for ax in axes:
         ax.set_xlabel("tokens" if args.x == "tokens" else "iteration")
@@ -352,36 +405,67 @@ def plot(groups: Dict[str, List[Run]], rows: List[dict], args: argparse.Namespac
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="+", metavar="[LABEL=]PATH",
-                   help="TensorBoard folders, run folders or folders of runs (globs allowed)")
-    p.add_argument("--out", default="compare", help="output path without extension (default: compare)")
+    p.add_argument(
+        "runs",
+        nargs="+",
+        metavar="[LABEL=]PATH",
+        help="TensorBoard folders, run folders or folders of runs (globs allowed)",
+    )
+    p.add_argument(
+        "--out", default="compare", help="output path without extension (default: compare)"
+    )
     p.add_argument("--format", nargs="+", choices=("png", "svg", "pdf"), default=["png", "svg"])
-    p.add_argument("--seq-length", type=int, default=None,
-                   help="tokens per sample, for every run (default: run.json's seq_length)")
-    p.add_argument("--global-batch-size", type=int, default=None,
-                   help="for runs that log no 'batch-size' scalar")
+    p.add_argument(
+        "--seq-length",
+        type=int,
+        default=None,
+        help="tokens per sample, for every run (default: run.json's seq_length)",
+    )
+    p.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="for runs that log no 'batch-size' scalar",
+    )
     p.add_argument("--x", choices=("tokens", "iteration"), default="tokens")
-    p.add_argument("--smoothing", type=float, default=0.6,
-                   help="training-loss smoothing in [0, 1) as in TensorBoard (default 0.6)")
+    p.add_argument(
+        "--smoothing",
+        type=float,
+        default=0.6,
+        help="training-loss smoothing in [0, 1) as in TensorBoard (default 0.6)",
+    )
     p.add_argument("--valid-smoothing", type=float, default=0.0)
-    p.add_argument("--delta-smoothing", type=float, default=None,
-                   help="smoothing of the difference panel (default: an EMA over ~2%% of the "
-                        "logged points, at least --smoothing)")
-    p.add_argument("--valid-tag", default=VALID_TAG,
-                   help=f"validation scalar (default '{VALID_TAG}')")
-    p.add_argument("--final-window", type=int, default=1,
-                   help="final training loss = mean of the last N logged values (default 1)")
-    p.add_argument("--baseline", default=None,
-                   help="label every other group is compared with (default: per group, the "
-                        "label with 'standard' as attention)")
+    p.add_argument(
+        "--delta-smoothing",
+        type=float,
+        default=None,
+        help="smoothing of the difference panel (default: an EMA over ~2%% of the "
+        "logged points, at least --smoothing)",
+    )
+    p.add_argument(
+        "--valid-tag", default=VALID_TAG, help=f"validation scalar (default '{VALID_TAG}')"
+    )
+    p.add_argument(
+        "--final-window",
+        type=int,
+        default=1,
+        help="final training loss = mean of the last N logged values (default 1)",
+    )
+    p.add_argument(
+        "--baseline",
+        default=None,
+        help="label every other group is compared with (default: per group, the "
+        "label with 'standard' as attention)",
+    )
     p.add_argument("--ylim", type=float, nargs=2, default=None, metavar=("LOW", "HIGH"))
     p.add_argument("--xlog", action="store_true", help="log-scale x axis")
     p.add_argument("--title", default=None)
     p.add_argument("--dpi", type=int, default=120)
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH")
     args = p.parse_args(argv)
-    if any(not 0 <= w < 1 for w in (args.smoothing, args.valid_smoothing,
-                                     args.delta_smoothing or 0)):
+    if any(
+        not 0 <= w < 1 for w in (args.smoothing, args.valid_smoothing, args.delta_smoothing or 0)
+    ):
         p.error("--smoothing, --valid-smoothing and --delta-smoothing must be in [0, 1)")
     if args.final_window < 1:
         p.error("--final-window must be >= 1")
@@ -390,13 +474,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    runs = [read_run(label, path, args.seq_length, args.global_batch_size,
-                     [TRAIN_TAG, args.valid_tag]) for label, path in find_runs(args.runs)]
+    runs = [
+        read_run(label, path, args.seq_length, args.global_batch_size, [TRAIN_TAG, args.valid_tag])
+        for label, path in find_runs(args.runs)
+    ]
     if args.x == "tokens":
         unknown = [r.path for r in runs if not r.seq_length]
         if unknown:
-            raise ValueError("no sequence length for " + ", ".join(unknown)
-                             + ": pass --seq-length, or --x iteration")
+            raise ValueError(
+                "no sequence length for "
+                + ", ".join(unknown)
+                + ": pass --seq-length, or --x iteration"
+            )
     groups: Dict[str, List[Run]] = {}
     for run in runs:
         groups.setdefault(run.label, []).append(run)
@@ -406,9 +495,12 @@ def main(argv=None) -> int:
     print("\nwrote " + ", ".join(written))
     if args.json_path:
         with open(args.json_path, "w") as f:
-            json.dump({"groups": rows, "plots": written, "x": args.x,
-                       "smoothing": args.smoothing}, f, indent=1,
-                      default=lambda v: None if isinstance(v, float) and math.isnan(v) else v)
+            json.dump(
+                {"groups": rows, "plots": written, "x": args.x, "smoothing": args.smoothing},
+                f,
+                indent=1,
+                default=lambda v: None if isinstance(v, float) and math.isnan(v) else v,
+            )
     return 0
 
 

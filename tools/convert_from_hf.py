@@ -23,30 +23,49 @@ from megatron_focus.variants import VARIANTS
 
 
 def main() -> None:
-    parser = cli.Parser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hf-dir", required=True, help="a folder written by save_pretrained")
     parser.add_argument("--save", required=True, help="the checkpoint folder to write")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    parser.add_argument("--attention", choices=VARIANTS, default=None,
-                        help="default: the HF model's own")
-    parser.add_argument("--xsa-layers", type=int, nargs="+", default=None,
-                        help="with --attention xsa or focus+xsa: the layers (1-based) that use XSA")
+    parser.add_argument(
+        "--attention", choices=VARIANTS, default=None, help="default: the HF model's own"
+    )
+    parser.add_argument(
+        "--xsa-layers",
+        type=int,
+        nargs="+",
+        default=None,
+        help="with --attention xsa or focus+xsa: the layers (1-based) that use XSA",
+    )
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    parser.add_argument("--flags-file", default=None,
-                        help="also write the model flags here, one per line (for scripts)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace --save if it holds files (once the import is complete)")
+    parser.add_argument(
+        "--flags-file",
+        default=None,
+        help="also write the model flags here, one per line (for scripts)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace --save if it holds files (once the import is complete)",
+    )
     args = parser.parse_args()
-    flags = import_from_hf(args.hf_dir, args.save, args.tensor_model_parallel_size,
-                           args.attention, args.xsa_layers, args.make_vocab_size_divisible_by,
-                           overwrite=args.overwrite)
+    flags = import_from_hf(
+        args.hf_dir,
+        args.save,
+        args.tensor_model_parallel_size,
+        args.attention,
+        args.xsa_layers,
+        args.make_vocab_size_divisible_by,
+        overwrite=args.overwrite,
+    )
     if args.flags_file:
         with open(args.flags_file, "w") as f:
             f.write("\n".join(flags) + "\n")
     what = "retrofit Focus onto it" if "--retrofit" in flags else "train from it"
-    print(f"wrote {args.save}; {what} with\n  python pretrain_gpt.py {' '.join(flags)} "
-          f"--tensor-model-parallel-size {args.tensor_model_parallel_size} --load {args.save} ...")
+    print(
+        f"wrote {args.save}; {what} with\n  python pretrain_gpt.py {' '.join(flags)} "
+        f"--tensor-model-parallel-size {args.tensor_model_parallel_size} --load {args.save} ..."
+    )
 
 
 if __name__ == "__main__":

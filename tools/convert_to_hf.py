@@ -22,29 +22,53 @@ from megatron_focus.hf import export_to_hf
 
 
 def main() -> None:
-    parser = cli.Parser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--load", required=True, help="checkpoint folder (as pretrain_gpt.py --save)")
+    parser = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--load", required=True, help="checkpoint folder (as pretrain_gpt.py --save)"
+    )
     parser.add_argument("--save-dir", required=True, help="the HF folder to write")
     parser.add_argument("--iteration", type=int, default=None, help="default: the latest")
-    parser.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
-                        help="with --tokenizer-model: instead of the tokenizer the checkpoint recorded")
+    parser.add_argument(
+        "--tokenizer-type",
+        choices=TOKENIZER_TYPES,
+        default=None,
+        help="with --tokenizer-model: instead of the tokenizer the checkpoint recorded",
+    )
     parser.add_argument("--tokenizer-model", default=None)
-    parser.add_argument("--max-shard-size", default="5GB",
-                        help="safetensors files above this size are split")
-    parser.add_argument("--focus-top-k", type=int, default=None,
-                        help="Focus models: groups per query in sparse mode (default 2)")
-    parser.add_argument("--focus-attention-mode", choices=("soft", "sparse"), default=None,
-                        help="Focus models: the mode the HF model starts in (default soft)")
+    parser.add_argument(
+        "--max-shard-size", default="5GB", help="safetensors files above this size are split"
+    )
+    parser.add_argument(
+        "--focus-top-k",
+        type=int,
+        default=None,
+        help="Focus models: groups per query in sparse mode (default 2)",
+    )
+    parser.add_argument(
+        "--focus-attention-mode",
+        choices=("soft", "sparse"),
+        default=None,
+        help="Focus models: the mode the HF model starts in (default soft)",
+    )
     add_unsafe_checkpoints_flag(parser)
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace --save-dir if it holds files (once the export is complete)")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace --save-dir if it holds files (once the export is complete)",
+    )
     args = parser.parse_args()
-    name = export_to_hf(args.load, args.save_dir, args.iteration, args.tokenizer_type,
-                        args.tokenizer_model, args.max_shard_size,
-                        focus_top_k=args.focus_top_k,
-                        focus_attention_mode=args.focus_attention_mode,
-                        allow_unsafe=args.allow_unsafe_checkpoints, overwrite=args.overwrite)
+    name = export_to_hf(
+        args.load,
+        args.save_dir,
+        args.iteration,
+        args.tokenizer_type,
+        args.tokenizer_model,
+        args.max_shard_size,
+        focus_top_k=args.focus_top_k,
+        focus_attention_mode=args.focus_attention_mode,
+        allow_unsafe=args.allow_unsafe_checkpoints,
+        overwrite=args.overwrite,
+    )
     print(f"wrote {name} to {args.save_dir}")
 
 

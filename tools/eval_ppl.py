@@ -29,11 +29,19 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_focus import cli, platform  # noqa: E402
 from megatron_focus.arguments import build_parser, validate_args  # noqa: E402
-from megatron_focus.hf.native import (  # noqa: E402
-    checkpoint_tag_dir, native_model, read_architecture, read_weights)
 from megatron_focus.data.loader import micro_batches, to_device  # noqa: E402
+from megatron_focus.hf.native import (  # noqa: E402
+    checkpoint_tag_dir,
+    native_model,
+    read_architecture,
+    read_weights,
+)
 from megatron_focus.model.focus import (  # noqa: E402
-    FocusAttention, focus_statistics, recording_statistics, set_focus_mode)
+    FocusAttention,
+    focus_statistics,
+    recording_statistics,
+    set_focus_mode,
+)
 from megatron_focus.model.kernels import lse_kernel, soft_kernel  # noqa: E402
 from megatron_focus.training import trainer  # noqa: E402
 
@@ -42,8 +50,14 @@ def parse() -> tuple[argparse.Namespace, argparse.Namespace]:
     p = cli.Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--load", required=True)
     p.add_argument("--iteration", type=int, default=None, help="default: the latest")
-    p.add_argument("--seq-lengths", type=int, nargs="+", default=None, metavar="N",
-                   help="context lengths to evaluate at (default: --seq-length)")
+    p.add_argument(
+        "--seq-lengths",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="context lengths to evaluate at (default: --seq-length)",
+    )
     p.add_argument("--json", metavar="PATH")
     opts, rest = p.parse_known_args()
     if opts.seq_lengths and min(opts.seq_lengths) < 2:
@@ -89,16 +103,22 @@ def evaluate(model, batches, timer: AttentionTimer, sparse: bool, vocab_size: in
         with recording_statistics(model):
             logits = model(batch["tokens"], batch["position_ids"], None)[..., :vocab_size]
         mask = batch["loss_mask"].float()
-        per_token = F.cross_entropy(logits.float().transpose(1, 2), batch["labels"],
-                                    reduction="none")
+        per_token = F.cross_entropy(
+            logits.float().transpose(1, 2), batch["labels"], reduction="none"
+        )
         total += float((per_token * mask).sum() / mask.sum().clamp(min=1))
         hits += float(((logits.argmax(-1) == batch["labels"]).float() * mask).sum())
         counted += float(mask.sum())
         kept += [float(v) for k, v in focus_statistics(model).items() if k.endswith("pairs-kept")]
     loss = total / len(batches)
-    return {"loss": loss, "ppl": math.exp(min(loss, 30.0)), "accuracy": hits / max(counted, 1),
-            "pairs_kept": sum(kept) / len(kept) if sparse else 1.0,
-            "attention_ms": timer.seconds * 1e3, "total_ms": (time.perf_counter() - start) * 1e3}
+    return {
+        "loss": loss,
+        "ppl": math.exp(min(loss, 30.0)),
+        "accuracy": hits / max(counted, 1),
+        "pairs_kept": sum(kept) / len(kept) if sparse else 1.0,
+        "attention_ms": timer.seconds * 1e3,
+        "total_ms": (time.perf_counter() - start) * 1e3,
+    }
 
 
 def main() -> None:
@@ -107,14 +127,17 @@ def main() -> None:
     tag_dir = checkpoint_tag_dir(opts.load, opts.iteration)
     tokenizer = trainer.tokenizer_for(args, rank0=True)
     arch = read_architecture(tag_dir, tokenizer.vocab_size)
-    positions = (arch.max_position_embeddings if arch.position_embedding_type == "learned_absolute"
-                 else None)
+    positions = (
+        arch.max_position_embeddings if arch.position_embedding_type == "learned_absolute" else None
+    )
     lengths = opts.seq_lengths or [min(args.seq_length, positions or args.seq_length)]
     too_long = [n for n in lengths if positions is not None and n > positions]
     if too_long:
-        raise ValueError(f"--seq-lengths {' '.join(map(str, too_long))}: the model's "
-                         f"learned position table has {positions} positions (RoPE models "
-                         "evaluate at any length)")
+        raise ValueError(
+            f"--seq-lengths {' '.join(map(str, too_long))}: the model's "
+            f"learned position table has {positions} positions (RoPE models "
+            "evaluate at any length)"
+        )
     batches = {}
     for n in lengths:  # every length's data before the model: bad data fails first
         args.seq_length = args.max_position_embeddings = n  # the model's are checked above
@@ -122,11 +145,16 @@ def main() -> None:
         _, valid = trainer.datasets_for(args, tokenizer)
         if valid is None:
             raise ValueError("--split leaves no validation data, or --eval-iters is 0")
-        batches[n] = list(micro_batches(valid, 0, args.eval_iters * args.micro_batch_size,
-                                        args.micro_batch_size, 1, 0))
+        batches[n] = list(
+            micro_batches(
+                valid, 0, args.eval_iters * args.micro_batch_size, args.micro_batch_size, 1, 0
+            )
+        )
     # The checkpoint's model, merged to one process whatever its TP size or ZeRO stage.
-    model = native_model(arch, read_weights(tag_dir, arch, progress=False,
-                                            allow_unsafe=args.allow_unsafe_checkpoints))
+    model = native_model(
+        arch,
+        read_weights(tag_dir, arch, progress=False, allow_unsafe=args.allow_unsafe_checkpoints),
+    )
     timer = AttentionTimer(model)
 
     rows = []
@@ -154,9 +182,18 @@ def main() -> None:
     print(table(rows, lengths))
     if opts.json:
         with open(opts.json, "w") as f:
-            json.dump({"load": opts.load, "attention": arch.attention, "sequences": sequences,
-                       "seq_lengths": lengths, "focus_kernels": kernels, "rows": rows}, f,
-                      indent=2)
+            json.dump(
+                {
+                    "load": opts.load,
+                    "attention": arch.attention,
+                    "sequences": sequences,
+                    "seq_lengths": lengths,
+                    "focus_kernels": kernels,
+                    "rows": rows,
+                },
+                f,
+                indent=2,
+            )
     platform.destroy_distributed()
 
 
@@ -170,20 +207,28 @@ def table(rows: list, lengths: list) -> str:
     attention time; at several, the perplexity, accuracy and pairs kept at each length."""
     lines = []
     if len(lengths) == 1:
-        lines.append(f"{'mode':<8}{'top-k':>6}{'loss':>9}{'ppl':>10}{'accuracy':>10}"
-                     f"{'pairs kept':>12}{'attn ms':>10}   (seq {lengths[0]})")
+        lines.append(
+            f"{'mode':<8}{'top-k':>6}{'loss':>9}{'ppl':>10}{'accuracy':>10}"
+            f"{'pairs kept':>12}{'attn ms':>10}   (seq {lengths[0]})"
+        )
         for r in rows:
-            lines.append(f"{r['mode']:<8}{r['top_k'] or '':>6}{r['loss']:>9.4f}{r['ppl']:>10.2f}"
-                         f"{r['accuracy']:>10.3f}{r['pairs_kept']:>12.3f}"
-                         f"{r['attention_ms']:>10.1f}")
+            lines.append(
+                f"{r['mode']:<8}{r['top_k'] or '':>6}{r['loss']:>9.4f}{r['ppl']:>10.2f}"
+                f"{r['accuracy']:>10.3f}{r['pairs_kept']:>12.3f}"
+                f"{r['attention_ms']:>10.1f}"
+            )
         return "\n".join(lines)
     columns = (("ppl", "ppl", ".2f"), ("acc", "accuracy", ".3f"), ("kept", "pairs_kept", ".3f"))
-    lines.append(f"{'mode':<8}{'top-k':>6}" + "".join(
-        f"{f'{name}@{n}':>11}" for name, _, _ in columns for n in lengths))
+    lines.append(
+        f"{'mode':<8}{'top-k':>6}"
+        + "".join(f"{f'{name}@{n}':>11}" for name, _, _ in columns for n in lengths)
+    )
     for i in range(0, len(rows), len(lengths)):
-        group = rows[i:i + len(lengths)]
-        lines.append(f"{group[0]['mode']:<8}{group[0]['top_k'] or '':>6}" + "".join(
-            f"{r[key]:>11{fmt}}" for _, key, fmt in columns for r in group))
+        group = rows[i : i + len(lengths)]
+        lines.append(
+            f"{group[0]['mode']:<8}{group[0]['top_k'] or '':>6}"
+            + "".join(f"{r[key]:>11{fmt}}" for _, key, fmt in columns for r in group)
+        )
     return "\n".join(lines)
 
 

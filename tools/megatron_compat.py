@@ -1,6 +1,6 @@
 """Write docs/megatron-compat.md: each Megatron-LM flag, and what this trainer does with it.
 
-    python tools/megatron_compat.py
+python tools/megatron_compat.py
 """
 
 import os

@@ -51,21 +51,39 @@ from megatron_focus.choices import TOKENIZER_TYPES  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", nargs="+", required=True,
-                   help="parquet shards (files or globs), e.g. 'fineweb/sample/10BT/*.parquet'")
+    p.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        help="parquet shards (files or globs), e.g. 'fineweb/sample/10BT/*.parquet'",
+    )
     p.add_argument("--output-prefix", required=True, help="e.g. data/fineweb-gpt2")
-    p.add_argument("--valid-shards", type=int, default=1,
-                   help="hold out this many of the last shards (sorted) as validation (default 1)")
+    p.add_argument(
+        "--valid-shards",
+        type=int,
+        default=1,
+        help="hold out this many of the last shards (sorted) as validation (default 1)",
+    )
     p.add_argument("--json-keys", nargs="+", default=["text"], help="column to tokenize")
     tok = p.add_argument_group("tokenizer: an existing one, or --train-tokenizer")
     tok.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
-    tok.add_argument("--tokenizer-model", default=None,
-                     help="HF tokenizer.json (or its folder) or SentencePiece .model")
-    tok.add_argument("--train-tokenizer", action="store_true",
-                     help="train a SentencePiece tokenizer on the training shards first")
+    tok.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="HF tokenizer.json (or its folder) or SentencePiece .model",
+    )
+    tok.add_argument(
+        "--train-tokenizer",
+        action="store_true",
+        help="train a SentencePiece tokenizer on the training shards first",
+    )
     tok.add_argument("--vocab-size", type=int, default=32000, help="with --train-tokenizer")
-    tok.add_argument("--tokenizer-sentences", type=int, default=2_000_000,
-                     help="with --train-tokenizer: lines sampled to train on (0 = all)")
+    tok.add_argument(
+        "--tokenizer-sentences",
+        type=int,
+        default=2_000_000,
+        help="with --train-tokenizer: lines sampled to train on (0 = all)",
+    )
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     p.add_argument("--log-interval", type=int, default=10000)
     args = p.parse_args(argv)
@@ -74,7 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.train_tokenizer == bool(args.tokenizer_model):
         p.error("give --tokenizer-model (with --tokenizer-type) or --train-tokenizer, not both")
     if args.tokenizer_model and not args.tokenizer_type:
-        p.error("--tokenizer-model needs --tokenizer-type (HuggingFaceTokenizer for a tokenizer.json)")
+        p.error(
+            "--tokenizer-model needs --tokenizer-type (HuggingFaceTokenizer for a tokenizer.json)"
+        )
     return args
 
 
@@ -87,8 +107,10 @@ def split_shards(patterns, valid_shards: int):
     if valid_shards < 0:
         raise ValueError("--valid-shards must be >= 0")
     if valid_shards >= len(shards):
-        raise ValueError(f"{len(shards)} shard(s) cannot hold out --valid-shards {valid_shards} and "
-                         "keep any for training: give more shards (FineWeb's are ~2 GB each)")
+        raise ValueError(
+            f"{len(shards)} shard(s) cannot hold out --valid-shards {valid_shards} and "
+            "keep any for training: give more shards (FineWeb's are ~2 GB each)"
+        )
     if valid_shards == 0:
         return shards, []
     return shards[:-valid_shards], shards[-valid_shards:]
@@ -102,22 +124,40 @@ def prepare(args: argparse.Namespace) -> dict:
     key = args.json_keys[0]
     if args.train_tokenizer:
         args.tokenizer_type = "GPTSentencePieceTokenizer"
-        print(f"training a {args.vocab_size}-piece SentencePiece tokenizer on "
-              f"{len(train_shards)} training shard(s)", flush=True)
+        print(
+            f"training a {args.vocab_size}-piece SentencePiece tokenizer on "
+            f"{len(train_shards)} training shard(s)",
+            flush=True,
+        )
         args.tokenizer_model = train_sentencepiece(
-            train_shards, f"{args.output_prefix}-tokenizer", vocab_size=args.vocab_size,
-            json_keys=[key], max_sentences=args.tokenizer_sentences)
+            train_shards,
+            f"{args.output_prefix}-tokenizer",
+            vocab_size=args.vocab_size,
+            json_keys=[key],
+            max_sentences=args.tokenizer_sentences,
+        )
 
-    common = dict(append_eod=True, json_keys=[key], workers=args.workers,
-                  log_interval=args.log_interval)
+    common = dict(
+        append_eod=True, json_keys=[key], workers=args.workers, log_interval=args.log_interval
+    )
     valid_docs, valid_tokens, valid_prefix = 0, 0, None
     if valid_shards:
-        stats = preprocess(valid_shards, f"{args.output_prefix}-valid", args.tokenizer_type,
-                           args.tokenizer_model, **common)
+        stats = preprocess(
+            valid_shards,
+            f"{args.output_prefix}-valid",
+            args.tokenizer_type,
+            args.tokenizer_model,
+            **common,
+        )
         valid_docs, valid_tokens, valid_prefix = stats.docs, stats.tokens, stats.prefixes[0]
     # One dataset, held-out shards last: `--split` then cuts exactly at their first document.
-    stats = preprocess(train_shards + valid_shards, args.output_prefix, args.tokenizer_type,
-                       args.tokenizer_model, **common)
+    stats = preprocess(
+        train_shards + valid_shards,
+        args.output_prefix,
+        args.tokenizer_type,
+        args.tokenizer_model,
+        **common,
+    )
     prefix = stats.prefixes[0]
     train_docs = stats.docs - valid_docs
     split = f"{train_docs},{valid_docs},0" if valid_shards else "969,30,1"
@@ -144,15 +184,19 @@ def prepare(args: argparse.Namespace) -> dict:
 
 def main(argv=None) -> None:
     manifest = prepare(parse_args(argv))
-    print(f"wrote {manifest['data_path']}.bin/.idx: {manifest['train_documents']} training documents "
-          f"({manifest['train_tokens']} tokens) then {manifest['valid_documents']} held-out "
-          f"({manifest['valid_tokens']} tokens)")
+    print(
+        f"wrote {manifest['data_path']}.bin/.idx: {manifest['train_documents']} training documents "
+        f"({manifest['train_tokens']} tokens) then {manifest['valid_documents']} held-out "
+        f"({manifest['valid_tokens']} tokens)"
+    )
     if manifest["valid_shards"]:
         print(f"held out: {' '.join(manifest['valid_shards'])}")
-    print("train with:\n"
-          f"  --data-path {manifest['data_path']} --split {manifest['split']} \\\n"
-          f"  --tokenizer-type {manifest['tokenizer_type']} --tokenizer-model "
-          f"{manifest['tokenizer_model']}")
+    print(
+        "train with:\n"
+        f"  --data-path {manifest['data_path']} --split {manifest['split']} \\\n"
+        f"  --tokenizer-type {manifest['tokenizer_type']} --tokenizer-model "
+        f"{manifest['tokenizer_model']}"
+    )
 
 
 if __name__ == "__main__":

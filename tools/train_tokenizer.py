@@ -13,19 +13,38 @@ from megatron_focus.data.sentencepiece_trainer import MODEL_TYPES, train_sentenc
 
 def main() -> None:
     parser = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", nargs="+", required=True, help="files or globs: .jsonl, .jsonl.gz, .parquet, .txt")
-    parser.add_argument("--output-prefix", required=True, help="writes <prefix>.model and <prefix>.vocab")
-    parser.add_argument("--json-keys", nargs="+", default=["text"], help="fields (parquet columns) to train on")
+    parser.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        help="files or globs: .jsonl, .jsonl.gz, .parquet, .txt",
+    )
+    parser.add_argument(
+        "--output-prefix", required=True, help="writes <prefix>.model and <prefix>.vocab"
+    )
+    parser.add_argument(
+        "--json-keys", nargs="+", default=["text"], help="fields (parquet columns) to train on"
+    )
     parser.add_argument("--vocab-size", type=int, required=True)
     parser.add_argument("--model-type", choices=MODEL_TYPES, default="bpe")
-    parser.add_argument("--max-sentences", type=int, default=0,
-                        help="train on this many lines sampled uniformly (0: all); bounds memory on big corpora")
+    parser.add_argument(
+        "--max-sentences",
+        type=int,
+        default=0,
+        help="train on this many lines sampled uniformly (0: all); bounds memory on big corpora",
+    )
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
 
-    model = train_sentencepiece(args.input, args.output_prefix, vocab_size=args.vocab_size,
-                                model_type=args.model_type, json_keys=args.json_keys,
-                                max_sentences=args.max_sentences, seed=args.seed)
+    model = train_sentencepiece(
+        args.input,
+        args.output_prefix,
+        vocab_size=args.vocab_size,
+        model_type=args.model_type,
+        json_keys=args.json_keys,
+        max_sentences=args.max_sentences,
+        seed=args.seed,
+    )
     print(f"wrote {model}")
 
 

@@ -43,16 +43,23 @@ def cloze(docs: list[str], rng: random.Random) -> list[dict]:
         choices = [" ".join(w[span])] + [" ".join(o[span]) for o in others]
         order = list(range(len(choices)))
         rng.shuffle(order)
-        items.append({"context": " ".join(w[:CONTEXT_WORDS]),
-                      "choices": [choices[k] for k in order], "label": order.index(0)})
+        items.append(
+            {
+                "context": " ".join(w[:CONTEXT_WORDS]),
+                "choices": [choices[k] for k in order],
+                "label": order.index(0),
+            }
+        )
     return items
 
 
 def main() -> None:
     docs = held_out_docstrings()
     os.makedirs(HERE, exist_ok=True)
-    for name, rows in (("docstrings", [{"text": d} for d in docs]),
-                       ("cloze", cloze(docs, random.Random(0)))):
+    for name, rows in (
+        ("docstrings", [{"text": d} for d in docs]),
+        ("cloze", cloze(docs, random.Random(0))),
+    ):
         with open(os.path.join(HERE, f"{name}.jsonl"), "w", encoding="utf-8") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
         print(f"{name}.jsonl: {len(rows)} rows")

@@ -20,7 +20,11 @@ def file_docstrings(path: str) -> list[str]:
         tree = ast.parse(source, filename=path)
     except (SyntaxError, ValueError):  # a few stdlib data files are deliberately not valid Python
         return []
-    nodes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+    nodes = [tree] + [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+    ]
     docs = [ast.get_docstring(n) for n in nodes]
     return [d for d in docs if d and len(d) > MIN_CHARS]
 

@@ -43,16 +43,20 @@ def blend_of(data_path: list, flag: str = "--data-path") -> tuple[list, Optional
                 raise ValueError(
                     f"{flag} {data_path[i]}: neither a blend weight (a number) nor a data "
                     f"prefix (no {data_path[i]}.bin/.idx); a blend alternates weights and "
-                    "prefixes: w1 p1 w2 p2 ...")
+                    "prefixes: w1 p1 w2 p2 ..."
+                )
         return list(data_path), None
     if len(data_path) % 2:
-        raise ValueError(f"{flag}: {len(data_path)} entries; a blend alternates weights and "
-                         "prefixes (w1 p1 w2 p2 ...), so it has an even number of them")
+        raise ValueError(
+            f"{flag}: {len(data_path)} entries; a blend alternates weights and "
+            "prefixes (w1 p1 w2 p2 ...), so it has an even number of them"
+        )
     weights, prefixes = data_path[0::2], data_path[1::2]
     for weight in weights:
         if _number(weight) is None:
-            raise ValueError(f"{flag} {weight}: not a number, where a blend weight goes "
-                             "(w1 p1 w2 p2 ...)")
+            raise ValueError(
+                f"{flag} {weight}: not a number, where a blend weight goes (w1 p1 w2 p2 ...)"
+            )
         if _number(weight) < 0:
             raise ValueError(f"{flag} {weight}: a blend weight cannot be negative")
     if not any(_number(w) for w in weights):
@@ -92,15 +96,18 @@ def build_datasets(
     if len(sizes) != 3 or any(s < 0 for s in sizes):
         raise ValueError(f"sizes {sizes}: expected three sample counts (train, valid, test) >= 0")
     if per_split is not None:
-        blends = [blend_of(list(paths), f"--{name}-data-path") if paths else None
-                  for name, paths in zip(("train", "valid", "test"), per_split)]
+        blends = [
+            blend_of(list(paths), f"--{name}-data-path") if paths else None
+            for name, paths in zip(("train", "valid", "test"), per_split)
+        ]
         blend, split = None, None
     else:
         if data_path is not None and not data_path:
             raise ValueError("--data-path is empty")
         if not _SPLIT_RE.fullmatch(split) or not any(float(w) for w in split.split(",")):
-            raise ValueError(f"--split {split!r}: expected up to three comma-separated weights, "
-                             "e.g. 969,30,1")
+            raise ValueError(
+                f"--split {split!r}: expected up to three comma-separated weights, e.g. 969,30,1"
+            )
         blend, blends = blend_of(list(data_path)) if data_path is not None else None, None
     for prefix in [p for b in (blends or [blend]) if b for p in b[0]]:
         check_indexed_dataset(prefix, tokenizer.vocab_size)
@@ -129,8 +136,9 @@ def build_datasets(
 
 def _built(cls, sizes, config):
     with _process_group():
-        train, valid, test = BlendedMegatronDatasetBuilder(cls, list(sizes), lambda: True,
-                                                           config).build()
+        train, valid, test = BlendedMegatronDatasetBuilder(
+            cls, list(sizes), lambda: True, config
+        ).build()
     return train, valid, test
 
 
@@ -157,8 +165,10 @@ def _check_cached_indices(cache_dir: str) -> None:
     for path in sorted(glob.glob(os.path.join(cache_dir, "*.npy"))):
         problem = _npy_problem(path)
         if problem == "pickle":
-            raise ValueError(f"index cache {path} holds pickled objects (Megatron-Core writes "
-                             "plain arrays): remove it if you trust nothing else there")
+            raise ValueError(
+                f"index cache {path} holds pickled objects (Megatron-Core writes "
+                "plain arrays): remove it if you trust nothing else there"
+            )
         if problem is not None:
             warnings.warn(f"index cache {path} is damaged ({problem}): rebuilding its set")
             for sibling in glob.glob(path.rsplit("-", 1)[0] + "-*"):  # the set one dataset wrote
@@ -170,8 +180,11 @@ def _npy_problem(path: str) -> Optional[str]:
     try:
         with open(path, "rb") as f:
             version = np.lib.format.read_magic(f)
-            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                           else np.lib.format.read_array_header_2_0)
+            read_header = (
+                np.lib.format.read_array_header_1_0
+                if version == (1, 0)
+                else np.lib.format.read_array_header_2_0
+            )
             shape, _, dtype = read_header(f)
             data_start = f.tell()
     except (ValueError, EOFError, OSError) as e:
@@ -187,26 +200,33 @@ def _check_splits(prefixes: list[str], split_matrix, split: str) -> None:
     # GPTDataset (0.16.1, _get_num_epochs) loops forever on a split with no tokens, even one asked
     # for 0 samples; tiny datasets hit this with the usual 969,30,1.
     for prefix in prefixes:
-        dataset = IndexedDataset(prefix, mmap=True)  # keep alive: its __del__ unmaps sequence_lengths
+        dataset = IndexedDataset(
+            prefix, mmap=True
+        )  # keep alive: its __del__ unmaps sequence_lengths
         lengths = dataset.sequence_lengths
         for part, bounds in zip(Split, split_matrix):
             if bounds is None:
                 continue
             beg, end = (int(round(b * len(lengths))) for b in bounds)
             if int(np.sum(lengths[beg:end])) == 0:
-                raise ValueError(f"--split {split} gives the {part.name} split none of the {len(lengths)} "
-                                 f"documents of {prefix}: use more data, or give that split more weight "
-                                 "or weight 0 (e.g. 98,2,0)")
+                raise ValueError(
+                    f"--split {split} gives the {part.name} split none of the {len(lengths)} "
+                    f"documents of {prefix}: use more data, or give that split more weight "
+                    "or weight 0 (e.g. 98,2,0)"
+                )
 
 
 @contextlib.contextmanager
 def _process_group():
-    # On an index-cache miss, BlendedDataset (0.16.1) calls torch.distributed.get_rank() even when no
+    # On an index-cache miss, BlendedDataset (0.16.1) calls torch.distributed.get_rank() even when
+    # no
     # process group exists. A lone process gets a private one-rank gloo group for the build.
     if torch.distributed.is_initialized():
         yield
         return
-    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    torch.distributed.init_process_group(
+        "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+    )
     try:
         yield
     finally:

@@ -21,7 +21,10 @@ TOKENIZER_TYPE = "GPTSentencePieceTokenizer"
 def ensure_embedded_data(cache_dir: str) -> tuple[str, str]:
     """Returns `(data_prefix, tokenizer_model_path)`, building them on first use."""
     final = os.path.join(os.path.abspath(cache_dir), NAME)
-    prefix, model = output_prefix_for(os.path.join(final, "stdlib"), "text"), os.path.join(final, "tokenizer.model")
+    prefix, model = (
+        output_prefix_for(os.path.join(final, "stdlib"), "text"),
+        os.path.join(final, "tokenizer.model"),
+    )
     if os.path.isdir(final):
         return prefix, model
 
@@ -31,9 +34,16 @@ def ensure_embedded_data(cache_dir: str) -> tuple[str, str]:
         print(f"[embedded data] building {final} (one-time)")
         corpus = os.path.join(tmp, "stdlib.jsonl")
         docs = write_stdlib_corpus(corpus)
-        print(f"[embedded data] {docs} stdlib docstrings; training a {VOCAB_SIZE}-piece SentencePiece BPE")
-        tmp_model = train_sentencepiece([corpus], os.path.join(tmp, "tokenizer"), vocab_size=VOCAB_SIZE, quiet=True)
-        stats = preprocess([corpus], os.path.join(tmp, "stdlib"), TOKENIZER_TYPE, tmp_model, append_eod=True)
+        print(
+            f"[embedded data] {docs} stdlib docstrings; training a {VOCAB_SIZE}-piece "
+            "SentencePiece BPE"
+        )
+        tmp_model = train_sentencepiece(
+            [corpus], os.path.join(tmp, "tokenizer"), vocab_size=VOCAB_SIZE, quiet=True
+        )
+        stats = preprocess(
+            [corpus], os.path.join(tmp, "stdlib"), TOKENIZER_TYPE, tmp_model, append_eod=True
+        )
         print(f"[embedded data] {stats.docs} documents, {stats.tokens} tokens")
         os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only
         try:

@@ -20,8 +20,15 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 class MicroBatchSampler(Sampler[List[int]]):
     """Sample indices of one data-parallel rank's micro-batches, from `consumed` to `total`."""
 
-    def __init__(self, dataset_size: int, consumed: int, total: int, micro_batch_size: int,
-                 data_parallel_size: int, data_parallel_rank: int):
+    def __init__(
+        self,
+        dataset_size: int,
+        consumed: int,
+        total: int,
+        micro_batch_size: int,
+        data_parallel_size: int,
+        data_parallel_rank: int,
+    ):
         if dataset_size <= 0:
             raise ValueError("the dataset has no samples")
         self.size, self.consumed, self.total = dataset_size, consumed, total
@@ -37,25 +44,38 @@ class MicroBatchSampler(Sampler[List[int]]):
             yield [(first + i) % self.size for i in range(self.mbs)]
 
 
-def micro_batches(dataset: Dataset, consumed: int, total: int, micro_batch_size: int,
-                  data_parallel_size: int, data_parallel_rank: int, num_workers: int = 0,
-                  pin_memory: bool = False, persistent: bool = False) -> DataLoader:
+def micro_batches(
+    dataset: Dataset,
+    consumed: int,
+    total: int,
+    micro_batch_size: int,
+    data_parallel_size: int,
+    data_parallel_rank: int,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    persistent: bool = False,
+) -> DataLoader:
     """A DataLoader of this rank's micro-batches (dicts of [mbs, ...] tensors) for samples
     [consumed, total) of the stream; `persistent` keeps its workers between passes (a
     validation set read at every evaluation)."""
-    sampler = MicroBatchSampler(len(dataset), consumed, total, micro_batch_size,
-                                data_parallel_size, data_parallel_rank)
+    sampler = MicroBatchSampler(
+        len(dataset), consumed, total, micro_batch_size, data_parallel_size, data_parallel_rank
+    )
     # A generator of its own: each iterator draws its workers' base seed from it, which would
     # otherwise advance the global RNG that dropout draws from (and break exact resume).
     # Workers are forked on Linux, also from a process that was itself spawned (whose children
     # would otherwise be spawned too, each importing torch and Megatron again); they never
     # touch CUDA.
-    return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                      pin_memory=pin_memory, prefetch_factor=2 if num_workers else None,
-                      persistent_workers=persistent and num_workers > 0,
-                      multiprocessing_context="fork" if num_workers and sys.platform == "linux"
-                      else None,
-                      generator=torch.Generator().manual_seed(0))
+    return DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        prefetch_factor=2 if num_workers else None,
+        persistent_workers=persistent and num_workers > 0,
+        multiprocessing_context="fork" if num_workers and sys.platform == "linux" else None,
+        generator=torch.Generator().manual_seed(0),
+    )
 
 
 def to_device(batch: dict, device: torch.device) -> dict:

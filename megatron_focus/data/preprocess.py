@@ -36,7 +36,9 @@ def output_prefix_for(output_prefix: str, key: str) -> str:
 
 def _init_worker(tokenizer_type: str, files: dict, append_eod: bool) -> None:
     tokenizer = build_tokenizer(tokenizer_type, **files)
-    _worker.update(tokenizer=tokenizer, append_eod=append_eod, dtype=DType.optimal_dtype(tokenizer.vocab_size))
+    _worker.update(
+        tokenizer=tokenizer, append_eod=append_eod, dtype=DType.optimal_dtype(tokenizer.vocab_size)
+    )
 
 
 def _encode(texts: tuple[str, ...]) -> list[np.ndarray]:
@@ -53,7 +55,7 @@ def _encode(texts: tuple[str, ...]) -> list[np.ndarray]:
 def _remove_stale_partials(prefix: str) -> None:
     """Remove what a killed run left (`PREFIX.tmpPID.bin/.idx` of a process that is gone)."""
     for path in glob.glob(glob.escape(prefix) + ".tmp*"):
-        pid = re.fullmatch(r"\.tmp(\d+)\.(bin|idx)", path[len(prefix):])
+        pid = re.fullmatch(r"\.tmp(\d+)\.(bin|idx)", path[len(prefix) :])
         if pid is None:
             continue
         try:
@@ -84,8 +86,12 @@ def preprocess(
     if workers < 1 or log_interval < 1:
         raise ValueError(f"--workers ({workers}) and --log-interval ({log_interval}) must be >= 1")
     paths = expand_inputs(inputs, json_keys)
-    files = {"tokenizer_model": tokenizer_model, "vocab_file": vocab_file,
-             "merge_file": merge_file, "vocab_size": vocab_size}
+    files = {
+        "tokenizer_model": tokenizer_model,
+        "vocab_file": vocab_file,
+        "merge_file": merge_file,
+        "vocab_size": vocab_size,
+    }
     dtype = DType.optimal_dtype(build_tokenizer(tokenizer_type, **files).vocab_size)
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
 
@@ -103,7 +109,9 @@ def preprocess(
             _init_worker(*init_args)
         records = iter_records(paths, json_keys)
         encoded = pool.imap(_encode, records, chunksize=64) if pool else map(_encode, records)
-        with tqdm(encoded, desc=f"tokenizing {len(paths)} file(s)", unit=" docs", miniters=log_interval) as bar:
+        with tqdm(
+            encoded, desc=f"tokenizing {len(paths)} file(s)", unit=" docs", miniters=log_interval
+        ) as bar:
             for n, doc in enumerate(bar, start=1):
                 for builder, ids in zip(builders, doc):
                     if ids.size == 0:
@@ -115,11 +123,16 @@ def preprocess(
                 if n % log_interval == 0:
                     bar.set_postfix(tokens=stats.tokens, empty=stats.empty_skipped, refresh=False)
         if stats.docs == 0:
-            raise ValueError(f"no non-empty documents in {', '.join(paths)} ({stats.empty_skipped} empty): nothing to write")
+            raise ValueError(
+                f"no non-empty documents in {', '.join(paths)} ({stats.empty_skipped} empty): "
+                "nothing to write"
+            )
         for builder, tmp, prefix in zip(builders, tmp_prefixes, stats.prefixes):
             builder.finalize(f"{tmp}.idx")
             os.replace(f"{tmp}.bin", f"{prefix}.bin")
-            os.replace(f"{tmp}.idx", f"{prefix}.idx")  # last: a .bin without its .idx is not a dataset
+            os.replace(
+                f"{tmp}.idx", f"{prefix}.idx"
+            )  # last: a .bin without its .idx is not a dataset
     finally:
         if pool is not None:
             pool.terminate()

@@ -44,7 +44,9 @@ def train_sentencepiece(
     if model_type not in MODEL_TYPES:
         raise ValueError(f"--model-type {model_type!r}: expected one of {', '.join(MODEL_TYPES)}")
     if vocab_size < 300:
-        raise ValueError(f"--vocab-size {vocab_size} is too small: 256 byte pieces plus 4 specials come first")
+        raise ValueError(
+            f"--vocab-size {vocab_size} is too small: 256 byte pieces plus 4 specials come first"
+        )
     paths = expand_inputs(inputs, json_keys)
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     sentencepiece.set_random_generator_seed(seed)  # sampling and shuffling repeat run to run
@@ -53,8 +55,9 @@ def train_sentencepiece(
     except RuntimeError as e:  # SentencePiece's C++ checks, e.g. "Vocabulary size is smaller
         detail = str(e).rsplit("] ", 1)[-1]  # than required_chars. 300 vs 346. ..."
         flag = f"--vocab-size {vocab_size}: " if "vocab" in detail.lower() else ""
-        raise ValueError(f"{flag}SentencePiece cannot train on {', '.join(paths)}: "
-                         f"{detail}") from None
+        raise ValueError(
+            f"{flag}SentencePiece cannot train on {', '.join(paths)}: {detail}"
+        ) from None
     return f"{output_prefix}.model"
 
 

@@ -40,11 +40,16 @@ class _Tokenizer(MegatronTokenizerBase):
 
     @property
     def unique_identifiers(self) -> OrderedDict:
-        # GPTDataset hashes this into its cache file names: a different tokenizer gets fresh indices.
-        return OrderedDict(tokenizer_type=self.tokenizer_type, tokenizer_model=os.path.abspath(self.path))
+        # GPTDataset hashes this into its cache file names: a different tokenizer gets fresh
+        # indices.
+        return OrderedDict(
+            tokenizer_type=self.tokenizer_type, tokenizer_model=os.path.abspath(self.path)
+        )
 
     def apply_chat_template(self, *args, **kwargs):
-        raise NotImplementedError(f"{self.tokenizer_type} is a pretraining tokenizer: no chat template")
+        raise NotImplementedError(
+            f"{self.tokenizer_type} is a pretraining tokenizer: no chat template"
+        )
 
     def __repr__(self) -> str:
         return f"{self.tokenizer_type}({self.path!r}, vocab_size={self.vocab_size}, eod={self.eod})"
@@ -58,12 +63,16 @@ class SentencePieceTokenizer(_Tokenizer):
         try:
             self._sp = sentencepiece.SentencePieceProcessor(model_file=model_path)
         except (RuntimeError, OSError) as e:
-            raise ValueError(f"--tokenizer-model {model_path}: not a SentencePiece model ({e}); a "
-                             "Hugging Face tokenizer.json goes with --tokenizer-type "
-                             "HuggingFaceTokenizer") from None
+            raise ValueError(
+                f"--tokenizer-model {model_path}: not a SentencePiece model ({e}); a "
+                "Hugging Face tokenizer.json goes with --tokenizer-type "
+                "HuggingFaceTokenizer"
+            ) from None
         if self._sp.eos_id() < 0:
-            raise ValueError(f"{model_path} defines no eos piece (eos_id=-1); it is needed as the "
-                             "end-of-document token: retrain it with eos_id >= 0")
+            raise ValueError(
+                f"{model_path} defines no eos piece (eos_id=-1); it is needed as the "
+                "end-of-document token: retrain it with eos_id >= 0"
+            )
 
     def tokenize(self, text: str) -> list[int]:
         return self._sp.encode(text)
@@ -105,8 +114,10 @@ class Llama2Tokenizer(SentencePieceTokenizer):
     def __init__(self, tokenizer_type: str, model_path: str) -> None:
         super().__init__(tokenizer_type, model_path)
         if self.bos is None:
-            raise ValueError(f"{model_path} defines no bos piece (bos_id=-1): Llama2Tokenizer "
-                             "opens documents with it; use SentencePieceTokenizer")
+            raise ValueError(
+                f"{model_path} defines no bos piece (bos_id=-1): Llama2Tokenizer "
+                "opens documents with it; use SentencePieceTokenizer"
+            )
 
     def tokenize(self, text: str) -> list[int]:
         return [self.bos] + super().tokenize(text)
@@ -138,31 +149,41 @@ class HuggingFaceTokenizer(_Tokenizer):
     `HF_EOD_TOKENS` in the vocabulary ends documents and `<pad>` pads, if present.
     """
 
-    def __init__(self, tokenizer_type: str, model_path: str,
-                 backend: Optional[tokenizers.Tokenizer] = None) -> None:
+    def __init__(
+        self, tokenizer_type: str, model_path: str, backend: Optional[tokenizers.Tokenizer] = None
+    ) -> None:
         super().__init__(tokenizer_type, model_path)
         try:
             self._tok = backend or tokenizers.Tokenizer.from_file(model_path)
         except Exception as e:  # the tokenizers library raises a bare Exception
-            raise ValueError(f"--tokenizer-model {model_path}: not a Hugging Face tokenizer.json "
-                             f"({e}); a SentencePiece .model goes with --tokenizer-type "
-                             "SentencePieceTokenizer") from None
+            raise ValueError(
+                f"--tokenizer-model {model_path}: not a Hugging Face tokenizer.json "
+                f"({e}); a SentencePiece .model goes with --tokenizer-type "
+                "SentencePieceTokenizer"
+            ) from None
         config = os.path.join(os.path.dirname(model_path), HF_TOKENIZER_CONFIG)
         self.config_path = config if os.path.isfile(config) else None
         names = special_token_names(config) if self.config_path else {}
         ids = {role: self._tok.token_to_id(token) for role, token in names.items()}
         for role, token in names.items():
             if ids[role] is None:
-                raise ValueError(f"{config} names {token!r} as its {role} token, but "
-                                 f"{model_path} has no such token")
+                raise ValueError(
+                    f"{config} names {token!r} as its {role} token, but "
+                    f"{model_path} has no such token"
+                )
         if "eos" in ids:
             self._eod = ids["eos"]
         else:
-            found = [self._tok.token_to_id(t) for t in HF_EOD_TOKENS
-                     if self._tok.token_to_id(t) is not None]
+            found = [
+                self._tok.token_to_id(t)
+                for t in HF_EOD_TOKENS
+                if self._tok.token_to_id(t) is not None
+            ]
             if not found:
-                raise ValueError(f"{model_path} has none of the end-of-document tokens "
-                                 f"{HF_EOD_TOKENS} and no {HF_TOKENIZER_CONFIG} naming its eos")
+                raise ValueError(
+                    f"{model_path} has none of the end-of-document tokens "
+                    f"{HF_EOD_TOKENS} and no {HF_TOKENIZER_CONFIG} naming its eos"
+                )
             self._eod = found[0]
         self._pad = ids.get("pad", self._tok.token_to_id("<pad>"))
         self._bos = ids.get("bos")
@@ -222,8 +243,9 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
 
     @property
     def unique_identifiers(self) -> OrderedDict:
-        return OrderedDict(**super().unique_identifiers,
-                           merge_file=os.path.abspath(self.merge_file))
+        return OrderedDict(
+            **super().unique_identifiers, merge_file=os.path.abspath(self.merge_file)
+        )
 
 
 class NullTokenizer(_Tokenizer):
@@ -263,25 +285,35 @@ class NullTokenizer(_Tokenizer):
         return None
 
 
-
-def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None,
-                    vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
-                    vocab_size: Optional[int] = None) -> _Tokenizer:
+def build_tokenizer(
+    tokenizer_type: str,
+    tokenizer_model: Optional[str] = None,
+    vocab_file: Optional[str] = None,
+    merge_file: Optional[str] = None,
+    vocab_size: Optional[int] = None,
+) -> _Tokenizer:
     """Megatron-LM's tokenizer flags -> a tokenizer: `--tokenizer-model` for SentencePiece and
     HF models, `--vocab-file/--merge-file` for GPT2BPETokenizer, `--vocab-size` for
     NullTokenizer."""
     if tokenizer_type not in TOKENIZER_TYPES:
-        raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}; valid types: {', '.join(TOKENIZER_TYPES)}")
+        raise ValueError(
+            f"unknown --tokenizer-type {tokenizer_type!r}; valid types: "
+            f"{', '.join(TOKENIZER_TYPES)}"
+        )
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None or vocab_size < 1:
-            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size (the ids before "
-                             "the end-of-document id)")
+            raise ValueError(
+                "--tokenizer-type NullTokenizer needs --vocab-size (the ids before "
+                "the end-of-document id)"
+            )
         return NullTokenizer(tokenizer_type, vocab_size)
     if tokenizer_type == "GPT2BPETokenizer":
         for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
             if path is None or not os.path.isfile(path):
-                raise FileNotFoundError(f"--tokenizer-type GPT2BPETokenizer needs {flag}: "
-                                        f"{path or 'not given'}" + (": no such file" if path else ""))
+                raise FileNotFoundError(
+                    f"--tokenizer-type GPT2BPETokenizer needs {flag}: "
+                    f"{path or 'not given'}" + (": no such file" if path else "")
+                )
         return GPT2BPETokenizer(tokenizer_type, vocab_file, merge_file)
     if tokenizer_model is None:
         raise ValueError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model")
@@ -290,12 +322,17 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None,
         path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--tokenizer-model {path}: no such file (type {tokenizer_type})")
-    cls = {"HuggingFaceTokenizer": HuggingFaceTokenizer,
-           "Llama2Tokenizer": Llama2Tokenizer}.get(tokenizer_type, SentencePieceTokenizer)
+    cls = {"HuggingFaceTokenizer": HuggingFaceTokenizer, "Llama2Tokenizer": Llama2Tokenizer}.get(
+        tokenizer_type, SentencePieceTokenizer
+    )
     return cls(tokenizer_type, path)
 
 
 def tokenizer_flags(args) -> dict:
     """`build_tokenizer`'s keyword arguments from parsed flags."""
-    return {"tokenizer_model": args.tokenizer_model, "vocab_file": args.vocab_file,
-            "merge_file": args.merge_file, "vocab_size": args.vocab_size}
+    return {
+        "tokenizer_model": args.tokenizer_model,
+        "vocab_file": args.vocab_file,
+        "merge_file": args.merge_file,
+        "vocab_size": args.vocab_size,
+    }

@@ -14,15 +14,20 @@ from typing import Callable, List
 
 import torch
 
-TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
-        "memorize it. I will quiz you about the important info there.")
-FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+TASK = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and "
+    "memorize it. I will quiz you about the important info there."
+)
+FILLER = (
+    " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+)
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = " What is the pass key? The pass key is"
 
 
-def passkey_prompt(tokenize: Callable[[str], List[int]], length: int, depth: float,
-                   key: int) -> List[int]:
+def passkey_prompt(
+    tokenize: Callable[[str], List[int]], length: int, depth: float, key: int
+) -> List[int]:
     """Token ids of a prompt of at most `length` tokens with `key` at `depth` (0: right after the
     task statement, 1: right before the question) of the filler."""
     if not 0.0 <= depth <= 1.0:
@@ -31,8 +36,10 @@ def passkey_prompt(tokenize: Callable[[str], List[int]], length: int, depth: flo
     filler = tokenize(FILLER)
     room = length - len(task) - len(needle) - len(question)
     if room < 0:
-        raise ValueError(f"a prompt of {length} tokens cannot hold the task, needle and question "
-                         f"({length - room} tokens)")
+        raise ValueError(
+            f"a prompt of {length} tokens cannot hold the task, needle and question "
+            f"({length - room} tokens)"
+        )
     padding = (filler * (room // len(filler) + 1))[:room]
     before = int(round(depth * room))
     return task + padding[:before] + needle + padding[before:] + question
@@ -44,14 +51,15 @@ def retrieved(continuation: str, key: int) -> bool:
 
 
 @torch.no_grad()
-def greedy(logits_of: Callable[[torch.Tensor], torch.Tensor], prompt: List[int],
-           new_tokens: int, device) -> List[int]:
+def greedy(
+    logits_of: Callable[[torch.Tensor], torch.Tensor], prompt: List[int], new_tokens: int, device
+) -> List[int]:
     """`new_tokens` greedy tokens after `prompt`; `logits_of(tokens [1, n])` -> [1, n, vocab]."""
     tokens = torch.tensor([prompt], device=device)
     for _ in range(new_tokens):
         next_token = logits_of(tokens)[:, -1].argmax(-1, keepdim=True)
         tokens = torch.cat([tokens, next_token], dim=1)
-    return tokens[0, len(prompt):].tolist()
+    return tokens[0, len(prompt) :].tolist()
 
 
 def keys(trials: int, seed: int) -> List[int]:

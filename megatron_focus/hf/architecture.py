@@ -43,8 +43,9 @@ class Architecture:
 
     def __post_init__(self):
         if variant(self.attention).hf_attention is None:
-            raise NotImplementedError(f"--attention {self.attention}: the HF model has no layer "
-                                      "that computes it")
+            raise NotImplementedError(
+                f"--attention {self.attention}: the HF model has no layer that computes it"
+            )
         if (self.focus is not None) != variant(self.attention).focus:
             raise ValueError(f"--attention {self.attention} with Focus settings {self.focus}")
         if self.normalization not in ("LayerNorm", "RMSNorm"):
@@ -52,8 +53,10 @@ class Architecture:
         if self.position_embedding_type not in ("learned_absolute", "rope", "none"):
             raise ValueError(f"unknown position embedding {self.position_embedding_type!r}")
         if self.num_attention_heads % self.num_query_groups:
-            raise ValueError(f"{self.num_query_groups} query groups do not divide "
-                             f"{self.num_attention_heads} heads")
+            raise ValueError(
+                f"{self.num_query_groups} query groups do not divide "
+                f"{self.num_attention_heads} heads"
+            )
 
     @property
     def tied(self) -> bool:
@@ -61,13 +64,19 @@ class Architecture:
 
     def layer_attention(self) -> List[str]:
         """Each layer's attention as the HF model names it, first layer first."""
-        return [variant(self.attention).on_layer(number, self.xsa_layers).hf_attention
-                for number in range(1, self.num_layers + 1)]
+        return [
+            variant(self.attention).on_layer(number, self.xsa_layers).hf_attention
+            for number in range(1, self.num_layers + 1)
+        ]
 
     @classmethod
-    def from_model_args(cls, model_args: dict, vocab_size: int,
-                        focus_top_k: Optional[int] = None,
-                        focus_attention_mode: Optional[str] = None) -> "Architecture":
+    def from_model_args(
+        cls,
+        model_args: dict,
+        vocab_size: int,
+        focus_top_k: Optional[int] = None,
+        focus_attention_mode: Optional[str] = None,
+    ) -> "Architecture":
         """From a checkpoint's `model_args.json`; refuses settings the conversion cannot map.
 
         `focus_top_k` / `focus_attention_mode`: a Focus model's inference settings (not recorded;
@@ -79,8 +88,10 @@ class Architecture:
         own = [f.name for f in dataclasses.fields(cls) if f.name not in ("vocab_size", "focus")]
         missing = [name for name in own if name not in model_args]
         if missing:
-            raise ValueError(f"model_args.json lacks {', '.join(missing)}: the checkpoint was "
-                             "saved by a megatron-focus that did not record them yet")
+            raise ValueError(
+                f"model_args.json lacks {', '.join(missing)}: the checkpoint was "
+                "saved by a megatron-focus that did not record them yet"
+            )
         if model_args.get("rotary_percent", 1.0) != 1.0:
             raise NotImplementedError("--rotary-percent below 1 (partial rotary) is not mapped")
         kwargs = {name: model_args[name] for name in own}
@@ -89,20 +100,35 @@ class Architecture:
                 kwargs[name] = tuple(kwargs[name])
         if variant(kwargs["attention"]).focus:
             kwargs["focus"] = FocusConfig.from_model_args(
-                model_args, top_k=focus_top_k, attention_mode=focus_attention_mode)
+                model_args, top_k=focus_top_k, attention_mode=focus_attention_mode
+            )
         return cls(vocab_size=vocab_size, **kwargs)
 
     def flags(self) -> List[str]:
         """The `pretrain_gpt.py` model flags of this model."""
         flags = [
-            "--num-layers", self.num_layers, "--hidden-size", self.hidden_size,
-            "--ffn-hidden-size", self.ffn_hidden_size,
-            "--num-attention-heads", self.num_attention_heads, "--kv-channels", self.kv_channels,
-            "--normalization", self.normalization, "--norm-epsilon", repr(self.norm_epsilon),
-            "--position-embedding-type", self.position_embedding_type,
-            "--rotary-base", self.rotary_base,
-            "--max-position-embeddings", self.max_position_embeddings,
-            "--attention", self.attention,
+            "--num-layers",
+            self.num_layers,
+            "--hidden-size",
+            self.hidden_size,
+            "--ffn-hidden-size",
+            self.ffn_hidden_size,
+            "--num-attention-heads",
+            self.num_attention_heads,
+            "--kv-channels",
+            self.kv_channels,
+            "--normalization",
+            self.normalization,
+            "--norm-epsilon",
+            repr(self.norm_epsilon),
+            "--position-embedding-type",
+            self.position_embedding_type,
+            "--rotary-base",
+            self.rotary_base,
+            "--max-position-embeddings",
+            self.max_position_embeddings,
+            "--attention",
+            self.attention,
         ]
         if self.num_query_groups != self.num_attention_heads:
             flags += ["--group-query-attention", "--num-query-groups", self.num_query_groups]
@@ -132,18 +158,26 @@ class Architecture:
             flags += self.focus.flags()
         return [str(flag) for flag in flags]
 
-    def native_args(self, tensor_model_parallel_size: int = 1,
-                    make_vocab_size_divisible_by: int = 128) -> argparse.Namespace:
+    def native_args(
+        self, tensor_model_parallel_size: int = 1, make_vocab_size_divisible_by: int = 128
+    ) -> argparse.Namespace:
         """`pretrain_gpt.py`'s arguments for this model, validated as a training run's are."""
         from megatron_focus.arguments import build_parser, validate_args
         from megatron_focus.model.gpt import padded_vocab_size
 
-        args = build_parser().parse_args(self.flags() + [
-            "--tensor-model-parallel-size", str(tensor_model_parallel_size),
-            "--make-vocab-size-divisible-by", str(make_vocab_size_divisible_by),
-            "--seq-length", str(self.max_position_embeddings),  # any length the model can take
-        ])
+        args = build_parser().parse_args(
+            self.flags()
+            + [
+                "--tensor-model-parallel-size",
+                str(tensor_model_parallel_size),
+                "--make-vocab-size-divisible-by",
+                str(make_vocab_size_divisible_by),
+                "--seq-length",
+                str(self.max_position_embeddings),  # any length the model can take
+            ]
+        )
         validate_args(args, world_size=tensor_model_parallel_size)
         args.padded_vocab_size = padded_vocab_size(
-            self.vocab_size, make_vocab_size_divisible_by, tensor_model_parallel_size)
+            self.vocab_size, make_vocab_size_divisible_by, tensor_model_parallel_size
+        )
         return args

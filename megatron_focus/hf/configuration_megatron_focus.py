@@ -88,13 +88,18 @@ class MegatronFocusConfig(PretrainedConfig):
                 raise ValueError(f"{field}={value!r}; expected one of {choices}")
         unknown = set(self.layer_attention) - set(ATTENTION_VARIANTS)
         if unknown or len(self.layer_attention) != self.num_hidden_layers:
-            raise ValueError(f"layer_attention must name one of {ATTENTION_VARIANTS} per layer "
-                             f"({self.num_hidden_layers}), got {self.layer_attention}")
+            raise ValueError(
+                f"layer_attention must name one of {ATTENTION_VARIANTS} per layer "
+                f"({self.num_hidden_layers}), got {self.layer_attention}"
+            )
         if self.sliding_window is not None and (
-                self.sliding_window < 1
-                or any(kind.startswith("focus") for kind in self.layer_attention)):
-            raise ValueError(f"sliding_window={self.sliding_window}: a positive window, for "
-                             "standard and xsa layers (Focus has focus_window)")
+            self.sliding_window < 1
+            or any(kind.startswith("focus") for kind in self.layer_attention)
+        ):
+            raise ValueError(
+                f"sliding_window={self.sliding_window}: a positive window, for "
+                "standard and xsa layers (Focus has focus_window)"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_key_value_heads must divide num_attention_heads")
         if any(kind.startswith("focus") for kind in self.layer_attention):
@@ -104,13 +109,16 @@ class MegatronFocusConfig(PretrainedConfig):
 def check_focus_inference(config: MegatronFocusConfig) -> None:
     """The Focus inference settings, checked at load time and again at every forward."""
     if config.focus_attention_mode not in FOCUS_MODES:
-        raise ValueError(f"focus_attention_mode={config.focus_attention_mode!r}; expected one of "
-                         f"{FOCUS_MODES}")
+        raise ValueError(
+            f"focus_attention_mode={config.focus_attention_mode!r}; expected one of {FOCUS_MODES}"
+        )
     if config.focus_gate not in ("log", "sigmoid"):
         raise ValueError(f"focus_gate={config.focus_gate!r}; expected log or sigmoid")
     if not 1 <= config.focus_top_k <= config.focus_groups:
-        raise ValueError(f"focus_top_k={config.focus_top_k} must be between 1 and focus_groups "
-                         f"({config.focus_groups})")
+        raise ValueError(
+            f"focus_top_k={config.focus_top_k} must be between 1 and focus_groups "
+            f"({config.focus_groups})"
+        )
 
 
 __all__ = ["MegatronFocusConfig"]

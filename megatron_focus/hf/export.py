@@ -18,12 +18,19 @@ from megatron_focus.hf.tokenizer import SPECIAL_TOKEN_IDS, save_hf_tokenizer
 from megatron_focus.outputs import check_fresh, fresh_folder
 
 
-def export_to_hf(load_dir: str, save_dir: str, iteration: Optional[int] = None,
-                 tokenizer_type: Optional[str] = None, tokenizer_model: Optional[str] = None,
-                 max_shard_size: str = "5GB", progress: bool = True,
-                 focus_top_k: Optional[int] = None,
-                 focus_attention_mode: Optional[str] = None, allow_unsafe: bool = False,
-                 overwrite: bool = False) -> str:
+def export_to_hf(
+    load_dir: str,
+    save_dir: str,
+    iteration: Optional[int] = None,
+    tokenizer_type: Optional[str] = None,
+    tokenizer_model: Optional[str] = None,
+    max_shard_size: str = "5GB",
+    progress: bool = True,
+    focus_top_k: Optional[int] = None,
+    focus_attention_mode: Optional[str] = None,
+    allow_unsafe: bool = False,
+    overwrite: bool = False,
+) -> str:
     """Export the checkpoint (latest, or `iteration`) of `load_dir`; returns the HF class name.
 
     A Focus model's top-k and mode (inference settings, not in the checkpoint) go into the HF
@@ -44,12 +51,15 @@ def export_to_hf(load_dir: str, save_dir: str, iteration: Optional[int] = None,
             special_tokens = save_hf_tokenizer(tokenizer, partial, arch.max_position_embeddings)
         else:  # e.g. an imported model without a tokenizer: the ids its HF config had. None is
             # written too: a stock config's defaults (GPT-2's 50256) lie outside a small vocabulary.
-            special_tokens = {**dict.fromkeys(SPECIAL_TOKEN_IDS),
-                              **native.recorded_special_tokens(tag_dir)}
+            special_tokens = {
+                **dict.fromkeys(SPECIAL_TOKEN_IDS),
+                **native.recorded_special_tokens(tag_dir),
+            }
         config = families.hf_config(family, arch, special_tokens)
         rules = families.rules(family, arch, families.HFBiases.of(arch))
-        weights = native_to_hf(native.read_weights(tag_dir, arch, progress, allow_unsafe), rules,
-                               progress)
+        weights = native_to_hf(
+            native.read_weights(tag_dir, arch, progress, allow_unsafe), rules, progress
+        )
         model = _model_holding(family, config, weights)
         model.save_pretrained(partial, max_shard_size=max_shard_size)
         _write_rope_for_transformers4(os.path.join(partial, "config.json"))
@@ -73,15 +83,24 @@ def _write_rope_for_transformers4(config_path: str) -> None:
 
 def _model_holding(family: str, config, weights: dict):
     """The HF model built around `weights` (no second copy, no random initialisation)."""
-    from transformers import (GenerationConfig, GPT2LMHeadModel, LlamaForCausalLM,
-                              MistralForCausalLM, Qwen2ForCausalLM)
+    from transformers import (
+        GenerationConfig,
+        GPT2LMHeadModel,
+        LlamaForCausalLM,
+        MistralForCausalLM,
+        Qwen2ForCausalLM,
+    )
 
     from megatron_focus.hf.configuration_megatron_focus import MegatronFocusConfig
     from megatron_focus.hf.modeling_megatron_focus import MegatronFocusForCausalLM
 
-    cls = {families.LLAMA: LlamaForCausalLM, families.QWEN2: Qwen2ForCausalLM,
-           families.MISTRAL: MistralForCausalLM, families.GPT2: GPT2LMHeadModel,
-           families.CUSTOM: MegatronFocusForCausalLM}[family]
+    cls = {
+        families.LLAMA: LlamaForCausalLM,
+        families.QWEN2: Qwen2ForCausalLM,
+        families.MISTRAL: MistralForCausalLM,
+        families.GPT2: GPT2LMHeadModel,
+        families.CUSTOM: MegatronFocusForCausalLM,
+    }[family]
     if family == families.CUSTOM:  # save_pretrained then copies the code and writes auto_map
         MegatronFocusConfig.register_for_auto_class()
         MegatronFocusForCausalLM.register_for_auto_class("AutoModelForCausalLM")
@@ -92,9 +111,12 @@ def _model_holding(family: str, config, weights: dict):
     # transformers 5: {tied: source}; 4.x: [tied]
     tied = set(model._tied_weights_keys or ()) if config.tie_word_embeddings else set()
     if result.unexpected_keys or set(result.missing_keys) - tied:
-        raise RuntimeError(f"{cls.__name__} does not fit the mapped weights: missing "
-                           f"{result.missing_keys}, unexpected {result.unexpected_keys}")
+        raise RuntimeError(
+            f"{cls.__name__} does not fit the mapped weights: missing "
+            f"{result.missing_keys}, unexpected {result.unexpected_keys}"
+        )
     model.tie_weights()
     model.generation_config = GenerationConfig(
-        **{k: getattr(config, k, None) for k in SPECIAL_TOKEN_IDS})
+        **{k: getattr(config, k, None) for k in SPECIAL_TOKEN_IDS}
+    )
     return model.eval()

@@ -39,17 +39,23 @@ from typing import List, Optional, Tuple
 import torch
 
 from megatron_focus.hf.architecture import Architecture
-from megatron_focus.variants import INFERENCE, MODEL, FocusConfig
 from megatron_focus.hf.mapping import Rule, copy, merge_qkv, split_qkv, transposed, zero_bias
+from megatron_focus.variants import INFERENCE, MODEL, FocusConfig
 
 LLAMA, QWEN2, MISTRAL, GPT2, CUSTOM = "llama", "qwen2", "mistral", "gpt2", "megatron_focus"
-HF_CLASS = {LLAMA: "LlamaForCausalLM", QWEN2: "Qwen2ForCausalLM", MISTRAL: "MistralForCausalLM",
-            GPT2: "GPT2LMHeadModel", CUSTOM: "MegatronFocusForCausalLM"}
+HF_CLASS = {
+    LLAMA: "LlamaForCausalLM",
+    QWEN2: "Qwen2ForCausalLM",
+    MISTRAL: "MistralForCausalLM",
+    GPT2: "GPT2LMHeadModel",
+    CUSTOM: "MegatronFocusForCausalLM",
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class HFBiases:
-    """Which linear layers of the HF model have biases (Megatron's `add_bias_linear` is one flag)."""
+    """Which linear layers of the HF model have biases (Megatron's `add_bias_linear` is one
+    flag)."""
 
     qkv: bool
     proj: bool
@@ -62,11 +68,13 @@ class HFBiases:
     @classmethod
     def of(cls, arch: Architecture) -> "HFBiases":
         """The biases the native model has."""
-        return cls(arch.add_bias_linear or arch.add_qkv_bias, arch.add_bias_linear,
-                   arch.add_bias_linear)
+        return cls(
+            arch.add_bias_linear or arch.add_qkv_bias, arch.add_bias_linear, arch.add_bias_linear
+        )
 
 
 # --- which family --------------------------------------------------------------------------------
+
 
 def _not_llama_like(arch: Architecture) -> Optional[str]:
     if set(arch.layer_attention()) != {"standard"}:
@@ -107,8 +115,13 @@ def _not_gpt2(arch: Architecture) -> Optional[str]:
         return "sliding-window attention"
     if arch.qk_layernorm or arch.squared_relu:
         return "query and key norms" if arch.qk_layernorm else "squared ReLU"
-    gpt2 = (arch.normalization == "LayerNorm" and not arch.swiglu and arch.add_bias_linear
-            and arch.position_embedding_type == "learned_absolute" and arch.tied)
+    gpt2 = (
+        arch.normalization == "LayerNorm"
+        and not arch.swiglu
+        and arch.add_bias_linear
+        and arch.position_embedding_type == "learned_absolute"
+        and arch.tied
+    )
     if not gpt2:
         return "not LayerNorm + GELU + biases + learned positions + tied embeddings"
     if arch.num_query_groups != arch.num_attention_heads:
@@ -130,14 +143,16 @@ def nearest_family(arch: Architecture) -> str:
 def choose_family(arch: Architecture) -> Tuple[str, str]:
     """`(family, why)`: the stock class when it is exact, else the custom one and the reason."""
     family = nearest_family(arch)
-    why_not = {LLAMA: _not_llama, QWEN2: _not_qwen2, MISTRAL: _not_mistral,
-               GPT2: _not_gpt2}[family](arch)
+    why_not = {LLAMA: _not_llama, QWEN2: _not_qwen2, MISTRAL: _not_mistral, GPT2: _not_gpt2}[
+        family
+    ](arch)
     if why_not is None:
         return family, f"exactly a {HF_CLASS[family]}"
     return CUSTOM, f"not a stock {HF_CLASS[family]} ({why_not}): needs trust_remote_code=True"
 
 
 # --- configs -------------------------------------------------------------------------------------
+
 
 def hf_config(family: str, arch: Architecture, special_tokens: dict):
     """The HF config of `arch` in `family`; `special_tokens`: bos/eos/pad_token_id."""
@@ -146,61 +161,105 @@ def hf_config(family: str, arch: Architecture, special_tokens: dict):
     from megatron_focus.hf.configuration_megatron_focus import MegatronFocusConfig
 
     llama_like = dict(
-        vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
-        intermediate_size=arch.ffn_hidden_size, num_hidden_layers=arch.num_layers,
-        num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_query_groups,
-        hidden_act="silu", max_position_embeddings=arch.max_position_embeddings,
-        rms_norm_eps=arch.norm_epsilon, tie_word_embeddings=arch.tied,
-        **rope_fields(_rope_parameters(arch)), **special_tokens,
+        vocab_size=arch.vocab_size,
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.ffn_hidden_size,
+        num_hidden_layers=arch.num_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_query_groups,
+        hidden_act="silu",
+        max_position_embeddings=arch.max_position_embeddings,
+        rms_norm_eps=arch.norm_epsilon,
+        tie_word_embeddings=arch.tied,
+        **rope_fields(_rope_parameters(arch)),
+        **special_tokens,
     )
     if family == LLAMA:
-        return LlamaConfig(**llama_like, head_dim=arch.kv_channels,
-                           attention_bias=arch.add_bias_linear, mlp_bias=arch.add_bias_linear)
+        return LlamaConfig(
+            **llama_like,
+            head_dim=arch.kv_channels,
+            attention_bias=arch.add_bias_linear,
+            mlp_bias=arch.add_bias_linear,
+        )
     if family == QWEN2:
         return Qwen2Config(**llama_like, use_sliding_window=False)
     if family == MISTRAL:  # HF counts a window's keys, Megatron the ones before i
-        return MistralConfig(**llama_like, head_dim=arch.kv_channels,
-                             sliding_window=arch.window_size[0] + 1)
+        return MistralConfig(
+            **llama_like, head_dim=arch.kv_channels, sliding_window=arch.window_size[0] + 1
+        )
     if family == GPT2:
         return GPT2Config(
-            vocab_size=arch.vocab_size, n_positions=arch.max_position_embeddings,
-            n_embd=arch.hidden_size, n_layer=arch.num_layers, n_head=arch.num_attention_heads,
+            vocab_size=arch.vocab_size,
+            n_positions=arch.max_position_embeddings,
+            n_embd=arch.hidden_size,
+            n_layer=arch.num_layers,
+            n_head=arch.num_attention_heads,
             # None: GPT-2's own way of saying 4 x n_embd, as its released configs write it
             n_inner=None if arch.ffn_hidden_size == 4 * arch.hidden_size else arch.ffn_hidden_size,
             activation_function="gelu_new" if arch.openai_gelu else "gelu",  # as F.gelu
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=arch.norm_epsilon,
-            tie_word_embeddings=True, **special_tokens,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            layer_norm_epsilon=arch.norm_epsilon,
+            tie_word_embeddings=True,
+            **special_tokens,
         )
     return MegatronFocusConfig(
-        family=nearest_family(arch), vocab_size=arch.vocab_size, hidden_size=arch.hidden_size,
-        intermediate_size=arch.ffn_hidden_size, num_hidden_layers=arch.num_layers,
-        num_attention_heads=arch.num_attention_heads, num_key_value_heads=arch.num_query_groups,
-        head_dim=arch.kv_channels, normalization=arch.normalization, norm_eps=arch.norm_epsilon,
-        activation=("swiglu" if arch.swiglu else "gelu_tanh" if arch.openai_gelu
-                    else "relu2" if arch.squared_relu else "gelu"),
-        bias=arch.add_bias_linear, qkv_bias=arch.add_qkv_bias, qk_norm=arch.qk_layernorm,
+        family=nearest_family(arch),
+        vocab_size=arch.vocab_size,
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.ffn_hidden_size,
+        num_hidden_layers=arch.num_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_query_groups,
+        head_dim=arch.kv_channels,
+        normalization=arch.normalization,
+        norm_eps=arch.norm_epsilon,
+        activation=(
+            "swiglu"
+            if arch.swiglu
+            else "gelu_tanh"
+            if arch.openai_gelu
+            else "relu2"
+            if arch.squared_relu
+            else "gelu"
+        ),
+        bias=arch.add_bias_linear,
+        qkv_bias=arch.add_qkv_bias,
+        qk_norm=arch.qk_layernorm,
         llama3_rope_scaling={"factor": arch.rope_scaling_factor, **LLAMA3_ROPE}
-        if arch.use_rope_scaling else None,
+        if arch.use_rope_scaling
+        else None,
         position_embedding_type=arch.position_embedding_type,
-        rotary_base=float(arch.rotary_base), max_position_embeddings=arch.max_position_embeddings,
-        tie_word_embeddings=arch.tied, layer_attention=arch.layer_attention(),
+        rotary_base=float(arch.rotary_base),
+        max_position_embeddings=arch.max_position_embeddings,
+        tie_word_embeddings=arch.tied,
+        layer_attention=arch.layer_attention(),
         # HF counts a window's keys (as Mistral's sliding_window), Megatron the ones before i
         sliding_window=None if arch.window_size is None else arch.window_size[0] + 1,
-        **_focus_config(arch.focus), **special_tokens,
+        **_focus_config(arch.focus),
+        **special_tokens,
     )
 
 
 # Megatron-Core's Llama 3.1 RoPE scaling: these fixed, the factor a flag (--rope-scaling-factor).
-LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def _rope_parameters(arch: Architecture) -> dict:
     """HF's `rope_parameters` (its names for --rotary-base and --use-rope-scaling)."""
     if not arch.use_rope_scaling:
         return {"rope_type": "default", "rope_theta": float(arch.rotary_base)}
-    return {"rope_type": "llama3", "rope_theta": float(arch.rotary_base),
-            "factor": arch.rope_scaling_factor, **LLAMA3_ROPE}
+    return {
+        "rope_type": "llama3",
+        "rope_theta": float(arch.rotary_base),
+        "factor": arch.rope_scaling_factor,
+        **LLAMA3_ROPE,
+    }
 
 
 def rope_fields(rope: dict) -> dict:
@@ -211,8 +270,10 @@ def rope_fields(rope: dict) -> dict:
     if int(__version__.split(".")[0]) >= 5:
         return {"rope_parameters": rope}
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    return {"rope_theta": rope["rope_theta"],
-            "rope_scaling": None if scaling["rope_type"] == "default" else scaling}
+    return {
+        "rope_theta": rope["rope_theta"],
+        "rope_scaling": None if scaling["rope_type"] == "default" else scaling,
+    }
 
 
 def _hf_rope(config) -> dict:
@@ -230,10 +291,13 @@ def _rope_scaling(rope: Optional[dict]) -> dict:
     kind = (rope or {}).get("rope_type", "default")
     if kind == "default":
         return {}
-    _require(kind == "llama3", f"RoPE scaling {kind!r} (only plain RoPE and Llama 3.1's are "
-             "native)")
-    _require(all(float(rope.get(key, -1)) == value for key, value in LLAMA3_ROPE.items()),
-             f"Llama 3.1 RoPE scaling other than Megatron-Core's {LLAMA3_ROPE}: {rope}")
+    _require(
+        kind == "llama3", f"RoPE scaling {kind!r} (only plain RoPE and Llama 3.1's are native)"
+    )
+    _require(
+        all(float(rope.get(key, -1)) == value for key, value in LLAMA3_ROPE.items()),
+        f"Llama 3.1 RoPE scaling other than Megatron-Core's {LLAMA3_ROPE}: {rope}",
+    )
     return {"use_rope_scaling": True, "rope_scaling_factor": float(rope["factor"])}
 
 
@@ -257,8 +321,10 @@ def from_hf_config(config) -> Tuple[str, Architecture, HFBiases]:
     if kind == CUSTOM:
         arch = _from_custom(config)
         return CUSTOM, arch, HFBiases.of(arch)
-    raise NotImplementedError(f"HF model type {kind!r} is not supported; supported: llama, "
-                              "mistral, qwen2, gpt2, megatron_focus")
+    raise NotImplementedError(
+        f"HF model type {kind!r} is not supported; supported: llama, "
+        "mistral, qwen2, gpt2, megatron_focus"
+    )
 
 
 def _from_llama_like(config) -> Tuple[str, Architecture, HFBiases]:
@@ -272,23 +338,33 @@ def _from_llama_like(config) -> Tuple[str, Architecture, HFBiases]:
         window = None if config.sliding_window is None else (config.sliding_window - 1, 0)
         family, biases = MISTRAL, HFBiases.every(False)
     elif kind == "qwen2":
-        _require(not config.use_sliding_window, "use_sliding_window (Qwen2's window applies "
-                 "to upper layers only): native attention has one window for all layers")
+        _require(
+            not config.use_sliding_window,
+            "use_sliding_window (Qwen2's window applies "
+            "to upper layers only): native attention has one window for all layers",
+        )
         family, biases = QWEN2, HFBiases(qkv=True, proj=False, mlp=False)
     else:
         biases = HFBiases(config.attention_bias, config.attention_bias, config.mlp_bias)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     arch = Architecture(
-        vocab_size=config.vocab_size, num_layers=config.num_hidden_layers,
-        hidden_size=config.hidden_size, ffn_hidden_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.intermediate_size,
         num_attention_heads=config.num_attention_heads,
         num_query_groups=config.num_key_value_heads or config.num_attention_heads,
-        kv_channels=head_dim, normalization="RMSNorm", norm_epsilon=config.rms_norm_eps,
-        swiglu=True, add_bias_linear=biases.proj or biases.mlp,
+        kv_channels=head_dim,
+        normalization="RMSNorm",
+        norm_epsilon=config.rms_norm_eps,
+        swiglu=True,
+        add_bias_linear=biases.proj or biases.mlp,
         add_qkv_bias=biases.qkv and not (biases.proj or biases.mlp),
-        position_embedding_type="rope", rotary_base=int(theta),
+        position_embedding_type="rope",
+        rotary_base=int(theta),
         max_position_embeddings=config.max_position_embeddings,
-        untie_embeddings_and_output_weights=not config.tie_word_embeddings, window_size=window,
+        untie_embeddings_and_output_weights=not config.tie_word_embeddings,
+        window_size=window,
         **_rope_scaling(rope),
     )
     return family, arch, biases
@@ -299,20 +375,33 @@ GPT2_GELU = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
 
 
 def _from_gpt2(config) -> Architecture:
-    _require(config.activation_function in GPT2_GELU,
-             f"activation_function {config.activation_function!r}: only the exact GELU ('gelu') "
-             "and its tanh approximation ('gelu_new', --openai-gelu) are mapped")
-    _require(config.scale_attn_weights and not config.scale_attn_by_inverse_layer_idx,
-             "GPT-2 attention scaling other than 1/sqrt(head size)")
+    _require(
+        config.activation_function in GPT2_GELU,
+        f"activation_function {config.activation_function!r}: only the exact GELU ('gelu') "
+        "and its tanh approximation ('gelu_new', --openai-gelu) are mapped",
+    )
+    _require(
+        config.scale_attn_weights and not config.scale_attn_by_inverse_layer_idx,
+        "GPT-2 attention scaling other than 1/sqrt(head size)",
+    )
     _require(not config.add_cross_attention, "cross attention")
     _require(config.tie_word_embeddings, "untied GPT-2 embeddings")
     return Architecture(
-        vocab_size=config.vocab_size, num_layers=config.n_layer, hidden_size=config.n_embd,
-        ffn_hidden_size=config.n_inner or 4 * config.n_embd, num_attention_heads=config.n_head,
-        num_query_groups=config.n_head, kv_channels=config.n_embd // config.n_head,
-        normalization="LayerNorm", norm_epsilon=config.layer_norm_epsilon, swiglu=False,
-        add_bias_linear=True, position_embedding_type="learned_absolute", rotary_base=10000,
-        max_position_embeddings=config.n_positions, untie_embeddings_and_output_weights=False,
+        vocab_size=config.vocab_size,
+        num_layers=config.n_layer,
+        hidden_size=config.n_embd,
+        ffn_hidden_size=config.n_inner or 4 * config.n_embd,
+        num_attention_heads=config.n_head,
+        num_query_groups=config.n_head,
+        kv_channels=config.n_embd // config.n_head,
+        normalization="LayerNorm",
+        norm_epsilon=config.layer_norm_epsilon,
+        swiglu=False,
+        add_bias_linear=True,
+        position_embedding_type="learned_absolute",
+        rotary_base=10000,
+        max_position_embeddings=config.n_positions,
+        untie_embeddings_and_output_weights=False,
         openai_gelu=GPT2_GELU[config.activation_function],
     )
 
@@ -326,29 +415,44 @@ def _from_custom(config) -> Architecture:
     attention = ("focus+xsa" if xsa else "focus") if any(focus) else ("xsa" if xsa else "standard")
     _require(float(config.rotary_base).is_integer(), "a rotary_base that is not an integer")
     return Architecture(
-        vocab_size=config.vocab_size, num_layers=config.num_hidden_layers,
-        hidden_size=config.hidden_size, ffn_hidden_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.intermediate_size,
         num_attention_heads=config.num_attention_heads,
-        num_query_groups=config.num_key_value_heads, kv_channels=config.head_dim,
-        normalization=config.normalization, norm_epsilon=config.norm_eps,
-        swiglu=config.activation == "swiglu", openai_gelu=config.activation == "gelu_tanh",
-        squared_relu=config.activation == "relu2", qk_layernorm=config.qk_norm,
-        add_bias_linear=config.bias, add_qkv_bias=config.qkv_bias and not config.bias,
+        num_query_groups=config.num_key_value_heads,
+        kv_channels=config.head_dim,
+        normalization=config.normalization,
+        norm_epsilon=config.norm_eps,
+        swiglu=config.activation == "swiglu",
+        openai_gelu=config.activation == "gelu_tanh",
+        squared_relu=config.activation == "relu2",
+        qk_layernorm=config.qk_norm,
+        add_bias_linear=config.bias,
+        add_qkv_bias=config.qkv_bias and not config.bias,
         position_embedding_type=config.position_embedding_type,
-        rotary_base=int(config.rotary_base), max_position_embeddings=config.max_position_embeddings,
+        rotary_base=int(config.rotary_base),
+        max_position_embeddings=config.max_position_embeddings,
         untie_embeddings_and_output_weights=not config.tie_word_embeddings,
         attention=attention,
         xsa_layers=None if len(xsa) in (0, config.num_hidden_layers) else tuple(xsa),
         window_size=None if config.sliding_window is None else (config.sliding_window - 1, 0),
-        **_rope_scaling(config.llama3_rope_scaling and {"rope_type": "llama3",
-                                                      **config.llama3_rope_scaling}),
-        focus=FocusConfig(**{name: getattr(config, f"focus_{name}")
-                             for name in FocusConfig.names(MODEL, INFERENCE)})
-        if any(focus) else None,
+        **_rope_scaling(
+            config.llama3_rope_scaling and {"rope_type": "llama3", **config.llama3_rope_scaling}
+        ),
+        focus=FocusConfig(
+            **{
+                name: getattr(config, f"focus_{name}")
+                for name in FocusConfig.names(MODEL, INFERENCE)
+            }
+        )
+        if any(focus)
+        else None,
     )
 
 
 # --- weights -------------------------------------------------------------------------------------
+
 
 def rules(family: str, arch: Architecture, biases: HFBiases) -> List[Rule]:
     """The weight rules of `arch` in `family` (see the table above)."""
@@ -357,15 +461,25 @@ def rules(family: str, arch: Architecture, biases: HFBiases) -> List[Rule]:
 
 def _norm(arch: Architecture, native: str, hf: str) -> List[Rule]:
     """A norm's scale (as applied: `1 + weight` under --apply-layernorm-1p) and bias."""
-    out = [Rule(f"{native}.weight", (f"{hf}.weight",), lambda t: (t + 1,), lambda t: t - 1)
-           if arch.apply_layernorm_1p else copy(f"{native}.weight", f"{hf}.weight")]
+    out = [
+        Rule(f"{native}.weight", (f"{hf}.weight",), lambda t: (t + 1,), lambda t: t - 1)
+        if arch.apply_layernorm_1p
+        else copy(f"{native}.weight", f"{hf}.weight")
+    ]
     if arch.normalization == "LayerNorm":
         out.append(copy(f"{native}.bias", f"{hf}.bias"))
     return out
 
 
-def _linear(native_bias: bool, native: str, hf: List[str], hf_bias: bool, out_features: int,
-            split=lambda t: (t,), merge=lambda t: t) -> List[Rule]:
+def _linear(
+    native_bias: bool,
+    native: str,
+    hf: List[str],
+    hf_bias: bool,
+    out_features: int,
+    split=lambda t: (t,),
+    merge=lambda t: t,
+) -> List[Rule]:
     """Weight and bias of one Megatron linear layer, as one or more HF linear layers."""
     out = [Rule(f"{native}.weight", tuple(f"{m}.weight" for m in hf), split, merge)]
     if native_bias and hf_bias:
@@ -385,28 +499,57 @@ def _llama_style_rules(arch: Architecture, biases: HFBiases) -> List[Rule]:
         native, hf = f"decoder.layers.{i}", f"model.layers.{i}"
         out += _norm(arch, f"{native}.input_layernorm", f"{hf}.input_layernorm")
         ours = HFBiases.of(arch)
-        out += _linear(ours.qkv, f"{native}.self_attention.linear_qkv",
-                       [f"{hf}.self_attn.{p}_proj" for p in "qkv"], biases.qkv, qkv_rows,
-                       lambda t: split_qkv(t, arch), lambda q, k, v: merge_qkv(q, k, v, arch))
+        out += _linear(
+            ours.qkv,
+            f"{native}.self_attention.linear_qkv",
+            [f"{hf}.self_attn.{p}_proj" for p in "qkv"],
+            biases.qkv,
+            qkv_rows,
+            lambda t: split_qkv(t, arch),
+            lambda q, k, v: merge_qkv(q, k, v, arch),
+        )
         if arch.qk_layernorm:
-            out += [rule for p in "qk" for rule in _norm(
-                arch, f"{native}.self_attention.{p}_layernorm", f"{hf}.self_attn.{p}_norm")]
-        out += _linear(ours.proj, f"{native}.self_attention.linear_proj",
-                       [f"{hf}.self_attn.o_proj"], biases.proj, hidden)
+            out += [
+                rule
+                for p in "qk"
+                for rule in _norm(
+                    arch, f"{native}.self_attention.{p}_layernorm", f"{hf}.self_attn.{p}_norm"
+                )
+            ]
+        out += _linear(
+            ours.proj,
+            f"{native}.self_attention.linear_proj",
+            [f"{hf}.self_attn.o_proj"],
+            biases.proj,
+            hidden,
+        )
         out += _norm(arch, f"{native}.pre_mlp_layernorm", f"{hf}.post_attention_layernorm")
         if arch.swiglu:
-            out += _linear(ours.mlp, f"{native}.mlp.linear_fc1",
-                           [f"{hf}.mlp.gate_proj", f"{hf}.mlp.up_proj"], biases.mlp,
-                           2 * arch.ffn_hidden_size,
-                           lambda t: t.chunk(2), lambda gate, up: torch.cat([gate, up]))
+            out += _linear(
+                ours.mlp,
+                f"{native}.mlp.linear_fc1",
+                [f"{hf}.mlp.gate_proj", f"{hf}.mlp.up_proj"],
+                biases.mlp,
+                2 * arch.ffn_hidden_size,
+                lambda t: t.chunk(2),
+                lambda gate, up: torch.cat([gate, up]),
+            )
         else:
-            out += _linear(ours.mlp, f"{native}.mlp.linear_fc1", [f"{hf}.mlp.up_proj"],
-                           biases.mlp, arch.ffn_hidden_size)
-        out += _linear(ours.mlp, f"{native}.mlp.linear_fc2", [f"{hf}.mlp.down_proj"], biases.mlp,
-                       hidden)
+            out += _linear(
+                ours.mlp,
+                f"{native}.mlp.linear_fc1",
+                [f"{hf}.mlp.up_proj"],
+                biases.mlp,
+                arch.ffn_hidden_size,
+            )
+        out += _linear(
+            ours.mlp, f"{native}.mlp.linear_fc2", [f"{hf}.mlp.down_proj"], biases.mlp, hidden
+        )
         if arch.focus is not None:
-            out += [copy(f"{native}.self_attention.router.{p}", f"{hf}.self_attn.router.{p}")
-                    for p in ("proj.weight", "centroids")]
+            out += [
+                copy(f"{native}.self_attention.router.{p}", f"{hf}.self_attn.router.{p}")
+                for p in ("proj.weight", "centroids")
+            ]
     out += _norm(arch, "decoder.final_layernorm", "model.norm")
     if not arch.tied:
         out.append(copy("output_layer.weight", "lm_head.weight"))
@@ -417,21 +560,28 @@ def _fused_qkv(arch: Architecture, native: str, hf: str) -> Rule:
     """GPT-2's `c_attn`: all query heads, then all keys, then all values; weight transposed."""
     flip = lambda t: t.t() if t.ndim == 2 else t  # noqa: E731
     rows = [arch.num_attention_heads * arch.kv_channels] * 3
-    return Rule(native, (hf,),
-                lambda t: (flip(torch.cat(split_qkv(t, arch))).contiguous(),),
-                lambda t: merge_qkv(*flip(t).split(rows), arch))
+    return Rule(
+        native,
+        (hf,),
+        lambda t: (flip(torch.cat(split_qkv(t, arch))).contiguous(),),
+        lambda t: merge_qkv(*flip(t).split(rows), arch),
+    )
 
 
 def _gpt2_rules(arch: Architecture) -> List[Rule]:
-    out = [copy("embedding.word_embeddings.weight", "transformer.wte.weight"),
-           copy("embedding.position_embeddings.weight", "transformer.wpe.weight")]
+    out = [
+        copy("embedding.word_embeddings.weight", "transformer.wte.weight"),
+        copy("embedding.position_embeddings.weight", "transformer.wpe.weight"),
+    ]
     for i in range(arch.num_layers):
         native, hf = f"decoder.layers.{i}", f"transformer.h.{i}"
         out += _norm(arch, f"{native}.input_layernorm", f"{hf}.ln_1")
         out += _norm(arch, f"{native}.pre_mlp_layernorm", f"{hf}.ln_2")
         for p in ("weight", "bias"):
             out += [
-                _fused_qkv(arch, f"{native}.self_attention.linear_qkv.{p}", f"{hf}.attn.c_attn.{p}"),
+                _fused_qkv(
+                    arch, f"{native}.self_attention.linear_qkv.{p}", f"{hf}.attn.c_attn.{p}"
+                ),
                 transposed(f"{native}.self_attention.linear_proj.{p}", f"{hf}.attn.c_proj.{p}"),
                 transposed(f"{native}.mlp.linear_fc1.{p}", f"{hf}.mlp.c_fc.{p}"),
                 transposed(f"{native}.mlp.linear_fc2.{p}", f"{hf}.mlp.c_proj.{p}"),

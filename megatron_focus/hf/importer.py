@@ -35,8 +35,9 @@ def _hf_config(hf_dir: str):
     if not os.path.isdir(hf_dir):
         raise FileNotFoundError(f"--hf-dir {hf_dir}: no such folder")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--hf-dir {hf_dir}: no config.json (a folder written by "
-                                "save_pretrained holds one)")
+        raise FileNotFoundError(
+            f"--hf-dir {hf_dir}: no config.json (a folder written by save_pretrained holds one)"
+        )
     try:
         with open(path) as f:
             model_type = json.load(f).get("model_type")
@@ -58,8 +59,10 @@ def _hf_weights(hf_dir: str) -> dict:
     elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
         files = ["model.safetensors"]
     else:
-        raise FileNotFoundError(f"{hf_dir} has no model.safetensors(.index.json); save the model "
-                                "with save_pretrained (safetensors is its default) first")
+        raise FileNotFoundError(
+            f"{hf_dir} has no model.safetensors(.index.json); save the model "
+            "with save_pretrained (safetensors is its default) first"
+        )
     weights = {}
     for name in files:
         weights.update(load_file(os.path.join(hf_dir, name)))
@@ -73,10 +76,16 @@ def _special_token_ids(config, vocab_size: int) -> dict:
     return {name: i for name, i in ids.items() if isinstance(i, int) and 0 <= i < vocab_size}
 
 
-def import_from_hf(hf_dir: str, save_dir: str, tensor_model_parallel_size: int = 1,
-                   attention: Optional[str] = None, xsa_layers: Optional[Sequence[int]] = None,
-                   make_vocab_size_divisible_by: int = 128, progress: bool = True,
-                   overwrite: bool = False) -> list:
+def import_from_hf(
+    hf_dir: str,
+    save_dir: str,
+    tensor_model_parallel_size: int = 1,
+    attention: Optional[str] = None,
+    xsa_layers: Optional[Sequence[int]] = None,
+    make_vocab_size_divisible_by: int = 128,
+    progress: bool = True,
+    overwrite: bool = False,
+) -> list:
     """Write the native checkpoint; returns the `pretrain_gpt.py` model flags that load it.
 
     For a Focus retrofit (`attention` focus or focus+xsa, the HF model without Focus) they are the
@@ -90,12 +99,15 @@ def import_from_hf(hf_dir: str, save_dir: str, tensor_model_parallel_size: int =
         routed = variant(attention).focus
         if arch.focus is not None and not routed:
             focus = " or ".join(v.name for v in VARIANTS.values() if v.focus)
-            raise ValueError(f"the HF model has Focus routers: importing it as --attention "
-                             f"{attention} would drop them; import it as {focus}")
+            raise ValueError(
+                f"the HF model has Focus routers: importing it as --attention "
+                f"{attention} would drop them; import it as {focus}"
+            )
         if routed and arch.focus is None:
             retrofit, attention = attention, variant(attention).without_focus
         arch = dataclasses.replace(
-            arch, attention=attention, xsa_layers=tuple(xsa_layers) if xsa_layers else None)
+            arch, attention=attention, xsa_layers=tuple(xsa_layers) if xsa_layers else None
+        )
     args = arch.native_args(tensor_model_parallel_size, make_vocab_size_divisible_by)
     rules = families.rules(family, arch, biases)
 
@@ -107,9 +119,17 @@ def import_from_hf(hf_dir: str, save_dir: str, tensor_model_parallel_size: int =
     native_weights = {name: tensor.to(dtype) for name, tensor in native_weights.items()}
 
     tokenizer_type, tokenizer_file = find_hf_tokenizer(hf_dir)
-    native.write_checkpoint(save_dir, args, native_weights, arch.vocab_size, tokenizer_type,
-                            tokenizer_file, _special_token_ids(config, arch.vocab_size), progress,
-                            overwrite)
+    native.write_checkpoint(
+        save_dir,
+        args,
+        native_weights,
+        arch.vocab_size,
+        tokenizer_type,
+        tokenizer_file,
+        _special_token_ids(config, arch.vocab_size),
+        progress,
+        overwrite,
+    )
     flags = arch.flags()
     if retrofit is not None:
         flags[flags.index("--attention") + 1] = retrofit

@@ -26,8 +26,11 @@ _SPLIT_DIM = (
     (r"embedding\.word_embeddings\.weight|output_layer\.weight", 0),
     (r".*\.linear_(qkv|fc1)\.(weight|bias)", 0),
     (r".*\.linear_(proj|fc2)\.weight", 1),
-    (r"embedding\.position_embeddings\.weight|.*layernorm\.(weight|bias)"
-     r"|.*\.linear_(proj|fc2)\.bias", None),
+    (
+        r"embedding\.position_embeddings\.weight|.*layernorm\.(weight|bias)"
+        r"|.*\.linear_(proj|fc2)\.bias",
+        None,
+    ),
     # Focus's router (W_g and the centroids): replicated on every TP rank, its gradient summed
     # over TP, so `merge` finds it identical on every rank.
     (r".*\.self_attention\.router\.(proj\.weight|centroids)", None),

@@ -36,6 +36,7 @@ def transposed(native: str, hf: str) -> Rule:
 
 def zero_bias(native: str, size: int) -> Rule:
     """A bias Megatron has (`add_bias_linear` is all or nothing) and the HF model lacks: zero."""
+
     def to_hf(t):
         if t.any():
             raise ValueError(f"{native} is not zero, and the HF model has no such bias")
@@ -49,15 +50,23 @@ def split_qkv(fused: torch.Tensor, arch: Architecture) -> Tuple[torch.Tensor, ..
     groups, per_group = arch.num_query_groups, arch.num_attention_heads // arch.num_query_groups
     grouped = fused.reshape(groups, per_group + 2, arch.kv_channels, *fused.shape[1:])
     rest = fused.shape[1:]
-    return (grouped[:, :per_group].reshape(-1, *rest), grouped[:, per_group].reshape(-1, *rest),
-            grouped[:, per_group + 1].reshape(-1, *rest))
+    return (
+        grouped[:, :per_group].reshape(-1, *rest),
+        grouped[:, per_group].reshape(-1, *rest),
+        grouped[:, per_group + 1].reshape(-1, *rest),
+    )
 
 
-def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: Architecture) -> torch.Tensor:
+def merge_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: Architecture
+) -> torch.Tensor:
     groups, hn = arch.num_query_groups, arch.kv_channels
     rest = q.shape[1:]
-    parts = [q.reshape(groups, -1, hn, *rest), k.reshape(groups, 1, hn, *rest),
-             v.reshape(groups, 1, hn, *rest)]
+    parts = [
+        q.reshape(groups, -1, hn, *rest),
+        k.reshape(groups, 1, hn, *rest),
+        v.reshape(groups, 1, hn, *rest),
+    ]
     return torch.cat(parts, dim=1).reshape(-1, *rest)
 
 

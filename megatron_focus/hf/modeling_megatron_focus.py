@@ -40,8 +40,9 @@ except ImportError:  # transformers 4
     from torch.nn import init
 
 # What model outputs call the cache: `cache` from transformers 5.24, `past_key_values` before.
-CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ \
-    else "past_key_values"
+CACHE_FIELD = (
+    "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+)
 
 XSA_EPS = 1e-6  # as megatron_focus.model.xsa.exclusive_projection
 
@@ -66,8 +67,9 @@ def llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rotate(t: torch.Tensor, positions: torch.Tensor, base: float,
-           scaling: dict = None) -> torch.Tensor:
+def rotate(
+    t: torch.Tensor, positions: torch.Tensor, base: float, scaling: dict = None
+) -> torch.Tensor:
     """Megatron's (non-interleaved) rotary embedding of `t` `[b, heads, s, d]` at `positions`
     `[b, s]`."""
     d = t.shape[-1]
@@ -81,8 +83,9 @@ def rotate(t: torch.Tensor, positions: torch.Tensor, base: float,
     return t * angles.cos().to(t.dtype) + rotated * angles.sin().to(t.dtype)
 
 
-def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0,
-                            **kwargs):
+def eager_attention_forward(
+    module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs
+):
     """transformers' attention-function interface, computed here: softmax(q k^T * scaling +
     attention_mask) v with scores and softmax in fp32, GQA by repeated keys and values; the
     output `[b, s, heads, d]`. `attention_mask` `[b, 1, s, keys]` is additive."""
@@ -126,8 +129,10 @@ class Attention(nn.Module):
     def forward(self, x, positions, mask, cache, attention_mask=None):
         b, s, _ = x.shape
         routing = self.route(x, cache, attention_mask)  # before the cache takes this step's keys
-        q, k, v = (proj(x).view(b, s, -1, self.config.head_dim).transpose(1, 2)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            proj(x).view(b, s, -1, self.config.head_dim).transpose(1, 2)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
         if self.config.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.config.position_embedding_type == "rope":
@@ -240,8 +245,9 @@ def soft_gate(log_g_q, log_g_k, local, gate_scale: float):
     """
     affinity = torch.bmm(log_g_q.exp(), log_g_k.exp().transpose(1, 2))
     log_gate = gate_scale * affinity.clamp_min(_TINY_AFFINITY).log()
-    return torch.where(local, torch.zeros((), dtype=log_gate.dtype, device=log_gate.device),
-                       log_gate)
+    return torch.where(
+        local, torch.zeros((), dtype=log_gate.dtype, device=log_gate.device), log_gate
+    )
 
 
 def sigmoid_gate(log_g_q, log_g_k, local, gate_scale: float):
@@ -300,8 +306,10 @@ class FocusCacheLayer(DynamicLayer):
     def update_routing(self, log_g, groups, sums):
         """Appends the new tokens' state; returns every cached token's (log_g, groups)."""
         if self.log_g is not None:
-            log_g, groups, sums = (torch.cat(pair, dim=1) for pair in (
-                (self.log_g, log_g), (self.groups, groups), (self.sums, sums)))
+            log_g, groups, sums = (
+                torch.cat(pair, dim=1)
+                for pair in ((self.log_g, log_g), (self.groups, groups), (self.sums, sums))
+            )
         self.log_g, self.groups, self.sums = log_g, groups, sums
         return log_g, groups
 
@@ -316,7 +324,7 @@ class FocusCacheLayer(DynamicLayer):
     def crop(self, length: int):
         # transformers 5: tokens to remove (< 0); 4: the length to keep, or < 0 as 5
         super().crop(length)
-        self._map_routing(lambda t: t[:, :self.get_seq_length()])
+        self._map_routing(lambda t: t[:, : self.get_seq_length()])
 
     def reorder_cache(self, beam_idx):
         super().reorder_cache(beam_idx)
@@ -346,8 +354,10 @@ def focus_cache_layer(cache: Cache, layer_idx: int) -> FocusCacheLayer:
     if type(layer) is DynamicLayer and layer.get_seq_length() == 0:
         layers[layer_idx] = FocusCacheLayer()
         return layers[layer_idx]
-    raise ValueError(f"Focus layer {layer_idx} needs a DynamicCache entry to keep its routing "
-                     f"state, not {type(layer).__name__} (use the default cache_implementation)")
+    raise ValueError(
+        f"Focus layer {layer_idx} needs a DynamicCache entry to keep its routing "
+        f"state, not {type(layer).__name__} (use the default cache_implementation)"
+    )
 
 
 class FocusAttention(Attention):
@@ -370,19 +380,29 @@ class FocusAttention(Attention):
         keep = None
         if attention_mask is not None and not attention_mask.all():
             if attention_mask.shape[-1] != past + s:
-                raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} tokens, the "
-                                 f"cache and the input {past + s}")
+                raise ValueError(
+                    f"attention_mask covers {attention_mask.shape[-1]} tokens, the "
+                    f"cache and the input {past + s}"
+                )
             keep = attention_mask.bool()
         if keep is None:
             counts = torch.arange(past + 1, past + s + 1, device=x.device).expand(b, s)
         else:  # tokens counted by the causal Sinkhorn: the unpadded ones
             counts, keep = keep.long().cumsum(-1)[:, past:].clamp_min(1), keep[:, past:]
-        log_g, sums = causal_sinkhorn(self.router(x), self.config.focus_sinkhorn_iters, counts,
-                                      keep, layer.routing_prefix() if layer is not None else None)
+        log_g, sums = causal_sinkhorn(
+            self.router(x),
+            self.config.focus_sinkhorn_iters,
+            counts,
+            keep,
+            layer.routing_prefix() if layer is not None else None,
+        )
         queries = (log_g, rank_groups(log_g))
         keys = layer.update_routing(*queries, sums) if layer is not None else queries
-        real = (attention_mask[:, -(past + s):].bool() if attention_mask is not None
-                else torch.ones(b, past + s, dtype=torch.bool, device=x.device))
+        real = (
+            attention_mask[:, -(past + s) :].bool()
+            if attention_mask is not None
+            else torch.ones(b, past + s, dtype=torch.bool, device=x.device)
+        )
         sinks = real & (real.long().cumsum(-1) <= self.config.focus_sink_tokens)
         return queries, keys, sinks
 
@@ -391,8 +411,9 @@ class FocusAttention(Attention):
         check_focus_inference(config)
         (log_g_q, groups_q), (log_g_k, groups_k), sinks = routing
         # local pairs: the window, and every query's sinks (as the native rule's)
-        local = local_pairs(q.shape[2], k.shape[2], config.focus_window, q.device) \
-            | sinks[:, None, :]
+        local = (
+            local_pairs(q.shape[2], k.shape[2], config.focus_window, q.device) | sinks[:, None, :]
+        )
         if config.focus_attention_mode == "sparse":
             keep = mask & hard_rule(groups_q, groups_k, local, config.focus_top_k)[:, None]
             return self.softmax_attention(q, k, v, additive(keep, q.dtype))
@@ -412,8 +433,12 @@ class FocusXSAAttention(FocusAttention):
     project = XSAAttention.project
 
 
-ATTENTION = {"standard": Attention, "xsa": XSAAttention, "focus": FocusAttention,
-             "focus+xsa": FocusXSAAttention}
+ATTENTION = {
+    "standard": Attention,
+    "xsa": XSAAttention,
+    "focus": FocusAttention,
+    "focus+xsa": FocusXSAAttention,
+}
 
 
 class MLP(nn.Module):
@@ -482,8 +507,9 @@ class MegatronFocusModel(MegatronFocusPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         if config.position_embedding_type == "learned_absolute":
             self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i)
-                                    for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = norm(config)
         self.post_init()
 
@@ -493,8 +519,16 @@ class MegatronFocusModel(MegatronFocusPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
-                inputs_embeds=None, use_cache=None, **kwargs) -> BaseModelOutputWithPast:
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        inputs_embeds=None,
+        use_cache=None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         cache = one_cache(cache, kwargs)
@@ -511,8 +545,9 @@ class MegatronFocusModel(MegatronFocusPreTrainedModel):
         mask = causal_mask(s, past, attention_mask, x.device, self.config.sliding_window)
         for layer in self.layers:
             x = layer(x, position_ids, mask, cache if use_cache else None, attention_mask)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(x),
-                                       **{CACHE_FIELD: cache if use_cache else None})
+        return BaseModelOutputWithPast(
+            last_hidden_state=self.norm(x), **{CACHE_FIELD: cache if use_cache else None}
+        )
 
 
 def one_cache(cache, kwargs: dict):
@@ -564,8 +599,7 @@ class MegatronFocusForCausalLM(MegatronFocusPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value):
         self.lm_head = value
 
-    def generate(self, *args, focus_attention_mode: str = None, focus_top_k: int = None,
-                 **kwargs):
+    def generate(self, *args, focus_attention_mode: str = None, focus_top_k: int = None, **kwargs):
         """`GenerationMixin.generate` in the Focus mode and top-k given here, else in the
         generation config (`focus_attention_mode`, `focus_top_k`: a folder's
         generation_config.json, or lm-evaluation-harness's `--gen_kwargs`), else the model
@@ -582,20 +616,35 @@ class MegatronFocusForCausalLM(MegatronFocusPreTrainedModel, GenerationMixin):
         finally:
             self.config.focus_attention_mode, self.config.focus_top_k = previous
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache: Cache = None,
-                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0,
-                **kwargs) -> CausalLMOutputWithPast:
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=position_ids, cache=one_cache(cache, kwargs),
-                         inputs_embeds=inputs_embeds, use_cache=use_cache)
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache: Cache = None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=one_cache(cache, kwargs),
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+        )
         hidden, cache = out.last_hidden_state, getattr(out, CACHE_FIELD)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels,
-                                      vocab_size=self.config.vocab_size, **kwargs)
+            loss = self.loss_function(
+                logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs
+            )
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_FIELD: cache})
 
 

@@ -31,9 +31,15 @@ StateDict = Dict[str, torch.Tensor]
 
 def checkpoint_tag_dir(load_dir: str, iteration: Optional[int] = None) -> str:
     """`load_dir/iter_XXXXXXX`: the given iteration, or the latest."""
-    tag = checkpointing.tag_for(iteration) if iteration is not None else checkpointing.latest_tag(load_dir)
+    tag = (
+        checkpointing.tag_for(iteration)
+        if iteration is not None
+        else checkpointing.latest_tag(load_dir)
+    )
     if tag is None:
-        raise FileNotFoundError(f"{load_dir}: no checkpoint there (no '{checkpointing.LATEST}' file)")
+        raise FileNotFoundError(
+            f"{load_dir}: no checkpoint there (no '{checkpointing.LATEST}' file)"
+        )
     path = os.path.join(load_dir, tag)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no such checkpoint")
@@ -43,14 +49,16 @@ def checkpoint_tag_dir(load_dir: str, iteration: Optional[int] = None) -> str:
 def read_json(tag_dir: str, name: str) -> dict:
     path = os.path.join(tag_dir, name)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} is missing: not a megatron-focus checkpoint, or saved by "
-                                "an older version")
+        raise FileNotFoundError(
+            f"{path} is missing: not a megatron-focus checkpoint, or saved by an older version"
+        )
     with open(path) as f:
         return json.load(f)
 
 
-def checkpoint_vocabulary(tag_dir: str, tokenizer_type: Optional[str] = None,
-                          tokenizer_model: Optional[str] = None):
+def checkpoint_vocabulary(
+    tag_dir: str, tokenizer_type: Optional[str] = None, tokenizer_model: Optional[str] = None
+):
     """`(vocab_size, tokenizer)` of a checkpoint: the tokenizer given (e.g. if the recorded one
     has moved) or the recorded one; an imported model without a tokenizer records only its
     vocabulary size, and its tokenizer is None.
@@ -60,14 +68,19 @@ def checkpoint_vocabulary(tag_dir: str, tokenizer_type: Optional[str] = None,
     if tokenizer_model is None:
         tokenizer_type = recorded["tokenizer_type"]
         # relative paths (an import's copies) are read from the checkpoint
-        files = {key: os.path.join(tag_dir, recorded[key]) for key in
-                 ("tokenizer_model", "vocab_file", "merge_file") if recorded.get(key)}
+        files = {
+            key: os.path.join(tag_dir, recorded[key])
+            for key in ("tokenizer_model", "vocab_file", "merge_file")
+            if recorded.get(key)
+        }
         if not files:  # synthetic data, NullTokenizer or an import without a tokenizer
             return recorded["vocab_size"], None
         gone = [path for path in files.values() if not os.path.isfile(path)]
         if gone:
-            raise FileNotFoundError(f"the checkpoint's tokenizer {', '.join(gone)} is gone; "
-                                    "pass --tokenizer-type and --tokenizer-model")
+            raise FileNotFoundError(
+                f"the checkpoint's tokenizer {', '.join(gone)} is gone; "
+                "pass --tokenizer-type and --tokenizer-model"
+            )
     else:
         files = {"tokenizer_model": tokenizer_model}
     if tokenizer_type is None:
@@ -82,15 +95,20 @@ def recorded_special_tokens(tag_dir: str) -> dict:
     return read_json(tag_dir, checkpointing.TOKENIZER_FILE).get("special_token_ids", {})
 
 
-def read_architecture(tag_dir: str, vocab_size: int, focus_top_k: Optional[int] = None,
-                      focus_attention_mode: Optional[str] = None) -> Architecture:
+def read_architecture(
+    tag_dir: str,
+    vocab_size: int,
+    focus_top_k: Optional[int] = None,
+    focus_attention_mode: Optional[str] = None,
+) -> Architecture:
     """The model of a checkpoint; a Focus model's inference settings as given, or the defaults."""
     model_args = checkpointing.with_unrecorded_defaults(read_json(tag_dir, checkpointing.ARGS_FILE))
     return Architecture.from_model_args(model_args, vocab_size, focus_top_k, focus_attention_mode)
 
 
-def read_weights(tag_dir: str, arch: Architecture, progress: bool = True,
-                 allow_unsafe: bool = False) -> StateDict:
+def read_weights(
+    tag_dir: str, arch: Architecture, progress: bool = True, allow_unsafe: bool = False
+) -> StateDict:
     """The full, unpadded weights (Megatron's names) of a checkpoint of `arch`; files holding
     pickled objects are refused unless `allow_unsafe` (see `safe_load.load_file`), and so is a
     checkpoint whose files differ from what its save wrote."""
@@ -98,15 +116,18 @@ def read_weights(tag_dir: str, arch: Architecture, progress: bool = True,
     tp = read_json(tag_dir, checkpointing.ARGS_FILE)["tensor_model_parallel_size"]
     files = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
     if not files and glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_model_states.pt")):
-        # ZeRO-3 (TP = 1) partitions the weights over its optimizer files; DeepSpeed reassembles them.
+        # ZeRO-3 (TP = 1) partitions the weights over its optimizer files; DeepSpeed reassembles
+        # them.
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         safe_load.check_safe_to_load(tag_dir, allow_unsafe)  # DeepSpeed reads with pickle
         load_dir, tag = os.path.split(os.path.normpath(tag_dir))
         modules = [get_fp32_state_dict_from_zero_checkpoint(load_dir, tag)]
     elif len(files) == tp:
-        modules = [safe_load.load_file(f, allow_unsafe)["module"]
-                   for f in tqdm(files, desc="reading TP shards", disable=not progress)]
+        modules = [
+            safe_load.load_file(f, allow_unsafe)["module"]
+            for f in tqdm(files, desc="reading TP shards", disable=not progress)
+        ]
     else:
         raise ValueError(f"{tag_dir}: {len(files)} model files for tensor-parallel size {tp}")
     weights = layout.merge(modules, arch.swiglu, arch.vocab_size)
@@ -114,15 +135,23 @@ def read_weights(tag_dir: str, arch: Architecture, progress: bool = True,
     if base_dir is None:
         return weights
     # A retrofit's trained-only checkpoint: its routers over the weights of its base checkpoint.
-    base = read_weights(base_dir, read_architecture(base_dir, arch.vocab_size), progress,
-                        allow_unsafe)
+    base = read_weights(
+        base_dir, read_architecture(base_dir, arch.vocab_size), progress, allow_unsafe
+    )
     return {**{k: w for k, w in base.items() if ".router." not in k}, **weights}
 
 
-def write_checkpoint(save_dir: str, args, weights: StateDict, vocab_size: int,
-                     tokenizer_type: Optional[str] = None, tokenizer_file: Optional[str] = None,
-                     special_token_ids: Optional[dict] = None, progress: bool = True,
-                     overwrite: bool = False) -> str:
+def write_checkpoint(
+    save_dir: str,
+    args,
+    weights: StateDict,
+    vocab_size: int,
+    tokenizer_type: Optional[str] = None,
+    tokenizer_file: Optional[str] = None,
+    special_token_ids: Optional[dict] = None,
+    progress: bool = True,
+    overwrite: bool = False,
+) -> str:
     """A weights-only checkpoint (iteration 0) of the model of `args` for `pretrain_gpt.py --load`.
 
     `args` are the model's validated `pretrain_gpt.py` arguments (`Architecture.native_args`),
@@ -134,13 +163,22 @@ def write_checkpoint(save_dir: str, args, weights: StateDict, vocab_size: int,
     written whole or not at all (`outputs.fresh_folder`).
     """
     with fresh_folder(save_dir, overwrite) as partial:
-        _write_checkpoint(partial, args, weights, vocab_size, tokenizer_type, tokenizer_file,
-                          special_token_ids, progress)
+        _write_checkpoint(
+            partial,
+            args,
+            weights,
+            vocab_size,
+            tokenizer_type,
+            tokenizer_file,
+            special_token_ids,
+            progress,
+        )
     return os.path.join(save_dir, checkpointing.tag_for(0))
 
 
-def _write_checkpoint(save_dir, args, weights, vocab_size, tokenizer_type, tokenizer_file,
-                      special_token_ids, progress) -> None:
+def _write_checkpoint(
+    save_dir, args, weights, vocab_size, tokenizer_type, tokenizer_file, special_token_ids, progress
+) -> None:
     import deepspeed
 
     tp = args.tensor_model_parallel_size
@@ -149,11 +187,21 @@ def _write_checkpoint(save_dir, args, weights, vocab_size, tokenizer_type, token
     os.makedirs(tag_dir)
     shards = layout.split(weights, tp, args.swiglu, args.padded_vocab_size)
     for rank, shard in enumerate(tqdm(shards, desc="writing TP shards", disable=not progress)):
-        torch.save({"module": shard, "dp_world_size": 1, "mp_world_size": tp,
-                    "ds_version": deepspeed.__version__},
-                   os.path.join(tag_dir, f"mp_rank_{rank:02d}_model_states.pt"))
-    tokenizer_args = {"tokenizer_type": tokenizer_type, "tokenizer_model": None,
-                      "vocab_size": vocab_size, "special_token_ids": special_token_ids or {}}
+        torch.save(
+            {
+                "module": shard,
+                "dp_world_size": 1,
+                "mp_world_size": tp,
+                "ds_version": deepspeed.__version__,
+            },
+            os.path.join(tag_dir, f"mp_rank_{rank:02d}_model_states.pt"),
+        )
+    tokenizer_args = {
+        "tokenizer_type": tokenizer_type,
+        "tokenizer_model": None,
+        "vocab_size": vocab_size,
+        "special_token_ids": special_token_ids or {},
+    }
     if tokenizer_file is not None:
         copied = os.path.basename(tokenizer_file)  # read relative to the checkpoint
         shutil.copyfile(tokenizer_file, os.path.join(tag_dir, copied))
@@ -161,9 +209,11 @@ def _write_checkpoint(save_dir, args, weights, vocab_size, tokenizer_type, token
         config = os.path.join(os.path.dirname(tokenizer_file), HF_TOKENIZER_CONFIG)
         if os.path.isfile(config):  # the special tokens and chat template travel with it
             shutil.copyfile(config, os.path.join(tag_dir, HF_TOKENIZER_CONFIG))
-    files = {checkpointing.ARGS_FILE: checkpointing.model_args(args),
-             checkpointing.TOKENIZER_FILE: tokenizer_args,
-             checkpointing.WEIGHTS_ONLY: {"iteration": 0}}
+    files = {
+        checkpointing.ARGS_FILE: checkpointing.model_args(args),
+        checkpointing.TOKENIZER_FILE: tokenizer_args,
+        checkpointing.WEIGHTS_ONLY: {"iteration": 0},
+    }
     for name, content in files.items():
         with open(os.path.join(tag_dir, name), "w") as f:
             json.dump(content, f, indent=1, sort_keys=True)
@@ -188,9 +238,13 @@ def native_model(arch: Architecture, weights: StateDict) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def native_logits(load_dir: str, tokens: torch.Tensor, iteration: Optional[int] = None,
-                  focus_attention_mode: Optional[str] = None,
-                  focus_top_k: Optional[int] = None) -> torch.Tensor:
+def native_logits(
+    load_dir: str,
+    tokens: torch.Tensor,
+    iteration: Optional[int] = None,
+    focus_attention_mode: Optional[str] = None,
+    focus_top_k: Optional[int] = None,
+) -> torch.Tensor:
     """Logits `[b, s, vocab]` of the native model of a checkpoint on `tokens` `[b, s]`.
 
     A Focus model runs in `focus_attention_mode` (soft by default; sparse: the packed top-k

@@ -18,8 +18,14 @@ SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # Texts that exercise what tokenizers disagree on: leading and repeated spaces, newlines and tabs,
 # digits, bytes outside the vocabulary (byte fallback), end-of-text.
 PROBES = (
-    "Hello world", " leading space", "two  spaces and   three", "line one\nline two\n\n\tindent",
-    "numbers 12345 and 3.14159", "x1y22z333", "unicode: naïve café, 中文, emoji 😀", "trailing ",
+    "Hello world",
+    " leading space",
+    "two  spaces and   three",
+    "line one\nline two\n\n\tindent",
+    "numbers 12345 and 3.14159",
+    "x1y22z333",
+    "unicode: naïve café, 中文, emoji 😀",
+    "trailing ",
     "def f(x):\n    return x ** 2  # square",
 )
 
@@ -29,9 +35,11 @@ def _sentencepiece_to_fast(model_path: str):
     from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
 
     if not hasattr(SpmConverter, "build_tokenizer_from_spm_proto"):
-        raise ValueError(f"converting the SentencePiece model {model_path} to an HF tokenizer "
-                         "needs transformers 5 (4.x's converter encodes differently); export "
-                         "under transformers 5: the folder loads under 4.57+ as well")
+        raise ValueError(
+            f"converting the SentencePiece model {model_path} to an HF tokenizer "
+            "needs transformers 5 (4.x's converter encodes differently); export "
+            "under transformers 5: the folder loads under 4.57+ as well"
+        )
     proto = import_protobuf().ModelProto()
     with open(model_path, "rb") as f:
         proto.ParseFromString(f.read())
@@ -56,18 +64,24 @@ def save_hf_tokenizer(tokenizer, out_dir: str, max_length: int) -> dict:
     from megatron_focus.data.tokenizer import HuggingFaceTokenizer
 
     is_sentencepiece = not isinstance(tokenizer, HuggingFaceTokenizer)
-    fast = (_sentencepiece_to_fast(tokenizer.path) if is_sentencepiece
-            else copy.deepcopy(tokenizer.backend))
+    fast = (
+        _sentencepiece_to_fast(tokenizer.path)
+        if is_sentencepiece
+        else copy.deepcopy(tokenizer.backend)
+    )
     if tokenizer.adds_bos:
         bos_piece = fast.id_to_token(tokenizer.bos)
-        fast.post_processor = TemplateProcessing(single=f"{bos_piece} $A",
-                                                 special_tokens=[(bos_piece, tokenizer.bos)])
+        fast.post_processor = TemplateProcessing(
+            single=f"{bos_piece} $A", special_tokens=[(bos_piece, tokenizer.bos)]
+        )
     for text in PROBES:
         ours = tokenizer.tokenize(text)
         theirs = fast.encode(text, add_special_tokens=tokenizer.adds_bos).ids
         if ours != theirs:
-            raise ValueError(f"the HF tokenizer made from {tokenizer.path} encodes {text!r} as "
-                             f"{theirs}, the training tokenizer as {ours}: not exported")
+            raise ValueError(
+                f"the HF tokenizer made from {tokenizer.path} encodes {text!r} as "
+                f"{theirs}, the training tokenizer as {ours}: not exported"
+            )
     bos = tokenizer.bos if tokenizer.bos is not None else tokenizer.eod
     ids = dict(zip(SPECIAL_TOKEN_IDS, (bos, tokenizer.eod, tokenizer.pad)))
     specials = {f"{name[:-3]}": fast.id_to_token(i) for name, i in ids.items()}
@@ -83,8 +97,9 @@ def save_hf_tokenizer(tokenizer, out_dir: str, max_length: int) -> dict:
             template = json.load(f).get("chat_template")
         if template is not None:
             extra["chat_template"] = template
-    PreTrainedTokenizerFast(tokenizer_object=fast, model_max_length=max_length, **specials,
-                            **extra).save_pretrained(out_dir)
+    PreTrainedTokenizerFast(
+        tokenizer_object=fast, model_max_length=max_length, **specials, **extra
+    ).save_pretrained(out_dir)
     _name_portable_class(os.path.join(out_dir, "tokenizer_config.json"))
     return ids
 
@@ -101,8 +116,10 @@ def _name_portable_class(config_path: str) -> None:
 
 def find_hf_tokenizer(hf_dir: str) -> Tuple[Optional[str], Optional[str]]:
     """`(tokenizer_type, path)` of an HF folder's tokenizer, or `(None, None)` if it has none."""
-    for name, kind in (("tokenizer.json", "HuggingFaceTokenizer"),
-                       ("tokenizer.model", "SentencePieceTokenizer")):
+    for name, kind in (
+        ("tokenizer.json", "HuggingFaceTokenizer"),
+        ("tokenizer.model", "SentencePieceTokenizer"),
+    ):
         path = os.path.join(hf_dir, name)
         if os.path.isfile(path):
             return kind, path

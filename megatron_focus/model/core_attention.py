@@ -15,7 +15,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-
 from megatron.core import tensor_parallel
 from megatron.core.parallel_state import get_tensor_model_parallel_world_size
 from megatron.core.transformer import TransformerConfig
@@ -87,8 +86,12 @@ class CoreAttention(MegatronModule):
         dropout = self.dropout_p if self.training else 0.0
         if attention_mask is None and use_flash_attn(q):
             out = flash_attn_func(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                dropout_p=dropout, softmax_scale=self.softmax_scale, causal=True,
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                dropout_p=dropout,
+                softmax_scale=self.softmax_scale,
+                causal=True,
                 window_size=(-1 if self.window is None else self.window, 0),
             )
             return out.transpose(1, 2)
@@ -96,9 +99,12 @@ class CoreAttention(MegatronModule):
         keep = None if attention_mask is None else ~attention_mask
         if self.window is not None:
             keep = causal_window(q.shape[2], k.shape[2], self.window, q.device) & (
-                True if keep is None else keep)
+                True if keep is None else keep
+            )
         return F.scaled_dot_product_attention(
-            q, k, v,
+            q,
+            k,
+            v,
             attn_mask=keep,
             is_causal=keep is None,
             dropout_p=dropout,
@@ -113,7 +119,8 @@ class CoreAttention(MegatronModule):
 def causal_window(queries: int, keys: int, left: int, device) -> torch.Tensor:
     """[queries, keys] True where the pair is kept: the last `queries` positions against all keys,
     key j visible to query i iff i - left <= j <= i."""
-    distance = torch.arange(keys - queries, keys, device=device)[:, None] \
+    distance = (
+        torch.arange(keys - queries, keys, device=device)[:, None]
         - torch.arange(keys, device=device)[None, :]
+    )
     return (distance >= 0) & (distance <= left)
-

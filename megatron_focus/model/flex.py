@@ -25,8 +25,9 @@ from megatron_focus.model.kernels import compiled_flex, raise_recompile_limit
 TINY_AFFINITY = 1e-30
 
 
-def gate_score_mod(g: torch.Tensor, window: int, gate_scale: float, gate: str = "log",
-                   sink: int = 0):
+def gate_score_mod(
+    g: torch.Tensor, window: int, gate_scale: float, gate: str = "log", sink: int = 0
+):
     """The soft rule as a score_mod: a distant pair (i - j >= w, j not one of the first `sink`
     tokens) gets lambda * log(g_i . g_j) added, or with the paper's gate (`gate="sigmoid"`) its
     logit times sigmoid(lambda g_i . g_j).
@@ -61,24 +62,33 @@ def _causal_window(window: int):
     return mask_mod
 
 
-def _block_mask(some: torch.Tensor, every: torch.Tensor, mask_mod, block: int,
-                seq_lengths: tuple) -> BlockMask:
+def _block_mask(
+    some: torch.Tensor, every: torch.Tensor, mask_mod, block: int, seq_lengths: tuple
+) -> BlockMask:
     """BlockMask from [query blocks, key blocks] booleans: the blocks with some kept pair, and
     those whose every pair is kept (whole: FlexAttention evaluates no mask there)."""
+
     def counts_and_indices(kept):  # kept blocks first, in increasing order, in each row
         order = torch.sort((~kept).to(torch.int8), dim=1, stable=True).indices
-        return (kept.sum(1, dtype=torch.int32)[None, None],
-                order.to(torch.int32)[None, None])
+        return (kept.sum(1, dtype=torch.int32)[None, None], order.to(torch.int32)[None, None])
 
     kv_num, kv_indices = counts_and_indices(some & ~every)
     full_num, full_indices = counts_and_indices(every)
-    return BlockMask.from_kv_blocks(kv_num, kv_indices, full_num, full_indices,
-                                    BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=seq_lengths)
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_indices,
+        full_num,
+        full_indices,
+        BLOCK_SIZE=block,
+        mask_mod=mask_mod,
+        seq_lengths=seq_lengths,
+    )
 
 
 @functools.lru_cache(maxsize=32)
-def causal_block_mask(n: int, device: torch.device, window: Optional[int] = None,
-                      block: int = 128) -> BlockMask:
+def causal_block_mask(
+    n: int, device: torch.device, window: Optional[int] = None, block: int = 128
+) -> BlockMask:
     """The causal (i - w < j <= i with a window) n x n BlockMask, from its block geometry.
 
     `create_block_mask` would evaluate the mask at every one of the n^2 pairs. Here a block of
@@ -118,19 +128,42 @@ def _compiled_flex():
 
 def _attend_with_lse(q, k, v, scale: float, score_mod=None, block_mask=None):
     """FlexAttention's (output, natural log-sum-exp); kv heads may be fewer than q heads."""
-    out, aux = _kernel(q.device)(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                                 scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-                                 return_aux=AuxRequest(lse=True))
+    out, aux = _kernel(q.device)(
+        q,
+        k,
+        v,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+        return_aux=AuxRequest(lse=True),
+    )
     return out, aux.lse
 
 
-def flex_soft_focus(q, k, v, log_g, *, window: int, gate_scale: float, scale: float,
-                    gate: str = "log", sink: int = 0):
+def flex_soft_focus(
+    q,
+    k,
+    v,
+    log_g,
+    *,
+    window: int,
+    gate_scale: float,
+    scale: float,
+    gate: str = "log",
+    sink: int = 0,
+):
     """Soft-gate causal Focus attention, fused. q [b,h,n,d], k/v [b,groups,n,d], log_g [b,n,K]."""
     score_mod = gate_score_mod(log_g.float().exp(), window, gate_scale, gate, sink)
-    return _kernel(q.device)(q, k, v, score_mod=score_mod,
-                             block_mask=causal_block_mask(q.shape[2], q.device), scale=scale,
-                             enable_gqa=q.shape[1] != k.shape[1])
+    return _kernel(q.device)(
+        q,
+        k,
+        v,
+        score_mod=score_mod,
+        block_mask=causal_block_mask(q.shape[2], q.device),
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
 
 
 def flex_attention_with_lse(q, k, v, scale: float, causal: bool, mask=None):
@@ -166,8 +199,9 @@ def flex_local_part(q, k, v, groups_q, window: int, scale: float):
             in_bucket = in_bucket | (groups_q[b, q_idx, s] == top1[b, kv_idx])
         return torch.where(in_bucket, float("-inf"), score)
 
-    return _attend_with_lse(q, k, v, scale, score_mod,
-                            causal_block_mask(q.shape[2], q.device, window))
+    return _attend_with_lse(
+        q, k, v, scale, score_mod, causal_block_mask(q.shape[2], q.device, window)
+    )
 
 
 def range_block_mask(lo: torch.Tensor, hi: torch.Tensor, keys: int, block: int = 128) -> BlockMask:
@@ -193,6 +227,9 @@ def flex_range_attention(q, k, v, lo, hi, scale: float):
     """Query row e against key rows [lo[e], hi[e]) in one FlexAttention call (the sparse path's
     bucket part on a GPU: no padding, no bucket squares). q [E, h, d], k/v [M, groups, d] ->
     (out [E, h, d], lse [E, h], -inf where a range is empty)."""
-    out, lse = _attend_with_lse(*(x.transpose(0, 1)[None] for x in (q, k, v)), scale,
-                                block_mask=range_block_mask(lo, hi, k.shape[0]))
+    out, lse = _attend_with_lse(
+        *(x.transpose(0, 1)[None] for x in (q, k, v)),
+        scale,
+        block_mask=range_block_mask(lo, hi, k.shape[0]),
+    )
     return out[0].transpose(0, 1), lse[0].transpose(0, 1)

@@ -22,13 +22,12 @@ import math
 from typing import Optional
 
 import torch
-from torch.utils.checkpoint import checkpoint
-
 from megatron.core import tensor_parallel
 from megatron.core.parallel_state import get_tensor_model_parallel_world_size
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.attention import SelfAttention
+from torch.utils.checkpoint import checkpoint
 
 from megatron_focus.model.core_attention import CoreAttention
 from megatron_focus.model.focus_gate import focus_attention
@@ -36,8 +35,9 @@ from megatron_focus.model.focus_sparse import sparse_focus_attention
 from megatron_focus.model.groups import Routing
 from megatron_focus.model.sinkhorn import causal_sinkhorn
 from megatron_focus.model.xsa import XSAMixin
-from megatron_focus.variants import FOCUS_MODES, FocusConfig
 from megatron_focus.parallel import sum_grad_over_tensor_parallel
+from megatron_focus.variants import FOCUS_MODES, FocusConfig
+
 
 class Router(torch.nn.Module):
     """W_g (d -> d_g) and K centroids: token -> log-assignment over groups, shared by all heads."""
@@ -64,15 +64,17 @@ class Router(torch.nn.Module):
         if torch.is_grad_enabled():
             # Recomputed in backward: its iterations would otherwise keep ~6 [b, s, K] tensors
             # each, more than the attention's own saved state at K = 8 and 10 iterations.
-            log_g = checkpoint(causal_sinkhorn, scores, self.focus.sinkhorn_iters,
-                               use_reentrant=False)
+            log_g = checkpoint(
+                causal_sinkhorn, scores, self.focus.sinkhorn_iters, use_reentrant=False
+            )
         else:
             log_g = causal_sinkhorn(scores, self.focus.sinkhorn_iters)
         routing = Routing.of(log_g)
         if self.record_stats:
             with torch.no_grad():
-                self.stats = group_stats(routing, self.focus.top_k, self.focus.window,
-                                         self.focus.sink_tokens)
+                self.stats = group_stats(
+                    routing, self.focus.top_k, self.focus.window, self.focus.sink_tokens
+                )
         if self.tp > 1:
             routing = routing._replace(log_g=sum_grad_over_tensor_parallel(log_g))
         return routing
@@ -110,8 +112,15 @@ def group_stats(routing: Routing, top_k: int, window: int, sink: int = 0) -> dic
 class FocusSelfAttention(SelfAttention):
     """Megatron's SelfAttention, with a router reading the same normalised hidden state as QKV."""
 
-    def __init__(self, config: TransformerConfig, submodules, layer_number: int, attn_mask_type,
-                 focus: FocusConfig, **kwargs):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules,
+        layer_number: int,
+        attn_mask_type,
+        focus: FocusConfig,
+        **kwargs,
+    ):
         super().__init__(config, submodules, layer_number, attn_mask_type, **kwargs)
         self.router = Router(config, focus)
 
@@ -121,21 +130,36 @@ class FocusSelfAttention(SelfAttention):
         kwargs["attention_bias"] = self.router(hidden_states)
         return super().forward(hidden_states, attention_mask, **kwargs)
 
-    def _checkpointed_attention_forward(self, query, key, value, attention_mask,
-                                        rotary_pos_emb=None, attn_mask_type=None,
-                                        attention_bias=None, packed_seq_params=None):
+    def _checkpointed_attention_forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        rotary_pos_emb=None,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
         """Megatron's selective recompute (`--recompute-activations`), with the routing's
         log-assignments an input of the checkpoint like q, k and v: a value the recomputed
         forward only closed over would send its gradient through the router's graph twice."""
         routing, mask_type = attention_bias, attn_mask_type or self.attn_mask_type
 
         def core(q, k, v, mask, log_g):
-            return self.core_attention(q, k, v, mask, attn_mask_type=mask_type,
-                                       attention_bias=Routing(log_g, routing.groups),
-                                       packed_seq_params=packed_seq_params)
+            return self.core_attention(
+                q,
+                k,
+                v,
+                mask,
+                attn_mask_type=mask_type,
+                attention_bias=Routing(log_g, routing.groups),
+                packed_seq_params=packed_seq_params,
+            )
 
-        return tensor_parallel.checkpoint(core, False, query, key, value, attention_mask,
-                                          routing.log_g)
+        return tensor_parallel.checkpoint(
+            core, False, query, key, value, attention_mask, routing.log_g
+        )
 
 
 class FocusAttention(CoreAttention):
@@ -145,8 +169,14 @@ class FocusAttention(CoreAttention):
     gradients it evaluates the same hard rule by masked chunks.
     """
 
-    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type,
-                 focus: FocusConfig, **kwargs):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type,
+        focus: FocusConfig,
+        **kwargs,
+    ):
         super().__init__(config, layer_number, attn_mask_type, **kwargs)
         self.focus = focus
 
@@ -157,21 +187,36 @@ class FocusAttention(CoreAttention):
             raise NotImplementedError("Focus attention is causal only (no custom attention mask)")
         focus, sparse = self.focus, self.focus.attention_mode == "sparse"
         if sparse and not torch.is_grad_enabled():
-            return sparse_focus_attention(q, k, v, routing, window=focus.window, top_k=focus.top_k,
-                                          scale=self.softmax_scale, sink=focus.sink_tokens)
+            return sparse_focus_attention(
+                q,
+                k,
+                v,
+                routing,
+                window=focus.window,
+                top_k=focus.top_k,
+                scale=self.softmax_scale,
+                sink=focus.sink_tokens,
+            )
         return focus_attention(
-            q, k, v, routing,
-            window=focus.window, gate_scale=focus.gate_scale,
+            q,
+            k,
+            v,
+            routing,
+            window=focus.window,
+            gate_scale=focus.gate_scale,
             top_k=focus.top_k if sparse else None,
-            chunk_size=focus.chunk_size, scale=self.softmax_scale,
-            dropout_p=self.dropout_p if self.training else 0.0, kernel=focus.kernel,
-            gate=focus.gate, sink=focus.sink_tokens,
+            chunk_size=focus.chunk_size,
+            scale=self.softmax_scale,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            kernel=focus.kernel,
+            gate=focus.gate,
+            sink=focus.sink_tokens,
         )
-
 
 
 class FocusXSAAttention(XSAMixin, FocusAttention):
     """Focus attention, XSA on its output (`--attention focus+xsa`)."""
+
 
 def train_routers_only(model: torch.nn.Module) -> None:
     """A retrofit: only the Focus routers learn; every other weight is frozen."""
@@ -189,8 +234,10 @@ def set_focus_mode(model: torch.nn.Module, mode: str, top_k: Optional[int] = Non
             if top_k is not None and not 1 <= top_k <= module.focus.groups:
                 raise ValueError(f"top-k {top_k} outside 1..{module.focus.groups}")
             module.focus = dataclasses.replace(
-                module.focus, attention_mode=mode,
-                top_k=module.focus.top_k if top_k is None else top_k)
+                module.focus,
+                attention_mode=mode,
+                top_k=module.focus.top_k if top_k is None else top_k,
+            )
 
 
 @contextlib.contextmanager

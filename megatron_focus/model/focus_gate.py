@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from megatron_focus.model.flex import TINY_AFFINITY, flex_attention_with_lse, flex_soft_focus
 from megatron_focus.model import kernels
-from megatron_focus.variants import FOCUS_GATES
+from megatron_focus.model.flex import TINY_AFFINITY, flex_attention_with_lse, flex_soft_focus
 from megatron_focus.model.groups import Routing
+from megatron_focus.variants import FOCUS_GATES
 
 # The soft rule's kernels (kernels.soft_kernel): FlexAttention's fused one, or the chunked one
 # below. Its gates on distant pairs (FOCUS_GATES): ours in log space, or the paper's one.
@@ -47,40 +47,60 @@ def _near_diagonal(start: int, end: int, window: int, device, sink: int = 0):
     unless a sink: keys [0, min(sink, edge)) are the sinks there), and the (causal, local) masks
     of keys [edge, end)."""
     edge = max(0, start - window + 1)
-    causal, local = _causal_local(torch.arange(start, end, device=device),
-                                  torch.arange(edge, end, device=device), window, sink)
+    causal, local = _causal_local(
+        torch.arange(start, end, device=device),
+        torch.arange(edge, end, device=device),
+        window,
+        sink,
+    )
     return edge, causal, local
 
 
-def log_gate(affinity: torch.Tensor, start: int, window: int, gate_scale: float,
-             sink: int = 0) -> torch.Tensor:
+def log_gate(
+    affinity: torch.Tensor, start: int, window: int, gate_scale: float, sink: int = 0
+) -> torch.Tensor:
     """Additive logit bias [b, c, e] of queries [start, start + c) against keys [0, e) from their
     affinities g_i . g_j: lambda * log(affinity) distant, 0 local (window or sink), -inf future."""
     bias = affinity.clamp_min(TINY_AFFINITY).log_().mul_(gate_scale)
-    edge, causal, local = _near_diagonal(start, affinity.shape[1] + start, window,
-                                         affinity.device, sink)
+    edge, causal, local = _near_diagonal(
+        start, affinity.shape[1] + start, window, affinity.device, sink
+    )
     bias[:, :, edge:].masked_fill_(local, 0.0).masked_fill_(~causal, float("-inf"))
-    bias[:, :, :min(sink, edge)] = 0.0
+    bias[:, :, : min(sink, edge)] = 0.0
     return bias
 
 
-def soft_pair_bias(log_g_q: torch.Tensor, log_g_k: torch.Tensor, start: int, window: int,
-                   gate_scale: float, sink: int = 0) -> torch.Tensor:
+def soft_pair_bias(
+    log_g_q: torch.Tensor,
+    log_g_k: torch.Tensor,
+    start: int,
+    window: int,
+    gate_scale: float,
+    sink: int = 0,
+) -> torch.Tensor:
     """The soft rule's bias [b, c, e] for queries [start, start + c) against keys [0, e)."""
-    return log_gate(torch.bmm(log_g_q.exp(), log_g_k.exp().transpose(1, 2)), start, window,
-                    gate_scale, sink)
+    return log_gate(
+        torch.bmm(log_g_q.exp(), log_g_k.exp().transpose(1, 2)), start, window, gate_scale, sink
+    )
 
 
-def sigmoid_gate(log_g_q: torch.Tensor, log_g_k: torch.Tensor, local: torch.Tensor,
-                 gate_scale: float) -> torch.Tensor:
+def sigmoid_gate(
+    log_g_q: torch.Tensor, log_g_k: torch.Tensor, local: torch.Tensor, gate_scale: float
+) -> torch.Tensor:
     """The paper's gate, a factor [b, c, e] on the logits: sigmoid(lambda * g_i . g_j) distant,
     1 local (causality is the caller's mask)."""
     affinity = torch.bmm(log_g_q.exp(), log_g_k.exp().transpose(1, 2))
     return torch.where(local, 1.0, torch.sigmoid(gate_scale * affinity))
 
 
-def hard_pair_mask(groups_q: torch.Tensor, top1_k: torch.Tensor, q_pos: torch.Tensor,
-                   k_pos: torch.Tensor, window: int, sink: int = 0) -> torch.Tensor:
+def hard_pair_mask(
+    groups_q: torch.Tensor,
+    top1_k: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    window: int,
+    sink: int = 0,
+) -> torch.Tensor:
     """Kept pairs [b, nq, nk] (bool): causal and (local or a sink, or key's top-1 group in
     query's top-k)."""
     causal, local = _causal_local(q_pos, k_pos, window, sink)
@@ -100,37 +120,92 @@ def attention_with_lse(q, k, v, scale: float, causal: bool, mask=None):
     return flex_attention_with_lse(q, k, v, scale, causal, mask)
 
 
-def _soft_chunk(q, k, v, log_g_q, log_g_k, start: int, window: int, sink: int,
-                gate_scale: float, scale: float, dropout_p: float, gqa: bool, gate: str):
+def _soft_chunk(
+    q,
+    k,
+    v,
+    log_g_q,
+    log_g_k,
+    start: int,
+    window: int,
+    sink: int,
+    gate_scale: float,
+    scale: float,
+    dropout_p: float,
+    gqa: bool,
+    gate: str,
+):
     """Queries [start, start + nq) against keys [0, nk) under the soft rule."""
     if gate == "sigmoid":  # a factor on the logits: explicit scores
-        causal, local = _causal_local(torch.arange(start, start + q.shape[2], device=q.device),
-                                      torch.arange(k.shape[2], device=q.device), window, sink)
+        causal, local = _causal_local(
+            torch.arange(start, start + q.shape[2], device=q.device),
+            torch.arange(k.shape[2], device=q.device),
+            window,
+            sink,
+        )
         if gqa:
             k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
-        logits = (q @ k.transpose(-1, -2)).float().mul_(scale) \
-            * sigmoid_gate(log_g_q, log_g_k, local, gate_scale).unsqueeze(1)
+        logits = (q @ k.transpose(-1, -2)).float().mul_(scale) * sigmoid_gate(
+            log_g_q, log_g_k, local, gate_scale
+        ).unsqueeze(1)
         probs = logits.masked_fill_(~causal, float("-inf")).softmax(-1)
         return F.dropout(probs, dropout_p).to(v.dtype) @ v
     mask = soft_pair_bias(log_g_q, log_g_k, start, window, gate_scale, sink)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype).unsqueeze(1),
-                                          dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask.to(q.dtype).unsqueeze(1),
+        dropout_p=dropout_p,
+        scale=scale,
+        enable_gqa=gqa,
+    )
 
 
-def _hard_chunk(q, k, v, groups_q, top1_k, start: int, window: int, sink: int, scale: float,
-                dropout_p: float, gqa: bool):
+def _hard_chunk(
+    q,
+    k,
+    v,
+    groups_q,
+    top1_k,
+    start: int,
+    window: int,
+    sink: int,
+    scale: float,
+    dropout_p: float,
+    gqa: bool,
+):
     """Queries [start, start + nq) (top-k groups `groups_q`) against keys [0, nk) (top-1 groups
     `top1_k`) under the hard rule."""
-    mask = hard_pair_mask(groups_q, top1_k, torch.arange(start, start + q.shape[2], device=q.device),
-                          torch.arange(k.shape[2], device=q.device), window, sink).unsqueeze(1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                          scale=scale, enable_gqa=gqa)
+    mask = hard_pair_mask(
+        groups_q,
+        top1_k,
+        torch.arange(start, start + q.shape[2], device=q.device),
+        torch.arange(k.shape[2], device=q.device),
+        window,
+        sink,
+    ).unsqueeze(1)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
+    )
 
 
-def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, routing: Routing, *,
-                    window: int, gate_scale: float, top_k: Optional[int], chunk_size: int,
-                    scale: float, dropout_p: float = 0.0, kernel: str = "auto",
-                    gate: str = "log", sink: int = 0) -> torch.Tensor:
+def focus_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    routing: Routing,
+    *,
+    window: int,
+    gate_scale: float,
+    top_k: Optional[int],
+    chunk_size: int,
+    scale: float,
+    dropout_p: float = 0.0,
+    kernel: str = "auto",
+    gate: str = "log",
+    sink: int = 0,
+) -> torch.Tensor:
     """Causal Focus attention. q [b, h, n, d], k/v [b, groups, n, d], routing's tensors [b, n, K]
     -> [b, h, n, d].
 
@@ -146,20 +221,45 @@ def focus_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, routing: 
     log_g = routing.log_g.float()
     if top_k is None:
         if kernels.soft_kernel(kernel, q.device, dropout_p) == "flex":
-            return flex_soft_focus(q, k, v, log_g, window=window, gate_scale=gate_scale,
-                                   scale=scale, gate=gate, sink=sink)
+            return flex_soft_focus(
+                q,
+                k,
+                v,
+                log_g,
+                window=window,
+                gate_scale=gate_scale,
+                scale=scale,
+                gate=gate,
+                sink=sink,
+            )
         if gate == "log" and dropout_p == 0.0 and torch.is_grad_enabled():
-            return _SoftFocusAttention.apply(q, k, v, log_g, window, gate_scale, chunk_size,
-                                             scale, sink)
+            return _SoftFocusAttention.apply(
+                q, k, v, log_g, window, gate_scale, chunk_size, scale, sink
+            )
     groups_q, top1 = routing.top(top_k or 1), routing.groups[..., 0]
     outputs = []
     for start, end in _chunks(n, chunk_size):
         if top_k is None:
-            attend, args = _soft_chunk, (log_g[:, start:end], log_g[:, :end], start, window,
-                                         sink, gate_scale, scale, dropout_p, gqa, gate)
+            attend, args = (
+                _soft_chunk,
+                (
+                    log_g[:, start:end],
+                    log_g[:, :end],
+                    start,
+                    window,
+                    sink,
+                    gate_scale,
+                    scale,
+                    dropout_p,
+                    gqa,
+                    gate,
+                ),
+            )
         else:
-            attend, args = _hard_chunk, (groups_q[:, start:end], top1[:, :end], start, window,
-                                         sink, scale, dropout_p, gqa)
+            attend, args = (
+                _hard_chunk,
+                (groups_q[:, start:end], top1[:, :end], start, window, sink, scale, dropout_p, gqa),
+            )
         args = (q[:, :, start:end], k[:, :, :end], v[:, :, :end]) + args
         if torch.is_grad_enabled():
             # Recompute in backward: only this chunk's scores ever exist at once.
@@ -188,10 +288,17 @@ class _SoftFocusAttention(torch.autograd.Function):
         n = q.shape[2]
         outs, lses = [], []
         for start, end in _chunks(n, chunk_size):
-            bias = soft_pair_bias(log_g[:, start:end], log_g[:, :end], start, window, gate_scale,
-                                  sink)
-            out, lse = attention_with_lse(q[:, :, start:end], k[:, :, :end], v[:, :, :end],
-                                          scale, causal=False, mask=bias.to(q.dtype).unsqueeze(1))
+            bias = soft_pair_bias(
+                log_g[:, start:end], log_g[:, :end], start, window, gate_scale, sink
+            )
+            out, lse = attention_with_lse(
+                q[:, :, start:end],
+                k[:, :, :end],
+                v[:, :, :end],
+                scale,
+                causal=False,
+                mask=bias.to(q.dtype).unsqueeze(1),
+            )
             outs.append(out)
             lses.append(lse)
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
@@ -209,6 +316,7 @@ class _SoftFocusAttention(torch.autograd.Function):
         b, h, n, d = q.shape
         groups = k.shape[1]
         rep = h // groups
+
         # Query heads as [b * kv group, rep * positions, d]: a group's heads share its keys, so
         # every product is one batched matmul and dK, dV sum over the group's heads by
         # themselves (no repeated keys). The softmax scale is applied to dQ and dK at the end;
@@ -230,11 +338,13 @@ class _SoftFocusAttention(torch.autograd.Function):
             qc, go = (x[:, :, start:end].flatten(1, 2) for x in (qg, og))  # [b * g, rep * c, d]
             kc, vc = kf[:, :end], vf[:, :end]
             # P = exp(scale * Q K^T - lse + bias); dS = P * (dO V^T - delta)
-            probs = torch.baddbmm(-lse_g[:, :, start:end].reshape(-1, rep * c, 1), qc,
-                                  kc.transpose(1, 2), alpha=scale)
+            probs = torch.baddbmm(
+                -lse_g[:, :, start:end].reshape(-1, rep * c, 1), qc, kc.transpose(1, 2), alpha=scale
+            )
             probs.view(b, groups * rep, c, end).add_(bias[:, None]).exp_()
-            dscores = torch.baddbmm(-delta[:, :, start:end].reshape(-1, rep * c, 1), go,
-                                    vc.transpose(1, 2)).mul_(probs)
+            dscores = torch.baddbmm(
+                -delta[:, :, start:end].reshape(-1, rep * c, 1), go, vc.transpose(1, 2)
+            ).mul_(probs)
             dv[:, :end].baddbmm_(probs.transpose(1, 2), go)
             del probs
             dq[:, :, start:end] = torch.bmm(dscores, kc).view(-1, rep, c, d)
@@ -245,10 +355,19 @@ class _SoftFocusAttention(torch.autograd.Function):
             daffinity.div_(affinity).masked_fill_(affinity <= TINY_AFFINITY, 0.0)
             edge, causal, local = _near_diagonal(start, end, window, q.device, sink)
             daffinity[:, :, edge:].masked_fill_(local | ~causal, 0.0)
-            daffinity[:, :, :min(sink, edge)] = 0.0
+            daffinity[:, :, : min(sink, edge)] = 0.0
             dg[:, start:end] += torch.bmm(daffinity, g[:, :end])
             dg[:, :end] += torch.bmm(daffinity.transpose(1, 2), g[:, start:end])
         dq = dq.mul_(scale).view(b, h, n, d)
         dk, dv = dk.mul_(scale).view(k.shape), dv.view(v.shape)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), (dg * g).to(log_g.dtype),
-                None, None, None, None, None)
+        return (
+            dq.to(q.dtype),
+            dk.to(k.dtype),
+            dv.to(v.dtype),
+            (dg * g).to(log_g.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )

@@ -8,12 +8,12 @@ ordinary attention call, merged exactly by per-query log-sum-exp weights:
   bucket order: tokens stably sorted by (sequence, top-1 group), positions increasing inside a
   bucket. Query i's keys for slot s are then one contiguous range of that layout: the members of
   i's s-th ranked group (groups.py) before it (and i itself for its own top-1 group),
-  `_key_ranges`. Slot 0 on the CPU is plain causal attention over each bucket: all buckets packed into one call, q, k, v
-  each gathered once into the padded [buckets, longest] layout. Other slots, and every slot on
-  a GPU, attend their ranges: FlexAttention in one call with a block mask made from the ranges
-  (flex.flex_range_attention), or on the CPU blocks of queries against their blocks' key ranges
-  (`_range_attention`). Work is the kept pairs, not the bucket's square: a token that only
-  queries a bucket adds no keys to it.
+  `_key_ranges`. Slot 0 on the CPU is plain causal attention over each bucket: all buckets
+  packed into one call, q, k, v each gathered once into the padded [buckets, longest] layout.
+  Other slots, and every slot on a GPU, attend their ranges: FlexAttention in one call with a
+  block mask made from the ranges (flex.flex_range_attention), or on the CPU blocks of queries
+  against their blocks' key ranges (`_range_attention`). Work is the kept pairs, not the
+  bucket's square: a token that only queries a bucket adds no keys to it.
 * local part: the window keys whose top-1 group is *not* among the query's top-k (the others are
   in a bucket already), by query blocks of B = 16 against the w + B keys ending with them,
   overlapping strided windows of one padded copy: O(n (w + B)). On a GPU, one FlexAttention call
@@ -71,8 +71,9 @@ def _buckets(groups_q: torch.Tensor, num_groups: int):
     positions increasing), each bucket's size and first place in that order, and [b, n, K] how
     many members each group has before each position."""
     b, n, _ = groups_q.shape
-    bucket = (torch.arange(b, device=groups_q.device)[:, None] * num_groups
-              + groups_q[..., 0]).reshape(-1)
+    bucket = (
+        torch.arange(b, device=groups_q.device)[:, None] * num_groups + groups_q[..., 0]
+    ).reshape(-1)
     order = torch.sort(bucket, stable=True).indices
     sizes = torch.bincount(bucket, minlength=b * num_groups)
     onehot = torch.nn.functional.one_hot(groups_q[..., 0], num_groups)
@@ -83,7 +84,7 @@ def _key_ranges(groups_q: torch.Tensor, slot: int, starts: torch.Tensor, before:
     """[lo, hi) of each token's slot-`slot` keys in bucket order, [b * n] each: the members of
     the token's slot-th ranked group before it, and the token itself in its own (top-1) group."""
     b = groups_q.shape[0]
-    group = groups_q[..., slot:slot + 1]
+    group = groups_q[..., slot : slot + 1]
     lo = starts.view(b, -1).gather(1, group[..., 0])
     return lo.reshape(-1), (lo + before.gather(-1, group)[..., 0] + (slot == 0)).reshape(-1)
 
@@ -97,8 +98,11 @@ def _causal_buckets(rows, order, bucket, sizes, starts, scale):
     # after a bucket's tokens (padding) read token 0: as keys they come after every real query
     # of their bucket (causal), as queries they are never read back.
     sorted_bucket = bucket[order]
-    packed_at = sorted_bucket * longest + torch.arange(order.numel(), device=order.device) \
+    packed_at = (
+        sorted_bucket * longest
+        + torch.arange(order.numel(), device=order.device)
         - starts[sorted_bucket]
+    )
     source = order.new_zeros(num_buckets * longest).index_copy_(0, packed_at, order)
 
     def packed(x):  # [b * n, heads, d] rows -> [buckets, heads, longest, d]
@@ -106,8 +110,10 @@ def _causal_buckets(rows, order, bucket, sizes, starts, scale):
 
     out, lse = attention_with_lse(*(packed(x) for x in rows), scale, causal=True)
     back = torch.empty_like(packed_at).index_copy_(0, order, packed_at)  # token -> its place
-    return (_gather_rows(out.transpose(1, 2).reshape(-1, h, d), back),
-            _gather_rows(lse.transpose(1, 2).reshape(-1, h), back))
+    return (
+        _gather_rows(out.transpose(1, 2).reshape(-1, h, d), back),
+        _gather_rows(lse.transpose(1, 2).reshape(-1, h), back),
+    )
 
 
 # Queries per kernel call of `_range_attention`: each call computes its block's queries against
@@ -139,13 +145,17 @@ def _range_attention(q, k, v, lo, hi, scale: float):
         for cols in (range(0, inner[0]), range(max(inner), last - first)):
             keys = torch.arange(first + cols.start, first + cols.stop, device=q.device)
             kept = (keys >= lo[start:end, None]) & (keys < hi[start:end, None])
-            mask[:, cols.start:cols.stop].masked_fill_(~kept, float("-inf"))
-        o, l = attention_with_lse(q[start:end].transpose(0, 1)[None],
-                                  k[first:last].transpose(0, 1)[None],
-                                  v[first:last].transpose(0, 1)[None], scale, causal=False,
-                                  mask=mask[None, None])
+            mask[:, cols.start : cols.stop].masked_fill_(~kept, float("-inf"))
+        o, block_lse = attention_with_lse(
+            q[start:end].transpose(0, 1)[None],
+            k[first:last].transpose(0, 1)[None],
+            v[first:last].transpose(0, 1)[None],
+            scale,
+            causal=False,
+            mask=mask[None, None],
+        )
         out[start:end] = o[0].transpose(0, 1)
-        lse[start:end] = l[0].transpose(0, 1)
+        lse[start:end] = block_lse[0].transpose(0, 1)
     return out, lse.masked_fill_((hi <= lo)[:, None], float("-inf"))
 
 
@@ -168,8 +178,14 @@ def _bucket_part(q, k, v, groups_q, num_groups: int, scale: float):
             # Queries sorted so that lo and hi both never decrease (slot 0: the bucket order).
             entries = torch.sort(lo * (b * n + 1) + hi).indices if slot else order
             attend = flex_range_attention if flex else _range_attention
-            out_sorted, lse_sorted = attend(_gather_rows(rows[0], entries), members_k,
-                                            members_v, lo[entries], hi[entries], scale)
+            out_sorted, lse_sorted = attend(
+                _gather_rows(rows[0], entries),
+                members_k,
+                members_v,
+                lo[entries],
+                hi[entries],
+                scale,
+            )
             out, lse = (_scatter_rows(x, entries) for x in (out_sorted, lse_sorted))
         outs.append(out.view(b, n, h, d).transpose(1, 2))
         lses.append(lse.view(b, n, h).transpose(1, 2))
@@ -200,38 +216,51 @@ def _local_part(q, k, v, groups_q, window: int, scale: float):
     def laid_out(x, fill=0):  # [b, n, ...] -> [b * L, ...]: each sequence after its padding
         out = x.new_empty((b, length) + x.shape[2:])
         out[:, :front] = fill
-        out[:, front + n:] = fill
-        out[:, front:front + n] = x
+        out[:, front + n :] = fill
+        out[:, front : front + n] = x
         return out.flatten(0, 1)
 
     def windows(x, size, offset):  # [b * L, ...] -> [M, size, ...], block m from mB + offset
         strides = x.stride()
-        return x.as_strided((blocks, size) + x.shape[1:], (block * strides[0],) + strides,
-                            x.storage_offset() + offset * strides[0])
+        return x.as_strided(
+            (blocks, size) + x.shape[1:],
+            (block * strides[0],) + strides,
+            x.storage_offset() + offset * strides[0],
+        )
 
     def heads_first(x, size, offset):  # [b, heads, n, d] -> [M, heads, size, d]
         return windows(laid_out(x.transpose(1, 2)), size, offset).transpose(1, 2)
 
     real = laid_out(torch.ones(b, n, dtype=torch.bool, device=q.device), False)
-    distance = front + torch.arange(block, device=q.device)[:, None] \
-        - torch.arange(keys, device=q.device)  # [B, F + B], the same for every block
+    distance = (
+        front + torch.arange(block, device=q.device)[:, None] - torch.arange(keys, device=q.device)
+    )  # [B, F + B], the same for every block
     keep = (distance >= 0) & (distance < window) & windows(real, keys, 0)[:, None, :]
     key_top1 = windows(laid_out(groups_q[..., 0], -1), keys, 0)[:, None, :]  # [M, 1, F + B]
     query_groups = windows(laid_out(groups_q, -2), block, front)  # [M, B, top_k]
     for slot in range(query_groups.shape[-1]):  # not the keys in one of the query's buckets
         keep &= query_groups[..., slot, None] != key_top1
-    mask = torch.where(keep, torch.zeros((), dtype=q.dtype, device=q.device),
-                       torch.full((), float("-inf"), dtype=q.dtype, device=q.device))
-    out, lse = attention_with_lse(heads_first(q, block, front), heads_first(k, keys, 0),
-                                  heads_first(v, keys, 0), scale, causal=False,
-                                  mask=mask.unsqueeze(1))
+    mask = torch.where(
+        keep,
+        torch.zeros((), dtype=q.dtype, device=q.device),
+        torch.full((), float("-inf"), dtype=q.dtype, device=q.device),
+    )
+    out, lse = attention_with_lse(
+        heads_first(q, block, front),
+        heads_first(k, keys, 0),
+        heads_first(v, keys, 0),
+        scale,
+        causal=False,
+        mask=mask.unsqueeze(1),
+    )
     lse = lse.masked_fill(~keep.any(-1).unsqueeze(1), float("-inf"))
 
     def back(x):  # [M, h, B, ...] -> [b, h, n, ...], a view
         x = x.transpose(1, 2).flatten(0, 1)  # positions F .. b * L of the layout
         # Sequence s's positions are rows [s L, s L + n) here (n <= L - F: inside the rows).
-        x = x.as_strided((b, n) + x.shape[1:], (length * x.stride(0),) + x.stride(),
-                         x.storage_offset())
+        x = x.as_strided(
+            (b, n) + x.shape[1:], (length * x.stride(0),) + x.stride(), x.storage_offset()
+        )
         return x.transpose(1, 2)
 
     return back(out), back(lse)
@@ -243,15 +272,18 @@ def _sink_part(q, k, v, window: int, sink: int, scale: float):
     positions = torch.arange(n, device=q.device)[:, None]
     keep = (positions >= sink) & (positions - torch.arange(sink, device=q.device) >= window)
     mask = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(
-        ~keep, float("-inf"))
-    out, lse = attention_with_lse(q, k[:, :, :sink], v[:, :, :sink], scale, causal=False,
-                                  mask=mask[None, None])
+        ~keep, float("-inf")
+    )
+    out, lse = attention_with_lse(
+        q, k[:, :, :sink], v[:, :, :sink], scale, causal=False, mask=mask[None, None]
+    )
     return out, lse.masked_fill(~keep.any(-1), float("-inf"))
 
 
 @torch.no_grad()
-def sparse_focus_attention(q, k, v, routing: Routing, *, window: int, top_k: int, scale: float,
-                           sink: int = 0):
+def sparse_focus_attention(
+    q, k, v, routing: Routing, *, window: int, top_k: int, scale: float, sink: int = 0
+):
     """Hard-rule Focus attention computing only kept pairs. q [b,h,n,d], k/v [b,g,n,d]."""
     groups_q = routing.top(top_k)  # [b, n, top_k], top-1 first
     num_groups = routing.groups.shape[-1]

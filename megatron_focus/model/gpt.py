@@ -14,7 +14,6 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-
 from megatron.core import parallel_state
 from megatron.core.activations import squared_relu
 from megatron.core.models.gpt import GPTModel
@@ -88,7 +87,10 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> GPTModel:
     model = GPTModel(
         config=config,
         transformer_layer_spec=block_spec(
-            attention, args.normalization, args.num_layers, args.xsa_layers,
+            attention,
+            args.normalization,
+            args.num_layers,
+            args.xsa_layers,
             FocusConfig.from_args(args) if attention.focus else None,
             qk_layernorm=args.qk_layernorm,
         ),

@@ -75,8 +75,10 @@ def soft_kernel(requested: str, device: torch.device, dropout_p: float = 0.0) ->
     if requested not in FOCUS_KERNELS:
         raise ValueError(f"unknown Focus kernel {requested!r}; choose from {FOCUS_KERNELS}")
     if requested == "flex" and dropout_p > 0:
-        raise ValueError("FlexAttention has no attention dropout: --focus-kernel flex needs "
-                         "--attention-dropout 0")
+        raise ValueError(
+            "FlexAttention has no attention dropout: --focus-kernel flex needs "
+            "--attention-dropout 0"
+        )
     if requested == "auto":
         return "flex" if device.type == "cuda" and dropout_p == 0 else "chunked"
     return requested

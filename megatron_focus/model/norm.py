@@ -11,7 +11,6 @@ Megatron's `finalize_model_grads` does.
 
 import torch
 import torch.nn.functional as F
-
 from megatron.core.transformer import TransformerConfig
 
 
@@ -39,8 +38,10 @@ class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
 
 
 NORMS = {  # (normalization, zero-centred scale) -> class
-    ("LayerNorm", False): torch.nn.LayerNorm, ("RMSNorm", False): torch.nn.RMSNorm,
-    ("LayerNorm", True): ZeroCenteredLayerNorm, ("RMSNorm", True): ZeroCenteredRMSNorm,
+    ("LayerNorm", False): torch.nn.LayerNorm,
+    ("RMSNorm", False): torch.nn.RMSNorm,
+    ("LayerNorm", True): ZeroCenteredLayerNorm,
+    ("RMSNorm", True): ZeroCenteredRMSNorm,
 }
 
 

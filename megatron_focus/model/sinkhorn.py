@@ -34,7 +34,8 @@ def log_prefix_sums(log_g: torch.Tensor) -> torch.Tensor:
 
 
 def causal_sinkhorn(scores: torch.Tensor, iters: int) -> torch.Tensor:
-    """Log-assignments [..., n, K] from scores [..., n, K]; rows are log-distributions over groups."""
+    """Log-assignments [..., n, K] from scores [..., n, K]; rows are log-distributions over
+    groups."""
     n = scores.shape[-2]
     log_prefix_len = torch.log(
         torch.arange(1, n + 1, device=scores.device, dtype=scores.dtype)

@@ -18,8 +18,12 @@ from megatron_focus.model.norm import Norm, QKNorm
 from megatron_focus.variants import AttentionVariant, FocusConfig
 
 
-def layer_spec(attention: AttentionVariant, normalization: str,
-               focus: Optional[FocusConfig] = None, qk_layernorm: bool = False) -> ModuleSpec:
+def layer_spec(
+    attention: AttentionVariant,
+    normalization: str,
+    focus: Optional[FocusConfig] = None,
+    qk_layernorm: bool = False,
+) -> ModuleSpec:
     """The spec of one transformer layer with the given attention variant."""
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
     spec.submodules.input_layernorm = Norm
@@ -33,14 +37,18 @@ def layer_spec(attention: AttentionVariant, normalization: str,
             raise ValueError(f"--attention {attention.name} needs a FocusConfig")
         attn.module = FocusSelfAttention
         attn.params = {**attn.params, "focus": focus}
-        attn.submodules.core_attention = ModuleSpec(attention.core_attention_class(),
-                                                    params={"focus": focus})
+        attn.submodules.core_attention = ModuleSpec(
+            attention.core_attention_class(), params={"focus": focus}
+        )
     return spec
 
 
 def block_spec(
-    attention: AttentionVariant, normalization: str, num_layers: int,
-    xsa_layers: Optional[Sequence[int]] = None, focus: Optional[FocusConfig] = None,
+    attention: AttentionVariant,
+    normalization: str,
+    num_layers: int,
+    xsa_layers: Optional[Sequence[int]] = None,
+    focus: Optional[FocusConfig] = None,
     qk_layernorm: bool = False,
 ) -> TransformerBlockSubmodules:
     """Every layer plus the final norm; a per-layer list so variants can differ by layer."""

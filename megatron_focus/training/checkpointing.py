@@ -29,7 +29,6 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-
 from megatron.core.parallel_state import get_tensor_model_parallel_rank
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
@@ -41,21 +40,47 @@ from megatron_focus.variants import MODEL, VARIANTS, FocusConfig, variant
 
 # What must match for weights to load: the model's shape, what it computes, and how it is split.
 SHAPE_KEYS = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-    "kv_channels", "normalization", "swiglu", "position_embedding_type", "add_bias_linear",
-    "untie_embeddings_and_output_weights", "max_position_embeddings", "attention",
-    "tensor_model_parallel_size", "padded_vocab_size",
-    "norm_epsilon", "rotary_base", "rotary_percent", "xsa_layers", "openai_gelu", "window_size",
-    "add_qkv_bias", "apply_layernorm_1p", "qk_layernorm", "squared_relu", "use_rope_scaling",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "normalization",
+    "swiglu",
+    "position_embedding_type",
+    "add_bias_linear",
+    "untie_embeddings_and_output_weights",
+    "max_position_embeddings",
+    "attention",
+    "tensor_model_parallel_size",
+    "padded_vocab_size",
+    "norm_epsilon",
+    "rotary_base",
+    "rotary_percent",
+    "xsa_layers",
+    "openai_gelu",
+    "window_size",
+    "add_qkv_bias",
+    "apply_layernorm_1p",
+    "qk_layernorm",
+    "squared_relu",
+    "use_rope_scaling",
     "rope_scaling_factor",
 )
 # What a Focus model computes: the model settings of FocusConfig (its top-k, mode and kernel are
 # free to change); the routers' shapes are the first two.
 FOCUS_KEYS = tuple(f"focus_{name}" for name in FocusConfig.names(MODEL))
 # Recorded since: what a checkpoint saved before a key was recorded computed.
-BEFORE_RECORDED = {"window_size": None, "add_qkv_bias": False, "apply_layernorm_1p": False,
-                   "qk_layernorm": False, "squared_relu": False, "use_rope_scaling": False,
-                   "rope_scaling_factor": 8.0}
+BEFORE_RECORDED = {
+    "window_size": None,
+    "add_qkv_bias": False,
+    "apply_layernorm_1p": False,
+    "qk_layernorm": False,
+    "squared_relu": False,
+    "use_rope_scaling": False,
+    "rope_scaling_factor": 8.0,
+}
 LATEST = "latest"
 ARGS_FILE = "model_args.json"
 # The tokenizer the model was trained with (for the HF export); not compared on load.
@@ -130,21 +155,36 @@ def save(engine, args: argparse.Namespace, iteration: int, consumed_samples: int
         os.makedirs(args.save, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # debris of an earlier crashed save
     dist.barrier()
-    client_state = {"iteration": iteration, "consumed_samples": consumed_samples,
-                    **({} if args.no_save_rng else {"rng": rng_state()})}
+    client_state = {
+        "iteration": iteration,
+        "consumed_samples": consumed_samples,
+        **({} if args.no_save_rng else {"rng": rng_state()}),
+    }
     trained_only = args.retrofit and not args.save_full
     with _optimizer_left_out(engine) if args.no_save_optim else contextlib.nullcontext():
-        failure = _attempt(lambda: engine.save_checkpoint(
-            args.save, tag=f"{tag}.partial", client_state=client_state, save_latest=False,
-            exclude_frozen_parameters=trained_only))
+        failure = _attempt(
+            lambda: engine.save_checkpoint(
+                args.save,
+                tag=f"{tag}.partial",
+                client_state=client_state,
+                save_latest=False,
+                exclude_frozen_parameters=trained_only,
+            )
+        )
     if failure:
         dist.barrier()  # the one DeepSpeed's save ends with, which the other ranks are in
     _agree(failure, partial, args.save)
-    _agree(_attempt(lambda: _write_records(args, partial, trained_only)) if rank0 else None,
-           partial, args.save)
+    _agree(
+        _attempt(lambda: _write_records(args, partial, trained_only)) if rank0 else None,
+        partial,
+        args.save,
+    )
     digests = integrity.digests(partial)
-    _agree(_attempt(lambda: integrity.write(partial, digests, _write_atomically)) if rank0
-           else None, partial, args.save)
+    _agree(
+        _attempt(lambda: integrity.write(partial, digests, _write_atomically)) if rank0 else None,
+        partial,
+        args.save,
+    )
     if rank0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
@@ -178,8 +218,9 @@ def _attempt(write) -> Optional[OSError]:
 def _agree(failure: Optional[OSError], partial: str, save_dir: str) -> None:
     """Collective: if the save failed on any rank, every rank raises `SaveFailed`."""
     failures = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, failure and f"{failure.strerror or failure} "
-                                                 f"({failure.filename or partial})")
+    dist.all_gather_object(
+        failures, failure and f"{failure.strerror or failure} ({failure.filename or partial})"
+    )
     failed = [(rank, what) for rank, what in enumerate(failures) if what]
     if not failed:
         return
@@ -187,9 +228,11 @@ def _agree(failure: Optional[OSError], partial: str, save_dir: str) -> None:
         shutil.rmtree(partial, ignore_errors=True)
     previous = latest_tag(save_dir) if os.path.isfile(os.path.join(save_dir, LATEST)) else None
     rank, what = failed[0]
-    raise SaveFailed(f"saving {os.path.basename(partial)[:-len('.partial')]} failed on rank "
-                     f"{rank}: {what}; " + (f"{previous} stays the latest checkpoint"
-                                            if previous else "no checkpoint was saved"))
+    raise SaveFailed(
+        f"saving {os.path.basename(partial)[: -len('.partial')]} failed on rank "
+        f"{rank}: {what}; "
+        + (f"{previous} stays the latest checkpoint" if previous else "no checkpoint was saved")
+    )
 
 
 def _write_records(args: argparse.Namespace, folder: str, trained_only: bool) -> None:
@@ -198,16 +241,25 @@ def _write_records(args: argparse.Namespace, folder: str, trained_only: bool) ->
         _write_atomically(os.path.join(folder, BASE_FILE), json.dumps(args.retrofit_base))
     if args.no_save_optim:
         _write_atomically(os.path.join(folder, NO_OPTIMIZER), "saved with --no-save-optim\n")
-    _write_atomically(os.path.join(folder, ARGS_FILE),
-                      json.dumps(model_args(args), indent=1, sort_keys=True))
+    _write_atomically(
+        os.path.join(folder, ARGS_FILE), json.dumps(model_args(args), indent=1, sort_keys=True)
+    )
     layouts.write(args, folder, _write_atomically)
-    _write_atomically(os.path.join(folder, TOKENIZER_FILE), json.dumps({
-        "tokenizer_type": args.tokenizer_type,  # none for synthetic data (--mqar)
-        "tokenizer_model": args.tokenizer_model and os.path.abspath(args.tokenizer_model),
-        **{key: getattr(args, key) and os.path.abspath(getattr(args, key))
-           for key in ("vocab_file", "merge_file")},
-        "vocab_size": args.tokenizer_vocab_size,
-    }, indent=1))
+    _write_atomically(
+        os.path.join(folder, TOKENIZER_FILE),
+        json.dumps(
+            {
+                "tokenizer_type": args.tokenizer_type,  # none for synthetic data (--mqar)
+                "tokenizer_model": args.tokenizer_model and os.path.abspath(args.tokenizer_model),
+                **{
+                    key: getattr(args, key) and os.path.abspath(getattr(args, key))
+                    for key in ("vocab_file", "merge_file")
+                },
+                "vocab_size": args.tokenizer_vocab_size,
+            },
+            indent=1,
+        ),
+    )
 
 
 def latest_tag(load_dir: str) -> Optional[str]:
@@ -229,14 +281,19 @@ def resume_tag(args: argparse.Namespace) -> Optional[str]:
     tag = tag_for(args.ckpt_step)
     if not os.path.isdir(os.path.join(args.load, tag)):
         held = _complete_tags(args.load) if os.path.isdir(args.load) else []
-        raise FileNotFoundError(f"--ckpt-step {args.ckpt_step}: {args.load} holds no {tag} "
-                                f"(it holds: {', '.join(held) or 'no checkpoint'})")
+        raise FileNotFoundError(
+            f"--ckpt-step {args.ckpt_step}: {args.load} holds no {tag} "
+            f"(it holds: {', '.join(held) or 'no checkpoint'})"
+        )
     return tag
 
 
 def _complete_tags(folder: str) -> list:
-    return sorted(name for name in os.listdir(folder) if re.fullmatch(r"iter_\d{7}", name)
-                  and os.path.isdir(os.path.join(folder, name)))
+    return sorted(
+        name
+        for name in os.listdir(folder)
+        if re.fullmatch(r"iter_\d{7}", name) and os.path.isdir(os.path.join(folder, name))
+    )
 
 
 def verify(checkpoint_dir: str) -> None:
@@ -245,8 +302,12 @@ def verify(checkpoint_dir: str) -> None:
     if not found:
         return
     previous = integrity.previous_complete(checkpoint_dir)
-    hint = (f"; the previous checkpoint, {previous}, is complete: resume from it with "
-            f"--ckpt-step {int(previous[len('iter_'):])}" if previous else "")
+    hint = (
+        f"; the previous checkpoint, {previous}, is complete: resume from it with "
+        f"--ckpt-step {int(previous[len('iter_') :])}"
+        if previous
+        else ""
+    )
     raise ValueError(f"checkpoint {checkpoint_dir} is damaged: {'; '.join(found)}{hint}")
 
 
@@ -292,15 +353,19 @@ def preflight(args: argparse.Namespace) -> None:
         if os.path.isdir(args.save) and dist.get_rank() == 0:
             _remove_debris(args.save)
     for folder in {args.load, args.save} - {None}:
-        if (not os.path.isdir(folder) or os.path.isfile(os.path.join(folder, LATEST))
-                or args.ckpt_step is not None):
+        if (
+            not os.path.isdir(folder)
+            or os.path.isfile(os.path.join(folder, LATEST))
+            or args.ckpt_step is not None
+        ):
             continue
         complete = _complete_tags(folder)
         if complete:
             raise ValueError(
                 f"{folder} holds checkpoints {', '.join(complete)} but no '{LATEST}' file: "
-                f"resume from one with --ckpt-step (e.g. {int(complete[-1][len('iter_'):])}), "
-                "or save this run elsewhere")
+                f"resume from one with --ckpt-step (e.g. {int(complete[-1][len('iter_') :])}), "
+                "or save this run elsewhere"
+            )
     tag = resume_tag(args) if args.load else None
     if tag is not None:
         verify(os.path.join(args.load, tag))
@@ -322,13 +387,14 @@ def with_unrecorded_defaults(saved: dict) -> dict:
     return saved
 
 
-def check_compatible(args: argparse.Namespace, checkpoint_dir: str,
-                     ignore: tuple = ()) -> None:
+def check_compatible(args: argparse.Namespace, checkpoint_dir: str, ignore: tuple = ()) -> None:
     """Refuse, before any weight is read, a checkpoint whose model has another shape."""
     saved, ours = saved_model_args(checkpoint_dir), model_args(args)
-    diffs = [f"{k}: checkpoint {saved.get(k)!r}, this run {ours.get(k)!r}"
-             for k in sorted(set(saved) | set(ours))
-             if saved.get(k) != ours.get(k) and k not in ignore]
+    diffs = [
+        f"{k}: checkpoint {saved.get(k)!r}, this run {ours.get(k)!r}"
+        for k in sorted(set(saved) | set(ours))
+        if saved.get(k) != ours.get(k) and k not in ignore
+    ]
     if diffs:
         raise ValueError(f"checkpoint {checkpoint_dir} is of another model: " + "; ".join(diffs))
 
@@ -343,8 +409,10 @@ def base_checkpoint(checkpoint_dir: str) -> Optional[str]:
         base = json.load(f)
     base_dir = os.path.join(base["load"], base["tag"])
     if not os.path.isdir(base_dir):
-        raise FileNotFoundError(f"{checkpoint_dir} holds only a retrofit's routers; the checkpoint "
-                                f"with its other weights, {base_dir}, is gone")
+        raise FileNotFoundError(
+            f"{checkpoint_dir} holds only a retrofit's routers; the checkpoint "
+            f"with its other weights, {base_dir}, is gone"
+        )
     return base_dir
 
 
@@ -364,14 +432,22 @@ def _module_file(checkpoint_dir: str, weights: bool, tp: Optional[int] = None) -
     if not os.path.isfile(zero3):
         raise FileNotFoundError(f"{shard} is missing: not a complete checkpoint")
     if weights:
-        raise ValueError(f"{checkpoint_dir} is a ZeRO-3 checkpoint, whose weights are "
-                         "partitioned: resume it as it is, or export it (tools/convert_to_hf.py) "
-                         "and import that to load its weights alone")
+        raise ValueError(
+            f"{checkpoint_dir} is a ZeRO-3 checkpoint, whose weights are "
+            "partitioned: resume it as it is, or export it (tools/convert_to_hf.py) "
+            "and import that to load its weights alone"
+        )
     return zero3
 
 
-def _checked_file(engine, checkpoint_dir: str, may_miss, allow_unsafe: bool,
-                  weights: bool = True, tp: Optional[int] = None) -> dict:
+def _checked_file(
+    engine,
+    checkpoint_dir: str,
+    may_miss,
+    allow_unsafe: bool,
+    weights: bool = True,
+    tp: Optional[int] = None,
+) -> dict:
     """This rank's model file (or TP rank `tp`'s), refused unless its weights are this model's
     (bar `may_miss(name)`); `weights=False`: only their names are checked (a ZeRO-3 checkpoint
     holds no values there)."""
@@ -381,16 +457,24 @@ def _checked_file(engine, checkpoint_dir: str, may_miss, allow_unsafe: bool,
     missing = [k for k in ours - saved.keys() if not may_miss(k) and not k.endswith("_extra_state")]
     unexpected = [k for k in saved.keys() - ours if not k.endswith("_extra_state")]
     if missing or unexpected:
-        raise ValueError(f"{checkpoint_dir} does not fit this model: missing {sorted(missing)}, "
-                         f"unexpected {sorted(unexpected)}")
+        raise ValueError(
+            f"{checkpoint_dir} does not fit this model: missing {sorted(missing)}, "
+            f"unexpected {sorted(unexpected)}"
+        )
     return saved_file
 
 
 # Megatron's OptimizerParamScheduler state: the flag that sets each value.
-SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
-                  "lr_decay_steps": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style",
-                  "start_wd": "--weight-decay", "end_wd": "--weight-decay",
-                  "wd_incr_steps": "--train-iters"}
+SCHEDULE_FLAGS = {
+    "max_lr": "--lr",
+    "min_lr": "--min-lr",
+    "lr_warmup_steps": "--lr-warmup-iters",
+    "lr_decay_steps": "--lr-decay-iters",
+    "lr_decay_style": "--lr-decay-style",
+    "start_wd": "--weight-decay",
+    "end_wd": "--weight-decay",
+    "wd_incr_steps": "--train-iters",
+}
 
 
 def _shown(value):
@@ -403,14 +487,20 @@ def check_schedule(saved: dict, args: argparse.Namespace, checkpoint_dir: str) -
     if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
         return
     ours = schedule(args)
-    differ = sorted({f"{flag} {_shown(ours[key])} (checkpoint: {_shown(saved[key])})"
-                     for key, flag in SCHEDULE_FLAGS.items()
-                     if key in saved and saved[key] != ours[key]})
+    differ = sorted(
+        {
+            f"{flag} {_shown(ours[key])} (checkpoint: {_shown(saved[key])})"
+            for key, flag in SCHEDULE_FLAGS.items()
+            if key in saved and saved[key] != ours[key]
+        }
+    )
     if differ:
-        raise ValueError(f"{checkpoint_dir}: this run's schedule differs from the checkpoint's: "
-                         f"{', '.join(differ)}; pass --override-opt_param-scheduler to use this "
-                         "run's values, or --use-checkpoint-opt_param-scheduler to keep the "
-                         "checkpoint's")
+        raise ValueError(
+            f"{checkpoint_dir}: this run's schedule differs from the checkpoint's: "
+            f"{', '.join(differ)}; pass --override-opt_param-scheduler to use this "
+            "run's values, or --use-checkpoint-opt_param-scheduler to keep the "
+            "checkpoint's"
+        )
 
 
 def _load_weights_only(engine, args, checkpoint_dir: str, may_miss) -> None:
@@ -453,18 +543,27 @@ def check_resume(args: argparse.Namespace) -> None:
     layout = layouts.change(args, checkpoint_dir)
     no_optimizer = os.path.isfile(os.path.join(checkpoint_dir, NO_OPTIMIZER))
     if no_optimizer and (layout or not args.no_load_optim):
-        raise ValueError(f"{checkpoint_dir} was saved with --no-save-optim: it resumes with "
-                         "--no-load-optim (or --finetune), at its own layout")
+        raise ValueError(
+            f"{checkpoint_dir} was saved with --no-save-optim: it resumes with "
+            "--no-load-optim (or --finetune), at its own layout"
+        )
     if layout and (args.retrofit or base_dir is not None):
-        raise ValueError(f"{checkpoint_dir} is a retrofit's, written at another layout: resume "
-                         "it at its own (" + ", ".join(f"{k} {v}" for k, v in layout.items()) + ")")
+        raise ValueError(
+            f"{checkpoint_dir} is a retrofit's, written at another layout: resume "
+            "it at its own (" + ", ".join(f"{k} {v}" for k, v in layout.items()) + ")"
+        )
     if layout and args.no_load_optim:
-        raise ValueError(f"{checkpoint_dir} was written at another layout, which resumes with "
-                         "its optimizer state: drop --no-load-optim, or resume at its layout")
+        raise ValueError(
+            f"{checkpoint_dir} was written at another layout, which resumes with "
+            "its optimizer state: drop --no-load-optim, or resume at its layout"
+        )
     check_compatible(args, checkpoint_dir, ignore=layouts.LAYOUT_KEYS if layout else ())
     if not args.no_load_optim:  # the schedule comes from the checkpoint with the optimizer
-        saved = load_file(_module_file(checkpoint_dir, weights=False, tp=0),
-                          args.allow_unsafe_checkpoints, mmap=True)
+        saved = load_file(
+            _module_file(checkpoint_dir, weights=False, tp=0),
+            args.allow_unsafe_checkpoints,
+            mmap=True,
+        )
         check_schedule(saved["lr_scheduler"], args, checkpoint_dir)
 
 
@@ -475,16 +574,24 @@ def _resuming_own_run(args: argparse.Namespace) -> bool:
 def _weights_only(args: argparse.Namespace, checkpoint_dir: str) -> bool:
     """An imported model, --finetune, or a retrofit adding Focus to a model without it: weights
     only, and this run's optimizer and schedule start at iteration 0."""
-    return (os.path.isfile(os.path.join(checkpoint_dir, WEIGHTS_ONLY)) or args.finetune
-            or _adds_focus(args, checkpoint_dir))
+    return (
+        os.path.isfile(os.path.join(checkpoint_dir, WEIGHTS_ONLY))
+        or args.finetune
+        or _adds_focus(args, checkpoint_dir)
+    )
 
 
 def _check_weights_fit(args: argparse.Namespace, checkpoint_dir: str) -> None:
-    check_compatible(args, checkpoint_dir,
-                     ignore=("attention",) + FOCUS_KEYS if _adds_focus(args, checkpoint_dir) else ())
+    check_compatible(
+        args,
+        checkpoint_dir,
+        ignore=("attention",) + FOCUS_KEYS if _adds_focus(args, checkpoint_dir) else (),
+    )
     if args.zero_stage == 3:
-        raise ValueError("loading weights only (an imported model, --finetune, --retrofit) is not "
-                         "supported under ZeRO stage 3: use --zero-stage 2 or lower for this run")
+        raise ValueError(
+            "loading weights only (an imported model, --finetune, --retrofit) is not "
+            "supported under ZeRO stage 3: use --zero-stage 2 or lower for this run"
+        )
 
 
 def load(engine, args: argparse.Namespace) -> tuple[int, int]:
@@ -506,20 +613,31 @@ def load(engine, args: argparse.Namespace) -> tuple[int, int]:
         _load_weights_only(engine, args, base_dir, may_miss=_is_router)
     # This checkpoint may lack the routers (adding Focus) or hold nothing else (trained-only).
     adding_focus = _adds_focus(args, checkpoint_dir)
-    may_miss = ((lambda k: not _is_router(k)) if base_dir is not None
-                else (lambda k: adding_focus and _is_router(k)))
+    may_miss = (
+        (lambda k: not _is_router(k))
+        if base_dir is not None
+        else (lambda k: adding_focus and _is_router(k))
+    )
     if _weights_only(args, checkpoint_dir):
         _load_weights_only(engine, args, checkpoint_dir, may_miss)
         return 0, 0
     layout = layouts.change(args, checkpoint_dir)
-    _checked_file(engine, checkpoint_dir, may_miss, args.allow_unsafe_checkpoints,
-                  weights=False, tp=0 if layout else None)
+    _checked_file(
+        engine,
+        checkpoint_dir,
+        may_miss,
+        args.allow_unsafe_checkpoints,
+        weights=False,
+        tp=0 if layout else None,
+    )
     if layout:
         trained = [[name for name, _ in group] for _, group in param_groups(engine.module, args)]
         client_state = layouts.load(engine, args, checkpoint_dir, layout, trained)
     else:
         path, client_state = engine.load_checkpoint(
-            args.load, tag=tag, load_module_strict=base_dir is None,
+            args.load,
+            tag=tag,
+            load_module_strict=base_dir is None,
             load_optimizer_states=not args.no_load_optim,
             load_lr_scheduler_states=not args.no_load_optim,
         )

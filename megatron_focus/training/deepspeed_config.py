@@ -15,21 +15,43 @@ import warnings
 # Sections DeepSpeed would honour but this trainer sets itself: (why, what to use instead).
 NOT_HONOURED = {
     "optimizer": "the optimizer is Megatron-Core's AdamW, set by flags: use --lr, --weight-decay, "
-                 "--adam-beta1/--adam-beta2/--adam-eps",
+    "--adam-beta1/--adam-beta2/--adam-eps",
     "scheduler": "the LR schedule is Megatron-Core's OptimizerParamScheduler, set by flags: use "
-                 "--lr-warmup-iters, --lr-decay-style, --lr-decay-iters, --min-lr",
+    "--lr-warmup-iters, --lr-decay-style, --lr-decay-iters, --min-lr",
     "pipeline": "pipeline parallelism is not supported: use tensor parallelism or ZeRO stage 3",
 }
 # Top-level keys of DeepSpeed's config that this trainer passes on (a key close to one of these,
 # e.g. "zero_optimisation", is a misspelling that DeepSpeed would silently ignore).
 KNOWN = (
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-    "gradient_clipping", "zero_optimization", "bf16", "fp16", "steps_per_print",
-    "wall_clock_breakdown", "prescale_gradients", "gradient_predivide_factor",
-    "communication_data_type", "seq_parallel_communication_data_type", "memory_breakdown",
-    "dump_state", "checkpoint", "data_types", "activation_checkpointing", "flops_profiler",
-    "comms_logger", "tensorboard", "wandb", "csv_monitor", "aio", "torch_autocast", "timers",
-    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "dataloader_drop_last",
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "zero_optimization",
+    "bf16",
+    "fp16",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+    "communication_data_type",
+    "seq_parallel_communication_data_type",
+    "memory_breakdown",
+    "dump_state",
+    "checkpoint",
+    "data_types",
+    "activation_checkpointing",
+    "flops_profiler",
+    "comms_logger",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "aio",
+    "torch_autocast",
+    "timers",
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+    "dataloader_drop_last",
 )
 
 
@@ -43,26 +65,36 @@ def read_deepspeed_json(path: str) -> dict:
         with open(path) as f:
             config = json.load(f)
     except json.JSONDecodeError as e:
-        raise ValueError(f"--deepspeed_config {path}: not valid JSON: {e.msg} at line {e.lineno}, "
-                         f"column {e.colno}") from None
+        raise ValueError(
+            f"--deepspeed_config {path}: not valid JSON: {e.msg} at line {e.lineno}, "
+            f"column {e.colno}"
+        ) from None
     if not isinstance(config, dict):
-        raise ValueError(f"--deepspeed_config {path}: the JSON must be an object of sections, "
-                         f"not a {type(config).__name__}")
+        raise ValueError(
+            f"--deepspeed_config {path}: the JSON must be an object of sections, "
+            f"not a {type(config).__name__}"
+        )
     for key in config:
         if key in NOT_HONOURED:
-            raise ValueError(f"--deepspeed_config {path}: section {key!r} is not used here "
-                             f"({NOT_HONOURED[key]})")
+            raise ValueError(
+                f"--deepspeed_config {path}: section {key!r} is not used here ({NOT_HONOURED[key]})"
+            )
         if key not in KNOWN:
             close = difflib.get_close_matches(key, KNOWN, n=1, cutoff=0.8)
             if close:
-                raise ValueError(f"--deepspeed_config {path}: unknown section {key!r} (did you "
-                                 f"mean {close[0]!r}?)")
-            warnings.warn(f"--deepspeed_config {path}: section {key!r} is passed to DeepSpeed "
-                          "unchecked")
+                raise ValueError(
+                    f"--deepspeed_config {path}: unknown section {key!r} (did you "
+                    f"mean {close[0]!r}?)"
+                )
+            warnings.warn(
+                f"--deepspeed_config {path}: section {key!r} is passed to DeepSpeed unchecked"
+            )
     zero = config.get("zero_optimization", {})
     if not isinstance(zero, dict) or zero.get("stage", 0) not in (0, 1, 2, 3):
-        raise ValueError(f"--deepspeed_config {path}: zero_optimization.stage must be 0, 1, 2 or "
-                         f"3, not {zero.get('stage') if isinstance(zero, dict) else zero!r}")
+        raise ValueError(
+            f"--deepspeed_config {path}: zero_optimization.stage must be 0, 1, 2 or "
+            f"3, not {zero.get('stage') if isinstance(zero, dict) else zero!r}"
+        )
     return config
 
 
@@ -72,8 +104,8 @@ def deepspeed_config(args: argparse.Namespace, data_parallel_size: int) -> dict:
     from_flags = {
         "train_batch_size": args.global_batch_size,
         "train_micro_batch_size_per_gpu": args.micro_batch_size,
-        "gradient_accumulation_steps":
-            args.global_batch_size // (args.micro_batch_size * data_parallel_size),
+        "gradient_accumulation_steps": args.global_batch_size
+        // (args.micro_batch_size * data_parallel_size),
         "gradient_clipping": args.clip_grad,
     }
     for key, value in from_flags.items():

@@ -37,8 +37,11 @@ def _shared(folder: str, names: list) -> dict:
 
 
 def _files(folder: str) -> list:
-    return sorted(name for name in os.listdir(folder)
-                  if name != CHECKSUMS and os.path.isfile(os.path.join(folder, name)))
+    return sorted(
+        name
+        for name in os.listdir(folder)
+        if name != CHECKSUMS and os.path.isfile(os.path.join(folder, name))
+    )
 
 
 def digests(folder: str) -> dict:
@@ -82,8 +85,11 @@ def problems(folder: str) -> list:
     if found:
         return found
     now = _shared(folder, sorted(saved))
-    return [f"{name} differs from what was saved (SHA-256)" for name in sorted(saved)
-            if now[name]["sha256"] != saved[name]["sha256"]]
+    return [
+        f"{name} differs from what was saved (SHA-256)"
+        for name in sorted(saved)
+        if now[name]["sha256"] != saved[name]["sha256"]
+    ]
 
 
 def previous_complete(folder: str) -> Optional[str]:

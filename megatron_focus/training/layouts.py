@@ -45,16 +45,21 @@ _STATES = ("fp32", "exp_avg", "exp_avg_sq")
 
 
 def current(args: argparse.Namespace) -> dict:
-    return {"tensor_model_parallel_size": args.tensor_model_parallel_size,
-            "data_parallel_size": parallel_state.get_data_parallel_world_size(),
-            "zero_stage": args.zero_stage,
-            "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"}
+    return {
+        "tensor_model_parallel_size": args.tensor_model_parallel_size,
+        "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+        "zero_stage": args.zero_stage,
+        "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+    }
 
 
 def write(args: argparse.Namespace, checkpoint_dir: str, write_atomically) -> None:
-    write_atomically(os.path.join(checkpoint_dir, LAYOUT_FILE),
-                     json.dumps({**current(args), "padded_vocab_size": args.padded_vocab_size},
-                                indent=1, sort_keys=True))
+    write_atomically(
+        os.path.join(checkpoint_dir, LAYOUT_FILE),
+        json.dumps(
+            {**current(args), "padded_vocab_size": args.padded_vocab_size}, indent=1, sort_keys=True
+        ),
+    )
 
 
 def saved(checkpoint_dir: str) -> Optional[dict]:
@@ -72,29 +77,37 @@ def change(args: argparse.Namespace, checkpoint_dir: str) -> Optional[dict]:
     ours = current(args)
     if layout is None or all(layout[k] == v for k, v in ours.items()):
         return None
-    for side, stage, precision in (("checkpoint", layout["zero_stage"], layout["precision"]),
-                                   ("this run", ours["zero_stage"], ours["precision"])):
+    for side, stage, precision in (
+        ("checkpoint", layout["zero_stage"], layout["precision"]),
+        ("this run", ours["zero_stage"], ours["precision"]),
+    ):
         if stage == 0 and precision != "fp32":
             raise ValueError(
                 f"{checkpoint_dir} was written at {_describe(layout)}; this run is at "
-                f"{_describe(ours)}: a {precision} run at ZeRO stage 0 ({side}) resumes only at its "
-                "own layout; resume at that layout, or use ZeRO stage 1 or higher on both sides")
+                f"{_describe(ours)}: a {precision} run at ZeRO stage 0 ({side}) resumes only at "
+                "its "
+                "own layout; resume at that layout, or use ZeRO stage 1 or higher on both sides"
+            )
     return layout
 
 
 def _describe(layout: dict) -> str:
-    return (f"TP {layout['tensor_model_parallel_size']}, DP {layout['data_parallel_size']}, "
-            f"ZeRO stage {layout['zero_stage']}, {layout['precision']}")
+    return (
+        f"TP {layout['tensor_model_parallel_size']}, DP {layout['data_parallel_size']}, "
+        f"ZeRO stage {layout['zero_stage']}, {layout['precision']}"
+    )
 
 
 def tensor_parallel_splits(model: torch.nn.Module) -> dict:
     """DeepSpeed's universal-checkpoint description of how each parameter is split over
     tensor-parallel ranks: replicated, split along rows (dim 1), split along columns (dim 0, the
     converter's default), or, for SwiGLU's fused fc1, two halves each split along dim 0."""
-    info = {uc.TP_REPLICATED_PARAMETER_PATTERNS: [],
-            uc.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [],
-            uc.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0: [],
-            uc.UNIVERSAL_CHECKPOINT_VERSION_KEY: uc.UNIVERSAL_CHECKPOINT_VERSION_VALUE}
+    info = {
+        uc.TP_REPLICATED_PARAMETER_PATTERNS: [],
+        uc.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [],
+        uc.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0: [],
+        uc.UNIVERSAL_CHECKPOINT_VERSION_KEY: uc.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+    }
     gated = getattr(getattr(model, "config", None), "gated_linear_unit", False)
     for name, param in model.named_parameters():
         pattern = re.escape(name) + "$"
@@ -119,21 +132,38 @@ def _quietly(fn, *args):
 
 # --- the checkpoint, as one full tensor per parameter -------------------------------------------
 
-def to_universal(checkpoint_dir: str, out: str, layout: dict, trained: list, padded_vocab: int,
-                 allow_unsafe: bool) -> None:
+
+def to_universal(
+    checkpoint_dir: str,
+    out: str,
+    layout: dict,
+    trained: list,
+    padded_vocab: int,
+    allow_unsafe: bool,
+) -> None:
     """Write `out/zero/<parameter>/{fp32,exp_avg,exp_avg_sq,step}.pt` and the engine's records.
 
     `trained`: this model's trained parameter names per optimizer group, in order (they name a
     stage-0 optimizer's numbered states)."""
     shutil.rmtree(out, ignore_errors=True)
     if layout["zero_stage"] == 0:
-        _stage0_to_universal(checkpoint_dir, out, layout["tensor_model_parallel_size"], trained,
-                             allow_unsafe)
+        _stage0_to_universal(
+            checkpoint_dir, out, layout["tensor_model_parallel_size"], trained, allow_unsafe
+        )
     else:
         source = _without_empty_entries(checkpoint_dir, out + ".source", allow_unsafe)
-        _quietly(ds_to_universal.main, argparse.Namespace(
-            input_folder=source, output_folder=out, num_extract_workers=1,
-            num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False))
+        _quietly(
+            ds_to_universal.main,
+            argparse.Namespace(
+                input_folder=source,
+                output_folder=out,
+                num_extract_workers=1,
+                num_merge_workers=1,
+                keep_temp_folder=False,
+                strict=True,
+                inject_missing_state=False,
+            ),
+        )
         shutil.rmtree(source)
     zero = os.path.join(out, "zero")
     records = load_file(_first_model_file(checkpoint_dir), allow_unsafe)
@@ -145,8 +175,14 @@ def to_universal(checkpoint_dir: str, out: str, layout: dict, trained: list, pad
         os.remove(path)
     # The engine's records and ours (iteration, data position), without the old layout's shards,
     # in the one file the engine will read.
-    torch.save({**{k: v for k, v in records.items() if k not in ("module", "optimizer")},
-                "module": {}, "mp_world_size": 1}, os.path.join(out, "model_states.pt"))
+    torch.save(
+        {
+            **{k: v for k, v in records.items() if k not in ("module", "optimizer")},
+            "module": {},
+            "mp_world_size": 1,
+        },
+        os.path.join(out, "model_states.pt"),
+    )
 
 
 def _without_empty_entries(checkpoint_dir: str, source: str, allow_unsafe: bool) -> str:
@@ -170,18 +206,22 @@ def _first_model_file(checkpoint_dir: str) -> str:
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
         if os.path.isfile(os.path.join(checkpoint_dir, name)):
             return os.path.join(checkpoint_dir, name)
-    raise FileNotFoundError(f"{checkpoint_dir} holds no model-states file of tensor-parallel rank 0")
+    raise FileNotFoundError(
+        f"{checkpoint_dir} holds no model-states file of tensor-parallel rank 0"
+    )
 
 
-def _stage0_to_universal(checkpoint_dir: str, out: str, tp_size: int, trained: list,
-                         allow_unsafe: bool) -> None:
+def _stage0_to_universal(
+    checkpoint_dir: str, out: str, tp_size: int, trained: list, allow_unsafe: bool
+) -> None:
     """A stage-0 checkpoint (whole weights and a torch AdamW state per tensor-parallel rank) as
     the converter's per-rank slices, merged by the converter's own `merge_tp_slices`."""
     slices, shapes, info = os.path.join(out, "tmp"), {}, None
     names = [name for group in trained for name in group]
     for tp in range(tp_size):
-        saved = load_file(os.path.join(checkpoint_dir, f"mp_rank_{tp:02d}_model_states.pt"),
-                          allow_unsafe)
+        saved = load_file(
+            os.path.join(checkpoint_dir, f"mp_rank_{tp:02d}_model_states.pt"), allow_unsafe
+        )
         info = saved[uc.UNIVERSAL_CHECKPOINT_INFO]
         state = saved["optimizer"]["state"]
         for index, name in enumerate(names):
@@ -193,18 +233,17 @@ def _stage0_to_universal(checkpoint_dir: str, out: str, tp_size: int, trained: l
             _save(os.path.join(slices, name, str(tp), "step.00"), state[index]["step"])
     zero = os.path.join(out, "zero")
     for name in names:
-        _quietly(ds_to_universal.merge_tp_slices, info, zero, slices, tp_size,
-                 (name, shapes[name]))
+        _quietly(ds_to_universal.merge_tp_slices, info, zero, slices, tp_size, (name, shapes[name]))
     for tp in range(tp_size):  # untrained weights (a retrofit's frozen base): value only
-        module = load_file(os.path.join(checkpoint_dir, f"mp_rank_{tp:02d}_model_states.pt"),
-                           allow_unsafe)["module"]
+        module = load_file(
+            os.path.join(checkpoint_dir, f"mp_rank_{tp:02d}_model_states.pt"), allow_unsafe
+        )["module"]
         for name, weight in module.items():
             if name not in shapes and not name.endswith("_extra_state"):
                 _save(os.path.join(slices, name, str(tp), "fp32.00"), weight.float().flatten())
                 shapes.setdefault(name, []).append(weight.shape)
     for name in set(shapes) - set(names):
-        _quietly(ds_to_universal.merge_tp_slices, info, zero, slices, tp_size,
-                 (name, shapes[name]))
+        _quietly(ds_to_universal.merge_tp_slices, info, zero, slices, tp_size, (name, shapes[name]))
     shutil.rmtree(slices)
 
 
@@ -240,47 +279,76 @@ def _write_optimizer_records(zero: str, records: dict, allow_unsafe: bool) -> No
     groups = state.get(uc.PARAM_GROUPS) or records["optimizer"][uc.PARAM_GROUPS]
     steps = glob.glob(os.path.join(zero, "*", "step.pt"))
     step = load_file(steps[0]) if steps else state[uc.OPTIMIZER_STATE_DICT]["state"][0]["step"]
-    shapes = {name: shape for group in records.get(uc.PARAM_SHAPES) or [] for name, shape
-              in group.items()}
+    shapes = {
+        name: shape for group in records.get(uc.PARAM_SHAPES) or [] for name, shape in group.items()
+    }
     for folder in glob.glob(os.path.join(zero, "*", "")):
         name = os.path.basename(os.path.dirname(folder))
         for key in _STATES:
-            value = load_file(os.path.join(folder, f"{key}.pt")) if os.path.isfile(
-                os.path.join(folder, f"{key}.pt")) else None
+            value = (
+                load_file(os.path.join(folder, f"{key}.pt"))
+                if os.path.isfile(os.path.join(folder, f"{key}.pt"))
+                else None
+            )
             if torch.is_tensor(value):
                 torch.save({uc.PARAM: value.view(shapes[name])}, os.path.join(folder, f"{key}.pt"))
         if os.path.isfile(os.path.join(folder, "exp_avg.pt")) and not os.path.isfile(
-                os.path.join(folder, "step.pt")):
+            os.path.join(folder, "step.pt")
+        ):
             torch.save(step, os.path.join(folder, "step.pt"))
-    nested = state.get(uc.OPTIMIZER_STATE_DICT) or {"state": {0: {"step": step}},
-                                                      uc.PARAM_GROUPS: groups}
-    torch.save({"ds_version": deepspeed.__version__, **state, uc.PARAM_GROUPS: groups,
-                uc.OPTIMIZER_STATE_DICT: nested}, path)
+    nested = state.get(uc.OPTIMIZER_STATE_DICT) or {
+        "state": {0: {"step": step}},
+        uc.PARAM_GROUPS: groups,
+    }
+    torch.save(
+        {
+            "ds_version": deepspeed.__version__,
+            **state,
+            uc.PARAM_GROUPS: groups,
+            uc.OPTIMIZER_STATE_DICT: nested,
+        },
+        path,
+    )
 
 
 # --- loading it at this run's layout ------------------------------------------------------------
 
-def load(engine, args: argparse.Namespace, checkpoint_dir: str, layout: dict,
-         trained_names: list) -> dict:
+
+def load(
+    engine, args: argparse.Namespace, checkpoint_dir: str, layout: dict, trained_names: list
+) -> dict:
     """Load `checkpoint_dir`, written at `layout`, at this run's; returns the client state."""
-    root = os.path.join(args.save or os.path.dirname(checkpoint_dir),
-                        os.path.basename(checkpoint_dir) + ".universal")
+    root = os.path.join(
+        args.save or os.path.dirname(checkpoint_dir),
+        os.path.basename(checkpoint_dir) + ".universal",
+    )
     tag = os.path.basename(checkpoint_dir)
     out = os.path.join(root, tag)
     if dist.get_rank() == 0:
-        print(f"resuming {checkpoint_dir}, written at {_describe(layout)}, at "
-              f"{_describe(current(args))}: converting it through DeepSpeed's universal "
-              f"checkpoint in {root}", flush=True)
-        to_universal(checkpoint_dir, out, layout, trained_names, args.padded_vocab_size,
-                     args.allow_unsafe_checkpoints)
+        print(
+            f"resuming {checkpoint_dir}, written at {_describe(layout)}, at "
+            f"{_describe(current(args))}: converting it through DeepSpeed's universal "
+            f"checkpoint in {root}",
+            flush=True,
+        )
+        to_universal(
+            checkpoint_dir,
+            out,
+            layout,
+            trained_names,
+            args.padded_vocab_size,
+            args.allow_unsafe_checkpoints,
+        )
         _name_for_engine(engine, out)
     dist.barrier()
     try:
         if args.zero_stage == 0:
             client_state = _load_stage0(engine, out, args.allow_unsafe_checkpoints)
         else:
-            groups = [{k: v for k, v in g.items() if k != "params"}
-                      for g in engine.optimizer.optimizer.param_groups]
+            groups = [
+                {k: v for k, v in g.items() if k != "params"}
+                for g in engine.optimizer.optimizer.param_groups
+            ]
             path, client_state = engine.load_checkpoint(root, tag=tag)
             if path is None:
                 raise RuntimeError(f"DeepSpeed could not load {out}")
@@ -317,14 +385,17 @@ def _load_stage0(engine, out: str, allow_unsafe: bool) -> dict:
         folder = os.path.join(zero, name)
         mapping = types.SimpleNamespace(
             lp_fragment_address=fragment_address(start=0, numel=param.numel()),
-            get_hp_fragment=lambda p=param: p.data.view(-1), optim_fragment={})
+            get_hp_fragment=lambda p=param: p.data.view(-1),
+            optim_fragment={},
+        )
         view = types.SimpleNamespace(shape=param.shape, numel=param.numel, _hp_mapping=mapping)
         with torch.no_grad():
             step = load_hp_checkpoint_state(view, folder, tp_rank, tp_size)
         if param in trained and mapping.optim_fragment:
             optimizer.state[param] = {
                 "step": torch.tensor(float(step if step is not None else 0)),
-                **{k: mapping.optim_fragment[k].view_as(param) for k in _STATES[1:]}}
+                **{k: mapping.optim_fragment[k].view_as(param) for k in _STATES[1:]},
+            }
     records = load_file(glob.glob(os.path.join(out, "*model_states.pt"))[0], allow_unsafe)
     engine.lr_scheduler.load_state_dict(records["lr_scheduler"])
     engine.global_steps = records["global_steps"]

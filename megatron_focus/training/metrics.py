@@ -30,8 +30,12 @@ def flops_per_token(args: argparse.Namespace, vocab_size: int) -> float:
     A retrofit computes no gradients of its frozen weights, only of their inputs: its weight
     matmuls cost 2 x forward (the routers' own are negligible and not counted).
     """
-    h, heads, groups, d = args.hidden_size, args.num_attention_heads, args.num_query_groups, \
-        args.kv_channels
+    h, heads, groups, d = (
+        args.hidden_size,
+        args.num_attention_heads,
+        args.num_query_groups,
+        args.kv_channels,
+    )
     qkv_proj = h * (heads + 2 * groups) * d + heads * d * h
     mlp = h * args.ffn_hidden_size * (3 if args.swiglu else 2)
     matmul_weights = args.num_layers * (qkv_proj + mlp) + h * vocab_size
@@ -52,10 +56,12 @@ def memory_now() -> dict:
     resident set on the CPU."""
     if platform.has_cuda():
         stats = torch.cuda.memory_stats()
-        return {"mem-reserved-bytes": stats["reserved_bytes.all.current"],
-                "mem-allocated-bytes": stats["allocated_bytes.all.current"],
-                "mem-max-allocated-bytes": stats["allocated_bytes.all.peak"],
-                "mem-allocated-count": stats["allocation.all.current"]}
+        return {
+            "mem-reserved-bytes": stats["reserved_bytes.all.current"],
+            "mem-allocated-bytes": stats["allocated_bytes.all.current"],
+            "mem-max-allocated-bytes": stats["allocated_bytes.all.peak"],
+            "mem-allocated-count": stats["allocation.all.current"],
+        }
     try:
         with open("/proc/self/statm") as f:
             return {"mem-rss-bytes": int(f.read().split()[1]) * resource.getpagesize()}
@@ -64,8 +70,9 @@ def memory_now() -> dict:
 
 
 class Reporter:
-    def __init__(self, args: argparse.Namespace, flops_token: float, world_size: int,
-                 is_last_rank: bool):
+    def __init__(
+        self, args: argparse.Namespace, flops_token: float, world_size: int, is_last_rank: bool
+    ):
         self.args = args
         self.flops_token = flops_token
         self.world_size = world_size
@@ -97,10 +104,20 @@ class Reporter:
         if self.writer is not None:
             self.writer.add_scalar(f"{tag} vs samples", value, samples)
 
-    def train(self, iteration: int, consumed_samples: int, loss: float, lr: float,
-              grad_norm: Optional[float], seconds_per_iter: float, skipped: int,
-              nan_iters: int, focus: dict, loss_scale: float = 1.0,
-              params_norm: Optional[float] = None) -> None:
+    def train(
+        self,
+        iteration: int,
+        consumed_samples: int,
+        loss: float,
+        lr: float,
+        grad_norm: Optional[float],
+        seconds_per_iter: float,
+        skipped: int,
+        nan_iters: int,
+        focus: dict,
+        loss_scale: float = 1.0,
+        params_norm: Optional[float] = None,
+    ) -> None:
         if not self.active:
             return
         args = self.args
@@ -108,8 +125,9 @@ class Reporter:
         tflops = tokens_per_s * self.flops_token / self.world_size / 1e12  # per GPU
         mem_tag, mem = peak_memory_bytes()
         eta = datetime.timedelta(seconds=int((args.train_iters - iteration) * seconds_per_iter))
-        throughput = (f" | throughput per GPU (TFLOP/s/GPU): {tflops:.1f}"
-                      if args.log_throughput else "")
+        throughput = (
+            f" | throughput per GPU (TFLOP/s/GPU): {tflops:.1f}" if args.log_throughput else ""
+        )
         line = (
             f" [{datetime.datetime.now():%Y-%m-%d %H:%M:%S}] iteration {iteration:8d}/"
             f"{args.train_iters:8d} | consumed samples: {consumed_samples:12d}"
@@ -117,21 +135,29 @@ class Reporter:
             f" | learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d}"
             f" | lm loss: {loss:.6E}"
             f" | grad norm: {grad_norm if grad_norm is not None else float('nan'):.3f}"
-            + (f" | params norm: {params_norm:.3f}" if params_norm is not None else "") +
-            f" | number of skipped iterations: {skipped:3d} | number of nan iterations: {nan_iters:3d}"
+            + (f" | params norm: {params_norm:.3f}" if params_norm is not None else "")
+            + f" | number of skipped iterations: {skipped:3d}"
+            + f" | number of nan iterations: {nan_iters:3d}"
             f" | tokens/s: {tokens_per_s:.0f} | TFLOP/s/device: {tflops:.3f} | ETA: {eta}"
         )
         if focus:  # per-layer values go to TensorBoard; the line shows the worst / the mean
             largest = max(v for k, v in focus.items() if k.endswith("largest-group"))
             kept = [v for k, v in focus.items() if k.endswith("pairs-kept")]
-            line += (f" | focus largest group: {largest:.3f}"
-                     f" | focus pairs kept: {sum(kept) / len(kept):.3f}")
+            line += (
+                f" | focus largest group: {largest:.3f}"
+                f" | focus pairs kept: {sum(kept) / len(kept):.3f}"
+            )
         print(line, flush=True)
         if iteration % args.tensorboard_log_interval:
             return
         step = iteration
-        for tag, value in (("lm loss", loss), ("learning-rate", lr), ("grad-norm", grad_norm),
-                           ("params-norm", params_norm), ("batch-size", args.global_batch_size)):
+        for tag, value in (
+            ("lm loss", loss),
+            ("learning-rate", lr),
+            ("grad-norm", grad_norm),
+            ("params-norm", params_norm),
+            ("batch-size", args.global_batch_size),
+        ):
             if value is not None:
                 self.megatron_scalar(tag, value, step, consumed_samples)
         if args.log_loss_scale_to_tensorboard:
@@ -154,19 +180,24 @@ class Reporter:
         for tag, value in focus.items():
             self.scalar(tag, value, step)
 
-    def validation(self, iteration: int, consumed_samples: int, loss: float,
-                   focus_mode: str = "") -> None:
+    def validation(
+        self, iteration: int, consumed_samples: int, loss: float, focus_mode: str = ""
+    ) -> None:
         """Megatron's tags; a Focus model's other mode gets the mode as a suffix."""
         if not self.active:
             return
         suffix = f" {focus_mode}" if focus_mode else ""
         ppl = math.exp(min(loss, 20.0))
-        print(f" validation loss{suffix} at iteration {iteration} | lm loss value: {loss:.6E}"
-              f" | lm loss PPL: {ppl:.6E}", flush=True)
+        print(
+            f" validation loss{suffix} at iteration {iteration} | lm loss value: {loss:.6E}"
+            f" | lm loss PPL: {ppl:.6E}",
+            flush=True,
+        )
         self.megatron_scalar(f"lm loss validation{suffix}", loss, iteration, consumed_samples)
         if self.args.log_validation_ppl_to_tensorboard:
-            self.megatron_scalar(f"lm loss validation{suffix} ppl", ppl, iteration,
-                                 consumed_samples)
+            self.megatron_scalar(
+                f"lm loss validation{suffix} ppl", ppl, iteration, consumed_samples
+            )
 
     def close(self) -> None:
         if self.writer is not None:
@@ -179,12 +210,15 @@ def _wandb_run(args: argparse.Namespace):
     """Megatron-LM's wandb run: the project and name given, the arguments as its config."""
     import wandb
 
-    folder = args.wandb_save_dir or os.path.join(args.save or args.tensorboard_dir or ".",
-                                                 "wandb")
+    folder = args.wandb_save_dir or os.path.join(args.save or args.tensorboard_dir or ".", "wandb")
     os.makedirs(folder, exist_ok=True)
-    return wandb.init(project=args.wandb_project, name=args.wandb_exp_name,
-                      entity=args.wandb_entity or None, dir=folder,
-                      config={k: v for k, v in vars(args).items() if _plain(v)})
+    return wandb.init(
+        project=args.wandb_project,
+        name=args.wandb_exp_name,
+        entity=args.wandb_entity or None,
+        dir=folder,
+        config={k: v for k, v in vars(args).items() if _plain(v)},
+    )
 
 
 def _plain(value) -> bool:

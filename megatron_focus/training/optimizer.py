@@ -12,12 +12,16 @@ def param_groups(model: torch.nn.Module, args) -> list:
     trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     # ZeRO-3 keeps a partitioned parameter's shape in ds_shape
     matrix = {n for n, p in trained if len(getattr(p, "ds_shape", p.shape)) >= 2}
-    decoupled = {n for n, p in trained if args.decoupled_lr is not None
-                 and getattr(p, "is_embedding_or_output_parameter", False)}
+    decoupled = {
+        n
+        for n, p in trained
+        if args.decoupled_lr is not None and getattr(p, "is_embedding_or_output_parameter", False)
+    }
     groups = []
-    for options, members in (({}, lambda n: n not in decoupled),
-                             ({"max_lr": args.decoupled_lr, "min_lr": args.decoupled_min_lr},
-                              lambda n: n in decoupled)):
+    for options, members in (
+        ({}, lambda n: n not in decoupled),
+        ({"max_lr": args.decoupled_lr, "min_lr": args.decoupled_min_lr}, lambda n: n in decoupled),
+    ):
         for wd_mult, wanted in ((1.0, lambda n: n in matrix), (0.0, lambda n: n not in matrix)):
             group = [(n, p) for n, p in trained if members(n) and wanted(n)]
             if group or not options:  # the first two always, as before decoupled LRs
@@ -27,7 +31,14 @@ def param_groups(model: torch.nn.Module, args) -> list:
 
 def schedule(args) -> dict:
     """Megatron-Core `OptimizerParamScheduler`'s settings, named as its state records them."""
-    return {"max_lr": args.lr, "min_lr": args.min_lr, "lr_warmup_steps": args.lr_warmup_iters,
-            "lr_decay_steps": args.lr_decay_iters, "lr_decay_style": args.lr_decay_style,
-            "start_wd": args.weight_decay, "end_wd": args.weight_decay,
-            "wd_incr_steps": args.train_iters, "wd_incr_style": "constant"}
+    return {
+        "max_lr": args.lr,
+        "min_lr": args.min_lr,
+        "lr_warmup_steps": args.lr_warmup_iters,
+        "lr_decay_steps": args.lr_decay_iters,
+        "lr_decay_style": args.lr_decay_style,
+        "start_wd": args.weight_decay,
+        "end_wd": args.weight_decay,
+        "wd_incr_steps": args.train_iters,
+        "wd_incr_style": "constant",
+    }

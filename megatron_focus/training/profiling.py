@@ -24,11 +24,16 @@ class StepProfiler:
         if self.on and (args.use_pytorch_profiler or not platform.has_cuda()):
             start, end = args.profile_step_start, args.profile_step_end
             self.torch_profiler = torch.profiler.profile(
-                schedule=torch.profiler.schedule(wait=max(start - 1, 0),
-                                                 warmup=1 if start > 0 else 0,
-                                                 active=end - start, repeat=1),
+                schedule=torch.profiler.schedule(
+                    wait=max(start - 1, 0),
+                    warmup=1 if start > 0 else 0,
+                    active=end - start,
+                    repeat=1,
+                ),
                 on_trace_ready=torch.profiler.tensorboard_trace_handler(args.tensorboard_dir),
-                record_shapes=True, with_stack=True)
+                record_shapes=True,
+                with_stack=True,
+            )
             self.torch_profiler.start()
 
     def after_step(self, iteration: int) -> None:

@@ -34,8 +34,10 @@ def load_file(path: str, allow_unsafe: bool = False, mmap: bool = False):
     except pickle.UnpicklingError as e:
         named = re.search(r"Unsupported global: GLOBAL ([\w.]+)|got <class '([\w.]+)'>", str(e))
         what = f" ({named.group(1) or named.group(2)})" if named else ""
-        raise ValueError(f"{path} holds pickled objects that could run code as it loads{what}; "
-                         "if you trust its source, pass --allow-unsafe-checkpoints") from None
+        raise ValueError(
+            f"{path} holds pickled objects that could run code as it loads{what}; "
+            "if you trust its source, pass --allow-unsafe-checkpoints"
+        ) from None
 
 
 def check_safe_to_load(checkpoint_dir: str, allow_unsafe: bool) -> None:

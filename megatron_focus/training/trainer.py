@@ -16,7 +16,6 @@ from typing import Iterator, Optional
 import deepspeed
 import torch
 import torch.distributed as dist
-
 from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -28,17 +27,21 @@ from megatron_focus.data.embedded import ensure_embedded_data
 from megatron_focus.data.loader import micro_batches, to_device
 from megatron_focus.data.mqar import MQARDataset, MQARVocabulary
 from megatron_focus.data.tokenizer import build_tokenizer, tokenizer_flags
-from megatron_focus.model.focus import (focus_statistics, recording_statistics, set_focus_mode,
-                                        train_routers_only)
-from megatron_focus.model.kernels import lse_kernel, soft_kernel
-from megatron_focus.variants import variant
+from megatron_focus.model.focus import (
+    focus_statistics,
+    recording_statistics,
+    set_focus_mode,
+    train_routers_only,
+)
 from megatron_focus.model.gpt import build_model, padded_vocab_size
+from megatron_focus.model.kernels import lse_kernel, soft_kernel
 from megatron_focus.parallel import install_sequence_parallel_grad_allreduce, params_norm
 from megatron_focus.training import checkpointing, layouts
 from megatron_focus.training.deepspeed_config import deepspeed_config
 from megatron_focus.training.metrics import Reporter, flops_per_token
 from megatron_focus.training.optimizer import param_groups, schedule
 from megatron_focus.training.profiling import StepProfiler
+from megatron_focus.variants import variant
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "megatron-focus")
 
@@ -48,8 +51,9 @@ def pretrain(args: argparse.Namespace) -> dict:
     "lr": [the LR at each log step]} for this rank (a Focus run adds its other mode's
     validation, e.g. "validation sparse")."""
     started = time.time()  # --exit-duration-in-mins counts from here, as Megatron-LM's does
-    platform.init_distributed(args.tensor_model_parallel_size, args.distributed_timeout_minutes,
-                              args.distributed_backend)
+    platform.init_distributed(
+        args.tensor_model_parallel_size, args.distributed_timeout_minutes, args.distributed_backend
+    )
     platform.manual_seed(args.seed)
     rank0 = dist.get_rank() == 0
     checkpointing.preflight(args)  # the checkpoint folders, before the data is even built
@@ -70,25 +74,34 @@ def pretrain(args: argparse.Namespace) -> dict:
     engine = _deepspeed_engine(args, model)
 
     iteration, consumed = checkpointing.load(engine, args) if args.load else (0, 0)
-    reporter = Reporter(args, flops_per_token(args, args.padded_vocab_size), dist.get_world_size(),
-                        is_last_rank=dist.get_rank() == dist.get_world_size() - 1)
+    reporter = Reporter(
+        args,
+        flops_per_token(args, args.padded_vocab_size),
+        dist.get_world_size(),
+        is_last_rank=dist.get_rank() == dist.get_world_size() - 1,
+    )
     if rank0:
         _print_banner(args, model, iteration)
-    stop = (_StopRequest(args, started)
-            if args.exit_signal_handler or args.exit_duration_in_mins else None)
+    stop = (
+        _StopRequest(args, started)
+        if args.exit_signal_handler or args.exit_duration_in_mins
+        else None
+    )
     if args.manual_gc:  # collections at chosen steps, the same on every rank
         gc.disable()
         gc.collect()
 
     history = {"losses": [], "validation": [], "lr": []}
     if valid_data is not None:  # the same batches at every evaluation, read by workers that stay
-        valid_data = data_loader(valid_data, 0, args.eval_iters * args.global_batch_size, args,
-                                 persistent=True)
+        valid_data = data_loader(
+            valid_data, 0, args.eval_iters * args.global_batch_size, args, persistent=True
+        )
     if args.retrofit and iteration == 0 and valid_data is not None:
         # A retrofit's starting point (the base model with fresh routers) is what it must beat.
         _validate(engine, valid_data, args, iteration, consumed, reporter, history)
-    batches = iter(data_loader(train_data, consumed, args.train_iters * args.global_batch_size,
-                               args))
+    batches = iter(
+        data_loader(train_data, consumed, args.train_iters * args.global_batch_size, args)
+    )
     unread = _UnreadLosses(engine.skipped_steps, args.max_skipped_steps)
     window_start = time.time()
     profiler = StepProfiler(args)
@@ -105,20 +118,36 @@ def pretrain(args: argparse.Namespace) -> dict:
 
         if log_now:
             grad_norm = engine.get_global_grad_norm()
-            losses, values = unread.read(history, rank0, {
-                "grad norm": grad_norm if torch.is_tensor(grad_norm) else torch.tensor(
-                    float("nan") if grad_norm is None else float(grad_norm)),
-                # fp16's dynamic loss scale; nothing is scaled in bf16 and fp32
-                "loss scale": torch.as_tensor(getattr(engine.optimizer, "loss_scale", 1.0)),
-                **({"params norm": params_norm(engine.module)} if args.log_params_norm else {}),
-                **focus_statistics(engine.module)})
+            losses, values = unread.read(
+                history,
+                rank0,
+                {
+                    "grad norm": grad_norm
+                    if torch.is_tensor(grad_norm)
+                    else torch.tensor(float("nan") if grad_norm is None else float(grad_norm)),
+                    # fp16's dynamic loss scale; nothing is scaled in bf16 and fp32
+                    "loss scale": torch.as_tensor(getattr(engine.optimizer, "loss_scale", 1.0)),
+                    **({"params norm": params_norm(engine.module)} if args.log_params_norm else {}),
+                    **focus_statistics(engine.module),
+                },
+            )
             seconds = (time.time() - window_start) / len(losses)
             grad_norm, loss_scale = values.pop("grad norm"), values.pop("loss scale")
             norm = values.pop("params norm", None)
             history["lr"].append(engine.get_lr()[0])
-            reporter.train(iteration, consumed, sum(losses) / len(losses), history["lr"][-1],
-                           None if math.isnan(grad_norm) else grad_norm, seconds,
-                           engine.skipped_steps, unread.non_finite, values, loss_scale, norm)
+            reporter.train(
+                iteration,
+                consumed,
+                sum(losses) / len(losses),
+                history["lr"][-1],
+                None if math.isnan(grad_norm) else grad_norm,
+                seconds,
+                engine.skipped_steps,
+                unread.non_finite,
+                values,
+                loss_scale,
+                norm,
+            )
             window_start = time.time()
         if valid_data is not None and (
             iteration % args.eval_interval == 0 or iteration == args.train_iters
@@ -149,8 +178,9 @@ def pretrain(args: argparse.Namespace) -> dict:
     return history
 
 
-def _validate(engine, batches, args, iteration: int, consumed: int, reporter,
-              history: dict) -> None:
+def _validate(
+    engine, batches, args, iteration: int, consumed: int, reporter, history: dict
+) -> None:
     """Validation loss in the run's mode and, for Focus, in the other mode too."""
     if args.manual_gc and args.manual_gc_eval:
         gc.collect()
@@ -214,9 +244,14 @@ class _UnreadLosses:
         history["losses"]. Raises if a non-finite loss was trained on."""
         extra = extra or {}
         tensors = [loss for _, loss, _ in self.pending] + list(extra.values())
-        values = torch.stack([t.detach().double().reshape(()).to(tensors[0].device)
-                              for t in tensors]).tolist() if tensors else []
-        losses = values[:len(self.pending)]
+        values = (
+            torch.stack(
+                [t.detach().double().reshape(()).to(tensors[0].device) for t in tensors]
+            ).tolist()
+            if tensors
+            else []
+        )
+        losses = values[: len(self.pending)]
         for (iteration, _, skipped), loss in zip(self.pending, losses):
             if math.isfinite(loss):
                 self.in_a_row = 0
@@ -225,21 +260,24 @@ class _UnreadLosses:
                 raise FloatingPointError(
                     f"lm loss is {loss} at iteration {iteration} and DeepSpeed applied the step "
                     "(ZeRO stage 0 in fp32 does not check gradients for overflow): use "
-                    "--zero-stage 1 or higher, or --bf16 / --fp16")
+                    "--zero-stage 1 or higher, or --bf16 / --fp16"
+                )
             self.non_finite += 1
             self.in_a_row += 1
             if rank0:
-                print(f" iteration {iteration}: lm loss is {loss}; the step was skipped",
-                      flush=True)
+                print(
+                    f" iteration {iteration}: lm loss is {loss}; the step was skipped", flush=True
+                )
             if self.in_a_row == self.max_skipped:
                 raise FloatingPointError(
                     f"lm loss non-finite for {self.in_a_row} steps in a row (iterations "
                     f"{iteration - self.in_a_row + 1}-{iteration}), each skipped: stopping "
                     "without a further checkpoint (--max-skipped-steps); lower --lr or check the "
-                    "data")
+                    "data"
+                )
         history["losses"] += losses
         self.pending = []
-        return losses, dict(zip(extra, values[len(losses):]))
+        return losses, dict(zip(extra, values[len(losses) :]))
 
 
 @torch.no_grad()
@@ -273,21 +311,31 @@ def lm_loss(engine, batch: dict, tokens: Optional[torch.Tensor] = None) -> torch
     mean); `--calculate-per-token-loss` passes the global batch's count per micro-batch and rank,
     so that every token weighs the same however the batch is cut."""
     batch = to_device(batch, platform.setup().device)
-    per_token = engine(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                       labels=batch["labels"])
+    per_token = engine(
+        batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"]
+    )
     mask = batch["loss_mask"].float()
-    return (per_token.float() * mask).sum() / (mask.sum().clamp(min=1) if tokens is None
-                                               else tokens)
+    return (per_token.float() * mask).sum() / (
+        mask.sum().clamp(min=1) if tokens is None else tokens
+    )
 
 
-def data_loader(dataset, consumed: int, total: int, args: argparse.Namespace,
-                persistent: bool = False):
+def data_loader(
+    dataset, consumed: int, total: int, args: argparse.Namespace, persistent: bool = False
+):
     """This rank's micro-batches of samples [consumed, total) (data/loader.py): tensor-parallel
     ranks of one replica read the same samples."""
-    return micro_batches(dataset, consumed, total, args.micro_batch_size,
-                         parallel_state.get_data_parallel_world_size(),
-                         parallel_state.get_data_parallel_rank(), args.num_workers,
-                         pin_memory=platform.setup().is_cuda, persistent=persistent)
+    return micro_batches(
+        dataset,
+        consumed,
+        total,
+        args.micro_batch_size,
+        parallel_state.get_data_parallel_world_size(),
+        parallel_state.get_data_parallel_rank(),
+        args.num_workers,
+        pin_memory=platform.setup().is_cuda,
+        persistent=persistent,
+    )
 
 
 def _mean_over_data_parallel(value: torch.Tensor) -> torch.Tensor:
@@ -306,7 +354,9 @@ def tokenizer_for(args: argparse.Namespace, rank0: bool):
         dist.barrier()
         prefix, model_file = ensure_embedded_data(cache)
         args.data_path, args.tokenizer_type, args.tokenizer_model = (
-            [prefix], EMBEDDED_TOKENIZER_TYPE, model_file
+            [prefix],
+            EMBEDDED_TOKENIZER_TYPE,
+            model_file,
         )
     return build_tokenizer(args.tokenizer_type, **tokenizer_flags(args))
 
@@ -314,21 +364,42 @@ def tokenizer_for(args: argparse.Namespace, rank0: bool):
 def datasets_for(args: argparse.Namespace, tokenizer):
     valid_samples = args.eval_iters * args.global_batch_size if args.eval_iters else 0
     if args.mqar:
-        def mqar(samples, split):
-            return MQARDataset(samples, args.seq_length, args.mqar_pairs, args.mqar_vocab_size,
-                               args.mqar_min_distance, args.seed, split, args.mqar_queries,
-                               args.mqar_packed)
 
-        return (mqar(args.train_iters * args.global_batch_size, "train"),
-                mqar(valid_samples, "valid") if valid_samples else None)
+        def mqar(samples, split):
+            return MQARDataset(
+                samples,
+                args.seq_length,
+                args.mqar_pairs,
+                args.mqar_vocab_size,
+                args.mqar_min_distance,
+                args.seed,
+                split,
+                args.mqar_queries,
+                args.mqar_packed,
+            )
+
+        return (
+            mqar(args.train_iters * args.global_batch_size, "train"),
+            mqar(valid_samples, "valid") if valid_samples else None,
+        )
     cache = os.path.join(args.data_cache_path or DEFAULT_CACHE, "indices")
-    per_split = ([args.train_data_path, args.valid_data_path, args.test_data_path]
-                 if args.train_data_path else None)
+    per_split = (
+        [args.train_data_path, args.valid_data_path, args.test_data_path]
+        if args.train_data_path
+        else None
+    )
     train, valid, _ = build_datasets(
-        None if args.mock_data or per_split else args.data_path, args.split, args.seq_length,
-        args.seed, tokenizer, (args.train_iters * args.global_batch_size, valid_samples, 0), cache,
-        reset_position_ids=args.reset_position_ids, eod_mask_loss=args.eod_mask_loss,
-        reset_attention_mask=args.reset_attention_mask, per_split=per_split,
+        None if args.mock_data or per_split else args.data_path,
+        args.split,
+        args.seq_length,
+        args.seed,
+        tokenizer,
+        (args.train_iters * args.global_batch_size, valid_samples, 0),
+        cache,
+        reset_position_ids=args.reset_position_ids,
+        eod_mask_loss=args.eod_mask_loss,
+        reset_attention_mask=args.reset_attention_mask,
+        per_split=per_split,
     )
     return train, valid if valid_samples else None
 
@@ -336,13 +407,19 @@ def datasets_for(args: argparse.Namespace, tokenizer):
 def _deepspeed_engine(args: argparse.Namespace, model: torch.nn.Module):
     """AdamW without weight decay on biases and norms, Megatron's LR schedule, in DeepSpeed."""
     optimizer = torch.optim.AdamW(
-        [{"params": [p for _, p in group], **options}
-         for options, group in param_groups(model, args)],
-        lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+        [
+            {"params": [p for _, p in group], **options}
+            for options, group in param_groups(model, args)
+        ],
+        lr=args.lr,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_eps,
         weight_decay=args.weight_decay,
     )
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, **schedule(args),
+        optimizer,
+        init_lr=0.0,
+        **schedule(args),
         override_opt_param_scheduler=args.override_opt_param_scheduler,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
     )
@@ -351,14 +428,19 @@ def _deepspeed_engine(args: argparse.Namespace, model: torch.nn.Module):
         config.setdefault("checkpoint", {})["load_universal"] = True
     layouts.describe_model(model)
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=_StepByOne(scheduler),
-        mpu=platform.deepspeed_mpu(), config=config, dist_init_required=False,
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=_StepByOne(scheduler),
+        mpu=platform.deepspeed_mpu(),
+        config=config,
+        dist_init_required=False,
     )
     return engine
 
 
 class _StepByOne:
-    """Megatron's scheduler counts in steps passed to `step(increment)`; DeepSpeed calls `step()`."""
+    """Megatron's scheduler counts in steps passed to `step(increment)`; DeepSpeed calls
+    `step()`."""
 
     def __init__(self, scheduler: OptimizerParamScheduler):
         self.scheduler = scheduler
@@ -382,8 +464,9 @@ class _StopRequest:
 
     def __init__(self, args: argparse.Namespace, started: float):
         self.received = False
-        self.deadline = started + 60 * args.exit_duration_in_mins \
-            if args.exit_duration_in_mins else None
+        self.deadline = (
+            started + 60 * args.exit_duration_in_mins if args.exit_duration_in_mins else None
+        )
         # Asked every iteration: a CPU flag reduced over gloo never waits for the GPU's queue.
         self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         if args.exit_signal_handler:
@@ -414,27 +497,41 @@ def _print_banner(args: argparse.Namespace, model: torch.nn.Module, iteration: i
     if variant(args.attention).focus:
         device = platform.setup().device
         soft = soft_kernel(args.focus_kernel, device, args.attention_dropout)
-        print(f"Focus {args.focus_gate} gate | kernels: soft gate {soft}, sparse "
-              f"{lse_kernel(device)}", flush=True)
+        print(
+            f"Focus {args.focus_gate} gate | kernels: soft gate {soft}, sparse "
+            f"{lse_kernel(device)}",
+            flush=True,
+        )
 
 
 def _data_name(args: argparse.Namespace) -> str:
     if args.mqar:
-        return (f"MQAR ({args.mqar_pairs} {'packed ' if args.mqar_packed else ''}pairs, "
-                f"vocabulary {args.mqar_vocab_size}, queries >= {args.mqar_min_distance} tokens "
-                "after them)")
+        return (
+            f"MQAR ({args.mqar_pairs} {'packed ' if args.mqar_packed else ''}pairs, "
+            f"vocabulary {args.mqar_vocab_size}, queries >= {args.mqar_min_distance} tokens "
+            "after them)"
+        )
     if args.mock_data:
         return "mock (synthetic sequences)"
     if args.train_data_path:
-        return " | ".join(f"{name} {' '.join(paths)}" for name, paths in (
-            ("train", args.train_data_path), ("valid", args.valid_data_path),
-            ("test", args.test_data_path)) if paths)
+        return " | ".join(
+            f"{name} {' '.join(paths)}"
+            for name, paths in (
+                ("train", args.train_data_path),
+                ("valid", args.valid_data_path),
+                ("test", args.test_data_path),
+            )
+            if paths
+        )
     return " ".join(args.data_path)
 
 
 def _print_where(args: argparse.Namespace) -> None:
     if args.tensorboard_dir:
-        print(f"TensorBoard logs: {args.tensorboard_dir}  (tensorboard --logdir "
-              f"{args.tensorboard_dir})", flush=True)
+        print(
+            f"TensorBoard logs: {args.tensorboard_dir}  (tensorboard --logdir "
+            f"{args.tensorboard_dir})",
+            flush=True,
+        )
     if args.save:
         print(f"Checkpoints: {args.save}", flush=True)
