@@ -11,7 +11,8 @@ import sys
 import time
 
 from megatron_focus import cli
-from megatron_focus.arguments import parse_args, reads_data_files
+from megatron_focus.arguments import parse_args
+from megatron_focus.data import reads_data_files
 
 
 def main(argv=None) -> None:

@@ -14,6 +14,7 @@ from typing import List, Optional
 from megatron_focus import cli
 from megatron_focus.choices import TOKENIZER_TYPES
 from megatron_focus.compat import add_compat_args, check_compat_args
+from megatron_focus.data import reads_data_files
 from megatron_focus.training.deepspeed_config import deepspeed_config
 from megatron_focus.variants import VARIANTS, FocusConfig, variant
 
@@ -773,12 +774,6 @@ DEFAULTS = {  # dest: (Megatron-LM's, the demo's)
     "eval_interval": (lambda a: 1000, lambda a: 100),
     "eval_iters": (lambda a: 100, lambda a: 10),
 }
-
-
-def reads_data_files(args: argparse.Namespace) -> bool:
-    """Whether the run reads a dataset of its own (otherwise: the embedded corpus, mock data or
-    MQAR)."""
-    return bool(args.data_path or args.train_data_path)
 
 
 def _fill_defaults(args: argparse.Namespace) -> None:

@@ -48,7 +48,7 @@ Formulas (bytes; Psi = parameters held by one tensor-parallel rank, N_d = data-p
 * A GPU fits a configuration when weights + gradients + optimizer + activations <= its memory minus
   `--reserved-gb` (default 10%: CUDA context, NCCL and DeepSpeed communication buckets, ZeRO-3's
   gathered weights, allocator fragmentation).
-* FLOPs per token are `megatron_focus.training.metrics.flops_per_token` (what the run itself reports
+* FLOPs per token are `megatron_focus.model.flops.flops_per_token` (what the run itself reports
   as TFLOP/s); MFU = achieved FLOP/s per GPU / the GPU's dense bf16 peak.
 """
 
@@ -120,7 +120,8 @@ def add_planner_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 def parse_plan_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """pretrain_gpt.py's flags + the planner's, validated as a run on the whole cluster would be."""
-    from megatron_focus.arguments import build_parser, reads_data_files
+    from megatron_focus.arguments import build_parser
+    from megatron_focus.data import reads_data_files
     from megatron_focus.training.deepspeed_config import deepspeed_config
 
     parser = add_planner_args(build_parser())
@@ -428,7 +429,7 @@ class Plan:
 
 
 def peak_flops(args: argparse.Namespace) -> Optional[float]:
-    from megatron_focus.training.metrics import PEAK_BF16_FLOPS
+    from megatron_focus.model.flops import PEAK_BF16_FLOPS
 
     if args.peak_tflops:
         return args.peak_tflops * 1e12
@@ -437,8 +438,8 @@ def peak_flops(args: argparse.Namespace) -> Optional[float]:
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
+    from megatron_focus.model.flops import flops_per_token
     from megatron_focus.model.gpt import padded_vocab_size
-    from megatron_focus.training.metrics import flops_per_token
 
     world = args.nodes * args.gpus_per_node
     tp = args.tensor_model_parallel_size

@@ -74,11 +74,12 @@ def _train_and_batches(argv):
     """Train, then return the losses and the micro-batches of the first step and the validation."""
     from megatron_focus.arguments import parse_args
     from megatron_focus.data.loader import micro_batches
+    from megatron_focus.data.sources import datasets_for, tokenizer_for
     from megatron_focus.training import trainer
 
     args = parse_args(argv)
     history = trainer.pretrain(args)
-    train, valid = trainer.datasets_for(args, trainer.tokenizer_for(args, rank0=True))
+    train, valid = datasets_for(args, tokenizer_for(args, rank0=True))
     for name, data in (
         ("train_batches", train),
         ("valid_batches", valid),

@@ -406,9 +406,9 @@ def test_retrofit_flops_match_counted_flops(single_process):
 
     from megatron_focus import platform
     from megatron_focus.arguments import parse_args
+    from megatron_focus.model.flops import flops_per_token
     from megatron_focus.model.focus import train_routers_only
     from megatron_focus.model.gpt import build_model
-    from megatron_focus.training.metrics import flops_per_token
 
     argv = [
         "--num-layers",

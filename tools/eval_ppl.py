@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_focus import cli, platform  # noqa: E402
 from megatron_focus.arguments import build_parser, validate_args  # noqa: E402
 from megatron_focus.data.loader import micro_batches, to_device  # noqa: E402
+from megatron_focus.data.sources import datasets_for, tokenizer_for  # noqa: E402
 from megatron_focus.hf.native import (  # noqa: E402
     checkpoint_tag_dir,
     native_model,
@@ -43,7 +44,6 @@ from megatron_focus.model.focus import (  # noqa: E402
     set_focus_mode,
 )
 from megatron_focus.model.kernels import lse_kernel, soft_kernel  # noqa: E402
-from megatron_focus.training import trainer  # noqa: E402
 
 
 def parse() -> tuple[argparse.Namespace, argparse.Namespace]:
@@ -125,7 +125,7 @@ def main() -> None:
     opts, args = parse()
     platform.init_distributed(1)
     tag_dir = checkpoint_tag_dir(opts.load, opts.iteration)
-    tokenizer = trainer.tokenizer_for(args, rank0=True)
+    tokenizer = tokenizer_for(args, rank0=True)
     arch = read_architecture(tag_dir, tokenizer.vocab_size)
     positions = (
         arch.max_position_embeddings if arch.position_embedding_type == "learned_absolute" else None
@@ -142,7 +142,7 @@ def main() -> None:
     for n in lengths:  # every length's data before the model: bad data fails first
         args.seq_length = args.max_position_embeddings = n  # the model's are checked above
         validate_args(args, world_size=1)  # the data and evaluation flags
-        _, valid = trainer.datasets_for(args, tokenizer)
+        _, valid = datasets_for(args, tokenizer)
         if valid is None:
             raise ValueError("--split leaves no validation data, or --eval-iters is 0")
         batches[n] = list(

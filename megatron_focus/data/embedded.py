@@ -16,6 +16,8 @@ from megatron_focus.data.sentencepiece_trainer import train_sentencepiece
 NAME = "embedded-v1"  # bump when the recipe below changes, so old caches are not reused
 VOCAB_SIZE = 4096  # ~3.5 chars/token on this corpus; small enough for a tiny model's embedding
 TOKENIZER_TYPE = "GPTSentencePieceTokenizer"
+# Where runs given no --data-cache-path keep it (and the dataset index caches).
+DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "megatron-focus")
 
 
 def ensure_embedded_data(cache_dir: str) -> tuple[str, str]:

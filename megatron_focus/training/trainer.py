@@ -8,7 +8,6 @@ import argparse
 import contextlib
 import gc
 import math
-import os
 import signal
 import time
 from typing import Iterator, Optional
@@ -20,13 +19,9 @@ from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_focus import platform
-from megatron_focus.arguments import reads_data_files
-from megatron_focus.data.datasets import build_datasets
-from megatron_focus.data.embedded import TOKENIZER_TYPE as EMBEDDED_TOKENIZER_TYPE
-from megatron_focus.data.embedded import ensure_embedded_data
 from megatron_focus.data.loader import micro_batches, to_device
-from megatron_focus.data.mqar import MQARDataset, MQARVocabulary
-from megatron_focus.data.tokenizer import build_tokenizer, tokenizer_flags
+from megatron_focus.data.sources import datasets_for, tokenizer_for
+from megatron_focus.model.flops import flops_per_token
 from megatron_focus.model.focus import (
     focus_statistics,
     recording_statistics,
@@ -38,12 +33,10 @@ from megatron_focus.model.kernels import lse_kernel, soft_kernel
 from megatron_focus.parallel import install_sequence_parallel_grad_allreduce, params_norm
 from megatron_focus.training import checkpointing, layouts
 from megatron_focus.training.deepspeed_config import deepspeed_config
-from megatron_focus.training.metrics import Reporter, flops_per_token
+from megatron_focus.training.metrics import Reporter
 from megatron_focus.training.optimizer import param_groups, schedule
 from megatron_focus.training.profiling import StepProfiler
 from megatron_focus.variants import variant
-
-DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "megatron-focus")
 
 
 def pretrain(args: argparse.Namespace) -> dict:
@@ -341,67 +334,6 @@ def data_loader(
 def _mean_over_data_parallel(value: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
     return value / parallel_state.get_data_parallel_world_size()
-
-
-def tokenizer_for(args: argparse.Namespace, rank0: bool):
-    if args.mqar:
-        return MQARVocabulary(args.mqar_vocab_size)
-    if not reads_data_files(args) and not args.mock_data:
-        # The zero-download default: rank 0 builds the cache, the others wait and reuse it.
-        cache = args.data_cache_path or DEFAULT_CACHE
-        if rank0:
-            ensure_embedded_data(cache)
-        dist.barrier()
-        prefix, model_file = ensure_embedded_data(cache)
-        args.data_path, args.tokenizer_type, args.tokenizer_model = (
-            [prefix],
-            EMBEDDED_TOKENIZER_TYPE,
-            model_file,
-        )
-    return build_tokenizer(args.tokenizer_type, **tokenizer_flags(args))
-
-
-def datasets_for(args: argparse.Namespace, tokenizer):
-    valid_samples = args.eval_iters * args.global_batch_size if args.eval_iters else 0
-    if args.mqar:
-
-        def mqar(samples, split):
-            return MQARDataset(
-                samples,
-                args.seq_length,
-                args.mqar_pairs,
-                args.mqar_vocab_size,
-                args.mqar_min_distance,
-                args.seed,
-                split,
-                args.mqar_queries,
-                args.mqar_packed,
-            )
-
-        return (
-            mqar(args.train_iters * args.global_batch_size, "train"),
-            mqar(valid_samples, "valid") if valid_samples else None,
-        )
-    cache = os.path.join(args.data_cache_path or DEFAULT_CACHE, "indices")
-    per_split = (
-        [args.train_data_path, args.valid_data_path, args.test_data_path]
-        if args.train_data_path
-        else None
-    )
-    train, valid, _ = build_datasets(
-        None if args.mock_data or per_split else args.data_path,
-        args.split,
-        args.seq_length,
-        args.seed,
-        tokenizer,
-        (args.train_iters * args.global_batch_size, valid_samples, 0),
-        cache,
-        reset_position_ids=args.reset_position_ids,
-        eod_mask_loss=args.eod_mask_loss,
-        reset_attention_mask=args.reset_attention_mask,
-        per_split=per_split,
-    )
-    return train, valid if valid_samples else None
 
 
 def _deepspeed_engine(args: argparse.Namespace, model: torch.nn.Module):

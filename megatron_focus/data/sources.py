@@ -1,0 +1,76 @@
+"""What a run reads, from its flags: the tokenizer and the train / validation datasets (the
+embedded corpus, Megatron datasets, mock data or MQAR). Shared by the trainer and
+tools/eval_ppl.py, so an evaluation reads exactly the samples training validated on."""
+
+import argparse
+import os
+
+import torch.distributed as dist
+
+from megatron_focus.data import reads_data_files
+from megatron_focus.data.datasets import build_datasets
+from megatron_focus.data.embedded import DEFAULT_CACHE, ensure_embedded_data
+from megatron_focus.data.embedded import TOKENIZER_TYPE as EMBEDDED_TOKENIZER_TYPE
+from megatron_focus.data.mqar import MQARDataset, MQARVocabulary
+from megatron_focus.data.tokenizer import build_tokenizer, tokenizer_flags
+
+
+def tokenizer_for(args: argparse.Namespace, rank0: bool):
+    if args.mqar:
+        return MQARVocabulary(args.mqar_vocab_size)
+    if not reads_data_files(args) and not args.mock_data:
+        # The zero-download default: rank 0 builds the cache, the others wait and reuse it.
+        cache = args.data_cache_path or DEFAULT_CACHE
+        if rank0:
+            ensure_embedded_data(cache)
+        dist.barrier()
+        prefix, model_file = ensure_embedded_data(cache)
+        args.data_path, args.tokenizer_type, args.tokenizer_model = (
+            [prefix],
+            EMBEDDED_TOKENIZER_TYPE,
+            model_file,
+        )
+    return build_tokenizer(args.tokenizer_type, **tokenizer_flags(args))
+
+
+def datasets_for(args: argparse.Namespace, tokenizer):
+    valid_samples = args.eval_iters * args.global_batch_size if args.eval_iters else 0
+    if args.mqar:
+
+        def mqar(samples, split):
+            return MQARDataset(
+                samples,
+                args.seq_length,
+                args.mqar_pairs,
+                args.mqar_vocab_size,
+                args.mqar_min_distance,
+                args.seed,
+                split,
+                args.mqar_queries,
+                args.mqar_packed,
+            )
+
+        return (
+            mqar(args.train_iters * args.global_batch_size, "train"),
+            mqar(valid_samples, "valid") if valid_samples else None,
+        )
+    cache = os.path.join(args.data_cache_path or DEFAULT_CACHE, "indices")
+    per_split = (
+        [args.train_data_path, args.valid_data_path, args.test_data_path]
+        if args.train_data_path
+        else None
+    )
+    train, valid, _ = build_datasets(
+        None if args.mock_data or per_split else args.data_path,
+        args.split,
+        args.seq_length,
+        args.seed,
+        tokenizer,
+        (args.train_iters * args.global_batch_size, valid_samples, 0),
+        cache,
+        reset_position_ids=args.reset_position_ids,
+        eod_mask_loss=args.eod_mask_loss,
+        reset_attention_mask=args.reset_attention_mask,
+        per_split=per_split,
+    )
+    return train, valid if valid_samples else None
