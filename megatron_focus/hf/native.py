@@ -215,10 +215,10 @@ def _write_checkpoint(
         checkpointing.WEIGHTS_ONLY: {"iteration": 0},
     }
     for name, content in files.items():
-        with open(os.path.join(tag_dir, name), "w") as f:
-            json.dump(content, f, indent=1, sort_keys=True)
-    with open(os.path.join(save_dir, checkpointing.LATEST), "w") as f:
-        f.write(tag)
+        checkpointing.write_atomically(
+            os.path.join(tag_dir, name), json.dumps(content, indent=1, sort_keys=True)
+        )
+    checkpointing.write_atomically(os.path.join(save_dir, checkpointing.LATEST), tag)
 
 
 def native_model(arch: Architecture, weights: StateDict) -> torch.nn.Module:

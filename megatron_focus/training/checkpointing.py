@@ -128,7 +128,8 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _write_atomically(path: str, text: str) -> None:
+def write_atomically(path: str, text: str) -> None:
+    """Every file of the checkpoint format is written so: whole under its name, or not at all."""
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         f.write(text)
@@ -181,14 +182,14 @@ def save(engine, args: argparse.Namespace, iteration: int, consumed_samples: int
     )
     digests = integrity.digests(partial)
     _agree(
-        _attempt(lambda: integrity.write(partial, digests, _write_atomically)) if rank0 else None,
+        _attempt(lambda: integrity.write(partial, digests, write_atomically)) if rank0 else None,
         partial,
         args.save,
     )
     if rank0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
-        _write_atomically(os.path.join(args.save, LATEST), tag)
+        write_atomically(os.path.join(args.save, LATEST), tag)
     dist.barrier()
     return final
 
@@ -238,14 +239,14 @@ def _agree(failure: Optional[OSError], partial: str, save_dir: str) -> None:
 def _write_records(args: argparse.Namespace, folder: str, trained_only: bool) -> None:
     """Our files beside DeepSpeed's: the model's shape, layout, tokenizer, retrofit base."""
     if trained_only:
-        _write_atomically(os.path.join(folder, BASE_FILE), json.dumps(args.retrofit_base))
+        write_atomically(os.path.join(folder, BASE_FILE), json.dumps(args.retrofit_base))
     if args.no_save_optim:
-        _write_atomically(os.path.join(folder, NO_OPTIMIZER), "saved with --no-save-optim\n")
-    _write_atomically(
+        write_atomically(os.path.join(folder, NO_OPTIMIZER), "saved with --no-save-optim\n")
+    write_atomically(
         os.path.join(folder, ARGS_FILE), json.dumps(model_args(args), indent=1, sort_keys=True)
     )
-    layouts.write(args, folder, _write_atomically)
-    _write_atomically(
+    layouts.write(args, folder, write_atomically)
+    write_atomically(
         os.path.join(folder, TOKENIZER_FILE),
         json.dumps(
             {
