@@ -10,8 +10,6 @@ import textwrap
 import time
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 from distributed import run_distributed
@@ -24,6 +22,7 @@ from megatron_focus.data.indexed import check_indexed_dataset
 from megatron_focus.data.preprocess import preprocess
 from megatron_focus.data.sentencepiece_trainer import train_sentencepiece
 from megatron_focus.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
+from runs import gpt2_bpe_files, write_docs
 
 SP = "GPTSentencePieceTokenizer"
 DOCS = [
@@ -33,18 +32,6 @@ DOCS = [
     "Unicode: naïve café, 東京, ☃ and numbers 12345.",
     "x",
 ]
-
-
-def _write(path, docs, key="text"):
-    """Write `docs` as jsonl, jsonl.gz or parquet according to the suffix."""
-    path = str(path)
-    if path.endswith(".parquet"):
-        pq.write_table(pa.table({key: docs}), path, row_group_size=2)
-    else:
-        opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "wt", encoding="utf-8") as f:
-            f.writelines(json.dumps({key: d}) + "\n" for d in docs)
-    return path
 
 
 def _read_back(prefix):
@@ -57,7 +44,7 @@ def sp_model(tmp_path_factory):
     """A 400-piece SentencePiece model trained on a few stdlib module docstrings (< 1 s)."""
     tmp = tmp_path_factory.mktemp("sp")
     texts = [m.__doc__ for m in (argparse, collections, json, textwrap, gzip)]
-    corpus = _write(tmp / "train.jsonl", texts * 3)
+    corpus = write_docs(tmp / "train.jsonl", texts * 3)
     return train_sentencepiece([corpus], str(tmp / "tok"), vocab_size=400, quiet=True)
 
 
@@ -68,7 +55,7 @@ def sp_data(sp_model, tmp_path_factory):
     prefixes = []
     for name, words in (("a", "alpha beta gamma delta"), ("b", "one two three four five")):
         docs = [f"{name} document {i}: {words} " * (1 + i % 5) for i in range(300)]
-        corpus = _write(tmp / f"{name}.jsonl", docs)
+        corpus = write_docs(tmp / f"{name}.jsonl", docs)
         prefixes += preprocess([corpus], str(tmp / name), SP, sp_model, append_eod=True).prefixes
     return prefixes
 
@@ -106,18 +93,6 @@ def _hf_tokenizer(path, special_tokens):
     os.makedirs(path, exist_ok=True)
     tok.save(os.path.join(path, "tokenizer.json"))
     return tok
-
-
-def _gpt2_files(folder):
-    """GPT-2-style vocab.json and merges.txt (a small byte-level BPE with <|endoftext|>)."""
-    from tokenizers import ByteLevelBPETokenizer
-
-    from megatron_focus.hf.tokenizer import PROBES
-
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(list(PROBES) * 20, vocab_size=400, special_tokens=["<|endoftext|>"])
-    bpe.save_model(str(folder))
-    return str(folder / "vocab.json"), str(folder / "merges.txt")
 
 
 def _openai_gpt2_encode(vocab_file, merges_file, text):
@@ -173,7 +148,7 @@ def _openai_gpt2_encode(vocab_file, merges_file, text):
 def test_gpt2_bpe_tokenizer_encodes_as_openais_gpt2(tmp_path):
     from megatron_focus.hf.tokenizer import PROBES
 
-    vocab, merges = _gpt2_files(tmp_path)
+    vocab, merges = gpt2_bpe_files(tmp_path)
     ours = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
     assert ours.eod == json.load(open(vocab))["<|endoftext|>"]
     for text in PROBES + ("two docs<|endoftext|>joined", "  spaces\n\n\tand tabs"):
@@ -211,11 +186,13 @@ def test_megatron_tokenizers_train_and_export(kind, sp_model, tmp_path, run_tool
     from megatron_focus.hf.tokenizer import PROBES
 
     if kind == "GPT2BPETokenizer":
-        vocab, merges = _gpt2_files(tmp_path)
+        vocab, merges = gpt2_bpe_files(tmp_path)
         flags = ["--vocab-file", vocab, "--merge-file", merges]
     else:
         flags = ["--tokenizer-model", sp_model]
-    docs = _write(tmp_path / "docs.jsonl", [f"{text} {i}" for i in range(40) for text in PROBES])
+    docs = write_docs(
+        tmp_path / "docs.jsonl", [f"{text} {i}" for i in range(40) for text in PROBES]
+    )
     out = run_tool(
         "tools/preprocess_data.py",
         "--input",
@@ -285,7 +262,7 @@ def test_huggingface_tokenizer_json(tmp_path):
         for text in DOCS:
             assert tok.detokenize(tok.tokenize(text)) == text
 
-    corpus = _write(tmp_path / "docs.jsonl", DOCS)
+    corpus = write_docs(tmp_path / "docs.jsonl", DOCS)
     stats = preprocess(
         [corpus],
         str(tmp_path / "out"),
@@ -306,7 +283,7 @@ def test_huggingface_tokenizer_json(tmp_path):
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz", ".parquet"])
 def test_preprocess_round_trip(sp_model, tmp_path, suffix):
-    corpus = _write(tmp_path / f"docs{suffix}", DOCS)
+    corpus = write_docs(tmp_path / f"docs{suffix}", DOCS)
     stats = preprocess([corpus], str(tmp_path / "out"), SP, sp_model, append_eod=True)
 
     tok = build_tokenizer(SP, sp_model)
@@ -326,7 +303,7 @@ def test_preprocess_round_trip(sp_model, tmp_path, suffix):
 
 def test_preprocess_globs_keys_workers_and_no_eod(sp_model, tmp_path):
     for i in range(3):
-        _write(tmp_path / f"shard{i}.jsonl", [f"shard {i} doc {j}" for j in range(40)])
+        write_docs(tmp_path / f"shard{i}.jsonl", [f"shard {i} doc {j}" for j in range(40)])
     one = preprocess(
         [str(tmp_path / "shard*.jsonl")], str(tmp_path / "one"), SP, sp_model, append_eod=False
     )
@@ -351,7 +328,7 @@ def test_files_left_by_a_killed_preprocessing_run_are_removed(sp_model, tmp_path
     import subprocess
     import sys
 
-    docs = _write(tmp_path / "in.jsonl", ["one doc", "two docs"])
+    docs = write_docs(tmp_path / "in.jsonl", ["one doc", "two docs"])
     prefix = str(tmp_path / "out_text_document")
     gone = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
@@ -368,12 +345,12 @@ def test_files_left_by_a_killed_preprocessing_run_are_removed(sp_model, tmp_path
 
 
 def test_empty_documents_are_skipped_and_counted(sp_model, tmp_path):
-    corpus = _write(tmp_path / "docs.jsonl", ["", "hello", "", ""])
+    corpus = write_docs(tmp_path / "docs.jsonl", ["", "hello", "", ""])
     stats = preprocess([corpus], str(tmp_path / "out"), SP, sp_model, append_eod=True)
     assert (stats.docs, stats.empty_skipped) == (1, 3)
     assert len(_read_back(stats.prefixes[0])) == 1
 
-    only_empty = _write(tmp_path / "empty.jsonl", ["", ""])
+    only_empty = write_docs(tmp_path / "empty.jsonl", ["", ""])
     with pytest.raises(ValueError, match="no non-empty documents"):
         preprocess([only_empty], str(tmp_path / "none"), SP, sp_model, append_eod=True)
     assert not any(name.startswith("none") for name in os.listdir(tmp_path))
@@ -388,7 +365,7 @@ def test_missing_text_field_is_a_clear_error(sp_model, tmp_path):
         preprocess([str(corpus)], str(tmp_path / "out"), SP, sp_model, append_eod=True)
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]  # nothing half-written
 
-    table = _write(tmp_path / "bad.parquet", ["a", "b"], key="content")
+    table = write_docs(tmp_path / "bad.parquet", ["a", "b"], key="content")
     with pytest.raises(ValueError, match=r"bad\.parquet: no column 'text' \(columns: content\)"):
         preprocess([table], str(tmp_path / "out"), SP, sp_model, append_eod=True)
     with pytest.raises(FileNotFoundError, match="missing_\\*.jsonl"):
@@ -406,7 +383,7 @@ def test_missing_text_field_is_a_clear_error(sp_model, tmp_path):
 
 @pytest.fixture
 def small_prefix(sp_model, tmp_path):
-    corpus = _write(tmp_path / "docs.jsonl", DOCS)
+    corpus = write_docs(tmp_path / "docs.jsonl", DOCS)
     return preprocess([corpus], str(tmp_path / "out"), SP, sp_model, append_eod=True).prefixes[0]
 
 
@@ -643,7 +620,7 @@ def test_mock_data_needs_no_files(tmp_path):
 
 def test_build_datasets_rejects_bad_splits(sp_model, tmp_path):
     tok = build_tokenizer(SP, sp_model)
-    corpus = _write(tmp_path / "tiny.jsonl", [f"doc {i}" for i in range(50)])
+    corpus = write_docs(tmp_path / "tiny.jsonl", [f"doc {i}" for i in range(50)])
     prefix = preprocess([corpus], str(tmp_path / "tiny"), SP, sp_model, append_eod=True).prefixes[0]
     # 50 documents * 1/1000 rounds to none: Megatron would loop forever asking for test samples.
     with pytest.raises(ValueError, match="gives the test split none of the 50 documents"):

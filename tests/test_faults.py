@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 from distributed import run_distributed
-from test_training import _argv, _train, train
+
+from runs import run_pretrain, tiny_argv, train
 
 
 def _train_with_disk_full_at(argv, tag, rank):
@@ -21,12 +22,12 @@ def _train_with_disk_full_at(argv, tag, rank):
         return save(obj, path, *args, **kwargs)
 
     torch.save = full_disk
-    return _train(argv)
+    return run_pretrain(argv)
 
 
 def test_a_save_that_fails_on_one_rank_stops_the_run_and_keeps_the_last(embedded_cache, tmp_path):
     ckpt = tmp_path / "ckpt"
-    argv = _argv(
+    argv = tiny_argv(
         embedded_cache, "--save", str(ckpt), "--save-interval", "2", "--zero-stage", "1", iters=6
     )
     with pytest.raises(
@@ -46,12 +47,12 @@ def test_a_save_that_fails_on_one_rank_stops_the_run_and_keeps_the_last(embedded
 def test_a_damaged_checkpoint_is_refused_and_the_previous_one_resumes(embedded_cache, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     flags = ["--save", ckpt, "--save-interval", "2"]
-    straight = train(1, _argv(embedded_cache, *flags, iters=4))
+    straight = train(1, tiny_argv(embedded_cache, *flags, iters=4))
     shard = os.path.join(ckpt, "iter_0000004", "mp_rank_00_model_states.pt")
     data = bytearray(open(shard, "rb").read())
     data[len(data) // 2] ^= 0xFF  # one flipped bit pattern, the size unchanged
     open(shard, "wb").write(bytes(data))
-    resume = _argv(embedded_cache, *flags, "--load", ckpt, iters=6)
+    resume = tiny_argv(embedded_cache, *flags, "--load", ckpt, iters=6)
     with pytest.raises(
         Exception,
         match=r"iter_0000004 is damaged: mp_rank_00_model_states.pt "
@@ -66,32 +67,32 @@ def test_a_damaged_checkpoint_is_refused_and_the_previous_one_resumes(embedded_c
         Exception, match="mp_rank_00_model_states.pt is [0-9]+ bytes, [0-9]+ when saved"
     ):
         train(1, resume)
-    again = train(1, _argv(embedded_cache, *flags, "--load", ckpt, "--ckpt-step", "2", iters=4))
+    again = train(1, tiny_argv(embedded_cache, *flags, "--load", ckpt, "--ckpt-step", "2", iters=4))
     assert again["losses"] == straight["losses"][2:]  # iterations 3-4 again, exactly
     assert open(os.path.join(ckpt, "latest")).read() == "iter_0000004"
 
 
 def test_ckpt_step_names_a_checkpoint_that_exists(embedded_cache, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    train(1, _argv(embedded_cache, "--save", ckpt, iters=3))
+    train(1, tiny_argv(embedded_cache, "--save", ckpt, iters=3))
     with pytest.raises(
         Exception,
         match=r"--ckpt-step 2: .* holds no iter_0000002 \(it holds: "
         r"iter_0000003\)",
     ):
-        train(1, _argv(embedded_cache, "--load", ckpt, "--ckpt-step", "2", iters=4))
+        train(1, tiny_argv(embedded_cache, "--load", ckpt, "--ckpt-step", "2", iters=4))
 
 
 def test_what_an_interrupted_run_left_is_removed_and_reported(embedded_cache, tmp_path, capfd):
     ckpt = tmp_path / "ckpt"
-    train(1, _argv(embedded_cache, "--save", str(ckpt), iters=3))
+    train(1, tiny_argv(embedded_cache, "--save", str(ckpt), iters=3))
     for debris in ("iter_0000005.partial", "iter_0000003.universal"):
         (ckpt / debris).mkdir()
         (ckpt / debris / "mp_rank_00_model_states.pt").write_bytes(b"half")
     (ckpt / "latest.tmp").write_text("iter_00")
     train(
         1,
-        _argv(
+        tiny_argv(
             embedded_cache,
             "--save",
             str(ckpt),
@@ -116,10 +117,10 @@ def test_no_save_optim_no_load_optim_no_save_rng_and_exit_duration(embedded_cach
     optimizer, its weights and data position carry on while the LR schedule starts again."""
     ckpt = str(tmp_path / "ckpt")
     flags = ["--lr-decay-style", "constant", "--zero-stage", stage]
-    straight = train(1, _argv(embedded_cache, *flags, iters=4))
+    straight = train(1, tiny_argv(embedded_cache, *flags, iters=4))
     first = train(
         1,
-        _argv(
+        tiny_argv(
             embedded_cache,
             *flags,
             "--save",
@@ -139,8 +140,10 @@ def test_no_save_optim_no_load_optim_no_save_rng_and_exit_duration(embedded_cach
     )
     assert saved["optimizer"] is None and "rng" not in saved
     with pytest.raises(Exception, match="--no-save-optim: it resumes with --no-load-optim"):
-        train(1, _argv(embedded_cache, *flags, "--load", ckpt, iters=4))
-    resumed = train(1, _argv(embedded_cache, *flags, "--load", ckpt, "--no-load-optim", iters=4))
+        train(1, tiny_argv(embedded_cache, *flags, "--load", ckpt, iters=4))
+    resumed = train(
+        1, tiny_argv(embedded_cache, *flags, "--load", ckpt, "--no-load-optim", iters=4)
+    )
     assert resumed["losses"][0] == straight["losses"][1]  # the same weights and batch
     assert resumed["lr"][0] == straight["lr"][0]  # warmup's first step again
     assert len(resumed["losses"]) == 3
@@ -150,11 +153,11 @@ def test_pretrained_checkpoint_and_use_checkpoint_args(embedded_cache, tmp_path)
     """Megatron's --pretrained-checkpoint starts an empty --load from those weights (as
     --finetune); --use-checkpoint-args takes the model's shape from the checkpoint."""
     base, run = str(tmp_path / "base"), str(tmp_path / "run")
-    train(1, _argv(embedded_cache, "--save", base, iters=3))
-    finetune = train(1, _argv(embedded_cache, "--load", base, "--finetune", iters=3))
+    train(1, tiny_argv(embedded_cache, "--save", base, iters=3))
+    finetune = train(1, tiny_argv(embedded_cache, "--load", base, "--finetune", iters=3))
     started = train(
         1,
-        _argv(
+        tiny_argv(
             embedded_cache,
             "--pretrained-checkpoint",
             base,
@@ -170,14 +173,14 @@ def test_pretrained_checkpoint_and_use_checkpoint_args(embedded_cache, tmp_path)
     assert started["losses"] == finetune["losses"][:2]
     resumed = train(
         1,
-        _argv(
+        tiny_argv(
             embedded_cache, "--pretrained-checkpoint", base, "--save", run, "--load", run, iters=3
         ),
     )  # --load now holds the run's own
     assert resumed["losses"] == finetune["losses"][2:]
     shaped = train(
         1,
-        _argv(
+        tiny_argv(
             embedded_cache,
             "--load",
             base,

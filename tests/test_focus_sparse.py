@@ -156,12 +156,12 @@ def test_eval_ppl_reports_every_top_k_at_every_length(embedded_cache, tmp_path, 
     top-k = 1..K in sparse mode, at 16, 32 and 64 tokens (beyond the training length)."""
     import json
 
-    from test_training import _argv, train
+    from runs import tiny_argv, train
 
     ckpt, report = str(tmp_path / "ckpt"), str(tmp_path / "ppl.json")
     train(
         1,
-        _argv(
+        tiny_argv(
             embedded_cache,
             "--attention",
             "focus",
@@ -209,10 +209,10 @@ def test_eval_ppl_reports_every_top_k_at_every_length(embedded_cache, tmp_path, 
 
 
 def test_eval_ppl_refuses_lengths_beyond_learned_positions(embedded_cache, tmp_path, run_tool):
-    from test_training import _argv, train
+    from runs import tiny_argv, train
 
     ckpt = str(tmp_path / "ckpt")
-    train(1, _argv(embedded_cache, "--save", ckpt, iters=3))  # learned positions, 32 of them
+    train(1, tiny_argv(embedded_cache, "--save", ckpt, iters=3))  # learned positions, 32 of them
     out = run_tool(
         "tools/eval_ppl.py",
         "--load",

@@ -13,10 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed import run_distributed
-from test_parallel import LLAMA
-from test_training import _argv
 
 from megatron_focus.hf.families import rope_fields
+from runs import LLAMA, tiny_argv
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -117,7 +116,7 @@ def _train_and_export(cases, cache, tmp_path_factory):
         root = tmp_path_factory.mktemp(name)
         ckpt, hf = str(root / "ckpt"), str(root / "hf")
         history = run_distributed(
-            _train_and_batches, ranks, _argv(cache, *flags, "--save", ckpt, iters=3)
+            _train_and_batches, ranks, tiny_argv(cache, *flags, "--save", ckpt, iters=3)
         )
         out[name] = {
             "ckpt": ckpt,
@@ -954,7 +953,7 @@ def test_imported_model_trains_from_the_hf_loss(embedded_cache, tmp_path):
     history = run_distributed(
         _train_and_batches,
         2,
-        _argv(
+        tiny_argv(
             embedded_cache,
             *flags,
             "--tensor-model-parallel-size",
@@ -1013,7 +1012,7 @@ def test_focus_retrofit_of_an_imported_model(embedded_cache, tmp_path):
     history = run_distributed(
         _train_and_batches,
         1,
-        _argv(embedded_cache, *flags, *FOCUS, "--load", ckpt, "--save", retrofitted, iters=3),
+        tiny_argv(embedded_cache, *flags, *FOCUS, "--load", ckpt, "--save", retrofitted, iters=3),
     )
     assert len(history["losses"]) == 3 and all(math.isfinite(x) for x in history["losses"])
     assert export_to_hf(retrofitted, back, progress=False) == "MegatronFocusForCausalLM"

@@ -5,7 +5,8 @@ import glob
 import os
 
 import torch
-from test_training import _argv, train
+
+from runs import tiny_argv, train
 
 TP2 = ["--tensor-model-parallel-size", "2"]
 # fp32 sums in another order: a few ulps on the losses, somewhat more on the second moments.
@@ -42,7 +43,7 @@ def _chain(cache, ckpt, legs, iters_per_leg=2):
         histories.append(
             train(
                 2,
-                _argv(
+                tiny_argv(
                     cache,
                     *flags,
                     "--save",
@@ -61,7 +62,7 @@ def test_tp2_resumes_at_tp1_dp2_with_its_optimizer_state(embedded_cache, tmp_pat
     swiglu = ["--swiglu"]
     straight_dir, chain_dir = str(tmp_path / "straight"), str(tmp_path / "chain")
     straight = train(
-        2, _argv(embedded_cache, *swiglu, *TP2, "--zero-stage", "1", "--save", straight_dir)
+        2, tiny_argv(embedded_cache, *swiglu, *TP2, "--zero-stage", "1", "--save", straight_dir)
     )
     first, second = _chain(
         embedded_cache,
@@ -89,7 +90,9 @@ def test_zero_stage_1_then_3_then_0_then_tp2(embedded_cache, tmp_path):
         ["--zero-stage", "0"],
         ["--zero-stage", "2", *TP2],
     ]
-    straight = train(2, _argv(embedded_cache, "--zero-stage", "1", "--save", straight_dir, iters=8))
+    straight = train(
+        2, tiny_argv(embedded_cache, "--zero-stage", "1", "--save", straight_dir, iters=8)
+    )
     chain = _chain(embedded_cache, chain_dir, legs)
     torch.testing.assert_close(
         [loss for leg in chain for loss in leg["losses"]], straight["losses"], **NOISE

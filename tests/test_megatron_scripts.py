@@ -11,21 +11,21 @@ import math
 import os
 
 import pytest
-from test_data import _gpt2_files, _write
-from test_training import train
+
+from runs import gpt2_bpe_files, train, write_docs
 
 
 def _gpt3(folder, tp):
     """The GPT-3 175B script's flags: a GPT-2 BPE dataset, the script's schedule and logging."""
     from megatron_focus.data.preprocess import preprocess
 
-    vocab, merges = _gpt2_files(folder)
+    vocab, merges = gpt2_bpe_files(folder)
     docs = [
         f"Document {i}: the quick brown fox jumps over the lazy dog. " * (1 + i % 3)
         for i in range(1200)
     ]  # enough that the 949,50,1 split gives each part a document
     prefix = preprocess(
-        [_write(folder / "docs.jsonl", docs)],
+        [write_docs(folder / "docs.jsonl", docs)],
         str(folder / "gpt3"),
         "GPT2BPETokenizer",
         vocab_file=vocab,

@@ -4,38 +4,8 @@ import pytest
 import torch
 from distributed import run_distributed
 
-VOCAB = 200  # not a multiple of 128: exercises Megatron's vocabulary padding
-SEQ, BATCH = 16, 2
-SMALL = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    str(SEQ),
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-]
-LLAMA = [
-    "--normalization",
-    "RMSNorm",
-    "--swiglu",
-    "--position-embedding-type",
-    "rope",
-    "--untie-embeddings-and-output-weights",
-    "--disable-bias-linear",
-]
-FAMILIES = {
-    "gpt2": SMALL,
-    "gpt2-rope-gqa": SMALL
-    + ["--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups", "2"],
-    "llama": SMALL + LLAMA,
-    "llama-gqa": SMALL + LLAMA + ["--group-query-attention", "--num-query-groups", "2"],
-}
+from runs import BATCH, FAMILIES, SEQ, VOCAB
+
 # XSA on the plainest family and on one with RoPE and GQA (under TP=2: one key/value group per
 # rank, shared by that rank's two query heads).
 XSA = ["--attention", "xsa"]

@@ -40,14 +40,13 @@ def test_prompts_too_short_and_answers_are_checked():
 
 
 def test_native_checkpoint_and_export_answer_alike(embedded_cache, tmp_path, run_tool):
-    from test_training import _argv, train
-
     from megatron_focus.hf import export_to_hf
+    from runs import tiny_argv, train
 
     ckpt, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     train(
         1,
-        _argv(
+        tiny_argv(
             embedded_cache,
             "--attention",
             "focus",

@@ -10,52 +10,7 @@ import pytest
 import torch
 from distributed import run_distributed
 
-TINY = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--micro-batch-size",
-    "4",
-    "--global-batch-size",
-    "8",
-    "--lr",
-    "1e-3",
-    "--min-lr",
-    "1e-4",
-    "--lr-warmup-iters",
-    "2",
-    "--log-interval",
-    "1",
-    "--eval-interval",
-    "1000",
-    "--eval-iters",
-    "1",
-    "--hidden-dropout",
-    "0",
-    "--attention-dropout",
-    "0",
-]
-
-
-def _train(argv):
-    from megatron_focus.arguments import parse_args
-    from megatron_focus.training.trainer import pretrain
-    from pretrain_gpt import main as _  # noqa: F401  (the entry point imports cleanly)
-
-    return pretrain(parse_args(argv))
-
-
-def train(world_size, argv):
-    return run_distributed(_train, world_size, argv)
-
-
-def _argv(cache, *extra, iters=4):
-    return TINY + ["--data-cache-path", cache, "--train-iters", str(iters)] + list(extra)
+from runs import TINY, tiny_argv, train
 
 
 class _Payload:
@@ -81,7 +36,7 @@ def test_checkpoints_with_pickled_code_are_refused(embedded_cache, tmp_path):
     from megatron_focus.hf import export_to_hf
 
     ckpt, marker = tmp_path / "ckpt", tmp_path / "ran"
-    train(1, _argv(embedded_cache, "--save", str(ckpt), "--exit-interval", "3", iters=4))
+    train(1, tiny_argv(embedded_cache, "--save", str(ckpt), "--exit-interval", "3", iters=4))
     tag = ckpt / "iter_0000003"
     files = sorted(f for f in os.listdir(tag) if f.endswith(".pt"))
     assert files == ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
@@ -89,7 +44,7 @@ def test_checkpoints_with_pickled_code_are_refused(embedded_cache, tmp_path):
         original = torch.load(tag / name, weights_only=False)
         _crafted(tag, name, {**original, "extra": _Payload(str(marker))})
         with pytest.raises(Exception, match=f"{name} holds pickled objects that could run code"):
-            train(1, _argv(embedded_cache, "--save", str(ckpt), "--load", str(ckpt), iters=4))
+            train(1, tiny_argv(embedded_cache, "--save", str(ckpt), "--load", str(ckpt), iters=4))
         _crafted(tag, name, original)
     _crafted(
         tag,
@@ -104,19 +59,19 @@ def test_checkpoints_with_pickled_code_are_refused(embedded_cache, tmp_path):
 @pytest.mark.slow
 def test_zero_data_parallel_matches_one_process(embedded_cache):
     """ZeRO-2 and ZeRO-3 over 2 data-parallel ranks == one process accumulating 2 micro-batches."""
-    one = train(1, _argv(embedded_cache, "--zero-stage", "0"))
+    one = train(1, tiny_argv(embedded_cache, "--zero-stage", "0"))
     assert len(one["losses"]) == 4 and one["losses"][-1] < one["losses"][0]
     for stage in ("2", "3"):
-        sharded = train(2, _argv(embedded_cache, "--zero-stage", stage))
+        sharded = train(2, tiny_argv(embedded_cache, "--zero-stage", stage))
         torch.testing.assert_close(sharded["losses"], one["losses"], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
 def test_zero1_tensor_parallel_matches_tp1(embedded_cache):
-    tp1 = train(1, _argv(embedded_cache, "--zero-stage", "1"))
+    tp1 = train(1, tiny_argv(embedded_cache, "--zero-stage", "1"))
     tp2 = train(
         2,
-        _argv(
+        tiny_argv(
             embedded_cache,
             "--zero-stage",
             "1",
@@ -131,11 +86,14 @@ def test_zero1_tensor_parallel_matches_tp1(embedded_cache):
 def _straight_stopped_resumed(world_size, cache, ckpt, flags, iters, stop):
     """The histories of a run of `iters` iterations, and of the same run stopped at `stop` and
     resumed from its checkpoint."""
-    straight = train(world_size, _argv(cache, *flags, iters=iters))
+    straight = train(world_size, tiny_argv(cache, *flags, iters=iters))
     first = train(
-        world_size, _argv(cache, *flags, "--save", ckpt, "--exit-interval", str(stop), iters=iters)
+        world_size,
+        tiny_argv(cache, *flags, "--save", ckpt, "--exit-interval", str(stop), iters=iters),
     )
-    second = train(world_size, _argv(cache, *flags, "--save", ckpt, "--load", ckpt, iters=iters))
+    second = train(
+        world_size, tiny_argv(cache, *flags, "--save", ckpt, "--load", ckpt, iters=iters)
+    )
     return straight, first, second
 
 
@@ -174,19 +132,19 @@ def test_a_changed_schedule_on_resume_is_refused_unless_chosen(embedded_cache, t
         "--min-lr",
         "0",
     ]
-    train(1, _argv(embedded_cache, *base, "--lr", "1e-3", "--exit-interval", "2"))
+    train(1, tiny_argv(embedded_cache, *base, "--lr", "1e-3", "--exit-interval", "2"))
     with pytest.raises(
         Exception,
         match=r"schedule differs from the checkpoint's: --lr 0.002 "
         r"\(checkpoint: 0.001\), --lr-decay-iters 6",
     ):
-        train(1, _argv(embedded_cache, *base, "--lr", "2e-3", "--load", ckpt, iters=6))
+        train(1, tiny_argv(embedded_cache, *base, "--lr", "2e-3", "--load", ckpt, iters=6))
     runs = {}
     for choice in ("--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"):
         shutil.copytree(ckpt, tmp_path / choice)
         runs[choice] = train(
             1,
-            _argv(
+            tiny_argv(
                 embedded_cache,
                 *base[2:],
                 "--save",
@@ -205,8 +163,8 @@ def test_a_changed_schedule_on_resume_is_refused_unless_chosen(embedded_cache, t
 
 def test_checkpoint_of_another_shape_is_refused(embedded_cache, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    train(1, _argv(embedded_cache, "--save", ckpt, iters=3))
-    wider = [a if a != "64" else "128" for a in _argv(embedded_cache, "--load", ckpt, iters=4)]
+    train(1, tiny_argv(embedded_cache, "--save", ckpt, iters=3))
+    wider = [a if a != "64" else "128" for a in tiny_argv(embedded_cache, "--load", ckpt, iters=4)]
     with pytest.raises(Exception, match=r"hidden_size: checkpoint 64, this run 128"):
         train(1, wider)
 
@@ -214,18 +172,21 @@ def test_checkpoint_of_another_shape_is_refused(embedded_cache, tmp_path):
 def test_focus_gate_is_recorded_and_older_checkpoints_read_as_log_gate(embedded_cache, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     focus = ["--attention", "focus", "--focus-window", "8", "--focus-groups", "4"]
-    train(1, _argv(embedded_cache, *focus, "--save", ckpt, iters=3))
+    train(1, tiny_argv(embedded_cache, *focus, "--save", ckpt, iters=3))
     args_file = os.path.join(ckpt, "iter_0000003", "model_args.json")
     recorded = json.load(open(args_file))
     assert recorded["focus_gate"] == "log"
     del recorded["focus_gate"]  # as saved before the gate (and checksums) were recorded
     json.dump(recorded, open(args_file, "w"))
     os.remove(os.path.join(ckpt, "iter_0000003", "checksums.json"))
-    sigmoid = _argv(embedded_cache, *focus, "--focus-gate", "sigmoid", "--load", ckpt, iters=4)
+    sigmoid = tiny_argv(embedded_cache, *focus, "--focus-gate", "sigmoid", "--load", ckpt, iters=4)
     with pytest.raises(Exception, match=r"focus_gate: checkpoint 'log', this run 'sigmoid'"):
         train(1, sigmoid)
     resumed = train(
-        1, _argv(embedded_cache, *focus, "--load", ckpt, "--override-opt_param-scheduler", iters=4)
+        1,
+        tiny_argv(
+            embedded_cache, *focus, "--load", ckpt, "--override-opt_param-scheduler", iters=4
+        ),
     )  # one more iteration
     assert len(resumed["losses"]) == 1
 
@@ -343,7 +304,7 @@ def test_training_reads_the_device_once_per_logged_iteration(embedded_cache):
     more log line: exactly one more. Focus+XSA, whose statistics are logged too."""
 
     def reads(iters, log_interval):
-        argv = _argv(
+        argv = tiny_argv(
             embedded_cache,
             "--attention",
             "focus+xsa",
@@ -436,7 +397,7 @@ def test_skipped_steps_in_a_row_stop_the_run(embedded_cache, tmp_path):
     with pytest.raises(Exception, match=r"non-finite for 3 steps in a row \(iterations 1-3\)"):
         train(
             1,
-            _argv(
+            tiny_argv(
                 embedded_cache,
                 "--init-method-std",
                 "1e30",
@@ -459,14 +420,14 @@ def test_checkpoint_folders_are_checked_before_any_model(embedded_cache, tmp_pat
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     with pytest.raises(Exception, match="--save .*a-file/ckpt: cannot write there") as failure:
-        train(1, _argv(embedded_cache, "--save", str(blocker / "ckpt")))
+        train(1, tiny_argv(embedded_cache, "--save", str(blocker / "ckpt")))
     assert "build_model" not in str(failure.value)
     ckpt = tmp_path / "ckpt"
-    train(1, _argv(embedded_cache, "--save", str(ckpt), "--exit-interval", "2"))
+    train(1, tiny_argv(embedded_cache, "--save", str(ckpt), "--exit-interval", "2"))
     (ckpt / "latest").unlink()
     before = sorted(str(p) for p in ckpt.rglob("*"))
     with pytest.raises(Exception, match="holds checkpoints iter_0000002 but no 'latest' file"):
-        train(1, _argv(embedded_cache, "--save", str(ckpt), "--load", str(ckpt)))
+        train(1, tiny_argv(embedded_cache, "--save", str(ckpt), "--load", str(ckpt)))
     assert sorted(str(p) for p in ckpt.rglob("*")) == before
 
 
@@ -484,7 +445,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(embedded_cache, tmp_path):
     import sys
 
     ckpt = str(tmp_path / "ckpt")
-    argv = _argv(embedded_cache, "--save", ckpt, "--exit-signal-handler", iters=10_000)
+    argv = tiny_argv(embedded_cache, "--save", ckpt, "--exit-signal-handler", iters=10_000)
     # A fresh world of one: not the rendezvous of this pytest process's own process group.
     env = {
         k: v
@@ -519,7 +480,7 @@ def test_focus_training_logs_groups_and_both_validation_modes(embedded_cache, tm
     tb = str(tmp_path / "tb")
     history = train(
         1,
-        _argv(
+        tiny_argv(
             embedded_cache,
             "--attention",
             "focus+xsa",
@@ -592,7 +553,7 @@ def _optimizer_numel(ckpt):
 
 def test_retrofit_trains_only_the_routers(embedded_cache, tmp_path):
     base_ckpt, retro_ckpt, full_ckpt = (str(tmp_path / d) for d in ("base", "retro", "full"))
-    train(1, _argv(embedded_cache, "--save", base_ckpt, iters=3))
+    train(1, tiny_argv(embedded_cache, "--save", base_ckpt, iters=3))
     base = _full_weights(base_ckpt)
     focus = [
         "--attention",
@@ -608,7 +569,7 @@ def test_retrofit_trains_only_the_routers(embedded_cache, tmp_path):
     ]
     train(
         1,
-        _argv(
+        tiny_argv(
             embedded_cache,
             *focus,
             "--retrofit",
@@ -641,7 +602,7 @@ def test_retrofit_trains_only_the_routers(embedded_cache, tmp_path):
     # its checkpoints still name the original base.
     resumed = train(
         1,
-        _argv(
+        tiny_argv(
             embedded_cache,
             *focus,
             "--retrofit",
@@ -662,7 +623,7 @@ def test_retrofit_trains_only_the_routers(embedded_cache, tmp_path):
     # --save-full: a complete checkpoint, equal to base + routers.
     train(
         1,
-        _argv(
+        tiny_argv(
             embedded_cache,
             *focus,
             "--retrofit",
@@ -682,7 +643,7 @@ def test_retrofit_trains_only_the_routers(embedded_cache, tmp_path):
     with pytest.raises(Exception, match="holds only a retrofit.s routers"):
         train(
             1,
-            _argv(
+            tiny_argv(
                 embedded_cache,
                 *focus,
                 "--retrofit",
@@ -701,10 +662,10 @@ def test_retrofit_under_tensor_and_sequence_parallelism(embedded_cache, tmp_path
     frozen weights bit-identical to the base."""
     base_ckpt, retro_ckpt = str(tmp_path / "base"), str(tmp_path / "retro")
     tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--zero-stage", "2"]
-    train(2, _argv(embedded_cache, *tp, "--save", base_ckpt, iters=3))
+    train(2, tiny_argv(embedded_cache, *tp, "--save", base_ckpt, iters=3))
     train(
         2,
-        _argv(
+        tiny_argv(
             embedded_cache,
             *tp,
             "--attention",
@@ -902,12 +863,12 @@ def test_decoupled_lr_gives_the_embedding_and_output_their_own_schedule(embedded
     """Megatron's --decoupled-lr: the input embedding and output layer follow a schedule with
     their own peak and floor; every other weight follows --lr. Untied, so both layers exist."""
     flags = ["--untie-embeddings-and-output-weights", "--lr-decay-style", "linear"]
-    plain = train(1, _argv(embedded_cache, *flags))
+    plain = train(1, tiny_argv(embedded_cache, *flags))
     same = train(
-        1, _argv(embedded_cache, *flags, "--decoupled-lr", "1e-3", "--decoupled-min-lr", "1e-4")
+        1, tiny_argv(embedded_cache, *flags, "--decoupled-lr", "1e-3", "--decoupled-min-lr", "1e-4")
     )  # = --lr, --min-lr of TINY
     assert same["losses"] == plain["losses"]
-    other = train(1, _argv(embedded_cache, *flags, "--decoupled-lr", "1e-2"))
+    other = train(1, tiny_argv(embedded_cache, *flags, "--decoupled-lr", "1e-2"))
     assert other["losses"][0] == plain["losses"][0] and other["losses"][1:] != plain["losses"][1:]
 
 
@@ -916,13 +877,13 @@ def test_per_token_loss_weighs_every_token_alike_however_the_batch_is_cut(embedd
     of the whole global batch (where the token mean is the per-token loss), training and
     validation; the mean of means differs, since end-of-document tokens leave the loss."""
     flags = ["--eod-mask-loss", "--eval-interval", "2", "--eval-iters", "1"]
-    whole = train(1, _argv(embedded_cache, *flags, "--micro-batch-size", "8"))
+    whole = train(1, tiny_argv(embedded_cache, *flags, "--micro-batch-size", "8"))
     cut = ["--micro-batch-size", "2", *flags]
-    per_token = train(2, _argv(embedded_cache, *cut, "--calculate-per-token-loss"))
+    per_token = train(2, tiny_argv(embedded_cache, *cut, "--calculate-per-token-loss"))
     # fp32 sums in another order: a few ulps, well under what the mean of means is off by
     torch.testing.assert_close(per_token["losses"], whole["losses"], rtol=0, atol=4e-6)
     torch.testing.assert_close(per_token["validation"], whole["validation"], rtol=0, atol=4e-6)
-    means = train(2, _argv(embedded_cache, *cut))
+    means = train(2, tiny_argv(embedded_cache, *cut))
     assert min(abs(a - b) for a, b in zip(means["losses"], whole["losses"])) > 1e-5
 
 
@@ -959,7 +920,7 @@ def test_wandb_gets_the_curves_megatron_logs(embedded_cache, tmp_path, monkeypat
         "--save",
         str(tmp_path / "run"),
     ]
-    history = train(1, _argv(embedded_cache, *flags))
+    history = train(1, tiny_argv(embedded_cache, *flags))
     calls = json.loads((tmp_path / "calls.json").read_text())
     assert calls["init"]["project"] == "proj" and calls["init"]["name"] == "exp"
     assert calls["init"]["dir"] == str(tmp_path / "run" / "wandb")
@@ -981,7 +942,7 @@ def test_real_wandb_offline_takes_the_same_calls(embedded_cache, tmp_path, monke
     monkeypatch.setenv("WANDB_SILENT", "true")
     real = train(
         1,
-        _argv(
+        tiny_argv(
             embedded_cache,
             "--wandb-project",
             "proj",
@@ -1023,7 +984,7 @@ def test_profile_writes_a_pytorch_trace_of_the_chosen_steps(embedded_cache, tmp_
     tb = tmp_path / "tb"
     train(
         1,
-        _argv(
+        tiny_argv(
             embedded_cache,
             "--profile",
             "--profile-step-start",

@@ -5,7 +5,8 @@ exports, with no other file knowing its name."""
 import pytest
 import torch
 from distributed import run_distributed
-from test_training import _argv, train
+
+from runs import tiny_argv, train
 
 TOKENS = torch.randint(0, 4000, (2, 32), generator=torch.Generator().manual_seed(0))
 
@@ -28,10 +29,12 @@ def test_a_registered_variant_trains_checkpoints_and_exports(embedded_cache, tmp
     ckpt, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     explicit = ["--attention", "explicit"]
     first = train(
-        1, _argv(embedded_cache, *explicit, "--save", ckpt, "--exit-interval", "3", iters=4)
+        1, tiny_argv(embedded_cache, *explicit, "--save", ckpt, "--exit-interval", "3", iters=4)
     )
-    resumed = train(1, _argv(embedded_cache, *explicit, "--save", ckpt, "--load", ckpt, iters=4))
-    standard = train(1, _argv(embedded_cache, iters=4))  # the same function, SDPA's kernel
+    resumed = train(
+        1, tiny_argv(embedded_cache, *explicit, "--save", ckpt, "--load", ckpt, iters=4)
+    )
+    standard = train(1, tiny_argv(embedded_cache, iters=4))  # the same function, SDPA's kernel
     assert first["losses"] + resumed["losses"] == pytest.approx(standard["losses"], rel=1e-5)
 
     kinds, cls, diff = run_distributed(_export_and_compare, 1, ckpt, hf)

@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_parallel import BATCH, FAMILIES, SEQ, VOCAB
 
 from megatron_focus import platform
 from megatron_focus.arguments import parse_args
 from megatron_focus.model.xsa import exclusive_projection
+from runs import BATCH, FAMILIES, SEQ, VOCAB
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
