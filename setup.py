@@ -20,7 +20,13 @@ INSTALL_REQUIRES = [
 EXTRAS = {
     # not wandb: Megatron-Core imports it whenever it is installed (~1 s in every test process)
     # ruff: pinned, as its format differs between releases (.ci/run checks lint and format)
-    "test": ["pytest>=8", "hypothesis>=6.100", "matplotlib>=3.8", "ruff==0.17.6"],
+    "test": [
+        "pytest>=8",
+        "pytest-xdist>=3.5",
+        "hypothesis>=6.100",
+        "matplotlib>=3.8",
+        "ruff==0.17.6",
+    ],
     # --wandb-project; offline (WANDB_MODE=offline) needs no network
     "wandb": ["wandb>=0.19,<0.32"],
     "plot": ["matplotlib>=3.8"],  # tools/compare_runs.py

@@ -68,7 +68,8 @@ else
     RECIPE=(--model 0.7b --iters 8 --warmup 3)
 fi
 
-part tests 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py \
+# -o addopts="": in this process, one GPU; pytest-xdist need not be there
+part tests 120 python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/test_gpu.py \
     "tests/test_hf.py::test_attention_backends_compute_what_eager_computes"
 part e2e-focus-xsa 100 python3 benchmarks/end_to_end.py --attention focus+xsa "${E2E[@]}" \
     --json "$OUT/e2e-focus-xsa.json"
