@@ -14,9 +14,10 @@ import statistics
 
 import torch
 import torch.nn.functional as F
-from timing import seconds
 
 from megatron_focus import platform
+
+from timing import seconds
 
 
 def parse() -> argparse.Namespace:

@@ -18,13 +18,14 @@ import statistics
 
 import torch
 import torch.nn.functional as F
-from timing import seconds
 
 from megatron_focus import platform
 from megatron_focus.model.focus import group_stats
 from megatron_focus.model.focus_sparse import sparse_focus_attention
 from megatron_focus.model.groups import Routing
 from megatron_focus.model.sinkhorn import causal_sinkhorn
+
+from timing import seconds
 
 
 def parse() -> argparse.Namespace:

@@ -29,11 +29,12 @@ import re
 import statistics
 
 import torch
-from timing import seconds
 
 from megatron_focus import platform
 from megatron_focus.arguments import parse_args
 from megatron_focus.model.gpt import build_model
+
+from timing import seconds
 
 MEMORY_REPETITIONS = 3
 MiB = 2**20

@@ -703,7 +703,8 @@ def _run_all(paths: dict) -> list:
 def outcomes(embedded_cache, tmp_path_factory):
     from megatron_focus.data.embedded import ensure_embedded_data
     from megatron_focus.hf import export_to_hf
-    from runs import train
+
+    from tiny_runs import train
 
     shared = tmp_path_factory.mktemp("shared")
     data, tok = ensure_embedded_data(embedded_cache)

@@ -12,7 +12,6 @@ import time
 import numpy as np
 import pytest
 import torch
-from distributed import run_distributed
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron_focus.data.corpus import write_stdlib_corpus
@@ -22,7 +21,9 @@ from megatron_focus.data.indexed import check_indexed_dataset
 from megatron_focus.data.preprocess import preprocess
 from megatron_focus.data.sentencepiece_trainer import train_sentencepiece
 from megatron_focus.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
-from runs import gpt2_bpe_files, write_docs
+
+from distributed import run_distributed
+from tiny_runs import gpt2_bpe_files, write_docs
 
 SP = "GPTSentencePieceTokenizer"
 DOCS = [

@@ -5,9 +5,9 @@ import os
 
 import pytest
 import torch
-from distributed import run_distributed
 
-from runs import run_pretrain, tiny_argv, train
+from distributed import run_distributed
+from tiny_runs import run_pretrain, tiny_argv, train
 
 
 def _train_with_disk_full_at(argv, tag, rank):

@@ -10,7 +10,6 @@ differentiates. The sparse path on FlexAttention is tested in test_focus_sparse.
 
 import pytest
 import torch
-from reference import assignments, reference_focus
 from torch.nn.attention.flex_attention import create_block_mask
 
 from megatron_focus.model import kernels
@@ -25,6 +24,8 @@ from megatron_focus.model.focus_gate import attention_with_lse
 from megatron_focus.model.focus_sparse import _buckets, _key_ranges
 from megatron_focus.model.groups import Routing
 from megatron_focus.model.sinkhorn import causal_sinkhorn
+
+from reference import assignments, reference_focus
 
 SOFT_CASES = [  # (b, heads, kv groups, n, d, K, window, sink tokens)
     (2, 4, 4, 37, 8, 4, 5, 0),  # n not a multiple of anything

@@ -5,12 +5,13 @@ import math
 
 import pytest
 import torch
-from reference import assignments, reference_focus, reference_ranking
 
 from megatron_focus.model.focus import group_stats
 from megatron_focus.model.focus_gate import focus_attention
 from megatron_focus.model.groups import Routing, rank_groups
 from megatron_focus.model.sinkhorn import causal_sinkhorn
+
+from reference import assignments, reference_focus, reference_ranking
 
 
 def whole_sequence_sinkhorn(scores, iters):

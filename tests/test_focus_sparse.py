@@ -4,12 +4,13 @@ import math
 
 import pytest
 import torch
-from reference import assignments, dense_hard_rule
 
 from megatron_focus.model import kernels
 from megatron_focus.model.focus_gate import focus_attention
 from megatron_focus.model.focus_sparse import merge_by_lse, sparse_focus_attention
 from megatron_focus.model.groups import Routing
+
+from reference import assignments, dense_hard_rule
 
 NO_SINK = [  # b, heads, kv heads, n, d, K, w, top_k, assignment
     (1, 2, 2, 1, 8, 4, 4, 1, "random"),
@@ -156,7 +157,7 @@ def test_eval_ppl_reports_every_top_k_at_every_length(embedded_cache, tmp_path, 
     top-k = 1..K in sparse mode, at 16, 32 and 64 tokens (beyond the training length)."""
     import json
 
-    from runs import tiny_argv, train
+    from tiny_runs import tiny_argv, train
 
     ckpt, report = str(tmp_path / "ckpt"), str(tmp_path / "ppl.json")
     train(
@@ -209,7 +210,7 @@ def test_eval_ppl_reports_every_top_k_at_every_length(embedded_cache, tmp_path, 
 
 
 def test_eval_ppl_refuses_lengths_beyond_learned_positions(embedded_cache, tmp_path, run_tool):
-    from runs import tiny_argv, train
+    from tiny_runs import tiny_argv, train
 
     ckpt = str(tmp_path / "ckpt")
     train(1, tiny_argv(embedded_cache, "--save", ckpt, iters=3))  # learned positions, 32 of them

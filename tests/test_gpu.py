@@ -6,12 +6,13 @@ Skipped without CUDA (CI has none); `benchmarks/gpu_session.sh` runs them on a l
 
 import pytest
 import torch
-from reference import assignments, dense_hard_rule, reference_focus
 
 from megatron_focus.model.focus_gate import focus_attention
 from megatron_focus.model.focus_sparse import sparse_focus_attention
 from megatron_focus.model.groups import Routing
 from megatron_focus.model.sinkhorn import causal_sinkhorn
+
+from reference import assignments, dense_hard_rule, reference_focus
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -12,10 +12,11 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import run_distributed
 
 from megatron_focus.hf.families import rope_fields
-from runs import LLAMA, tiny_argv
+
+from distributed import run_distributed
+from tiny_runs import LLAMA, tiny_argv
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 

@@ -2,11 +2,12 @@
 
 import pytest
 import torch
-from reference import assignments, dense_hard_rule
 
 from megatron_focus.model import kernels
 from megatron_focus.model.focus_sparse import sparse_focus_attention
 from megatron_focus.model.groups import Routing
+
+from reference import assignments, dense_hard_rule
 
 
 @pytest.mark.parametrize(

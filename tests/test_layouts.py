@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from runs import tiny_argv, train
+from tiny_runs import tiny_argv, train
 
 TP2 = ["--tensor-model-parallel-size", "2"]
 # fp32 sums in another order: a few ulps on the losses, somewhat more on the second moments.

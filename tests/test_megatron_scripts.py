@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from runs import gpt2_bpe_files, train, write_docs
+from tiny_runs import gpt2_bpe_files, train, write_docs
 
 
 def _gpt3(folder, tp):

@@ -91,7 +91,7 @@ def test_impossible_settings_are_refused(settings, error):
 def test_pretrain_and_eval_ppl_on_mqar(tmp_path, run_tool):
     """A few iterations on MQAR, a checkpoint without a tokenizer, and eval_ppl's recall accuracy
     in each Focus mode."""
-    from runs import TINY, train
+    from tiny_runs import TINY, train
 
     mqar = ["--mqar", "--mqar-pairs", "4", "--mqar-vocab-size", "64", "--mqar-min-distance", "15"]
     ckpt = str(tmp_path / "ckpt")

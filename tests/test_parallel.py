@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from distributed import run_distributed
 
-from runs import BATCH, FAMILIES, SEQ, VOCAB
+from distributed import run_distributed
+from tiny_runs import BATCH, FAMILIES, SEQ, VOCAB
 
 # XSA on the plainest family and on one with RoPE and GQA (under TP=2: one key/value group per
 # rank, shared by that rank's two query heads).

@@ -41,7 +41,8 @@ def test_prompts_too_short_and_answers_are_checked():
 
 def test_native_checkpoint_and_export_answer_alike(embedded_cache, tmp_path, run_tool):
     from megatron_focus.hf import export_to_hf
-    from runs import tiny_argv, train
+
+    from tiny_runs import tiny_argv, train
 
     ckpt, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     train(

@@ -746,7 +746,7 @@ def test_prepare_fineweb_needs_a_shard_to_train_on(tmp_path):
 
 def test_compare_runs_plots_real_training_logs(embedded_cache, tmp_path, capsys):
     """Two tiny runs (standard, xsa) through pretrain; xsa twice as two seeds; plot and table."""
-    from runs import tiny_argv, train
+    from tiny_runs import tiny_argv, train
 
     runs = tmp_path / "runs"
     for attention in ("standard", "xsa"):

@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 import torch
-from distributed import run_distributed
 
-from runs import TINY, tiny_argv, train
+from distributed import run_distributed
+from tiny_runs import TINY, tiny_argv, train
 
 
 class _Payload:

@@ -4,9 +4,9 @@ exports, with no other file knowing its name."""
 
 import pytest
 import torch
-from distributed import run_distributed
 
-from runs import tiny_argv, train
+from distributed import run_distributed
+from tiny_runs import tiny_argv, train
 
 TOKENS = torch.randint(0, 4000, (2, 32), generator=torch.Generator().manual_seed(0))
 

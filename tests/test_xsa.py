@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from megatron_focus import platform
 from megatron_focus.arguments import parse_args
 from megatron_focus.model.xsa import exclusive_projection
-from runs import BATCH, FAMILIES, SEQ, VOCAB
+
+from tiny_runs import BATCH, FAMILIES, SEQ, VOCAB
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

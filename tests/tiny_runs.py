@@ -5,6 +5,7 @@ import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
 from distributed import run_distributed
 
 VOCAB = 200  # not a multiple of 128: exercises Megatron's vocabulary padding
