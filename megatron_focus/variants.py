@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import importlib
 import os
+import sys
 from typing import Dict, List, Optional
 
 FOCUS_GATES = ("log", "sigmoid")  # the soft gate on distant pairs: model/focus_gate.py
@@ -106,7 +107,14 @@ register(
 
 PLUGINS = "MEGATRON_FOCUS_VARIANTS"
 for _module in filter(None, (m.strip() for m in os.environ.get(PLUGINS, "").split(","))):
-    importlib.import_module(_module)
+    try:
+        importlib.import_module(_module)
+    except ImportError as error:  # a setting of the environment: one line, before anything runs
+        print(
+            f"error: {PLUGINS} names {_module!r}, which cannot be imported: {error}",
+            file=sys.stderr,
+        )
+        raise SystemExit(2) from None
 
 # What a setting is to the rest of the framework: part of what the model computes (recorded in
 # model_args.json, compared on load, exported), an inference setting (free to change, exported as

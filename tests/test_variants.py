@@ -49,3 +49,19 @@ def test_unknown_and_duplicate_variants_are_refused():
         variant("sparse")
     with pytest.raises(ValueError, match="already registered"):
         register(VARIANTS["xsa"])
+
+
+def test_a_variant_module_that_cannot_be_imported_is_one_error_line():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MEGATRON_FOCUS_VARIANTS": "no_such_variants_module"}
+    out = subprocess.run(
+        [sys.executable, "pretrain_gpt.py", "--help"], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == [
+        "error: MEGATRON_FOCUS_VARIANTS names 'no_such_variants_module', which cannot be "
+        "imported: No module named 'no_such_variants_module'"
+    ]
