@@ -7,17 +7,20 @@ a GPT model touches; `setup()` answers exactly those, with the CPU and gloo:
 * `torch.cuda.current_device()`: Megatron creates buffers (sequence-parallel all-gathers, the
   global memory buffer, rotary frequencies) on "the current CUDA device". On the CPU it answers
   `cpu`, so they land on the CPU.
-* The CUDA RNG tracker: Megatron forks a per-tensor-parallel-rank RNG stream around dropout in
+* The CUDA RNG tracker (Megatron's module globals `_CUDA_RNG_STATE_TRACKER` and its
+  `_INITIALIZED` flag): Megatron forks a per-tensor-parallel-rank RNG stream around dropout in
   tensor-parallel regions. `CPURNGStatesTracker` keeps the same named streams, seeded the same
-  way, but swaps the CPU generator, so dropout stays different across TP ranks and identical
-  across data-parallel replicas, as on a GPU.
+  way (`manual_seed`), but swaps the CPU generator, so dropout stays different across TP ranks and
+  identical across data-parallel replicas, as on a GPU.
 * `get_default_causal_mask`: built on the CPU.
 * Activation recompute (`--recompute-*`) saves and restores "the CUDA RNG state" around each
   recomputed forward; on the CPU there is none beyond the CPU generator and the tracker's streams,
   which it saves and restores as well, so that state is empty.
 
-Every change is listed by `planned_patches()` before it is made, so a test can check that with
-CUDA present the list is empty. `setup()` is idempotent.
+One process-wide setting applies on every machine: dynamo's recompile limit, raised for
+FlexAttention (`model/flex.py`, `RECOMPILE_LIMIT`). Every change is listed by `planned_patches()`
+before it is made, so a test can check that with CUDA present that setting is the only one.
+`setup()` is idempotent.
 
 The `mpu` adapter for DeepSpeed lives here too: DeepSpeed asks for the legacy names
 `get_model_parallel_world_size/rank/group`, which Megatron-Core no longer has.
@@ -112,13 +115,34 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+# Dynamo compiles FlexAttention's frame again for each score_mod function, grad mode, and shape
+# until shapes turn dynamic; past its recompile limit (8 by default) a call silently runs eager
+# FlexAttention, which materialises the n x n scores. A Focus run that trains and validates in
+# both modes uses several entries (soft gate with and without grad, the sparse path's range and
+# band calls, each static then dynamic), the GPU tests more than 8.
+RECOMPILE_LIMIT = 64
+
+
+def _recompile_limit() -> Patch:
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # < 2.6
+    return Patch(
+        config,
+        name,
+        max(getattr(config, name), RECOMPILE_LIMIT),
+        "FlexAttention compiles a variant per score function, grad mode and shape",
+    )
+
+
 def planned_patches(cuda_available: Optional[bool] = None) -> List[Patch]:
-    """What `setup()` would change on a machine with or without CUDA (nothing with CUDA)."""
+    """What `setup()` would change on a machine with or without CUDA (with CUDA, only dynamo's
+    recompile limit)."""
     if cuda_available is None:
         cuda_available = has_cuda()
     if cuda_available:
-        return []
+        return [_recompile_limit()]
     return [
+        _recompile_limit(),
         Patch(
             torch.cuda,
             "current_device",
@@ -138,6 +162,18 @@ def planned_patches(cuda_available: Optional[bool] = None) -> List[Patch]:
             "activation recompute saves the CUDA RNG state around each recomputed forward",
         ),
         Patch(mcore_random, "_set_cuda_rng_state", _set_no_cuda_rng_state, "... and restores it"),
+        Patch(
+            mcore_random,
+            "_CUDA_RNG_STATE_TRACKER",
+            CPURNGStatesTracker(),
+            "Megatron's RNG tracker swaps CUDA generator states; dropout draws from the CPU's",
+        ),
+        Patch(
+            mcore_random,
+            "_CUDA_RNG_STATE_TRACKER_INITIALIZED",
+            True,
+            "... and Megatron would replace it by its own on first use",
+        ),
     ]
 
 
@@ -172,9 +208,8 @@ def manual_seed(seed: int) -> None:
     if platform.is_cuda:
         mcore_random.model_parallel_cuda_manual_seed(seed)
         return
-    tracker = CPURNGStatesTracker()
-    mcore_random._CUDA_RNG_STATE_TRACKER = tracker
-    mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    tracker = mcore_random.get_cuda_rng_tracker()  # setup()'s CPURNGStatesTracker
+    tracker.reset()
     tp_rank = parallel_state.get_tensor_model_parallel_rank() if dist.is_initialized() else 0
     tracker.add(mcore_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
     tracker.add(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)

@@ -49,12 +49,3 @@ def test_sparse_dispatch_on_the_fallback_equals_the_dense_rule(monkeypatch):
     torch.testing.assert_close(
         out, dense_hard_rule(q, k, v, log_g, 16, 2, 0.25), rtol=1e-5, atol=1e-5
     )
-
-
-def test_recompile_limit_is_raised_never_lowered():
-    config = torch._dynamo.config
-    with config.patch(recompile_limit=8):
-        kernels.raise_recompile_limit(64)
-        assert config.recompile_limit == 64
-        kernels.raise_recompile_limit(16)
-        assert config.recompile_limit == 64

@@ -11,15 +11,29 @@ from megatron_focus.arguments import parse_args
 from megatron_focus.model.gpt import padded_vocab_size
 
 
-def test_platform_changes_nothing_when_cuda_is_present():
-    assert platform.planned_patches(cuda_available=True) == []
+def test_platform_changes_nothing_of_megatron_when_cuda_is_present():
+    (dynamo,) = platform.planned_patches(cuda_available=True)
+    assert dynamo.owner is torch._dynamo.config and dynamo.name == "recompile_limit"
     cpu = {p.name for p in platform.planned_patches(cuda_available=False)}
     assert cpu == {
+        "recompile_limit",
         "current_device",
         "get_default_causal_mask",
         "_get_cuda_rng_state",
         "_set_cuda_rng_state",
+        "_CUDA_RNG_STATE_TRACKER",
+        "_CUDA_RNG_STATE_TRACKER_INITIALIZED",
     }
+
+
+def test_recompile_limit_is_raised_never_lowered():
+    config = torch._dynamo.config
+    with config.patch(recompile_limit=8):
+        platform.planned_patches()[0].apply()
+        assert config.recompile_limit == platform.RECOMPILE_LIMIT == 64
+    with config.patch(recompile_limit=128):
+        platform.planned_patches()[0].apply()
+        assert config.recompile_limit == 128
 
 
 def test_platform_setup_is_idempotent():

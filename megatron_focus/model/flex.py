@@ -18,7 +18,8 @@ from typing import Optional
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from megatron_focus.model.kernels import compiled_flex, raise_recompile_limit
+from megatron_focus import platform
+from megatron_focus.model.kernels import compiled_flex
 
 # g_i . g_j below this is 0 for every purpose (the clamp keeps log() and its gradient finite);
 # the same floor as focus_gate's chunked path.
@@ -111,18 +112,9 @@ def _kernel(device: torch.device):
     return _compiled_flex() if compiled_flex(device) else flex_attention
 
 
-# Dynamo compiles flex_attention's one frame again for each score_mod function, grad mode, and
-# shape until shapes turn dynamic (a new closure of the same function is no recompile:
-# tests/test_flex.py). Past its recompile limit (8 by default) a call silently runs eager
-# FlexAttention, which materialises the n x n scores. A Focus run that trains and validates in
-# both modes uses several entries (soft gate with and without grad, the sparse path's range and
-# band calls, each static then dynamic), the GPU tests more than 8.
-RECOMPILE_LIMIT = 64
-
-
 @functools.lru_cache(maxsize=1)
 def _compiled_flex():
-    raise_recompile_limit(RECOMPILE_LIMIT)
+    platform.setup()  # raises dynamo's recompile limit (platform.RECOMPILE_LIMIT)
     return torch.compile(flex_attention)
 
 

@@ -9,8 +9,9 @@ setup.py accepts torch 2.11 to 2.15; the suite runs on 2.11 and 2.13 (and its fa
 What could move between releases lives here too, so a new torch is one file to check:
 
 * the CPU flash kernel's (output, log-sum-exp), a private aten op: the sparse path's CPU kernel;
-  where a torch lacks it, the same result from explicit scores (correct, slower);
-* dynamo's recompile limit (named `cache_size_limit` before torch 2.6).
+  where a torch lacks it, the same result from explicit scores (correct, slower).
+
+(Dynamo's recompile limit, a process-wide setting, is `platform.setup()`'s.)
 """
 
 import torch
@@ -54,13 +55,6 @@ def explicit_attention_with_lse(q, k, v, scale: float, causal: bool, mask=None):
     probs = torch.exp(scores - lse.masked_fill(empty, 0.0).unsqueeze(-1))
     out = (probs @ v.float()).to(q.dtype)
     return out, lse.masked_fill(empty, 0.0)
-
-
-def raise_recompile_limit(limit: int) -> None:
-    """At least `limit` compiled variants per frame before dynamo falls back to eager."""
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    setattr(config, name, max(getattr(config, name), limit))
 
 
 def use_flash_attn(q: torch.Tensor) -> bool:
