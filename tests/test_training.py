@@ -191,6 +191,54 @@ def test_focus_gate_is_recorded_and_older_checkpoints_read_as_log_gate(embedded_
     assert len(resumed["losses"]) == 1
 
 
+def _as_saved_before_the_router_moved(ckpt, legacy):
+    """A copy of `ckpt` as earlier versions wrote it: each router beside its core attention."""
+    from megatron_focus.training import integrity
+    from megatron_focus.training.checkpointing import write_atomically
+
+    shutil.copytree(ckpt, legacy)
+    tag_dir = os.path.join(legacy, open(os.path.join(legacy, "latest")).read())
+    shard = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+    saved = torch.load(shard, map_location="cpu", weights_only=False)
+    old = lambda name: name.replace("core_attention.router", "router")  # noqa: E731
+    saved["module"] = {old(k): v for k, v in saved["module"].items()}
+    saved["param_shapes"] = [{old(k): v for k, v in g.items()} for g in saved["param_shapes"]]
+    info = saved["universal_checkpoint_info"]  # names as regular expressions
+    info["tp_replicated_parameter_patterns"] = [
+        p.replace(r"core_attention\.router", "router")
+        for p in info["tp_replicated_parameter_patterns"]
+    ]
+    assert sum(".self_attention.router." in k for k in saved["module"]) == 4
+    torch.save(saved, shard)
+    for path in glob.glob(os.path.join(tag_dir, "*optim_states.pt")):
+        optim = torch.load(path, map_location="cpu", weights_only=False)
+        slices = optim["optimizer_state_dict"]["param_slice_mappings"]
+        slices[:] = [{old(k): v for k, v in group.items()} for group in slices]
+        torch.save(optim, path)
+    integrity.write(tag_dir, integrity.digests(tag_dir), write_atomically)
+
+
+def test_checkpoints_with_the_router_beside_core_attention_resume_and_export(
+    embedded_cache, tmp_path
+):
+    """The router moved into the core attention: checkpoints written before resume as they
+    did (same layout, and through a layout change) and export the same weights."""
+    focus = ["--attention", "focus", "--focus-window", "8", "--focus-groups", "4"]
+    ckpt, legacy = str(tmp_path / "ckpt"), str(tmp_path / "legacy")
+    stop = ["--save", ckpt, "--exit-interval", "3"]
+    train(1, tiny_argv(embedded_cache, *focus, *stop, iters=5))
+    _as_saved_before_the_router_moved(ckpt, legacy)
+    for layout in ([], ["--zero-stage", "0"]):
+        now, before = (
+            train(1, tiny_argv(embedded_cache, *focus, *layout, "--load", c, iters=5))
+            for c in (ckpt, legacy)
+        )
+        assert len(now["losses"]) == 2 and now["losses"] == before["losses"]
+    now, before = _full_weights(ckpt), _full_weights(legacy)
+    assert now.keys() == before.keys()
+    assert all(torch.equal(now[k], before[k]) for k in now)
+
+
 def test_default_run_loss_falls_and_logs_to_tensorboard(embedded_cache, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

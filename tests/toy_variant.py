@@ -12,8 +12,8 @@ from megatron_focus.variants import AttentionVariant, register
 class ExplicitAttention(CoreAttention):
     """softmax(q k^T * scale + causal mask) v, one [s, s] score matrix per head."""
 
-    def attend(self, q, k, v, attention_mask, routing=None):
-        if attention_mask is not None or routing is not None:
+    def attend(self, q, k, v, attention_mask):
+        if attention_mask is not None:
             raise ValueError("explicit attention is plain causal attention")
         rep = q.shape[1] // k.shape[1]  # GQA: each key/value head serves `rep` query heads
         k, v = (x.repeat_interleave(rep, dim=1) for x in (k, v))

@@ -21,8 +21,9 @@ Weight names (`.weight`, and `.bias` where there is one; layer i's names continu
       pre_mlp_layernorm                 post_attention_layernorm         ln_2
       mlp.linear_fc1                    mlp.{gate,up}_proj (5)           mlp.c_fc (4)
       mlp.linear_fc2                    mlp.down_proj                    mlp.c_proj (4)
-      self_attention.router.proj        self_attn.router.proj (6)
-      self_attention.router.centroids   self_attn.router.centroids (6)
+      self_attention.core_attention.
+        router.proj                     self_attn.router.proj (6)
+        router.centroids                self_attn.router.centroids (6)
     decoder.final_layernorm           model.norm                       transformer.ln_f
     output_layer (untied only)        lm_head                          (always tied)
 
@@ -547,7 +548,10 @@ def _llama_style_rules(arch: Architecture, biases: HFBiases) -> List[Rule]:
         )
         if arch.focus is not None:
             out += [
-                copy(f"{native}.self_attention.router.{p}", f"{hf}.self_attn.router.{p}")
+                copy(
+                    f"{native}.self_attention.core_attention.router.{p}",
+                    f"{hf}.self_attn.router.{p}",
+                )
                 for p in ("proj.weight", "centroids")
             ]
     out += _norm(arch, "decoder.final_layernorm", "model.norm")

@@ -33,7 +33,7 @@ _SPLIT_DIM = (
     ),
     # Focus's router (W_g and the centroids): replicated on every TP rank, its gradient summed
     # over TP, so `merge` finds it identical on every rank.
-    (r".*\.self_attention\.router\.(proj\.weight|centroids)", None),
+    (r".*\.self_attention\.core_attention\.router\.(proj\.weight|centroids)", None),
 )
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 # Megatron's linear layers keep an `_extra_state` entry (None) that a strict load expects.

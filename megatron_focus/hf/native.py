@@ -23,6 +23,7 @@ from tqdm import tqdm
 from megatron_focus.data.tokenizer import HF_TOKENIZER_CONFIG, build_tokenizer
 from megatron_focus.hf import layout
 from megatron_focus.hf.architecture import Architecture
+from megatron_focus.model.focus import current_names
 from megatron_focus.outputs import fresh_folder
 from megatron_focus.training import checkpointing, safe_load
 
@@ -130,7 +131,7 @@ def read_weights(
         ]
     else:
         raise ValueError(f"{tag_dir}: {len(files)} model files for tensor-parallel size {tp}")
-    weights = layout.merge(modules, arch.swiglu, arch.vocab_size)
+    weights = layout.merge([current_names(m) for m in modules], arch.swiglu, arch.vocab_size)
     base_dir = checkpointing.base_checkpoint(tag_dir)
     if base_dir is None:
         return weights

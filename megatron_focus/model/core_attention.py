@@ -29,9 +29,8 @@ class CoreAttention(MegatronModule):
     """Causal softmax attention; subclasses change `attend` (which pairs) or `project` (the output).
 
     `attend` works in the kernel layout `[b, heads, s, hn]` and returns the per-head outputs;
-    `project` may transform them per head before heads are merged (XSA does). Megatron's
-    `attention_bias` slot reaches `attend` as `routing`: Focus's self-attention passes its token
-    assignments through it.
+    `project` may transform them per head before heads are merged (XSA does). A subclass's
+    `forward` may hand `attend` more inputs by keyword (Focus's routing).
     """
 
     def __init__(
@@ -69,20 +68,21 @@ class CoreAttention(MegatronModule):
         attn_mask_type: Optional[AttnMaskType] = None,
         attention_bias: Optional[torch.Tensor] = None,
         packed_seq_params=None,
+        **attend_inputs,
     ) -> torch.Tensor:
         if packed_seq_params is not None:
             raise NotImplementedError("packed sequences are not supported")
+        if attention_bias is not None:
+            raise NotImplementedError("an additive attention bias is not supported")
         sq, b = query.shape[:2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
         # Heads differ across TP ranks, so their dropout draws from the per-TP-rank stream.
         with tensor_parallel.get_cuda_rng_tracker().fork():
-            y = self.attend(q, k, v, attention_mask, attention_bias)
+            y = self.attend(q, k, v, attention_mask, **attend_inputs)
         y = self.project(y, v)
         return y.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
 
-    def attend(self, q, k, v, attention_mask, routing=None):
-        if routing is not None:
-            raise ValueError("standard attention takes no attention_bias / routing")
+    def attend(self, q, k, v, attention_mask):
         dropout = self.dropout_p if self.training else 0.0
         if attention_mask is None and use_flash_attn(q):
             out = flash_attn_func(

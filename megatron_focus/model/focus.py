@@ -1,13 +1,14 @@
-"""Focus as Megatron modules: the router, a SelfAttention that routes, and the core attention.
+"""Focus as Megatron modules: the router, the core attention that owns it, and a SelfAttention
+that hands the core attention the hidden state.
 
 Data flow in one layer (TP = tensor-parallel size):
 
     h (normalised hidden state, [s/TP, b, d] under sequence parallelism, else [s, b, d])
-      -> router: r = W_g h, gathered along the sequence under SP -> scores r C^T / tau
-         -> causal Sinkhorn -> log-assignments [b, s, K], identical on every TP rank, and each
-            token's groups ranked once (groups.Routing)
-      -> SelfAttention as usual (QKV, RoPE), its core attention gets the routing through
-         Megatron's `attention_bias` slot and applies the Focus pair rule to its own heads.
+      -> SelfAttention as usual (QKV, RoPE), then core attention(q, k, v, mask, h):
+         -> router: r = W_g h, gathered along the sequence under SP -> scores r C^T / tau
+            -> causal Sinkhorn -> log-assignments [b, s, K], identical on every TP rank, and
+               each token's groups ranked once (groups.Routing)
+         -> the Focus pair rule on this rank's heads.
 
 `W_g` and `C` are replicated on every TP rank. Each rank's heads send gradient into the shared
 assignments, so the assignments pass through `sum_grad_over_tensor_parallel` (identity forward,
@@ -19,14 +20,16 @@ without SP; under SP each rank's `W_g` sees its slice of the sequence only, so `
 import contextlib
 import dataclasses
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from megatron.core import tensor_parallel
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.parallel_state import get_tensor_model_parallel_world_size
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch.utils.checkpoint import checkpoint
 
 from megatron_focus.model.core_attention import CoreAttention
@@ -110,68 +113,91 @@ def group_stats(routing: Routing, top_k: int, window: int, sink: int = 0) -> dic
 
 
 class FocusSelfAttention(SelfAttention):
-    """Megatron's SelfAttention, with a router reading the same normalised hidden state as QKV."""
+    """Megatron's SelfAttention, handing its core attention the normalised hidden state too (the
+    router's input), as an explicit argument, as Megatron's DSA takes it under MLA.
 
-    def __init__(
+    Megatron-Core 0.16.1's `SelfAttention.forward` passes its core attention only q, k, v and
+    masks, so this is its forward for what megatron-focus runs: Megatron's QKV (with its
+    QK-norms), RoPE and output projection, and its selective recompute of the core attention
+    (`--recompute-activations`). KV-cache inference and packed sequences are refused.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Registered last, as the router once was: the parameter order (and with it DeepSpeed's
+        # flat optimizer partitions in checkpoints) stays that of earlier versions.
+        self._modules["core_attention"] = self._modules.pop("core_attention")
+        self._register_load_state_dict_pre_hook(_router_under_core_attention)
+
+    def forward(
         self,
-        config: TransformerConfig,
-        submodules,
-        layer_number: int,
-        attn_mask_type,
-        focus: FocusConfig,
-        **kwargs,
-    ):
-        super().__init__(config, submodules, layer_number, attn_mask_type, **kwargs)
-        self.router = Router(config, focus)
-
-    def forward(self, hidden_states, attention_mask=None, **kwargs):
-        if kwargs.get("attention_bias") is not None:
-            raise ValueError("Focus attention takes no attention_bias")
-        kwargs["attention_bias"] = self.router(hidden_states)
-        return super().forward(hidden_states, attention_mask, **kwargs)
-
-    def _checkpointed_attention_forward(
-        self,
-        query,
-        key,
-        value,
-        attention_mask,
+        hidden_states,
+        attention_mask=None,
+        inference_context=None,
         rotary_pos_emb=None,
-        attn_mask_type=None,
         attention_bias=None,
         packed_seq_params=None,
+        **inference_inputs,
     ):
-        """Megatron's selective recompute (`--recompute-activations`), with the routing's
-        log-assignments an input of the checkpoint like q, k and v: a value the recomputed
-        forward only closed over would send its gradient through the router's graph twice."""
-        routing, mask_type = attention_bias, attn_mask_type or self.attn_mask_type
+        if inference_context is not None or packed_seq_params is not None:
+            raise NotImplementedError("Focus attention runs without KV cache or packed sequences")
+        if any(value is not None for value in inference_inputs.values()):
+            raise NotImplementedError(f"Focus attention takes no {sorted(inference_inputs)}")
+        query, key, value = self.get_query_key_value_tensors(hidden_states, None)
+        if rotary_pos_emb is not None:
+            if not isinstance(rotary_pos_emb, tuple):
+                rotary_pos_emb = (rotary_pos_emb,) * 2
+            cp = self.pg_collection.cp
+            query = apply_rotary_pos_emb(query, rotary_pos_emb[0], config=self.config, cp_group=cp)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb[1], config=self.config, cp_group=cp)
 
-        def core(q, k, v, mask, log_g):
+        def core(query, key, value, attention_mask, hidden_states):
             return self.core_attention(
-                q,
-                k,
-                v,
-                mask,
-                attn_mask_type=mask_type,
-                attention_bias=Routing(log_g, routing.groups),
-                packed_seq_params=packed_seq_params,
+                query, key, value, attention_mask, hidden_states, attention_bias=attention_bias
             )
 
-        return tensor_parallel.checkpoint(
-            core, False, query, key, value, attention_mask, routing.log_g
-        )
+        inputs = (query, key, value, attention_mask, hidden_states)
+        if self.checkpoint_core_attention and self.training:
+            # The hidden state is an input of the checkpoint like q, k and v: the router is
+            # recomputed with the attention, its gradient sent back once.
+            out = tensor_parallel.checkpoint(core, False, *inputs)
+        else:
+            out = core(*inputs)
+        return self.linear_proj(out)
+
+
+def current_name(name: str) -> str:
+    """A weight's name in this version: checkpoints of earlier versions hold each router beside
+    its core attention (`self_attention.router.*`); it now lives inside it."""
+    return name.replace(".self_attention.router.", ".self_attention.core_attention.router.")
+
+
+def current_names(weights: dict) -> dict:
+    return {current_name(name): value for name, value in weights.items()}
+
+
+def _router_under_core_attention(state_dict, prefix, *args):
+    for name in [k for k in state_dict if k.startswith(prefix + "router.")]:
+        state_dict[prefix + "core_attention." + name[len(prefix) :]] = state_dict.pop(name)
+
+
+@dataclasses.dataclass
+class FocusAttentionSubmodules:
+    router: Union[ModuleSpec, type] = None
 
 
 class FocusAttention(CoreAttention):
     """Causal attention under the Focus pair rule: soft gate (training) or hard top-k (sparse).
 
-    Sparse mode computes only the kept pairs (focus_sparse) when no gradient is needed; with
-    gradients it evaluates the same hard rule by masked chunks.
+    Its router turns the layer's hidden state into the routing its heads share. Sparse mode
+    computes only the kept pairs (focus_sparse) when no gradient is needed; with gradients it
+    evaluates the same hard rule by masked chunks.
     """
 
     def __init__(
         self,
         config: TransformerConfig,
+        submodules: FocusAttentionSubmodules,
         layer_number: int,
         attn_mask_type,
         focus: FocusConfig,
@@ -179,10 +205,13 @@ class FocusAttention(CoreAttention):
     ):
         super().__init__(config, layer_number, attn_mask_type, **kwargs)
         self.focus = focus
+        self.router = build_module(submodules.router, config=config, focus=focus)
 
-    def attend(self, q, k, v, attention_mask, routing=None):
-        if routing is None:
-            raise ValueError("Focus core attention needs the router's assignments")
+    def forward(self, query, key, value, attention_mask, hidden_states, **kwargs):
+        routing = self.router(hidden_states)
+        return super().forward(query, key, value, attention_mask, routing=routing, **kwargs)
+
+    def attend(self, q, k, v, attention_mask, routing):
         if attention_mask is not None:
             raise NotImplementedError("Focus attention is causal only (no custom attention mask)")
         focus, sparse = self.focus, self.focus.attention_mode == "sparse"
@@ -259,7 +288,7 @@ def focus_statistics(model: torch.nn.Module) -> dict:
     forward (`recording_statistics`); still on the device: reading them is the caller's sync."""
     out = {}
     for module in model.modules():
-        if isinstance(module, FocusSelfAttention) and module.router.stats is not None:
+        if isinstance(module, FocusAttention) and module.router.stats is not None:
             for name, value in module.router.stats.items():
                 out[f"focus/layer{module.layer_number:02d}/{name}"] = value
     return out

@@ -1,8 +1,9 @@
 """`--attention` -> a Megatron-Core layer spec: the one place that knows which module is which.
 
 We start from Megatron-Core's own local GPT layer spec and swap three slots: the two norms (for
-sequence-parallel support) and `core_attention` (the attention variant). Focus also swaps
-`SelfAttention` for a subclass that adds the router. Everything else (tensor-parallel linears,
+sequence-parallel support) and `core_attention` (the attention variant). Focus's core attention
+has the router as its submodule, and `SelfAttention` becomes a subclass that hands the core
+attention the hidden state the router reads. Everything else (tensor-parallel linears,
 MLP, bias-dropout-add) stays Megatron's.
 """
 
@@ -13,7 +14,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_focus.model.focus import FocusSelfAttention
+from megatron_focus.model.focus import FocusAttentionSubmodules, FocusSelfAttention, Router
 from megatron_focus.model.norm import Norm, QKNorm
 from megatron_focus.variants import AttentionVariant, FocusConfig
 
@@ -36,9 +37,10 @@ def layer_spec(
         if focus is None:
             raise ValueError(f"--attention {attention.name} needs a FocusConfig")
         attn.module = FocusSelfAttention
-        attn.params = {**attn.params, "focus": focus}
         attn.submodules.core_attention = ModuleSpec(
-            attention.core_attention_class(), params={"focus": focus}
+            attention.core_attention_class(),
+            params={"focus": focus},
+            submodules=FocusAttentionSubmodules(router=Router),
         )
     return spec
 

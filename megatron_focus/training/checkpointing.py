@@ -33,6 +33,7 @@ from megatron.core.parallel_state import get_tensor_model_parallel_rank
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megatron_focus import cli, platform
+from megatron_focus.model.focus import current_names
 from megatron_focus.training import integrity, layouts
 from megatron_focus.training.optimizer import param_groups, schedule
 from megatron_focus.training.safe_load import check_safe_to_load, load_file
@@ -453,7 +454,7 @@ def _checked_file(
     (bar `may_miss(name)`); `weights=False`: only their names are checked (a ZeRO-3 checkpoint
     holds no values there)."""
     saved_file = load_file(_module_file(checkpoint_dir, weights, tp), allow_unsafe, mmap=True)
-    saved = saved_file["module"]
+    saved = saved_file["module"] = current_names(saved_file["module"])
     ours = engine.module.state_dict().keys()
     missing = [k for k in ours - saved.keys() if not may_miss(k) and not k.endswith("_extra_state")]
     unexpected = [k for k in saved.keys() - ours if not k.endswith("_extra_state")]

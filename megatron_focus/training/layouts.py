@@ -35,6 +35,7 @@ from deepspeed.checkpoint.universal_checkpoint import load_hp_checkpoint_state
 from deepspeed.utils.tensor_fragment import fragment_address
 from megatron.core import parallel_state
 
+from megatron_focus.model.focus import current_name, current_names
 from megatron_focus.training.safe_load import load_file
 
 LAYOUT_FILE = "layout.json"
@@ -167,6 +168,10 @@ def to_universal(
         shutil.rmtree(source)
     zero = os.path.join(out, "zero")
     records = load_file(_first_model_file(checkpoint_dir), allow_unsafe)
+    for folder in glob.glob(os.path.join(zero, "*", "")):
+        name = os.path.basename(os.path.dirname(folder))
+        if current_name(name) != name:  # a checkpoint of an earlier version
+            os.rename(folder, os.path.join(zero, current_name(name)))
     _write_optimizer_records(zero, records, allow_unsafe)
     for name in _VOCAB_PARAMS:
         if os.path.isdir(os.path.join(zero, name)):
@@ -223,9 +228,9 @@ def _stage0_to_universal(
             os.path.join(checkpoint_dir, f"mp_rank_{tp:02d}_model_states.pt"), allow_unsafe
         )
         info = saved[uc.UNIVERSAL_CHECKPOINT_INFO]
-        state = saved["optimizer"]["state"]
+        state, module = saved["optimizer"]["state"], current_names(saved["module"])
         for index, name in enumerate(names):
-            weight = saved["module"][name]
+            weight = module[name]
             shapes.setdefault(name, []).append(weight.shape)
             values = {"fp32": weight.float(), **{k: state[index][k] for k in _STATES[1:]}}
             for key, value in values.items():
@@ -238,7 +243,7 @@ def _stage0_to_universal(
         module = load_file(
             os.path.join(checkpoint_dir, f"mp_rank_{tp:02d}_model_states.pt"), allow_unsafe
         )["module"]
-        for name, weight in module.items():
+        for name, weight in current_names(module).items():
             if name not in shapes and not name.endswith("_extra_state"):
                 _save(os.path.join(slices, name, str(tp), "fp32.00"), weight.float().flatten())
                 shapes.setdefault(name, []).append(weight.shape)
@@ -280,7 +285,9 @@ def _write_optimizer_records(zero: str, records: dict, allow_unsafe: bool) -> No
     steps = glob.glob(os.path.join(zero, "*", "step.pt"))
     step = load_file(steps[0]) if steps else state[uc.OPTIMIZER_STATE_DICT]["state"][0]["step"]
     shapes = {
-        name: shape for group in records.get(uc.PARAM_SHAPES) or [] for name, shape in group.items()
+        current_name(name): shape
+        for group in records.get(uc.PARAM_SHAPES) or []
+        for name, shape in group.items()
     }
     for folder in glob.glob(os.path.join(zero, "*", "")):
         name = os.path.basename(os.path.dirname(folder))
