@@ -15,7 +15,7 @@ from megatron_focus import cli
 from megatron_focus.choices import TOKENIZER_TYPES
 from megatron_focus.compat import add_compat_args, check_compat_args
 from megatron_focus.data import reads_data_files
-from megatron_focus.training.deepspeed_config import deepspeed_config
+from megatron_focus.deepspeed_config import deepspeed_config
 from megatron_focus.variants import VARIANTS, FocusConfig, variant
 
 
@@ -688,14 +688,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def _use_checkpoint_args(args: argparse.Namespace) -> None:
     """Megatron's --use-checkpoint-args: the model as --load's checkpoint records it."""
-    from megatron_focus.training import checkpointing
+    from megatron_focus.checkpoint import format as checkpoint_format
 
     if not args.load:
         raise ValueError("--use-checkpoint-args needs --load (the checkpoint to read them from)")
-    tag = checkpointing.resume_tag(args)
+    tag = checkpoint_format.resume_tag(args)
     if tag is None:
         raise FileNotFoundError(f"--use-checkpoint-args: --load {args.load} holds no checkpoint")
-    saved = checkpointing.saved_model_args(os.path.join(args.load, tag))
+    saved = checkpoint_format.saved_model_args(os.path.join(args.load, tag))
     for key, value in saved.items():
         if key not in ("tensor_model_parallel_size", "padded_vocab_size"):
             setattr(args, key, value)

@@ -122,7 +122,7 @@ def parse_plan_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """pretrain_gpt.py's flags + the planner's, validated as a run on the whole cluster would be."""
     from megatron_focus.arguments import build_parser
     from megatron_focus.data import reads_data_files
-    from megatron_focus.training.deepspeed_config import deepspeed_config
+    from megatron_focus.deepspeed_config import deepspeed_config
 
     parser = add_planner_args(build_parser())
     parser.prog = "plan.py"

@@ -110,11 +110,11 @@ def _pickled_code(folder):
     """A shard that runs code as it loads, its checksums recomputed as a forger would."""
     import torch
 
-    from megatron_focus.training import integrity
+    from megatron_focus.checkpoint import integrity
 
     path = os.path.join(folder, "mp_rank_00_model_states.pt")
     torch.save({**torch.load(path, weights_only=False), "extra": _Payload()}, path)
-    integrity.write(folder, integrity.digests(folder), lambda p, t: open(p, "w").write(t))
+    integrity.write(folder, integrity.digests(folder))
 
 
 class _Payload:

@@ -1100,8 +1100,8 @@ def test_inexact_hf_models_are_refused(config, message, tmp_path):
 
 
 def test_unmapped_settings_are_refused():
+    from megatron_focus.checkpoint.format import with_unrecorded_defaults
     from megatron_focus.hf.architecture import Architecture
-    from megatron_focus.training.checkpointing import with_unrecorded_defaults
 
     model_args = dict(
         num_layers=2,

@@ -25,10 +25,10 @@ class _Payload:
 
 def _crafted(folder, name, content):
     """Replace a checkpoint file as someone crafting it would: checksums to match."""
-    from megatron_focus.training import integrity
+    from megatron_focus.checkpoint import integrity
 
     torch.save(content, folder / name)
-    integrity.write(str(folder), integrity.digests(str(folder)), lambda p, t: open(p, "w").write(t))
+    integrity.write(str(folder), integrity.digests(str(folder)))
 
 
 def test_checkpoints_with_pickled_code_are_refused(embedded_cache, tmp_path):
@@ -193,8 +193,7 @@ def test_focus_gate_is_recorded_and_older_checkpoints_read_as_log_gate(embedded_
 
 def _as_saved_before_the_router_moved(ckpt, legacy):
     """A copy of `ckpt` as earlier versions wrote it: each router beside its core attention."""
-    from megatron_focus.training import integrity
-    from megatron_focus.training.checkpointing import write_atomically
+    from megatron_focus.checkpoint import integrity
 
     shutil.copytree(ckpt, legacy)
     tag_dir = os.path.join(legacy, open(os.path.join(legacy, "latest")).read())
@@ -215,7 +214,7 @@ def _as_saved_before_the_router_moved(ckpt, legacy):
         slices = optim["optimizer_state_dict"]["param_slice_mappings"]
         slices[:] = [{old(k): v for k, v in group.items()} for group in slices]
         torch.save(optim, path)
-    integrity.write(tag_dir, integrity.digests(tag_dir), write_atomically)
+    integrity.write(tag_dir, integrity.digests(tag_dir))
 
 
 def test_checkpoints_with_the_router_beside_core_attention_resume_and_export(

@@ -82,7 +82,7 @@ class Architecture:
         `focus_top_k` / `focus_attention_mode`: a Focus model's inference settings (not recorded;
         default `pretrain_gpt.py`'s).
         """
-        from megatron_focus.training.checkpointing import with_unrecorded_defaults
+        from megatron_focus.checkpoint.format import with_unrecorded_defaults
 
         model_args = with_unrecorded_defaults(model_args)  # what older checkpoints computed
         own = [f.name for f in dataclasses.fields(cls) if f.name not in ("vocab_size", "focus")]

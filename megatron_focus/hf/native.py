@@ -1,6 +1,6 @@
 """This project's checkpoints without a training run: read one, write one, run one.
 
-A checkpoint tag (`DIR/iter_XXXXXXX/`, see `training/checkpointing.py`) holds DeepSpeed's
+A checkpoint tag (`DIR/iter_XXXXXXX/`, see `checkpoint/format.py`) holds DeepSpeed's
 `mp_rank_XX_model_states.pt` per tensor-parallel rank, whose `module` is that rank's Megatron
 state dict (ZeRO stages 0-2 keep the whole TP shard there; stage 3 writes
 `zero_pp_rank_*` files instead and partitions the weights over its optimizer files, which
@@ -20,12 +20,12 @@ from typing import Dict, Optional
 import torch
 from tqdm import tqdm
 
+from megatron_focus.checkpoint import format as checkpoint_format
+from megatron_focus.checkpoint import integrity, safe_load
 from megatron_focus.data.tokenizer import HF_TOKENIZER_CONFIG, build_tokenizer
 from megatron_focus.hf import layout
 from megatron_focus.hf.architecture import Architecture
-from megatron_focus.model.focus import current_names
 from megatron_focus.outputs import fresh_folder
-from megatron_focus.training import checkpointing, safe_load
 
 StateDict = Dict[str, torch.Tensor]
 
@@ -33,13 +33,13 @@ StateDict = Dict[str, torch.Tensor]
 def checkpoint_tag_dir(load_dir: str, iteration: Optional[int] = None) -> str:
     """`load_dir/iter_XXXXXXX`: the given iteration, or the latest."""
     tag = (
-        checkpointing.tag_for(iteration)
+        checkpoint_format.tag_for(iteration)
         if iteration is not None
-        else checkpointing.latest_tag(load_dir)
+        else checkpoint_format.latest_tag(load_dir)
     )
     if tag is None:
         raise FileNotFoundError(
-            f"{load_dir}: no checkpoint there (no '{checkpointing.LATEST}' file)"
+            f"{load_dir}: no checkpoint there (no '{checkpoint_format.LATEST}' file)"
         )
     path = os.path.join(load_dir, tag)
     if not os.path.isdir(path):
@@ -64,7 +64,7 @@ def checkpoint_vocabulary(
     has moved) or the recorded one; an imported model without a tokenizer records only its
     vocabulary size, and its tokenizer is None.
     """
-    recorded = read_json(tag_dir, checkpointing.TOKENIZER_FILE)
+    recorded = read_json(tag_dir, checkpoint_format.TOKENIZER_FILE)
     files = {}
     if tokenizer_model is None:
         tokenizer_type = recorded["tokenizer_type"]
@@ -93,7 +93,7 @@ def checkpoint_vocabulary(
 def recorded_special_tokens(tag_dir: str) -> dict:
     """The bos/eos/pad ids an imported model's HF config gave (`{"bos_token_id": 1, ...}`), for
     exporting a checkpoint that has no tokenizer."""
-    return read_json(tag_dir, checkpointing.TOKENIZER_FILE).get("special_token_ids", {})
+    return read_json(tag_dir, checkpoint_format.TOKENIZER_FILE).get("special_token_ids", {})
 
 
 def read_architecture(
@@ -103,7 +103,9 @@ def read_architecture(
     focus_attention_mode: Optional[str] = None,
 ) -> Architecture:
     """The model of a checkpoint; a Focus model's inference settings as given, or the defaults."""
-    model_args = checkpointing.with_unrecorded_defaults(read_json(tag_dir, checkpointing.ARGS_FILE))
+    model_args = checkpoint_format.with_unrecorded_defaults(
+        read_json(tag_dir, checkpoint_format.ARGS_FILE)
+    )
     return Architecture.from_model_args(model_args, vocab_size, focus_top_k, focus_attention_mode)
 
 
@@ -113,8 +115,8 @@ def read_weights(
     """The full, unpadded weights (Megatron's names) of a checkpoint of `arch`; files holding
     pickled objects are refused unless `allow_unsafe` (see `safe_load.load_file`), and so is a
     checkpoint whose files differ from what its save wrote."""
-    checkpointing.verify(tag_dir)
-    tp = read_json(tag_dir, checkpointing.ARGS_FILE)["tensor_model_parallel_size"]
+    integrity.verify(tag_dir)
+    tp = read_json(tag_dir, checkpoint_format.ARGS_FILE)["tensor_model_parallel_size"]
     files = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
     if not files and glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_model_states.pt")):
         # ZeRO-3 (TP = 1) partitions the weights over its optimizer files; DeepSpeed reassembles
@@ -131,8 +133,10 @@ def read_weights(
         ]
     else:
         raise ValueError(f"{tag_dir}: {len(files)} model files for tensor-parallel size {tp}")
-    weights = layout.merge([current_names(m) for m in modules], arch.swiglu, arch.vocab_size)
-    base_dir = checkpointing.base_checkpoint(tag_dir)
+    weights = layout.merge(
+        [checkpoint_format.current_names(m) for m in modules], arch.swiglu, arch.vocab_size
+    )
+    base_dir = checkpoint_format.base_checkpoint(tag_dir)
     if base_dir is None:
         return weights
     # A retrofit's trained-only checkpoint: its routers over the weights of its base checkpoint.
@@ -155,13 +159,13 @@ def write_checkpoint(
 ) -> str:
     """A weights-only checkpoint (iteration 0) of the model of `args` for `pretrain_gpt.py --load`.
 
-    `args` are the model's validated `pretrain_gpt.py` arguments (`Architecture.native_args`),
-    so `model_args.json` is what a training run with the same flags writes. The weight files are
-    what DeepSpeed's `load_checkpoint(load_module_only=True)` reads; the `weights_only` marker
-    tells `checkpointing.load` to start the run's optimizer and schedule fresh. The tokenizer
-    file, if any, is copied in (with an HF tokenizer's config) and recorded by its name, so the
-    checkpoint does not depend on where it came from, nor on where it is moved. The folder is
-    written whole or not at all (`outputs.fresh_folder`).
+    `args` are the model's validated `pretrain_gpt.py` arguments (`Architecture.native_args`), so
+    `model_args.json` is what a training run with the same flags writes. The weight files are what
+    DeepSpeed's `load_checkpoint(load_module_only=True)` reads; the `weights_only` marker tells
+    `training/checkpointing.py` to start the run's optimizer and schedule fresh. The tokenizer file,
+    if any, is copied in (with an HF tokenizer's config) and recorded by its name, so the checkpoint
+    does not depend on where it came from, nor on where it is moved. The folder is written whole or
+    not at all (`outputs.fresh_folder`).
     """
     with fresh_folder(save_dir, overwrite) as partial:
         _write_checkpoint(
@@ -174,7 +178,7 @@ def write_checkpoint(
             special_token_ids,
             progress,
         )
-    return os.path.join(save_dir, checkpointing.tag_for(0))
+    return os.path.join(save_dir, checkpoint_format.tag_for(0))
 
 
 def _write_checkpoint(
@@ -183,7 +187,7 @@ def _write_checkpoint(
     import deepspeed
 
     tp = args.tensor_model_parallel_size
-    tag = checkpointing.tag_for(0)
+    tag = checkpoint_format.tag_for(0)
     tag_dir = os.path.join(save_dir, tag)
     os.makedirs(tag_dir)
     shards = layout.split(weights, tp, args.swiglu, args.padded_vocab_size)
@@ -211,15 +215,15 @@ def _write_checkpoint(
         if os.path.isfile(config):  # the special tokens and chat template travel with it
             shutil.copyfile(config, os.path.join(tag_dir, HF_TOKENIZER_CONFIG))
     files = {
-        checkpointing.ARGS_FILE: checkpointing.model_args(args),
-        checkpointing.TOKENIZER_FILE: tokenizer_args,
-        checkpointing.WEIGHTS_ONLY: {"iteration": 0},
+        checkpoint_format.ARGS_FILE: checkpoint_format.model_args(args),
+        checkpoint_format.TOKENIZER_FILE: tokenizer_args,
+        checkpoint_format.WEIGHTS_ONLY: {"iteration": 0},
     }
     for name, content in files.items():
-        checkpointing.write_atomically(
+        checkpoint_format.write_atomically(
             os.path.join(tag_dir, name), json.dumps(content, indent=1, sort_keys=True)
         )
-    checkpointing.write_atomically(os.path.join(save_dir, checkpointing.LATEST), tag)
+    checkpoint_format.write_atomically(os.path.join(save_dir, checkpoint_format.LATEST), tag)
 
 
 def native_model(arch: Architecture, weights: StateDict) -> torch.nn.Module:

@@ -166,16 +166,6 @@ class FocusSelfAttention(SelfAttention):
         return self.linear_proj(out)
 
 
-def current_name(name: str) -> str:
-    """A weight's name in this version: checkpoints of earlier versions hold each router beside
-    its core attention (`self_attention.router.*`); it now lives inside it."""
-    return name.replace(".self_attention.router.", ".self_attention.core_attention.router.")
-
-
-def current_names(weights: dict) -> dict:
-    return {current_name(name): value for name, value in weights.items()}
-
-
 def _router_under_core_attention(state_dict, prefix, *args):
     for name in [k for k in state_dict if k.startswith(prefix + "router.")]:
         state_dict[prefix + "core_attention." + name[len(prefix) :]] = state_dict.pop(name)

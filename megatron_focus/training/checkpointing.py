@@ -1,10 +1,9 @@
-"""Checkpoints that are either complete or invisible, and that refuse a model of another shape.
+"""Saving and resuming a run through DeepSpeed's engine: checkpoints that are either complete or
+invisible, and that refuse a model of another shape.
 
-Layout (`--save DIR`): `DIR/iter_0000100/` holds DeepSpeed's files (model and optimizer shards
-per rank), our `model_args.json` and `layout.json` (the TP / DP size, ZeRO stage and precision
-that wrote it: another layout resumes through `layouts.py`), and in the client state the
-iteration, consumed samples and every RNG state; `DIR/latest` names the newest complete tag
-(DeepSpeed's own pointer, so its tools such as `zero_to_fp32.py` work on our checkpoints).
+What a checkpoint folder holds is `checkpoint/format.py`; beside it, DeepSpeed's client state
+carries the iteration, consumed samples and every RNG state. A checkpoint written at another
+layout (TP / DP size, ZeRO stage, precision) resumes through `layouts.py`.
 
 A retrofit run (`--retrofit`) saves, unless `--save-full`, only what it trains (the routers, and
 their optimizer state) plus `base_checkpoint.json`, naming the complete checkpoint that holds the
@@ -33,76 +32,29 @@ from megatron.core.parallel_state import get_tensor_model_parallel_rank
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megatron_focus import cli, platform
-from megatron_focus.model.focus import current_names
-from megatron_focus.training import integrity, layouts
-from megatron_focus.training.optimizer import param_groups, schedule
-from megatron_focus.training.safe_load import check_safe_to_load, load_file
-from megatron_focus.variants import MODEL, VARIANTS, FocusConfig, variant
-
-# What must match for weights to load: the model's shape, what it computes, and how it is split.
-SHAPE_KEYS = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "kv_channels",
-    "normalization",
-    "swiglu",
-    "position_embedding_type",
-    "add_bias_linear",
-    "untie_embeddings_and_output_weights",
-    "max_position_embeddings",
-    "attention",
-    "tensor_model_parallel_size",
-    "padded_vocab_size",
-    "norm_epsilon",
-    "rotary_base",
-    "rotary_percent",
-    "xsa_layers",
-    "openai_gelu",
-    "window_size",
-    "add_qkv_bias",
-    "apply_layernorm_1p",
-    "qk_layernorm",
-    "squared_relu",
-    "use_rope_scaling",
-    "rope_scaling_factor",
+from megatron_focus.checkpoint import integrity
+from megatron_focus.checkpoint.format import (
+    ARGS_FILE,
+    BASE_FILE,
+    FOCUS_KEYS,
+    LATEST,
+    NO_OPTIMIZER,
+    TOKENIZER_FILE,
+    WEIGHTS_ONLY,
+    base_checkpoint,
+    check_compatible,
+    complete_tags,
+    current_names,
+    latest_tag,
+    model_args,
+    resume_tag,
+    saved_model_args,
+    tag_for,
+    write_atomically,
 )
-# What a Focus model computes: the model settings of FocusConfig (its top-k, mode and kernel are
-# free to change); the routers' shapes are the first two.
-FOCUS_KEYS = tuple(f"focus_{name}" for name in FocusConfig.names(MODEL))
-# Recorded since: what a checkpoint saved before a key was recorded computed.
-BEFORE_RECORDED = {
-    "window_size": None,
-    "add_qkv_bias": False,
-    "apply_layernorm_1p": False,
-    "qk_layernorm": False,
-    "squared_relu": False,
-    "use_rope_scaling": False,
-    "rope_scaling_factor": 8.0,
-}
-LATEST = "latest"
-ARGS_FILE = "model_args.json"
-# The tokenizer the model was trained with (for the HF export); not compared on load.
-TOKENIZER_FILE = "tokenizer_args.json"
-# Marks a checkpoint that holds weights only (tools/convert_from_hf.py): no optimizer, no run state.
-WEIGHTS_ONLY = "weights_only"
-# Marks a checkpoint saved with --no-save-optim: weights, schedule position and data position only.
-NO_OPTIMIZER = "no_optimizer"
-# In a retrofit's trained-only checkpoint: {"load": DIR, "tag": TAG} of the frozen weights.
-BASE_FILE = "base_checkpoint.json"
-
-
-def tag_for(iteration: int) -> str:
-    return f"iter_{iteration:07d}"
-
-
-def model_args(args: argparse.Namespace) -> dict:
-    """What decides the model, as `model_args.json` holds it (tuples as lists)."""
-    keys = SHAPE_KEYS + (FOCUS_KEYS if variant(args.attention).focus else ())
-    values = {key: getattr(args, key) for key in keys}
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+from megatron_focus.checkpoint.safe_load import check_safe_to_load, load_file
+from megatron_focus.training import layouts
+from megatron_focus.training.optimizer import param_groups, schedule
 
 
 def rng_state() -> dict:
@@ -127,16 +79,6 @@ def set_rng_state(state: dict) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
     if "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"])
-
-
-def write_atomically(path: str, text: str) -> None:
-    """Every file of the checkpoint format is written so: whole under its name, or not at all."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class SaveFailed(cli.Stopped):
@@ -183,7 +125,7 @@ def save(engine, args: argparse.Namespace, iteration: int, consumed_samples: int
     )
     digests = integrity.digests(partial)
     _agree(
-        _attempt(lambda: integrity.write(partial, digests, write_atomically)) if rank0 else None,
+        _attempt(lambda: integrity.write(partial, digests)) if rank0 else None,
         partial,
         args.save,
     )
@@ -246,7 +188,7 @@ def _write_records(args: argparse.Namespace, folder: str, trained_only: bool) ->
     write_atomically(
         os.path.join(folder, ARGS_FILE), json.dumps(model_args(args), indent=1, sort_keys=True)
     )
-    layouts.write(args, folder, write_atomically)
+    layouts.write(args, folder)
     write_atomically(
         os.path.join(folder, TOKENIZER_FILE),
         json.dumps(
@@ -262,55 +204,6 @@ def _write_records(args: argparse.Namespace, folder: str, trained_only: bool) ->
             indent=1,
         ),
     )
-
-
-def latest_tag(load_dir: str) -> Optional[str]:
-    """The newest complete checkpoint's tag, or None if the folder holds none yet."""
-    pointer = os.path.join(load_dir, LATEST)
-    if not os.path.isfile(pointer):
-        return None
-    with open(pointer) as f:
-        tag = f.read().strip()
-    if not os.path.isdir(os.path.join(load_dir, tag)):
-        raise FileNotFoundError(f"{pointer} names {tag!r}, which is not in {load_dir}")
-    return tag
-
-
-def resume_tag(args: argparse.Namespace) -> Optional[str]:
-    """The tag `--load` resumes from: `--ckpt-step`'s, else the latest (None: no checkpoint)."""
-    if args.ckpt_step is None:
-        return latest_tag(args.load) if os.path.isdir(args.load) else None
-    tag = tag_for(args.ckpt_step)
-    if not os.path.isdir(os.path.join(args.load, tag)):
-        held = _complete_tags(args.load) if os.path.isdir(args.load) else []
-        raise FileNotFoundError(
-            f"--ckpt-step {args.ckpt_step}: {args.load} holds no {tag} "
-            f"(it holds: {', '.join(held) or 'no checkpoint'})"
-        )
-    return tag
-
-
-def _complete_tags(folder: str) -> list:
-    return sorted(
-        name
-        for name in os.listdir(folder)
-        if re.fullmatch(r"iter_\d{7}", name) and os.path.isdir(os.path.join(folder, name))
-    )
-
-
-def verify(checkpoint_dir: str) -> None:
-    """Collective: refuse a checkpoint whose files differ from what its save wrote."""
-    found = integrity.problems(checkpoint_dir)
-    if not found:
-        return
-    previous = integrity.previous_complete(checkpoint_dir)
-    hint = (
-        f"; the previous checkpoint, {previous}, is complete: resume from it with "
-        f"--ckpt-step {int(previous[len('iter_') :])}"
-        if previous
-        else ""
-    )
-    raise ValueError(f"checkpoint {checkpoint_dir} is damaged: {'; '.join(found)}{hint}")
 
 
 def _check_writable(flag: str, folder: str) -> None:
@@ -361,7 +254,7 @@ def preflight(args: argparse.Namespace) -> None:
             or args.ckpt_step is not None
         ):
             continue
-        complete = _complete_tags(folder)
+        complete = complete_tags(folder)
         if complete:
             raise ValueError(
                 f"{folder} holds checkpoints {', '.join(complete)} but no '{LATEST}' file: "
@@ -370,52 +263,10 @@ def preflight(args: argparse.Namespace) -> None:
             )
     tag = resume_tag(args) if args.load else None
     if tag is not None:
-        verify(os.path.join(args.load, tag))
+        integrity.verify(os.path.join(args.load, tag))
         base = base_checkpoint(os.path.join(args.load, tag))
         if base is not None:
-            verify(base)
-
-
-def saved_model_args(checkpoint_dir: str) -> dict:
-    with open(os.path.join(checkpoint_dir, ARGS_FILE)) as f:
-        return with_unrecorded_defaults(json.load(f))
-
-
-def with_unrecorded_defaults(saved: dict) -> dict:
-    """A checkpoint's model args, with the settings it predates at what it computed."""
-    saved = {**BEFORE_RECORDED, **saved}
-    if saved.get("attention") in VARIANTS and variant(saved["attention"]).focus:
-        saved = {**FocusConfig.before_recorded(), **saved}
-    return saved
-
-
-def check_compatible(args: argparse.Namespace, checkpoint_dir: str, ignore: tuple = ()) -> None:
-    """Refuse, before any weight is read, a checkpoint whose model has another shape."""
-    saved, ours = saved_model_args(checkpoint_dir), model_args(args)
-    diffs = [
-        f"{k}: checkpoint {saved.get(k)!r}, this run {ours.get(k)!r}"
-        for k in sorted(set(saved) | set(ours))
-        if saved.get(k) != ours.get(k) and k not in ignore
-    ]
-    if diffs:
-        raise ValueError(f"checkpoint {checkpoint_dir} is of another model: " + "; ".join(diffs))
-
-
-def base_checkpoint(checkpoint_dir: str) -> Optional[str]:
-    """The checkpoint holding the frozen weights of a retrofit's trained-only checkpoint, or None
-    for a complete checkpoint."""
-    path = os.path.join(checkpoint_dir, BASE_FILE)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        base = json.load(f)
-    base_dir = os.path.join(base["load"], base["tag"])
-    if not os.path.isdir(base_dir):
-        raise FileNotFoundError(
-            f"{checkpoint_dir} holds only a retrofit's routers; the checkpoint "
-            f"with its other weights, {base_dir}, is gone"
-        )
-    return base_dir
+            integrity.verify(base)
 
 
 def _adds_focus(args, checkpoint_dir: str) -> bool:

@@ -35,8 +35,8 @@ from deepspeed.checkpoint.universal_checkpoint import load_hp_checkpoint_state
 from deepspeed.utils.tensor_fragment import fragment_address
 from megatron.core import parallel_state
 
-from megatron_focus.model.focus import current_name, current_names
-from megatron_focus.training.safe_load import load_file
+from megatron_focus.checkpoint.format import current_name, current_names, write_atomically
+from megatron_focus.checkpoint.safe_load import load_file
 
 LAYOUT_FILE = "layout.json"
 # The model-args keys that follow the layout rather than the model.
@@ -54,7 +54,7 @@ def current(args: argparse.Namespace) -> dict:
     }
 
 
-def write(args: argparse.Namespace, checkpoint_dir: str, write_atomically) -> None:
+def write(args: argparse.Namespace, checkpoint_dir: str) -> None:
     write_atomically(
         os.path.join(checkpoint_dir, LAYOUT_FILE),
         json.dumps(

@@ -21,6 +21,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_focus import platform
 from megatron_focus.data.loader import micro_batches, to_device
 from megatron_focus.data.sources import datasets_for, tokenizer_for
+from megatron_focus.deepspeed_config import deepspeed_config
 from megatron_focus.model.flops import flops_per_token
 from megatron_focus.model.focus import (
     focus_statistics,
@@ -32,7 +33,6 @@ from megatron_focus.model.gpt import build_model, padded_vocab_size
 from megatron_focus.model.kernels import lse_kernel, soft_kernel
 from megatron_focus.parallel import install_sequence_parallel_grad_allreduce, params_norm
 from megatron_focus.training import checkpointing, layouts
-from megatron_focus.training.deepspeed_config import deepspeed_config
 from megatron_focus.training.metrics import Reporter
 from megatron_focus.training.optimizer import param_groups, schedule
 from megatron_focus.training.profiling import StepProfiler

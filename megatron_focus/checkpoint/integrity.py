@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from megatron_focus.checkpoint.format import write_atomically
+
 CHECKSUMS = "checksums.json"
 _CHUNK = 1 << 24
 
@@ -49,7 +51,7 @@ def digests(folder: str) -> dict:
     return _shared(folder, _files(folder))
 
 
-def write(folder: str, digests: dict, write_atomically) -> None:
+def write(folder: str, digests: dict) -> None:
     write_atomically(os.path.join(folder, CHECKSUMS), json.dumps(digests, indent=1))
 
 
@@ -102,3 +104,18 @@ def previous_complete(folder: str) -> Optional[str]:
             if saved is not None and not _by_size(os.path.join(parent, name), saved):
                 return name
     return None
+
+
+def verify(checkpoint_dir: str) -> None:
+    """Collective: refuse a checkpoint whose files differ from what its save wrote."""
+    found = problems(checkpoint_dir)
+    if not found:
+        return
+    previous = previous_complete(checkpoint_dir)
+    hint = (
+        f"; the previous checkpoint, {previous}, is complete: resume from it with "
+        f"--ckpt-step {int(previous[len('iter_') :])}"
+        if previous
+        else ""
+    )
+    raise ValueError(f"checkpoint {checkpoint_dir} is damaged: {'; '.join(found)}{hint}")
