@@ -70,7 +70,7 @@ fi
 
 # -o addopts="": in this process, one GPU; pytest-xdist need not be there
 part tests 120 python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/test_gpu.py \
-    "tests/test_hf.py::test_attention_backends_compute_what_eager_computes"
+    "tests/hf/test_hf.py::test_attention_backends_compute_what_eager_computes"
 part e2e-focus-xsa 100 python3 benchmarks/end_to_end.py --attention focus+xsa "${E2E[@]}" \
     --json "$OUT/e2e-focus-xsa.json"
 part e2e-standard 60 python3 benchmarks/end_to_end.py --attention standard "${E2E[@]}" \

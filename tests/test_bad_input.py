@@ -790,16 +790,16 @@ FAULTS = """## Faults during a run
 
 | Fault | What happens | Test |
 |---|---|---|
-| SIGKILL mid-save | `iter_N.partial` never becomes `latest`; the run resumes from the previous checkpoint | `tests/test_training.py::test_resume_is_exact_with_dropout` |
-| Files an interrupted save or layout conversion left (`iter_N.partial`, `iter_N.universal`, `latest.tmp`) | removed by the next run, which says so | `tests/test_faults.py::test_what_an_interrupted_run_left_is_removed_and_reported` |
-| SIGTERM (e.g. a SLURM time limit) with `--exit-signal-handler` | saves, exits 0, resumes bit for bit | `tests/test_training.py::test_sigterm_saves_a_checkpoint_and_exits_cleanly` |
-| A save fails on any rank (disk full, permission) | every rank stops with `error: saving iter_N failed on rank R: No space left on device (...); iter_M stays the latest checkpoint`, exit 1, the partial folder removed | `tests/test_faults.py::test_a_save_that_fails_on_one_rank_stops_the_run_and_keeps_the_last` |
-| A checkpoint file damaged after its save (size or SHA-256) | refused before any compute, naming the file and the previous complete checkpoint to resume with `--ckpt-step` | `tests/test_faults.py::test_a_damaged_checkpoint_is_refused_and_the_previous_one_resumes` |
-| Losses non-finite for `--max-skipped-steps` steps in a row | the run stops, exit 1, no checkpoint of the diverged state | `tests/test_training.py::test_skipped_steps_in_a_row_stop_the_run` |
-| Two jobs building one index cache at once | built under the cache folder's lock; the later job reads whole files | `tests/test_data.py::test_two_jobs_building_one_index_cache_at_once` |
-| A damaged or pickled index-cache file | the damaged set is rebuilt (with a warning); a pickled one is refused | `tests/test_data.py::test_damaged_index_cache_is_rebuilt_and_a_pickled_one_refused` |
-| A preprocessing run killed mid-write | its `.tmp<pid>` files are removed by the next run | `tests/test_data.py::test_files_left_by_a_killed_preprocessing_run_are_removed` |
-| Resuming at another TP / DP size or ZeRO stage | converted through DeepSpeed's universal checkpoint; losses and optimizer state as uninterrupted | `tests/test_layouts.py` |
+| SIGKILL mid-save | `iter_N.partial` never becomes `latest`; the run resumes from the previous checkpoint | `tests/training/test_resume.py::test_resume_is_exact_with_dropout` |
+| Files an interrupted save or layout conversion left (`iter_N.partial`, `iter_N.universal`, `latest.tmp`) | removed by the next run, which says so | `tests/training/test_faults.py::test_what_an_interrupted_run_left_is_removed_and_reported` |
+| SIGTERM (e.g. a SLURM time limit) with `--exit-signal-handler` | saves, exits 0, resumes bit for bit | `tests/training/test_training.py::test_sigterm_saves_a_checkpoint_and_exits_cleanly` |
+| A save fails on any rank (disk full, permission) | every rank stops with `error: saving iter_N failed on rank R: No space left on device (...); iter_M stays the latest checkpoint`, exit 1, the partial folder removed | `tests/training/test_faults.py::test_a_save_that_fails_on_one_rank_stops_the_run_and_keeps_the_last` |
+| A checkpoint file damaged after its save (size or SHA-256) | refused before any compute, naming the file and the previous complete checkpoint to resume with `--ckpt-step` | `tests/training/test_faults.py::test_a_damaged_checkpoint_is_refused_and_the_previous_one_resumes` |
+| Losses non-finite for `--max-skipped-steps` steps in a row | the run stops, exit 1, no checkpoint of the diverged state | `tests/training/test_training.py::test_skipped_steps_in_a_row_stop_the_run` |
+| Two jobs building one index cache at once | built under the cache folder's lock; the later job reads whole files | `tests/data/test_data.py::test_two_jobs_building_one_index_cache_at_once` |
+| A damaged or pickled index-cache file | the damaged set is rebuilt (with a warning); a pickled one is refused | `tests/data/test_data.py::test_damaged_index_cache_is_rebuilt_and_a_pickled_one_refused` |
+| A preprocessing run killed mid-write | its `.tmp<pid>` files are removed by the next run | `tests/data/test_data.py::test_files_left_by_a_killed_preprocessing_run_are_removed` |
+| Resuming at another TP / DP size or ZeRO stage | converted through DeepSpeed's universal checkpoint; losses and optimizer state as uninterrupted | `tests/training/test_layouts.py` |
 """
 
 
@@ -815,6 +815,6 @@ def test_reliability_doc_is_generated_from_this_table(outcomes):
 
 
 def test_every_fault_row_names_a_test_that_exists():
-    for path, name in re.findall(r"`(tests/test_\w+\.py)::(\w+)`", FAULTS):
+    for path, name in re.findall(r"`(tests/[\w/]*test_\w+\.py)::(\w+)`", FAULTS):
         with open(os.path.join(ROOT, path)) as f:
             assert f"def {name}(" in f.read(), (path, name)

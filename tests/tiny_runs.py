@@ -2,12 +2,14 @@
 
 import gzip
 import json
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from distributed import run_distributed
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 VOCAB = 200  # not a multiple of 128: exercises Megatron's vocabulary padding
 SEQ, BATCH = 16, 2
 SMALL = [
@@ -111,3 +113,14 @@ def gpt2_bpe_files(folder):
     bpe.train_from_iterator(list(PROBES) * 20, vocab_size=400, special_tokens=["<|endoftext|>"])
     bpe.save_model(str(folder))
     return str(folder / "vocab.json"), str(folder / "merges.txt")
+
+
+def full_weights(ckpt):
+    """The whole model of a checkpoint as the HF export reads it (a base under trained-only)."""
+    from megatron_focus.hf import native
+
+    tag_dir = native.checkpoint_tag_dir(ckpt)
+    vocab_size, _ = native.checkpoint_vocabulary(tag_dir)
+    return native.read_weights(
+        tag_dir, native.read_architecture(tag_dir, vocab_size), progress=False
+    )

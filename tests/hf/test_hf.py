@@ -575,7 +575,10 @@ def test_exports_load_and_generate_alike_in_transformers4(trained, trained_focus
         "text": "Hello world, and a second sentence.",
     }
     (tmp_path / "request.json").write_text(json.dumps(request))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TRANSFORMERS4, os.path.dirname(__file__)])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([TRANSFORMERS4, os.path.dirname(hf_check.__file__)]),
+    }
     subprocess.run(
         [
             sys.executable,

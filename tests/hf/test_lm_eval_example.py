@@ -6,7 +6,8 @@ import os
 
 import yaml
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tiny_runs import ROOT
+
 TASKS = os.path.join(ROOT, "examples", "lm_eval", "tasks")
 
 

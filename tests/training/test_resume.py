@@ -1,0 +1,166 @@
+"""Resuming a run: exact continuation, refused mismatches, checkpoints of earlier versions."""
+
+import glob
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from tiny_runs import full_weights, tiny_argv, train
+
+
+def _straight_stopped_resumed(world_size, cache, ckpt, flags, iters, stop):
+    """The histories of a run of `iters` iterations, and of the same run stopped at `stop` and
+    resumed from its checkpoint."""
+    straight = train(world_size, tiny_argv(cache, *flags, iters=iters))
+    first = train(
+        world_size,
+        tiny_argv(cache, *flags, "--save", ckpt, "--exit-interval", str(stop), iters=iters),
+    )
+    second = train(
+        world_size, tiny_argv(cache, *flags, "--save", ckpt, "--load", ckpt, iters=iters)
+    )
+    return straight, first, second
+
+
+def test_resume_is_exact_with_dropout(embedded_cache, tmp_path):
+    dropout = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--eval-interval", "3"]
+    ckpt = str(tmp_path / "ckpt")
+    straight, first, second = _straight_stopped_resumed(1, embedded_cache, ckpt, dropout, 6, 3)
+    assert first["losses"] + second["losses"] == straight["losses"]
+    assert first["validation"] + second["validation"] == straight["validation"]
+    entries = os.listdir(ckpt)
+    assert sorted(e for e in entries if e.startswith("iter_")) == ["iter_0000003", "iter_0000006"]
+    assert open(os.path.join(ckpt, "latest")).read() == "iter_0000006"
+
+
+def test_zero3_resume_is_exact_over_two_ranks(embedded_cache, tmp_path):
+    """ZeRO-3's weights live partitioned in its optimizer files: a run stopped at 3 continues as
+    if uninterrupted, as every other stage does."""
+    straight, first, second = _straight_stopped_resumed(
+        2, embedded_cache, str(tmp_path / "ckpt"), ["--zero-stage", "3"], 5, 3
+    )
+    assert first["losses"] + second["losses"] == straight["losses"]
+
+
+def test_a_changed_schedule_on_resume_is_refused_unless_chosen(embedded_cache, tmp_path):
+    """As Megatron-LM: --lr or --train-iters changed on resume is an error, unless
+    --override-opt_param-scheduler (this run's values) or --use-checkpoint-opt_param-scheduler
+    (the checkpoint's); the LR the resumed run logs shows which won."""
+    ckpt = str(tmp_path / "ckpt")
+    base = [
+        "--save",
+        ckpt,
+        "--lr-decay-style",
+        "constant",
+        "--lr-warmup-iters",
+        "0",
+        "--min-lr",
+        "0",
+    ]
+    train(1, tiny_argv(embedded_cache, *base, "--lr", "1e-3", "--exit-interval", "2"))
+    with pytest.raises(
+        Exception,
+        match=r"schedule differs from the checkpoint's: --lr 0.002 "
+        r"\(checkpoint: 0.001\), --lr-decay-iters 6",
+    ):
+        train(1, tiny_argv(embedded_cache, *base, "--lr", "2e-3", "--load", ckpt, iters=6))
+    runs = {}
+    for choice in ("--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"):
+        shutil.copytree(ckpt, tmp_path / choice)
+        runs[choice] = train(
+            1,
+            tiny_argv(
+                embedded_cache,
+                *base[2:],
+                "--save",
+                str(tmp_path / choice),
+                "--load",
+                str(tmp_path / choice),
+                "--lr",
+                "2e-3",
+                choice,
+                iters=3,
+            ),
+        )
+    assert runs["--override-opt_param-scheduler"]["lr"] == [2e-3]
+    assert runs["--use-checkpoint-opt_param-scheduler"]["lr"] == [1e-3]
+
+
+def test_checkpoint_of_another_shape_is_refused(embedded_cache, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    train(1, tiny_argv(embedded_cache, "--save", ckpt, iters=3))
+    wider = [a if a != "64" else "128" for a in tiny_argv(embedded_cache, "--load", ckpt, iters=4)]
+    with pytest.raises(Exception, match=r"hidden_size: checkpoint 64, this run 128"):
+        train(1, wider)
+
+
+def test_focus_gate_is_recorded_and_older_checkpoints_read_as_log_gate(embedded_cache, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    focus = ["--attention", "focus", "--focus-window", "8", "--focus-groups", "4"]
+    train(1, tiny_argv(embedded_cache, *focus, "--save", ckpt, iters=3))
+    args_file = os.path.join(ckpt, "iter_0000003", "model_args.json")
+    recorded = json.load(open(args_file))
+    assert recorded["focus_gate"] == "log"
+    del recorded["focus_gate"]  # as saved before the gate (and checksums) were recorded
+    json.dump(recorded, open(args_file, "w"))
+    os.remove(os.path.join(ckpt, "iter_0000003", "checksums.json"))
+    sigmoid = tiny_argv(embedded_cache, *focus, "--focus-gate", "sigmoid", "--load", ckpt, iters=4)
+    with pytest.raises(Exception, match=r"focus_gate: checkpoint 'log', this run 'sigmoid'"):
+        train(1, sigmoid)
+    resumed = train(
+        1,
+        tiny_argv(
+            embedded_cache, *focus, "--load", ckpt, "--override-opt_param-scheduler", iters=4
+        ),
+    )  # one more iteration
+    assert len(resumed["losses"]) == 1
+
+
+def _as_saved_before_the_router_moved(ckpt, legacy):
+    """A copy of `ckpt` as earlier versions wrote it: each router beside its core attention."""
+    from megatron_focus.checkpoint import integrity
+
+    shutil.copytree(ckpt, legacy)
+    tag_dir = os.path.join(legacy, open(os.path.join(legacy, "latest")).read())
+    shard = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+    saved = torch.load(shard, map_location="cpu", weights_only=False)
+    old = lambda name: name.replace("core_attention.router", "router")  # noqa: E731
+    saved["module"] = {old(k): v for k, v in saved["module"].items()}
+    saved["param_shapes"] = [{old(k): v for k, v in g.items()} for g in saved["param_shapes"]]
+    info = saved["universal_checkpoint_info"]  # names as regular expressions
+    info["tp_replicated_parameter_patterns"] = [
+        p.replace(r"core_attention\.router", "router")
+        for p in info["tp_replicated_parameter_patterns"]
+    ]
+    assert sum(".self_attention.router." in k for k in saved["module"]) == 4
+    torch.save(saved, shard)
+    for path in glob.glob(os.path.join(tag_dir, "*optim_states.pt")):
+        optim = torch.load(path, map_location="cpu", weights_only=False)
+        slices = optim["optimizer_state_dict"]["param_slice_mappings"]
+        slices[:] = [{old(k): v for k, v in group.items()} for group in slices]
+        torch.save(optim, path)
+    integrity.write(tag_dir, integrity.digests(tag_dir))
+
+
+def test_checkpoints_with_the_router_beside_core_attention_resume_and_export(
+    embedded_cache, tmp_path
+):
+    """The router moved into the core attention: checkpoints written before resume as they
+    did (same layout, and through a layout change) and export the same weights."""
+    focus = ["--attention", "focus", "--focus-window", "8", "--focus-groups", "4"]
+    ckpt, legacy = str(tmp_path / "ckpt"), str(tmp_path / "legacy")
+    stop = ["--save", ckpt, "--exit-interval", "3"]
+    train(1, tiny_argv(embedded_cache, *focus, *stop, iters=5))
+    _as_saved_before_the_router_moved(ckpt, legacy)
+    for layout in ([], ["--zero-stage", "0"]):
+        now, before = (
+            train(1, tiny_argv(embedded_cache, *focus, *layout, "--load", c, iters=5))
+            for c in (ckpt, legacy)
+        )
+        assert len(now["losses"]) == 2 and now["losses"] == before["losses"]
+    now, before = full_weights(ckpt), full_weights(legacy)
+    assert now.keys() == before.keys()
+    assert all(torch.equal(now[k], before[k]) for k in now)
