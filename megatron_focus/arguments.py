@@ -569,6 +569,12 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
         help="the log line and TensorBoard ('params-norm') get the L2 norm of all weights",
     )
     g.add_argument(
+        "--log-num-zeros-in-grad",
+        action="store_true",
+        help="the log line and TensorBoard ('num-zeros') get the number of zero elements in the "
+        "gradients each logged step applies",
+    )
+    g.add_argument(
         "--log-memory-to-tensorboard",
         action="store_true",
         help="TensorBoard gets the memory curves (mem-*: CUDA allocator on a GPU, "

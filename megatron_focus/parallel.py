@@ -109,3 +109,26 @@ def params_norm(model: torch.nn.Module) -> torch.Tensor:
     dist.all_reduce(sums["shards"], group=parallel_state.get_tensor_model_parallel_group())
     dist.all_reduce(sums["partitions"], group=parallel_state.get_data_parallel_group())
     return sum(sums.values()).sqrt().float()
+
+
+def num_zeros_in_grad(model: torch.nn.Module) -> torch.Tensor:
+    """Zeros in the gradients the optimizer is about to apply (Megatron-LM's `count_zeros_fp32`),
+    each element counted once whatever the layout: tensor-parallel shards summed over the TP
+    group, replicated weights once. Called between the last backward of a step and the step:
+    DeepSpeed's `safe_get_full_grad` reads ZeRO's reduced partitions (collective under ZeRO)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    device = next(model.parameters()).device
+    zeros = {
+        kind: torch.zeros((), dtype=torch.float64, device=device) for kind in ("shards", "whole")
+    }
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        grad = safe_get_full_grad(p)
+        if grad is None:
+            continue
+        kind = "shards" if getattr(p, "tensor_model_parallel", False) else "whole"
+        zeros[kind] += grad.numel() - torch.count_nonzero(grad)
+    dist.all_reduce(zeros["shards"], group=parallel_state.get_tensor_model_parallel_group())
+    return zeros["shards"] + zeros["whole"]

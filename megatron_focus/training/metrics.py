@@ -93,6 +93,7 @@ class Reporter:
         focus: dict,
         loss_scale: float = 1.0,
         params_norm: Optional[float] = None,
+        num_zeros: Optional[float] = None,
     ) -> None:
         if not self.active:
             return
@@ -111,6 +112,7 @@ class Reporter:
             f" | learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d}"
             f" | lm loss: {loss:.6E}"
             f" | grad norm: {grad_norm if grad_norm is not None else float('nan'):.3f}"
+            + (f" | num zeros: {num_zeros:.1f}" if num_zeros is not None else "")
             + (f" | params norm: {params_norm:.3f}" if params_norm is not None else "")
             + f" | number of skipped iterations: {skipped:3d}"
             + f" | number of nan iterations: {nan_iters:3d}"
@@ -131,6 +133,7 @@ class Reporter:
             ("lm loss", loss),
             ("learning-rate", lr),
             ("grad-norm", grad_norm),
+            ("num-zeros", num_zeros),
             ("params-norm", params_norm),
             ("batch-size", args.global_batch_size),
         ):

@@ -31,7 +31,11 @@ from megatron_focus.model.focus import (
 )
 from megatron_focus.model.gpt import build_model, padded_vocab_size
 from megatron_focus.model.kernels import lse_kernel, soft_kernel
-from megatron_focus.parallel import install_sequence_parallel_grad_allreduce, params_norm
+from megatron_focus.parallel import (
+    install_sequence_parallel_grad_allreduce,
+    num_zeros_in_grad,
+    params_norm,
+)
 from megatron_focus.training import checkpointing, layouts
 from megatron_focus.training.metrics import Reporter
 from megatron_focus.training.optimizer import param_groups, schedule
@@ -101,7 +105,7 @@ def pretrain(args: argparse.Namespace) -> dict:
     while iteration < args.train_iters:
         log_now = (iteration + 1) % args.log_interval == 0 or iteration + 1 == args.train_iters
         with recording_statistics(engine.module) if log_now else contextlib.nullcontext():
-            loss = train_step(engine, batches, args)
+            loss, zeros = train_step(engine, batches, args, log_now and args.log_num_zeros_in_grad)
         iteration += 1
         consumed += args.global_batch_size
         unread.add(iteration, loss, engine)
@@ -121,12 +125,15 @@ def pretrain(args: argparse.Namespace) -> dict:
                     # fp16's dynamic loss scale; nothing is scaled in bf16 and fp32
                     "loss scale": torch.as_tensor(getattr(engine.optimizer, "loss_scale", 1.0)),
                     **({"params norm": params_norm(engine.module)} if args.log_params_norm else {}),
+                    **({"num zeros": zeros} if zeros is not None else {}),
                     **focus_statistics(engine.module),
                 },
             )
             seconds = (time.time() - window_start) / len(losses)
             grad_norm, loss_scale = values.pop("grad norm"), values.pop("loss scale")
-            norm = values.pop("params norm", None)
+            norm, num_zeros = values.pop("params norm", None), values.pop("num zeros", None)
+            if num_zeros is not None:
+                history.setdefault("num zeros", []).append(num_zeros)
             history["lr"].append(engine.get_lr()[0])
             reporter.train(
                 iteration,
@@ -140,6 +147,7 @@ def pretrain(args: argparse.Namespace) -> dict:
                 values,
                 loss_scale,
                 norm,
+                num_zeros,
             )
             window_start = time.time()
         if valid_data is not None and (
@@ -192,15 +200,20 @@ def _save(engine, args, iteration: int, consumed: int, rank0: bool) -> None:
         print(f" saved checkpoint {path}", flush=True)
 
 
-def train_step(engine, batches: Iterator[dict], args: argparse.Namespace) -> torch.Tensor:
+def train_step(
+    engine, batches: Iterator[dict], args: argparse.Namespace, count_zeros: bool = False
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """One global batch: forward/backward per micro-batch, then DeepSpeed's optimizer step.
 
     Returns the loss averaged over micro-batches and data-parallel ranks as a device tensor: the
     step itself never waits for the device (no host read); `_UnreadLosses` reads the losses at
-    log and save steps. A non-finite loss is never trained on: DeepSpeed's overflow check (fp16
-    loss scaling, bf16 `check_grad_overflow`, or the non-finite gradient norm under ZeRO with
-    clipping) skips the step; ZeRO stage 0 in fp32 has no such check, and the run stops at the
-    next read (before any checkpoint is written).
+    log and save steps. With `count_zeros`, also the zeros in the gradients the step applies
+    (read after the last backward, before DeepSpeed's step consumes them); None otherwise.
+
+    A non-finite loss is never trained on: DeepSpeed's overflow check (fp16 loss scaling, bf16
+    `check_grad_overflow`, or the non-finite gradient norm under ZeRO with clipping) skips the
+    step; ZeRO stage 0 in fp32 has no such check, and the run stops at the next read (before any
+    checkpoint is written).
     """
     engine.train()
     micro = engine.gradient_accumulation_steps()
@@ -210,12 +223,15 @@ def train_step(engine, batches: Iterator[dict], args: argparse.Namespace) -> tor
         tokens = sum(batch["loss_mask"].sum() for batch in step).float()
         per_token = _mean_over_data_parallel(tokens.to(platform.setup().device)) / micro
     total = torch.zeros((), dtype=torch.float32, device=platform.setup().device)
-    for batch in step:
+    zeros = None
+    for index, batch in enumerate(step):
         loss = lm_loss(engine, batch, per_token)
         engine.backward(loss)
         total += loss.detach()
+        if count_zeros and index == micro - 1:
+            zeros = num_zeros_in_grad(engine.module)
         engine.step()
-    return _mean_over_data_parallel(total / micro)
+    return _mean_over_data_parallel(total / micro), zeros
 
 
 class _UnreadLosses:

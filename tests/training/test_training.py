@@ -55,19 +55,31 @@ def test_checkpoints_with_pickled_code_are_refused(embedded_cache, tmp_path):
     assert not marker.exists()
 
 
+# Untied, the input embedding's rows of tokens absent from a batch get exactly zero gradient:
+# at least (4096 - 8 x 32) x 64 zeros per step for --log-num-zeros-in-grad to count.
+ZEROS = ["--log-num-zeros-in-grad", "--untie-embeddings-and-output-weights"]
+STRUCTURAL_ZEROS = (4096 - 8 * 32) * 64
+
+
 @pytest.mark.slow
 def test_zero_data_parallel_matches_one_process(embedded_cache):
-    """ZeRO-2 and ZeRO-3 over 2 data-parallel ranks == one process accumulating 2 micro-batches."""
-    one = train(1, tiny_argv(embedded_cache, "--zero-stage", "0"))
+    """ZeRO-2 and ZeRO-3 over 2 data-parallel ranks == one process accumulating 2 micro-batches,
+    also in the zeros of the gradients each step applies (ZeRO's partitions gathered; a few
+    elements may round to zero in one reduction order only)."""
+    one = train(1, tiny_argv(embedded_cache, "--zero-stage", "0", *ZEROS))
     assert len(one["losses"]) == 4 and one["losses"][-1] < one["losses"][0]
+    assert len(one["num zeros"]) == 4 and min(one["num zeros"]) >= STRUCTURAL_ZEROS
     for stage in ("2", "3"):
-        sharded = train(2, tiny_argv(embedded_cache, "--zero-stage", stage))
+        sharded = train(2, tiny_argv(embedded_cache, "--zero-stage", stage, *ZEROS))
         torch.testing.assert_close(sharded["losses"], one["losses"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(sharded["num zeros"], one["num zeros"], rtol=0, atol=8)
 
 
 @pytest.mark.slow
 def test_zero1_tensor_parallel_matches_tp1(embedded_cache):
-    tp1 = train(1, tiny_argv(embedded_cache, "--zero-stage", "1"))
+    """Also the gradients' zeros: TP shards summed over the ranks, replicated weights counted
+    once."""
+    tp1 = train(1, tiny_argv(embedded_cache, "--zero-stage", "1", *ZEROS))
     tp2 = train(
         2,
         tiny_argv(
@@ -77,9 +89,12 @@ def test_zero1_tensor_parallel_matches_tp1(embedded_cache):
             "--tensor-model-parallel-size",
             "2",
             "--sequence-parallel",
+            *ZEROS,
         ),
     )
     torch.testing.assert_close(tp2["losses"], tp1["losses"], rtol=1e-5, atol=1e-5)
+    assert min(tp1["num zeros"]) >= STRUCTURAL_ZEROS
+    torch.testing.assert_close(tp2["num zeros"], tp1["num zeros"], rtol=0, atol=8)
 
 
 def test_default_run_loss_falls_and_logs_to_tensorboard(embedded_cache, tmp_path):
