@@ -32,6 +32,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch.utils.checkpoint import checkpoint
 
+from megatron_focus.checkpoint.format import current_name
 from megatron_focus.model.core_attention import CoreAttention
 from megatron_focus.model.focus_gate import focus_attention
 from megatron_focus.model.focus_sparse import sparse_focus_attention
@@ -127,7 +128,7 @@ class FocusSelfAttention(SelfAttention):
         # Registered last, as the router once was: the parameter order (and with it DeepSpeed's
         # flat optimizer partitions in checkpoints) stays that of earlier versions.
         self._modules["core_attention"] = self._modules.pop("core_attention")
-        self._register_load_state_dict_pre_hook(_router_under_core_attention)
+        self._register_load_state_dict_pre_hook(_current_names)
 
     def forward(
         self,
@@ -166,9 +167,10 @@ class FocusSelfAttention(SelfAttention):
         return self.linear_proj(out)
 
 
-def _router_under_core_attention(state_dict, prefix, *args):
-    for name in [k for k in state_dict if k.startswith(prefix + "router.")]:
-        state_dict[prefix + "core_attention." + name[len(prefix) :]] = state_dict.pop(name)
+def _current_names(state_dict, prefix, *args):
+    """A checkpoint of an earlier version loads with its weights' names of today."""
+    for name in [k for k in state_dict if k.startswith(prefix) and current_name(k) != k]:
+        state_dict[current_name(name)] = state_dict.pop(name)
 
 
 @dataclasses.dataclass
