@@ -360,8 +360,8 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--reset-attention-mask",
         action="store_true",
-        help="tokens attend only within their own document (standard and xsa "
-        "attention; Megatron-Core's dataset builds the mask)",
+        help="tokens attend only within their own document (Megatron-Core's dataset "
+        "builds the mask); Focus's groups, window, sinks and Sinkhorn restart at each document",
     )
     g.add_argument(
         "--split",
@@ -905,11 +905,6 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
                 "--window-size is for standard and xsa attention: Focus has its own "
                 "local window (--focus-window)"
             )
-    if args.reset_attention_mask and variant(args.attention).focus:
-        raise ValueError(
-            "--reset-attention-mask is for standard and xsa attention: Focus's "
-            "routing does not restart at document boundaries yet"
-        )
     _validate_architecture(args)
     _validate_training(args, world_size)
     deepspeed_config(args, world_size // tp)  # the JSON checked now, and its ZeRO stage and

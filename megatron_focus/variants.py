@@ -166,8 +166,9 @@ class FocusConfig:
     )
     sink_tokens: int = _setting(
         0,
-        "the first s tokens of every sequence are kept for every query, in both modes, as "
-        "local pairs are (an attention sink)",
+        "the first s tokens of every sequence (of every document, with "
+        "--reset-attention-mask) are kept for every query, in both modes, as local pairs are "
+        "(an attention sink)",
         at_least=0,
         before_recorded=0,
     )

@@ -108,6 +108,34 @@ def test_sparse_dispatch_on_gpu_equals_dense(n, top_k, how, dtype, sink):
     torch.testing.assert_close(out.float().cpu(), ref, rtol=tol, atol=tol)
 
 
+def test_packed_documents_on_gpu_equal_the_chunked_path():
+    """--reset-attention-mask: FlexAttention's soft gate (values, gradients) and the sparse
+    dispatch on the GPU against the chunked paths (checked per document on the CPU,
+    tests/model/test_documents.py)."""
+    n, window = 700, 64
+    q, k, v, log_g = inputs(2, 4, 2, n, 64, 8)
+    starts = torch.zeros(2, n, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[0, [100, 101, 451]] = True  # documents of 100, 1, 350 and 249 tokens; one of 700
+    doc_start = torch.cummax(torch.where(starts, torch.arange(n), 0), dim=1).values.cuda()
+    routing = Routing.of(log_g, doc_start)
+    kwargs = dict(window=window, gate_scale=0.7, chunk_size=128, scale=0.125, sink=4)
+    flex = focus_attention(q, k, v, routing, kernel="flex", top_k=None, **kwargs)
+    chunked = focus_attention(q, k, v, routing, kernel="chunked", top_k=None, **kwargs)
+    torch.testing.assert_close(flex, chunked, rtol=1e-4, atol=1e-4)
+    cotangent = torch.randn_like(flex)
+    grads = torch.autograd.grad(flex, (q, k, v, log_g), cotangent)
+    want = torch.autograd.grad(chunked, (q, k, v, log_g), cotangent)
+    for name, got, ref in zip("qkvg", grads, want):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4, msg=name)
+    with torch.no_grad():
+        sparse = sparse_focus_attention(
+            q, k, v, routing, window=window, top_k=2, scale=0.125, sink=4
+        )
+        masked = focus_attention(q, k, v, routing, kernel="chunked", top_k=2, **kwargs)
+    torch.testing.assert_close(sparse, masked, rtol=1e-4, atol=1e-4)
+
+
 def _peak_bytes(fn) -> int:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

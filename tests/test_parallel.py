@@ -26,6 +26,10 @@ CASES = {
     # Focus: router parameters replicated over TP, routing input gathered under SP
     "gpt2-focus": FAMILIES["gpt2"] + FOCUS,
     "llama-gqa-focus+xsa": FAMILIES["llama-gqa"] + FOCUS + ["--attention", "focus+xsa"],
+    # packed documents: the routing restarts at each one, from the full mask under SP too
+    "gpt2-focus-documents": FAMILIES["gpt2"]
+    + FOCUS
+    + ["--reset-attention-mask", "--reset-position-ids"],
     # fewer key/value groups than TP ranks: Megatron gives each rank a copy of the one group
     "llama-mqa-xsa": FAMILIES["llama"]
     + ["--group-query-attention", "--num-query-groups", "1"]
@@ -35,10 +39,12 @@ CASES = {
     "gpt2-qk-norm-relu2-nope": FAMILIES["gpt2"]
     + ["--qk-layernorm", "--squared-relu", "--position-embedding-type", "none"],
 }
+EOD = 3  # the documents' end in the tokens (each sequence has one)
 
 
 def _loss_and_grads(argv, tokens):
     from megatron.core import parallel_state
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
     from megatron_focus import platform
     from megatron_focus.arguments import parse_args
@@ -52,11 +58,15 @@ def _loss_and_grads(argv, tokens):
     platform.init_distributed(args.tensor_model_parallel_size)
     platform.manual_seed(1234)
     model = build_model(args, VOCAB)
-    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    positions, mask = torch.arange(SEQ).expand(BATCH, SEQ), None
+    if args.reset_attention_mask:
+        masks = [_get_ltor_masks_and_position_ids(t, EOD, True, True, False, True) for t in tokens]
+        mask = torch.stack([m[0] for m in masks])
+        positions = torch.stack([m[2] for m in masks])
 
     def backward():
         model.zero_grad()
-        loss = model(tokens, positions, None, labels=tokens).mean()
+        loss = model(tokens, positions, mask, labels=tokens).mean()
         loss.backward()
         return loss
 
@@ -115,7 +125,8 @@ def _compare_all(tokens):
 
 @pytest.fixture(scope="module")
 def results():
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(EOD + 1, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    tokens[:, SEQ // 3] = EOD
     layouts, streams = run_distributed(_compare_all, 2, tokens)
     return dict(layouts, dropout_streams=streams)
 

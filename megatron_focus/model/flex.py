@@ -27,11 +27,17 @@ TINY_AFFINITY = 1e-30
 
 
 def gate_score_mod(
-    g: torch.Tensor, window: int, gate_scale: float, gate: str = "log", sink: int = 0
+    g: torch.Tensor,
+    window: int,
+    gate_scale: float,
+    gate: str = "log",
+    sink: int = 0,
+    doc_start: Optional[torch.Tensor] = None,
 ):
     """The soft rule as a score_mod: a distant pair (i - j >= w, j not one of the first `sink`
     tokens) gets lambda * log(g_i . g_j) added, or with the paper's gate (`gate="sigmoid"`) its
-    logit times sigmoid(lambda g_i . g_j).
+    logit times sigmoid(lambda g_i . g_j). With packed documents (`doc_start` [b, n]), a key
+    before the query's document is removed and the sinks are its document's first tokens.
 
     g [b, n, K] are the assignments (probabilities). The K-term dot product is unrolled, so each
     pair reads 2K numbers; its gradient reaches g through FlexAttention's captured-buffer rule.
@@ -47,7 +53,11 @@ def gate_score_mod(
             gated = score * torch.sigmoid(gate_scale * affinity)
         else:
             gated = score + gate_scale * torch.log(torch.clamp(affinity, min=TINY_AFFINITY))
-        return torch.where((q_idx - kv_idx >= window) & (kv_idx >= sink), gated, score)
+        if doc_start is None:
+            return torch.where((q_idx - kv_idx >= window) & (kv_idx >= sink), gated, score)
+        first = doc_start[b, q_idx]
+        gated = torch.where((q_idx - kv_idx >= window) & (kv_idx >= first + sink), gated, score)
+        return torch.where(kv_idx >= first, gated, float("-inf"))
 
     return score_mod
 
@@ -144,9 +154,12 @@ def flex_soft_focus(
     scale: float,
     gate: str = "log",
     sink: int = 0,
+    doc_start: Optional[torch.Tensor] = None,
 ):
-    """Soft-gate causal Focus attention, fused. q [b,h,n,d], k/v [b,groups,n,d], log_g [b,n,K]."""
-    score_mod = gate_score_mod(log_g.float().exp(), window, gate_scale, gate, sink)
+    """Soft-gate causal Focus attention, fused. q [b,h,n,d], k/v [b,groups,n,d], log_g [b,n,K],
+    doc_start [b, n] or None. (Documents are masked by the score_mod: the block mask skips only
+    the future.)"""
+    score_mod = gate_score_mod(log_g.float().exp(), window, gate_scale, gate, sink, doc_start)
     return _kernel(q.device)(
         q,
         k,
@@ -176,9 +189,10 @@ def flex_attention_with_lse(q, k, v, scale: float, causal: bool, mask=None):
     return _attend_with_lse(q, k, v, scale, score_mod, block_mask)
 
 
-def flex_local_part(q, k, v, groups_q, window: int, scale: float):
+def flex_local_part(q, k, v, groups_q, segment, window: int, scale: float):
     """Sparse Focus's local part in one call over the band (i - w < j <= i): the window keys
-    whose top-1 group is not among the query's top-k groups (those are in the bucket part).
+    of the query's document (`segment` [b, n]: documents.segments) whose top-1 group is not
+    among the query's top-k groups (those are in the bucket part).
 
     groups_q [b, n, top_k] (top-1 first). Returns (output, log-sum-exp), -inf where no key is left.
     """
@@ -186,10 +200,12 @@ def flex_local_part(q, k, v, groups_q, window: int, scale: float):
     slots = groups_q.shape[-1]
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        in_bucket = groups_q[b, q_idx, 0] == top1[b, kv_idx]
+        removed = (groups_q[b, q_idx, 0] == top1[b, kv_idx]) | (
+            segment[b, q_idx] != segment[b, kv_idx]
+        )
         for s in range(1, slots):
-            in_bucket = in_bucket | (groups_q[b, q_idx, s] == top1[b, kv_idx])
-        return torch.where(in_bucket, float("-inf"), score)
+            removed = removed | (groups_q[b, q_idx, s] == top1[b, kv_idx])
+        return torch.where(removed, float("-inf"), score)
 
     return _attend_with_lse(
         q, k, v, scale, score_mod, causal_block_mask(q.shape[2], q.device, window)

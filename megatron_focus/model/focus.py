@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_focus.checkpoint.format import current_name
 from megatron_focus.model.core_attention import CoreAttention
+from megatron_focus.model.documents import document_starts
 from megatron_focus.model.focus_gate import focus_attention
 from megatron_focus.model.focus_sparse import sparse_focus_attention
 from megatron_focus.model.groups import Routing
@@ -59,7 +60,8 @@ class Router(torch.nn.Module):
         self.record_stats = False  # set by `recording_statistics`
         self.stats: Optional[dict] = None
 
-    def forward(self, hidden_states: torch.Tensor) -> Routing:
+    def forward(self, hidden_states: torch.Tensor, doc_start=None) -> Routing:
+        """`doc_start` [b, s]: each token's document start, with packed documents (documents.py)."""
         r = self.proj(hidden_states)
         if self.sequence_parallel:
             # Each rank then sends back the full gradient of its slice: split, not reduce-scatter.
@@ -69,11 +71,11 @@ class Router(torch.nn.Module):
             # Recomputed in backward: its iterations would otherwise keep ~6 [b, s, K] tensors
             # each, more than the attention's own saved state at K = 8 and 10 iterations.
             log_g = checkpoint(
-                causal_sinkhorn, scores, self.focus.sinkhorn_iters, use_reentrant=False
+                causal_sinkhorn, scores, self.focus.sinkhorn_iters, doc_start, use_reentrant=False
             )
         else:
-            log_g = causal_sinkhorn(scores, self.focus.sinkhorn_iters)
-        routing = Routing.of(log_g)
+            log_g = causal_sinkhorn(scores, self.focus.sinkhorn_iters, doc_start)
+        routing = Routing.of(log_g, doc_start)
         if self.record_stats:
             with torch.no_grad():
                 self.stats = group_stats(
@@ -89,9 +91,9 @@ def group_stats(routing: Routing, top_k: int, window: int, sink: int = 0) -> dic
 
     `largest-group`: share of tokens whose top-1 group is the most popular one (1/K is ideal);
     `group-entropy`: entropy of the soft occupancy / log K (1 is perfectly balanced);
-    `pairs-kept`: kept causal pairs / all causal pairs, counted with per-group prefix counts
-    (local pairs, distant sinks, plus distant non-sink keys whose top-1 group is among the
-    query's top-k).
+    `pairs-kept`: kept causal pairs / all causal pairs (inside each document, with packed
+    documents), counted with per-group prefix counts (local pairs, distant sinks, plus distant
+    non-sink keys whose top-1 group is among the query's top-k).
     """
     log_g = routing.log_g
     b, n, groups = log_g.shape
@@ -102,14 +104,20 @@ def group_stats(routing: Routing, top_k: int, window: int, sink: int = 0) -> dic
     occupancy = log_g.exp().mean(dim=(0, 1))
     entropy = -(occupancy * occupancy.clamp_min(1e-30).log()).sum() / math.log(max(groups, 2))
     positions = torch.arange(n, device=log_g.device)
-    local = torch.clamp(positions + 1, max=window)
-    distant_end = positions - window  # keys j <= i - w are distant
-    members = onehot * (positions >= sink)[:, None]  # sinks are in no group
-    prefix = members.cumsum(1)  # [b, n, K] non-sink tokens <= t per top-1 group
-    counts = prefix[:, distant_end.clamp(min=0)]  # [b, n, K]
-    distant = counts.gather(-1, top).sum(-1) * (distant_end >= 0)
-    distant_sinks = torch.clamp(torch.clamp(distant_end + 1, max=sink), min=0)
-    kept = (local + distant + distant_sinks).sum(-1).float().mean() / (n * (n + 1) / 2)
+    first = torch.zeros_like(positions) if routing.doc_start is None else routing.doc_start
+    first = first.expand(b, n)
+    position = positions - first  # in the document
+    local = torch.clamp(position + 1, max=window)
+    members = onehot * (position >= sink)[..., None]  # sinks are in no group
+    # [b, n + 1, K]: non-sink tokens before position t per top-1 group
+    before = torch.nn.functional.pad(members.cumsum(1), (0, 0, 1, 0))
+    distant_end = (positions - window + 1).clamp(min=0).expand(b, n)  # keys j < i - w + 1
+    counts = before.gather(1, distant_end[..., None].expand(b, n, groups)) - before.gather(
+        1, first[..., None].expand(b, n, groups)
+    )  # [b, n, K] distant keys (i - w >= j >= the document's start) per group
+    distant = counts.gather(-1, top).sum(-1) * (position >= window)
+    distant_sinks = torch.clamp(torch.clamp(position - window + 1, max=sink), min=0)
+    kept = (local + distant + distant_sinks).sum().float() / (position + 1).sum()
     return {"largest-group": largest, "group-entropy": entropy, "pairs-kept": kept}
 
 
@@ -120,7 +128,8 @@ class FocusSelfAttention(SelfAttention):
     Megatron-Core 0.16.1's `SelfAttention.forward` passes its core attention only q, k, v and
     masks, so this is its forward for what megatron-focus runs: Megatron's QKV (with its
     QK-norms), RoPE and output projection, and its selective recompute of the core attention
-    (`--recompute-activations`). KV-cache inference and packed sequences are refused.
+    (`--recompute-activations`). KV-cache inference and Megatron's THD packed sequences
+    (`packed_seq_params`) are refused; documents packed in one sequence come as the mask.
     """
 
     def __init__(self, *args, **kwargs):
@@ -200,12 +209,16 @@ class FocusAttention(CoreAttention):
         self.router = build_module(submodules.router, config=config, focus=focus)
 
     def forward(self, query, key, value, attention_mask, hidden_states, **kwargs):
-        routing = self.router(hidden_states)
-        return super().forward(query, key, value, attention_mask, routing=routing, **kwargs)
+        """`attention_mask`: None (causal), or Megatron's mask of packed documents, which the
+        routing carries from here (its Sinkhorn restarts at each document, and so does the
+        rule)."""
+        doc_start = None
+        if attention_mask is not None:
+            doc_start = document_starts(attention_mask, query.shape[1])
+        routing = self.router(hidden_states, doc_start)
+        return super().forward(query, key, value, None, routing=routing, **kwargs)
 
     def attend(self, q, k, v, attention_mask, routing):
-        if attention_mask is not None:
-            raise NotImplementedError("Focus attention is causal only (no custom attention mask)")
         focus, sparse = self.focus, self.focus.attention_mode == "sparse"
         if sparse and not torch.is_grad_enabled():
             return sparse_focus_attention(

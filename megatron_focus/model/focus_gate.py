@@ -12,6 +12,10 @@ Pair rule, for query i and key j <= i (positions), window w, sink s, log-assignm
   (ranked by groups.rank_groups, ties to the lowest index), so every key sits in exactly one
   group bucket and no pair is counted twice.
 
+With packed documents (`Routing.doc_start`, documents.py) a pair is causal only inside one
+document, and the sinks are each document's first s tokens: every document attends as it would
+alone (its assignments restart too, sinkhorn.py).
+
 `focus_attention` evaluates the rule over query chunks against the keys up to each chunk's end, so
 no n x n tensor outlives one chunk: memory is linear in n at a fixed chunk size. The soft rule
 without dropout runs as `_SoftFocusAttention`, flash-attention style: the fused kernel and its
@@ -35,35 +39,49 @@ from megatron_focus.variants import FOCUS_GATES
 # below. Its gates on distant pairs (FOCUS_GATES): ours in log space, or the paper's one.
 
 
-def _causal_local(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, sink: int = 0):
-    """(causal, local) [nq, nk]: local is the window, i - w < j, or a sink key, j < s."""
+def _causal_local(q_pos, k_pos, window: int, sink: int = 0, doc_start=None):
+    """(causal, local) [nq, nk]: local is the window, i - w < j, or a sink key, j < s.
+
+    With the queries' document starts [b, nq]: [b, nq, nk], causal only inside the query's
+    document, and the sinks its document's first s tokens.
+    """
     distance = q_pos[:, None] - k_pos[None, :]
-    return distance >= 0, (distance < window) | (k_pos[None, :] < sink)
+    if doc_start is None:
+        return distance >= 0, (distance < window) | (k_pos[None, :] < sink)
+    first = doc_start[..., None]
+    return (distance >= 0) & (k_pos >= first), (distance < window) | (k_pos < first + sink)
 
 
-def _near_diagonal(start: int, end: int, window: int, device, sink: int = 0):
+def _near_diagonal(start: int, end: int, window: int, device, sink: int = 0, doc_start=None):
     """For queries [start, end) against keys [0, end): the first key `edge` that is in a window or
     in the future for some query (every key before it is causal for all of them, and distant
     unless a sink: keys [0, min(sink, edge)) are the sinks there), and the (causal, local) masks
-    of keys [edge, end)."""
-    edge = max(0, start - window + 1)
+    of keys [edge, end). With documents (the queries' starts), every key is masked: edge 0."""
+    edge = 0 if doc_start is not None else max(0, start - window + 1)
     causal, local = _causal_local(
         torch.arange(start, end, device=device),
         torch.arange(edge, end, device=device),
         window,
         sink,
+        doc_start,
     )
     return edge, causal, local
 
 
 def log_gate(
-    affinity: torch.Tensor, start: int, window: int, gate_scale: float, sink: int = 0
+    affinity: torch.Tensor,
+    start: int,
+    window: int,
+    gate_scale: float,
+    sink: int = 0,
+    doc_start=None,
 ) -> torch.Tensor:
     """Additive logit bias [b, c, e] of queries [start, start + c) against keys [0, e) from their
-    affinities g_i . g_j: lambda * log(affinity) distant, 0 local (window or sink), -inf future."""
+    affinities g_i . g_j: lambda * log(affinity) distant, 0 local (window or sink), -inf future
+    (or another document's: `doc_start`, the queries' [b, c] document starts)."""
     bias = affinity.clamp_min(TINY_AFFINITY).log_().mul_(gate_scale)
     edge, causal, local = _near_diagonal(
-        start, affinity.shape[1] + start, window, affinity.device, sink
+        start, affinity.shape[1] + start, window, affinity.device, sink, doc_start
     )
     bias[:, :, edge:].masked_fill_(local, 0.0).masked_fill_(~causal, float("-inf"))
     bias[:, :, : min(sink, edge)] = 0.0
@@ -77,11 +95,11 @@ def soft_pair_bias(
     window: int,
     gate_scale: float,
     sink: int = 0,
+    doc_start=None,
 ) -> torch.Tensor:
     """The soft rule's bias [b, c, e] for queries [start, start + c) against keys [0, e)."""
-    return log_gate(
-        torch.bmm(log_g_q.exp(), log_g_k.exp().transpose(1, 2)), start, window, gate_scale, sink
-    )
+    affinity = torch.bmm(log_g_q.exp(), log_g_k.exp().transpose(1, 2))
+    return log_gate(affinity, start, window, gate_scale, sink, doc_start)
 
 
 def sigmoid_gate(
@@ -100,10 +118,11 @@ def hard_pair_mask(
     k_pos: torch.Tensor,
     window: int,
     sink: int = 0,
+    doc_start=None,
 ) -> torch.Tensor:
     """Kept pairs [b, nq, nk] (bool): causal and (local or a sink, or key's top-1 group in
-    query's top-k)."""
-    causal, local = _causal_local(q_pos, k_pos, window, sink)
+    query's top-k); `doc_start`: the queries' document starts."""
+    causal, local = _causal_local(q_pos, k_pos, window, sink, doc_start)
     same_group = (groups_q[:, :, None, :] == top1_k[:, None, :, None]).any(-1)
     return causal & (local | same_group)
 
@@ -134,6 +153,7 @@ def _soft_chunk(
     dropout_p: float,
     gqa: bool,
     gate: str,
+    doc_start,
 ):
     """Queries [start, start + nq) against keys [0, nk) under the soft rule."""
     if gate == "sigmoid":  # a factor on the logits: explicit scores
@@ -142,15 +162,16 @@ def _soft_chunk(
             torch.arange(k.shape[2], device=q.device),
             window,
             sink,
+            doc_start,
         )
         if gqa:
             k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
         logits = (q @ k.transpose(-1, -2)).float().mul_(scale) * sigmoid_gate(
             log_g_q, log_g_k, local, gate_scale
         ).unsqueeze(1)
-        probs = logits.masked_fill_(~causal, float("-inf")).softmax(-1)
+        probs = logits.masked_fill_(~causal.unsqueeze(-3), float("-inf")).softmax(-1)
         return F.dropout(probs, dropout_p).to(v.dtype) @ v
-    mask = soft_pair_bias(log_g_q, log_g_k, start, window, gate_scale, sink)
+    mask = soft_pair_bias(log_g_q, log_g_k, start, window, gate_scale, sink, doc_start)
     return F.scaled_dot_product_attention(
         q,
         k,
@@ -174,6 +195,7 @@ def _hard_chunk(
     scale: float,
     dropout_p: float,
     gqa: bool,
+    doc_start,
 ):
     """Queries [start, start + nq) (top-k groups `groups_q`) against keys [0, nk) (top-1 groups
     `top1_k`) under the hard rule."""
@@ -184,6 +206,7 @@ def _hard_chunk(
         torch.arange(k.shape[2], device=q.device),
         window,
         sink,
+        doc_start,
     ).unsqueeze(1)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
@@ -207,7 +230,7 @@ def focus_attention(
     sink: int = 0,
 ) -> torch.Tensor:
     """Causal Focus attention. q [b, h, n, d], k/v [b, groups, n, d], routing's tensors [b, n, K]
-    -> [b, h, n, d].
+    (and its documents) -> [b, h, n, d].
 
     `top_k=None` is the soft (training) rule, with `gate` (FOCUS_GATES) on distant pairs; an integer
     applies the hard rule with that top-k. The first `sink` tokens are kept for every query, as
@@ -218,7 +241,7 @@ def focus_attention(
         raise ValueError(f"unknown Focus gate {gate!r}; choose from {FOCUS_GATES}")
     n = q.shape[2]
     gqa = q.shape[1] != k.shape[1]
-    log_g = routing.log_g.float()
+    log_g, doc_start = routing.log_g.float(), routing.doc_start
     if top_k is None:
         if kernels.soft_kernel(kernel, q.device, dropout_p) == "flex":
             return flex_soft_focus(
@@ -231,14 +254,16 @@ def focus_attention(
                 scale=scale,
                 gate=gate,
                 sink=sink,
+                doc_start=doc_start,
             )
         if gate == "log" and dropout_p == 0.0 and torch.is_grad_enabled():
             return _SoftFocusAttention.apply(
-                q, k, v, log_g, window, gate_scale, chunk_size, scale, sink
+                q, k, v, log_g, window, gate_scale, chunk_size, scale, sink, doc_start
             )
     groups_q, top1 = routing.top(top_k or 1), routing.groups[..., 0]
     outputs = []
     for start, end in _chunks(n, chunk_size):
+        docs = None if doc_start is None else doc_start[:, start:end]
         if top_k is None:
             attend, args = (
                 _soft_chunk,
@@ -253,12 +278,23 @@ def focus_attention(
                     dropout_p,
                     gqa,
                     gate,
+                    docs,
                 ),
             )
         else:
             attend, args = (
                 _hard_chunk,
-                (groups_q[:, start:end], top1[:, :end], start, window, sink, scale, dropout_p, gqa),
+                (
+                    groups_q[:, start:end],
+                    top1[:, :end],
+                    start,
+                    window,
+                    sink,
+                    scale,
+                    dropout_p,
+                    gqa,
+                    docs,
+                ),
             )
         args = (q[:, :, start:end], k[:, :, :end], v[:, :, :end]) + args
         if torch.is_grad_enabled():
@@ -284,12 +320,18 @@ class _SoftFocusAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, log_g, window, gate_scale, chunk_size, scale, sink):
+    def forward(ctx, q, k, v, log_g, window, gate_scale, chunk_size, scale, sink, doc_start):
         n = q.shape[2]
         outs, lses = [], []
         for start, end in _chunks(n, chunk_size):
             bias = soft_pair_bias(
-                log_g[:, start:end], log_g[:, :end], start, window, gate_scale, sink
+                log_g[:, start:end],
+                log_g[:, :end],
+                start,
+                window,
+                gate_scale,
+                sink,
+                None if doc_start is None else doc_start[:, start:end],
             )
             out, lse = attention_with_lse(
                 q[:, :, start:end],
@@ -304,6 +346,7 @@ class _SoftFocusAttention(torch.autograd.Function):
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, log_g, out, lse)
         ctx.settings = (window, gate_scale, chunk_size, scale, sink)
+        ctx.doc_start = doc_start  # not a tensor autograd tracks (integers)
         return out
 
     @staticmethod
@@ -333,8 +376,9 @@ class _SoftFocusAttention(torch.autograd.Function):
         dg = torch.zeros_like(g)
         for start, end in _chunks(n, chunk_size):
             c = end - start
+            docs = None if ctx.doc_start is None else ctx.doc_start[:, start:end]
             affinity = torch.bmm(g[:, start:end], g[:, :end].transpose(1, 2))  # [b, c, e]
-            bias = log_gate(affinity, start, window, gate_scale, sink)
+            bias = log_gate(affinity, start, window, gate_scale, sink, docs)
             qc, go = (x[:, :, start:end].flatten(1, 2) for x in (qg, og))  # [b * g, rep * c, d]
             kc, vc = kf[:, :end], vf[:, :end]
             # P = exp(scale * Q K^T - lse + bias); dS = P * (dO V^T - delta)
@@ -353,7 +397,7 @@ class _SoftFocusAttention(torch.autograd.Function):
             daffinity = dscores.view(b, groups * rep, c, end).sum(1).mul_(gate_scale)
             del dscores
             daffinity.div_(affinity).masked_fill_(affinity <= TINY_AFFINITY, 0.0)
-            edge, causal, local = _near_diagonal(start, end, window, q.device, sink)
+            edge, causal, local = _near_diagonal(start, end, window, q.device, sink, docs)
             daffinity[:, :, edge:].masked_fill_(local | ~causal, 0.0)
             daffinity[:, :, : min(sink, edge)] = 0.0
             dg[:, start:end] += torch.bmm(daffinity, g[:, :end])
@@ -365,6 +409,7 @@ class _SoftFocusAttention(torch.autograd.Function):
             dk.to(k.dtype),
             dv.to(v.dtype),
             (dg * g).to(log_g.dtype),
+            None,
             None,
             None,
             None,

@@ -4,28 +4,30 @@ The hard rule (focus_gate.hard_pair_mask) keeps, for query i, the local keys i -
 the keys whose top-1 group is among i's top-k groups. It is split into disjoint parts, each an
 ordinary attention call, merged exactly by per-query log-sum-exp weights:
 
-* bucket part, one per top-k slot s. The keys of all groups of all sequences are laid out in
-  bucket order: tokens stably sorted by (sequence, top-1 group), positions increasing inside a
-  bucket. Query i's keys for slot s are then one contiguous range of that layout: the members of
-  i's s-th ranked group (groups.py) before it (and i itself for its own top-1 group),
-  `_key_ranges`. Slot 0 on the CPU is plain causal attention over each bucket: all buckets
-  packed into one call, q, k, v each gathered once into the padded [buckets, longest] layout.
-  Other slots, and every slot on a GPU, attend their ranges: FlexAttention in one call with a
-  block mask made from the ranges (flex.flex_range_attention), or on the CPU blocks of queries
-  against their blocks' key ranges (`_range_attention`). Work is the kept pairs, not the
-  bucket's square: a token that only queries a bucket adds no keys to it.
+* bucket part, one per top-k slot s. The keys of all groups of all documents are laid out in
+  bucket order: tokens stably sorted by (document, top-1 group), positions increasing inside a
+  bucket (a sequence is one document, or several packed ones: documents.py). Query i's keys for
+  slot s are then one contiguous range of that layout: the members of i's s-th ranked group
+  (groups.py) before it in its document (and i itself for its own top-1 group), `_key_ranges`.
+  Slot 0 on the CPU is plain causal attention over each bucket: all buckets packed into one call,
+  q, k, v each gathered once into the padded [buckets, longest] layout. Other slots, and every
+  slot on a GPU, attend their ranges: FlexAttention in one call with a block mask made from the
+  ranges (flex.flex_range_attention), or on the CPU blocks of queries against their blocks' key
+  ranges (`_range_attention`). Work is the kept pairs, not the bucket's square: a token that
+  only queries a bucket adds no keys to it.
 * local part: the window keys whose top-1 group is *not* among the query's top-k (the others are
   in a bucket already), by query blocks of B = 16 against the w + B keys ending with them,
   overlapping strided windows of one padded copy: O(n (w + B)). On a GPU, one FlexAttention call
   over the band instead (flex.flex_local_part).
 
-* sinks (`sink` > 0: the first s tokens, kept for every query): they join no group bucket. A sink
-  query's slot 0 is the sinks' own bucket (causal attention over the sinks before it: all its
-  keys); other queries see the sinks in their window through the local part and the distant
-  ones through a sink part, one call of every query against the s sink keys.
+* sinks (`sink` > 0: a document's first s tokens, kept for every query): they join no group
+  bucket. A sink query's slot 0 is the sinks' own bucket (causal attention over the sinks
+  before it: all its keys); other queries see the sinks in their window through the local part
+  and the distant ones through a sink part: a range of that bucket again.
 
 Each key is in exactly one bucket and the local part excludes bucket pairs, so no pair is counted
-twice and nothing is subtracted. Cost: the kept distant pairs plus n w, against n^2 / 2 dense.
+twice and nothing is subtracted. No part reaches outside the query's document. Cost: the kept
+distant pairs plus n w, against n^2 / 2 dense.
 Routing (top-k, sort, counts, offsets) stays on the device: no Python loop over groups; the CPU
 synchronises with the host for the longest bucket and the key ranges' bounds.
 
@@ -35,6 +37,7 @@ This is an inference path (no backward through the log-sum-exp); training uses t
 import torch
 
 from megatron_focus.model import kernels
+from megatron_focus.model.documents import segments
 from megatron_focus.model.flex import flex_local_part, flex_range_attention
 from megatron_focus.model.focus_gate import attention_with_lse
 from megatron_focus.model.groups import Routing
@@ -66,26 +69,26 @@ def _scatter_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(flat).index_copy_(0, index, flat).view(x.shape)
 
 
-def _buckets(groups_q: torch.Tensor, num_groups: int):
-    """Bucket of each token (sequence * K + top-1 group), the token rows in bucket order (stable:
-    positions increasing), each bucket's size and first place in that order, and [b, n, K] how
-    many members each group has before each position."""
-    b, n, _ = groups_q.shape
-    bucket = (
-        torch.arange(b, device=groups_q.device)[:, None] * num_groups + groups_q[..., 0]
-    ).reshape(-1)
+def _buckets(groups_q: torch.Tensor, num_groups: int, doc_start, segment):
+    """Bucket of each token (document * K + top-1 group), the token rows in bucket order (stable:
+    positions increasing), each bucket's first place in that order, and [b, n, K] how many
+    members each group has in the token's document before it."""
+    bucket = (segment * num_groups + groups_q[..., 0]).reshape(-1)
     order = torch.sort(bucket, stable=True).indices
-    sizes = torch.bincount(bucket, minlength=b * num_groups)
+    buckets = (int(segment[-1, -1]) + 1) * num_groups  # a host synchronisation
+    sizes = torch.bincount(bucket, minlength=buckets)
     onehot = torch.nn.functional.one_hot(groups_q[..., 0], num_groups)
-    return bucket, order, sizes, torch.cumsum(sizes, 0) - sizes, onehot.cumsum(1) - onehot
+    before = onehot.cumsum(1) - onehot  # in the sequence, then less those before the document
+    before -= before.gather(1, doc_start[..., None].expand_as(before))
+    return bucket, order, sizes, torch.cumsum(sizes, 0) - sizes, before
 
 
-def _key_ranges(groups_q: torch.Tensor, slot: int, starts: torch.Tensor, before: torch.Tensor):
+def _key_ranges(groups_q, slot: int, starts, before, segment, num_groups: int):
     """[lo, hi) of each token's slot-`slot` keys in bucket order, [b * n] each: the members of
-    the token's slot-th ranked group before it, and the token itself in its own (top-1) group."""
-    b = groups_q.shape[0]
+    the token's slot-th ranked group before it in its document, and the token itself in its own
+    (top-1) group."""
     group = groups_q[..., slot : slot + 1]
-    lo = starts.view(b, -1).gather(1, group[..., 0])
+    lo = starts[segment * num_groups + group[..., 0]]
     return lo.reshape(-1), (lo + before.gather(-1, group)[..., 0] + (slot == 0)).reshape(-1)
 
 
@@ -159,37 +162,51 @@ def _range_attention(q, k, v, lo, hi, scale: float):
     return out, lse.masked_fill_((hi <= lo)[:, None], float("-inf"))
 
 
-def _bucket_part(q, k, v, groups_q, num_groups: int, scale: float):
-    """Per top-k slot, each query's attention over its keys of that slot's group:
-    outputs [top_k][b, h, n, d], lses [top_k][b, h, n]."""
+def _bucket_part(q, k, v, groups_q, num_groups: int, doc_start, segment, sink: int, window, scale):
+    """Per top-k slot, each query's attention over its keys of that slot's group, and with sinks
+    the sink part: outputs [parts][b, h, n, d], lses [parts][b, h, n]."""
     b, h, n, d = q.shape
     top_k = groups_q.shape[-1]
     rows = [x.transpose(1, 2).reshape(b * n, x.shape[1], d) for x in (q, k, v)]
-    bucket, order, sizes, starts, before = _buckets(groups_q, num_groups)
+    bucket, order, sizes, starts, before = _buckets(groups_q, num_groups, doc_start, segment)
     flex = kernels.lse_kernel(q.device) == "flex"
-    if flex or top_k > 1:
+    if flex or top_k > 1 or sink:
         members_k, members_v = (_gather_rows(x, order) for x in rows[1:])
+
+    def attend_ranges(lo, hi, entries):  # entries: the queries in an order where lo, hi rise
+        attend = flex_range_attention if flex else _range_attention
+        out_sorted, lse_sorted = attend(
+            _gather_rows(rows[0], entries), members_k, members_v, lo[entries], hi[entries], scale
+        )
+        return (_scatter_rows(x, entries) for x in (out_sorted, lse_sorted))
+
+    def rising(lo, hi):
+        return torch.sort(lo * (b * n + 1) + hi).indices
+
     outs, lses = [], []
     for slot in range(top_k):
         if slot == 0 and not flex:
             out, lse = _causal_buckets(rows, order, bucket, sizes, starts, scale)
         else:
-            lo, hi = _key_ranges(groups_q, slot, starts, before)
-            # Queries sorted so that lo and hi both never decrease (slot 0: the bucket order).
-            entries = torch.sort(lo * (b * n + 1) + hi).indices if slot else order
-            attend = flex_range_attention if flex else _range_attention
-            out_sorted, lse_sorted = attend(
-                _gather_rows(rows[0], entries),
-                members_k,
-                members_v,
-                lo[entries],
-                hi[entries],
-                scale,
-            )
-            out, lse = (_scatter_rows(x, entries) for x in (out_sorted, lse_sorted))
-        outs.append(out.view(b, n, h, d).transpose(1, 2))
-        lses.append(lse.view(b, n, h).transpose(1, 2))
-    return outs, lses
+            lo, hi = _key_ranges(groups_q, slot, starts, before, segment, num_groups)
+            # (slot 0: the bucket order)
+            out, lse = attend_ranges(lo, hi, rising(lo, hi) if slot else order)
+        outs.append(out)
+        lses.append(lse)
+    if sink:
+        # Non-sink query i against its document's sinks outside its window (p_i - p_j >= w):
+        # the first min(s, p_i - w + 1) members of the document's sink bucket (group K - 1).
+        position = torch.arange(n, device=q.device) - doc_start  # in the document
+        count = (position - window + 1).clamp(0, sink) * (position >= sink)
+        lo = starts[segment * num_groups + num_groups - 1].reshape(-1)
+        hi = lo + count.reshape(-1)
+        out, lse = attend_ranges(lo, hi, rising(lo, hi))
+        outs.append(out)
+        lses.append(lse)
+    return (
+        [out.view(b, n, h, d).transpose(1, 2) for out in outs],
+        [lse.view(b, n, h).transpose(1, 2) for lse in lses],
+    )
 
 
 # Queries per block of the local part: each block meets the w + B keys ending with it, so
@@ -197,14 +214,15 @@ def _bucket_part(q, k, v, groups_q, num_groups: int, scale: float):
 _LOCAL_BLOCK = 16
 
 
-def _local_part(q, k, v, groups_q, window: int, scale: float):
+def _local_part(q, k, v, groups_q, segment, window: int, scale: float):
     """Window keys whose top-1 group is not among the query's top-k: O(n (w + B)).
 
     All sequences are laid end to end, each after F >= w zero positions (F and the sequence
     padded to multiples of B), in one [positions, heads, d] copy; block m's queries are positions
     [mB + F, mB + F + B) and its keys the overlapping window [mB, mB + F + B), a strided view of
-    that copy (no copy per block). A mask removes keys out of the window, padding, and keys whose
-    top-1 group is one of the query's (the bucket part has those).
+    that copy (no copy per block). A mask removes keys out of the window, padding and other
+    documents (by `segment`, documents.segments), and keys whose top-1 group is one of the
+    query's (the bucket part has those).
     """
     b, h, n, d = q.shape
     block = min(_LOCAL_BLOCK, window)
@@ -231,11 +249,14 @@ def _local_part(q, k, v, groups_q, window: int, scale: float):
     def heads_first(x, size, offset):  # [b, heads, n, d] -> [M, heads, size, d]
         return windows(laid_out(x.transpose(1, 2)), size, offset).transpose(1, 2)
 
-    real = laid_out(torch.ones(b, n, dtype=torch.bool, device=q.device), False)
     distance = (
         front + torch.arange(block, device=q.device)[:, None] - torch.arange(keys, device=q.device)
     )  # [B, F + B], the same for every block
-    keep = (distance >= 0) & (distance < window) & windows(real, keys, 0)[:, None, :]
+    same_document = (  # padding: -1 as a key, -2 as a query
+        windows(laid_out(segment, -1), keys, 0)[:, None, :]
+        == windows(laid_out(segment, -2), block, front)[:, :, None]
+    )
+    keep = (distance >= 0) & (distance < window) & same_document
     key_top1 = windows(laid_out(groups_q[..., 0], -1), keys, 0)[:, None, :]  # [M, 1, F + B]
     query_groups = windows(laid_out(groups_q, -2), block, front)  # [M, B, top_k]
     for slot in range(query_groups.shape[-1]):  # not the keys in one of the query's buckets
@@ -266,40 +287,31 @@ def _local_part(q, k, v, groups_q, window: int, scale: float):
     return back(out), back(lse)
 
 
-def _sink_part(q, k, v, window: int, sink: int, scale: float):
-    """Every query i >= s against the sinks j < s outside its window (i - j >= w)."""
-    n = q.shape[2]
-    positions = torch.arange(n, device=q.device)[:, None]
-    keep = (positions >= sink) & (positions - torch.arange(sink, device=q.device) >= window)
-    mask = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(
-        ~keep, float("-inf")
-    )
-    out, lse = attention_with_lse(
-        q, k[:, :, :sink], v[:, :, :sink], scale, causal=False, mask=mask[None, None]
-    )
-    return out, lse.masked_fill(~keep.any(-1), float("-inf"))
-
-
 @torch.no_grad()
 def sparse_focus_attention(
     q, k, v, routing: Routing, *, window: int, top_k: int, scale: float, sink: int = 0
 ):
-    """Hard-rule Focus attention computing only kept pairs. q [b,h,n,d], k/v [b,g,n,d]."""
+    """Hard-rule Focus attention computing only kept pairs. q [b,h,n,d], k/v [b,g,n,d]; the
+    routing's documents, if any, each attend as alone."""
+    b, _, n, _ = q.shape
     groups_q = routing.top(top_k)  # [b, n, top_k], top-1 first
     num_groups = routing.groups.shape[-1]
-    sink = min(sink, q.shape[2])
+    doc_start = routing.doc_start
+    if doc_start is None:
+        doc_start = torch.zeros(b, n, dtype=torch.long, device=q.device)
+    sink = min(sink, n)
     if sink:  # the sinks' bucket is group K: their slot 0, and no other query's group
         groups_q = groups_q.clone()
-        groups_q[:, :sink, 0] = num_groups
+        position = torch.arange(n, device=q.device) - doc_start
+        groups_q[..., 0].masked_fill_(position < sink, num_groups)
         num_groups += 1
-    bucket_outs, bucket_lses = _bucket_part(q, k, v, groups_q, num_groups, scale)
+    segment = segments(doc_start)
+    outs, lses = _bucket_part(
+        q, k, v, groups_q, num_groups, doc_start, segment, sink, window, scale
+    )
     if kernels.lse_kernel(q.device) == "flex":  # a GPU: one call over the band
-        local_out, local_lse = flex_local_part(q, k, v, groups_q, window, scale)
+        local_out, local_lse = flex_local_part(q, k, v, groups_q, segment, window, scale)
     else:
-        local_out, local_lse = _local_part(q, k, v, groups_q, window, scale)
-    outs, lses = bucket_outs + [local_out], bucket_lses + [local_lse]
-    if sink and q.shape[2] > window:
-        sink_out, sink_lse = _sink_part(q, k, v, window, sink, scale)
-        outs, lses = outs + [sink_out], lses + [sink_lse]
-    out, _ = merge_by_lse(outs, [lse.float() for lse in lses])
+        local_out, local_lse = _local_part(q, k, v, groups_q, segment, window, scale)
+    out, _ = merge_by_lse(outs + [local_out], [lse.float() for lse in lses + [local_lse]])
     return out.to(q.dtype)

@@ -12,7 +12,7 @@ stable descending sort: the same order for every k, on every device.
 The router ranks once per layer and forward; consumers read prefixes of that ranking.
 """
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -27,11 +27,13 @@ class Routing(NamedTuple):
 
     log_g: torch.Tensor  # [b, n, K] log-assignments: the soft gate's g = exp(log_g)
     groups: torch.Tensor  # [b, n, K] rank_groups(log_g): groups[..., 0] is the top-1 group
+    # [b, n] each token's document start (documents.py); None: the sequence is one document
+    doc_start: Optional[torch.Tensor] = None
 
     @classmethod
-    def of(cls, log_g: torch.Tensor) -> "Routing":
+    def of(cls, log_g: torch.Tensor, doc_start: Optional[torch.Tensor] = None) -> "Routing":
         with torch.no_grad():
-            return cls(log_g, rank_groups(log_g))
+            return cls(log_g, rank_groups(log_g), doc_start)
 
     def top(self, top_k: int) -> torch.Tensor:
         """[b, n, top_k]: each token's top-k groups, top-1 first."""

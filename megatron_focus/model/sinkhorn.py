@@ -20,28 +20,53 @@ The prefix sums are float64 cumulative sums of exp(L), faster than `torch.logcum
 the CPU (forward and backward; its scan was the largest part of a Focus step's Sinkhorn); a
 log-mass below -700 counts as -700 in them, so the sums never underflow (float64's exp does
 below -745; fp32's already below -104).
+
+Packed documents (`doc_start`, documents.py): the prefix of token i is its document's tokens up
+to i, so each document is balanced as if it were alone. Their sums are a segmented scan (sums of
+masses only: a difference of running totals would lose a small group's mass to cancellation).
 """
+
+from typing import Optional
 
 import torch
 
 _LOG_MASS_FLOOR = -700.0
 
 
-def log_prefix_sums(log_g: torch.Tensor) -> torch.Tensor:
-    """log sum_{j<=i} exp(log_g_j) along the token dim (-2), a causal scan."""
+def log_prefix_sums(log_g: torch.Tensor, doc_start: Optional[torch.Tensor] = None):
+    """log sum_{doc_start_i <= j <= i} exp(log_g_j) along the token dim (-2), a causal scan."""
     masses = log_g.double().clamp_min(_LOG_MASS_FLOOR).exp()
-    return masses.cumsum(dim=-2).log().to(log_g.dtype)
+    if doc_start is None:
+        return masses.cumsum(dim=-2).log().to(log_g.dtype)
+    return segmented_cumsum(masses, doc_start).log().to(log_g.dtype)
 
 
-def causal_sinkhorn(scores: torch.Tensor, iters: int) -> torch.Tensor:
+def segmented_cumsum(x: torch.Tensor, doc_start: torch.Tensor) -> torch.Tensor:
+    """Prefix sums of x [..., n, K] along n, restarting at each token's `doc_start` [..., n].
+
+    A log-step scan: after the step of stride d, x_i sums x over [max(start_i, i - 2d + 1), i],
+    adding x_{i-d} (same document) to x_i.
+    """
+    n = x.shape[-2]
+    positions = torch.arange(n, device=x.device)
+    stride = 1
+    while stride < n:
+        reach = (positions[stride:] - stride >= doc_start[..., stride:]).unsqueeze(-1)
+        x = torch.cat([x[..., :stride, :], x[..., stride:, :] + x[..., :-stride, :] * reach], -2)
+        stride *= 2
+    return x
+
+
+def causal_sinkhorn(
+    scores: torch.Tensor, iters: int, doc_start: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Log-assignments [..., n, K] from scores [..., n, K]; rows are log-distributions over
-    groups."""
-    n = scores.shape[-2]
-    log_prefix_len = torch.log(
-        torch.arange(1, n + 1, device=scores.device, dtype=scores.dtype)
-    ).unsqueeze(-1)
+    groups. `doc_start` [..., n]: each token's document start (None: one document)."""
+    positions = torch.arange(scores.shape[-2], device=scores.device)
+    prefix_len = positions + 1 if doc_start is None else positions - doc_start + 1
+    log_prefix_len = torch.log(prefix_len.to(scores.dtype)).unsqueeze(-1)
     log_g = torch.log_softmax(scores, dim=-1)
     for _ in range(iters):
-        log_g = log_g - (log_prefix_sums(log_g) - log_prefix_len)
+        log_g = log_g - (log_prefix_sums(log_g, doc_start) - log_prefix_len)
         log_g = torch.log_softmax(log_g, dim=-1)
     return log_g

@@ -14,6 +14,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from megatron_focus import platform
 from megatron_focus.model import kernels
+from megatron_focus.model.documents import segments
 from megatron_focus.model.flex import (
     causal_block_mask,
     flex_attention_with_lse,
@@ -114,14 +115,21 @@ def test_causal_block_mask_is_exact(n, window):
         (500, 8, 5, "coarse"),
     ],
 )
-def test_range_block_mask_covers_every_kept_pair(n, groups, top_k, how):
+@pytest.mark.parametrize("packed", [False, True])
+def test_range_block_mask_covers_every_kept_pair(n, groups, top_k, how, packed):
     """The bucket part's ranges, as the sparse path sorts them: no kept pair in a skipped block,
-    only kept pairs in a block marked whole."""
+    only kept pairs in a block marked whole. `packed`: documents of 1-200 tokens."""
     gen = torch.Generator().manual_seed(n)
     groups_q = Routing.of(assignments(2, n, groups, gen, how)).top(top_k)
-    _, _, _, starts, before = _buckets(groups_q, groups)
+    doc_start = torch.zeros(2, n, dtype=torch.long)
+    if packed:
+        starts = torch.rand(2, n, generator=gen) < 1 / 50
+        starts[:, 0] = True
+        doc_start = torch.cummax(torch.where(starts, torch.arange(n), 0), dim=1).values
+    segment = segments(doc_start)
+    _, _, _, starts, before = _buckets(groups_q, groups, doc_start, segment)
     for slot in range(top_k):
-        lo, hi = _key_ranges(groups_q, slot, starts, before)
+        lo, hi = _key_ranges(groups_q, slot, starts, before, segment, groups)
         entries = torch.sort(lo * (2 * n + 1) + hi).indices
         lo, hi = lo[entries], hi[entries]
         mask = range_block_mask(lo, hi, 2 * n)
@@ -135,7 +143,8 @@ def test_range_block_mask_covers_every_kept_pair(n, groups, top_k, how):
             for j in mask.full_kv_indices[0, 0, i, : int(mask.full_kv_num_blocks[0, 0, i])]:
                 assert kept[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].all(), (slot, i, j)
                 whole += 1
-        assert whole > 0 or n < 1000  # 2000 tokens in one group: most blocks are whole
+        # 2000 tokens in one group, one document: most blocks are whole
+        assert whole > 0 or n < 1000 or packed
 
 
 @pytest.mark.parametrize(

@@ -127,18 +127,13 @@ def test_sliding_window_matches_dense_reference(single_process, left, groups):
     )
 
 
-@pytest.mark.parametrize(
-    "variant",
-    [
-        [],
-        ["--attention", "xsa"],
-        ["--window-size", "5,0"],
-        ["--position-embedding-type", "rope", "--attention", "xsa"],
-    ],
-)
-def test_reset_attention_mask_equals_separate_documents(single_process, variant):
-    """--reset-attention-mask with --reset-position-ids: Megatron-Core's dataset mask and
-    positions make two packed documents compute what each computes alone."""
+# a window shorter than the documents, and groups: distant pairs in both documents
+FOCUS_DOCUMENTS = ["--focus-window", "4", "--focus-groups", "4", "--focus-chunk-size", "8"]
+
+
+def _packed_documents(variant):
+    """A 2-layer model, and two documents (tokens 0..11, 12..31) packed in one sequence with
+    Megatron-Core's dataset mask and positions."""
     from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
     from megatron_focus.model.gpt import build_model
@@ -163,26 +158,74 @@ def test_reset_attention_mask_equals_separate_documents(single_process, variant)
         ]
     )
     platform.manual_seed(3)
-    model = build_model(args, 100).eval()
+    model = build_model(args, 100)
     eod = 99
     tokens = torch.randint(0, eod, (32,), generator=torch.Generator().manual_seed(0))
-    tokens[11] = eod  # document A: 0..11, document B: 12..31
+    tokens[11] = eod
     mask, _, positions = _get_ltor_masks_and_position_ids(tokens, eod, True, True, False, True)
-    with torch.no_grad():
-        packed = model(tokens[None], positions[None], mask[None])
-        alone = [
+    return model, tokens, positions, mask
+
+
+def _alone(model, tokens):
+    return torch.cat(
+        [
             model(doc[None], torch.arange(len(doc))[None], None)
             for doc in (tokens[:12], tokens[12:])
-        ]
+        ],
+        dim=1,
+    )
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        [],
+        ["--attention", "xsa"],
+        ["--window-size", "5,0"],
+        ["--position-embedding-type", "rope", "--attention", "xsa"],
+        [*FOCUS_DOCUMENTS, "--attention", "focus", "--focus-sink-tokens", "2"],
+        [*FOCUS_DOCUMENTS, "--attention", "focus+xsa", "--focus-attention-mode", "sparse"],
+    ],
+)
+def test_reset_attention_mask_equals_separate_documents(single_process, variant):
+    """--reset-attention-mask with --reset-position-ids: Megatron-Core's dataset mask and
+    positions make two packed documents compute what each computes alone (Focus: its routing
+    restarts at the second document too)."""
+    model, tokens, positions, mask = _packed_documents(variant)
+    model.eval()
+    with torch.no_grad():
+        packed = model(tokens[None], positions[None], mask[None])
+        alone = _alone(model, tokens)
         plain = model(tokens[None], torch.arange(32)[None], None)
-    torch.testing.assert_close(packed, torch.cat(alone, dim=1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(packed[:, 12:], plain[:, 12:], atol=1e-3)  # the mask matters
+
+
+@pytest.mark.parametrize("recompute", [[], ["--recompute-activations"]])
+def test_focus_gradients_with_packed_documents_equal_separate_ones(single_process, recompute):
+    """Training with --reset-attention-mask: every weight's gradient (the routers' included)
+    is the sum of the two documents' gradients alone, with Megatron's recompute as well."""
+    model, tokens, positions, mask = _packed_documents(
+        [*FOCUS_DOCUMENTS, "--attention", "focus+xsa", *recompute]
+    )
+    # (logits over the vocabulary padded to 128)
+    weights = torch.randn(1, 32, 128, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for forward in (
+        lambda: model(tokens[None], positions[None], mask[None]),
+        lambda: _alone(model, tokens),
+    ):
+        model.zero_grad()
+        (forward() * weights).sum().backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+    assert any(".router." in name for name in grads[0])
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grad, grads[1][name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize(
     "argv, error",
     [
-        (["--reset-attention-mask", "--attention", "focus"], "Focus's routing does not restart"),
         (["--window-size", "7,3"], "give LEFT,0"),
         (["--window-size", "7"], "give LEFT,0"),
         (["--window-size", "7,0", "--attention", "focus"], "Focus has its own local window"),

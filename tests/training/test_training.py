@@ -580,11 +580,15 @@ def test_real_wandb_offline_takes_the_same_calls(embedded_cache, tmp_path, monke
     assert len(runs) == 1 and os.path.getsize(runs[0]) > 0
 
 
-def test_mock_data_trains_with_megatron_data_flags(tmp_path):
+@pytest.mark.parametrize("attention", ["standard", "focus+xsa"])
+def test_mock_data_trains_with_megatron_data_flags(tmp_path, attention):
+    """Megatron-Core's mock documents, packed with their mask (Focus restarts at each one)."""
     history = train(
         1,
         TINY
         + [
+            "--attention",
+            attention,
             "--mock-data",
             "--tokenizer-type",
             "NullTokenizer",
