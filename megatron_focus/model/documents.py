@@ -7,7 +7,14 @@ its window, sinks and groups count from there, and no pair crosses it. Each docu
 computes exactly what it computes alone.
 """
 
+import weakref
+
 import torch
+
+# Every Focus layer of a forward (and its recompute) gets the same mask: it is read once, and
+# read again only when another mask, or this one changed in place, comes. (A weak reference to
+# the mask, its version and the batch size, the starts.)
+_last_read = (lambda: None, None, None)
 
 
 def document_starts(mask: torch.Tensor, batch: int) -> torch.Tensor:
@@ -16,6 +23,16 @@ def document_starts(mask: torch.Tensor, batch: int) -> torch.Tensor:
     Any other mask (a window, padding, a non-causal pair) is refused: Focus keeps its own rule
     and the documents' boundaries, nothing else.
     """
+    global _last_read
+    read, seen, start = _last_read
+    if read() is mask and seen == (mask._version, batch):
+        return start
+    start = _read(mask, batch)
+    _last_read = (weakref.ref(mask), (mask._version, batch), start)
+    return start
+
+
+def _read(mask: torch.Tensor, batch: int) -> torch.Tensor:
     refusal = ValueError(
         "Focus attention takes no attention mask but Megatron's per-document causal one "
         f"(--reset-attention-mask); got one of shape {tuple(mask.shape)}"

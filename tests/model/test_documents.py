@@ -57,6 +57,19 @@ def test_document_starts_read_megatrons_mask():
     assert not document_starts(causal[None], batch=1).any()
 
 
+def test_a_mask_is_read_once_until_it_changes():
+    """The layers of a forward share the mask: read once; changed in place, read again."""
+    tokens = torch.tensor([1, 2, 9, 3, 4, 9, 5])
+    mask, _, _ = _get_ltor_masks_and_position_ids(tokens, 9, True, True, False, True)
+    mask = mask[None]
+    first = document_starts(mask, batch=1)
+    assert document_starts(mask, batch=1) is first
+    assert document_starts(mask, batch=2).shape == (2, 7)
+    mask[..., 0, 1] = False  # token 0 sees token 1: no longer causal
+    with pytest.raises(ValueError, match="per-document causal"):
+        document_starts(mask, batch=2)
+
+
 @pytest.mark.parametrize("which", ["window", "padding", "not causal", "not square"])
 def test_other_masks_are_refused(which):
     n = 10
