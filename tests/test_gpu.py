@@ -35,6 +35,15 @@ def inputs(b, heads, kv, n, d, groups, dtype=torch.float32, seed=0):
     ]
 
 
+def assert_same_grads(out, ref, inputs):
+    """The gradients of q, k, v and the assignments through `out` and `ref`, for one cotangent."""
+    cotangent = torch.randn_like(out)
+    grads = torch.autograd.grad(out, inputs, cotangent)
+    want = torch.autograd.grad(ref, inputs, cotangent)
+    for name, got, expected in zip("qkvg", grads, want):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4, msg=name)
+
+
 @pytest.mark.parametrize("gate", ["log", "sigmoid"])
 @pytest.mark.parametrize(
     "b, heads, kv, n, d, groups, window, sink",
@@ -58,11 +67,7 @@ def test_flex_soft_focus_equals_chunked_path_fp32(b, heads, kv, n, d, groups, wi
     flex = focus_attention(q, k, v, Routing.of(log_g), kernel="flex", **kwargs)
     chunked = focus_attention(q, k, v, Routing.of(log_g), kernel="chunked", **kwargs)
     torch.testing.assert_close(flex, chunked, rtol=1e-4, atol=1e-4)
-    cotangent = torch.randn_like(flex)
-    grads = torch.autograd.grad(flex, (q, k, v, log_g), cotangent)
-    want = torch.autograd.grad(chunked, (q, k, v, log_g), cotangent)
-    for name, got, ref in zip("qkvg", grads, want):
-        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4, msg=name)
+    assert_same_grads(flex, chunked, (q, k, v, log_g))
 
 
 def test_flex_soft_focus_bf16_is_close_to_the_dense_reference():
@@ -123,11 +128,7 @@ def test_packed_documents_on_gpu_equal_the_chunked_path():
     flex = focus_attention(q, k, v, routing, kernel="flex", top_k=None, **kwargs)
     chunked = focus_attention(q, k, v, routing, kernel="chunked", top_k=None, **kwargs)
     torch.testing.assert_close(flex, chunked, rtol=1e-4, atol=1e-4)
-    cotangent = torch.randn_like(flex)
-    grads = torch.autograd.grad(flex, (q, k, v, log_g), cotangent)
-    want = torch.autograd.grad(chunked, (q, k, v, log_g), cotangent)
-    for name, got, ref in zip("qkvg", grads, want):
-        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4, msg=name)
+    assert_same_grads(flex, chunked, (q, k, v, log_g))
     with torch.no_grad():
         sparse = sparse_focus_attention(
             q, k, v, routing, window=window, top_k=2, scale=0.125, sink=4

@@ -104,7 +104,9 @@ def test_sinkhorn_restarts_at_each_document():
 WINDOW, SINK, TOP_K, SCALE = 5, 2, 2, 8**-0.5
 
 
-def soft(gate):
+def chunked(gate="log", top_k=None):
+    """focus_attention with the soft rule (`top_k` None) or the hard one, by chunks of 16."""
+
     def attend(q, k, v, routing):
         return focus_attention(
             q,
@@ -113,7 +115,7 @@ def soft(gate):
             routing,
             window=WINDOW,
             gate_scale=1.5,
-            top_k=None,
+            top_k=top_k,
             chunk_size=16,
             scale=SCALE,
             gate=gate,
@@ -121,21 +123,6 @@ def soft(gate):
         )
 
     return attend
-
-
-def hard(q, k, v, routing):
-    return focus_attention(
-        q,
-        k,
-        v,
-        routing,
-        window=WINDOW,
-        gate_scale=1.0,
-        top_k=TOP_K,
-        chunk_size=16,
-        scale=SCALE,
-        sink=SINK,
-    )
 
 
 def sparse(q, k, v, routing):
@@ -159,9 +146,9 @@ def flex(q, k, v, routing):
 
 
 PATHS = {  # name: (attention, with gradients, kernel of the log-sum-exp calls)
-    "soft gate": (soft("log"), True, None),
-    "sigmoid gate": (soft("sigmoid"), True, None),
-    "hard rule, masked": (hard, True, None),
+    "soft gate": (chunked(), True, None),
+    "sigmoid gate": (chunked("sigmoid"), True, None),
+    "hard rule, masked": (chunked(top_k=TOP_K), True, None),
     "sparse dispatch": (sparse, False, "cpu-flash"),
     "sparse dispatch, FlexAttention": (sparse, False, "flex"),
     "soft gate, FlexAttention": (flex, False, None),
