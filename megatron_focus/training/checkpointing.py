@@ -435,11 +435,11 @@ def _weights_only(args: argparse.Namespace, checkpoint_dir: str) -> bool:
 
 
 def _check_weights_fit(args: argparse.Namespace, checkpoint_dir: str) -> None:
-    check_compatible(
-        args,
-        checkpoint_dir,
-        ignore=("attention",) + FOCUS_KEYS if _adds_focus(args, checkpoint_dir) else (),
-    )
+    ignore = ("attention",) + FOCUS_KEYS if _adds_focus(args, checkpoint_dir) else ()
+    if args.position_embedding_type != "learned_absolute":  # no position table to outgrow
+        # Context extension: fine-tune the weights at a longer --seq-length.
+        ignore += ("max_position_embeddings",)
+    check_compatible(args, checkpoint_dir, ignore=ignore)
     if args.zero_stage == 3:
         raise ValueError(
             "loading weights only (an imported model, --finetune, --retrofit) is not "

@@ -194,3 +194,26 @@ def test_pretrained_checkpoint_and_use_checkpoint_args(embedded_cache, tmp_path)
         ),
     )
     assert shaped["losses"] == finetune["losses"]
+
+
+def test_a_rope_model_fine_tunes_at_a_longer_context(embedded_cache, tmp_path):
+    """RoPE has no position table: --finetune at a longer --seq-length (context extension)
+    starts from the checkpoint's weights; a learned position table of another size is refused."""
+    rope, short, wide = ["--position-embedding-type", "rope"], tmp_path / "short", tmp_path / "wide"
+    train(1, tiny_argv(embedded_cache, *rope, "--save", str(short), iters=3))
+    train(
+        1,
+        tiny_argv(
+            embedded_cache, *rope, "--max-position-embeddings", "64", "--save", str(wide), iters=3
+        ),
+    )
+    longer = [*rope, "--seq-length", "64"]
+    extended = train(1, tiny_argv(embedded_cache, *longer, "--load", str(short), "--finetune"))
+    # The same weights saved with a table size of 64 already: the ordinary path.
+    reference = train(1, tiny_argv(embedded_cache, *longer, "--load", str(wide), "--finetune"))
+    fresh = train(1, tiny_argv(embedded_cache, *longer))
+    assert extended["losses"] == reference["losses"] != fresh["losses"]
+    learned = str(tmp_path / "learned")
+    train(1, tiny_argv(embedded_cache, "--save", learned, iters=3))
+    with pytest.raises(Exception, match="max_position_embeddings: checkpoint 32, this run 64"):
+        train(1, tiny_argv(embedded_cache, "--seq-length", "64", "--load", learned, "--finetune"))
