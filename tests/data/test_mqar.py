@@ -147,7 +147,8 @@ def test_pretrain_and_eval_ppl_on_mqar(tmp_path, run_tool):
 
 @pytest.mark.slow
 def test_mqar_study_script_trains_evaluates_and_plots(tmp_path, run_tool):
-    """examples/mqar_study.py itself, shrunk: two variants, one seed, 3 iterations."""
+    """examples/mqar_study.py itself, shrunk: two variants, one seed, 3 iterations at 32 tokens
+    then 3 at 48 from those weights (the length curriculum)."""
     out = run_tool(
         "examples/mqar_study.py",
         "--out",
@@ -177,6 +178,14 @@ def test_mqar_study_script_trains_evaluates_and_plots(tmp_path, run_tool):
         "4",
         "--micro-batch-size",
         "2",
+        "--short-seq-length",
+        "32",
+        "--short-iters",
+        "3",
+        "--short-min-distance",
+        "10",
+        "--short-micro-batch-size",
+        "2",
         "--eval-iters",
         "1",
         "--json",
@@ -190,6 +199,9 @@ def test_mqar_study_script_trains_evaluates_and_plots(tmp_path, run_tool):
     assert ("window", "window") in modes and ("focus-sink1", "soft") in modes
     assert ("focus-sink1", "sparse top-1") in modes
     assert all(0 <= r["accuracy"][0] <= 1 for r in summary)
+    run = tmp_path / "runs" / "focus-sink1-seed1"
+    assert (run / "ckpt-32" / "latest").read_text() == "iter_0000003"
+    assert "--pretrained-checkpoint " + str(run / "ckpt-32") in (run / "log.txt").read_text()
     window = next(r for r in summary if r["variant"] == "window")  # keys i - 3 .. i of 48
     assert window["pairs_kept"][0] == pytest.approx(
         sum(min(i + 1, 4) for i in range(48)) / (48 * 49 / 2)
