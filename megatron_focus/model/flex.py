@@ -76,12 +76,13 @@ def _causal_window(window: int):
 def _block_mask(
     some: torch.Tensor, every: torch.Tensor, mask_mod, block: int, seq_lengths: tuple
 ) -> BlockMask:
-    """BlockMask from [query blocks, key blocks] booleans: the blocks with some kept pair, and
-    those whose every pair is kept (whole: FlexAttention evaluates no mask there)."""
+    """BlockMask from [batch, query blocks, key blocks] booleans (batch 1: the same for every
+    sequence): the blocks with some kept pair, and those whose every pair is kept (whole:
+    FlexAttention evaluates no mask there)."""
 
     def counts_and_indices(kept):  # kept blocks first, in increasing order, in each row
-        order = torch.sort((~kept).to(torch.int8), dim=1, stable=True).indices
-        return (kept.sum(1, dtype=torch.int32)[None, None], order.to(torch.int32)[None, None])
+        order = torch.sort((~kept).to(torch.int8), dim=-1, stable=True).indices
+        return (kept.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None])
 
     kv_num, kv_indices = counts_and_indices(some & ~every)
     full_num, full_indices = counts_and_indices(every)
@@ -115,7 +116,7 @@ def causal_block_mask(
     some = (q_last >= k_first) & (q_first - k_last < window)
     every = (q_first >= k_last) & (q_last - k_first < window)
     mask_mod = _causal if window >= n else _causal_window(window)
-    return _block_mask(some, every, mask_mod, block, (n, n))
+    return _block_mask(some[None], every[None], mask_mod, block, (n, n))
 
 
 def _kernel(device: torch.device):
@@ -157,15 +158,18 @@ def flex_soft_focus(
     doc_start: Optional[torch.Tensor] = None,
 ):
     """Soft-gate causal Focus attention, fused. q [b,h,n,d], k/v [b,groups,n,d], log_g [b,n,K],
-    doc_start [b, n] or None. (Documents are masked by the score_mod: the block mask skips only
-    the future.)"""
+    doc_start [b, n] or None (packed documents: their blocks skip the other documents)."""
     score_mod = gate_score_mod(log_g.float().exp(), window, gate_scale, gate, sink, doc_start)
+    if doc_start is None:
+        block_mask = causal_block_mask(q.shape[2], q.device)
+    else:
+        block_mask = document_block_mask(doc_start)
     return _kernel(q.device)(
         q,
         k,
         v,
         score_mod=score_mod,
-        block_mask=causal_block_mask(q.shape[2], q.device),
+        block_mask=block_mask,
         scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
@@ -213,22 +217,34 @@ def flex_local_part(q, k, v, groups_q, segment, window: int, scale: float):
 
 
 def range_block_mask(lo: torch.Tensor, hi: torch.Tensor, keys: int, block: int = 128) -> BlockMask:
-    """BlockMask of query e against keys [lo[e], hi[e]) (lo, hi nondecreasing in e): a block of
-    queries reads the key blocks from its first lo to its last hi; those inside every one of its
-    ranges (from its last lo to its first hi) are whole, most of a bucket's blocks."""
-    rows = lo.numel()
+    """BlockMask of query e against keys [lo[e], hi[e]) (lo, hi nondecreasing in e; [rows], or
+    [b, rows] for one mask per sequence): a block of queries reads the key blocks from its first
+    lo to its last hi; those inside every one of its ranges (from its last lo to its first hi)
+    are whole, most of a bucket's blocks."""
+    batched = lo.dim() == 2
+    lo, hi = lo.reshape(-1, lo.shape[-1]), hi.reshape(-1, hi.shape[-1])
+    rows = lo.shape[-1]
     q_blocks, kv_blocks = -(-rows // block), -(-keys // block)
     last_row = torch.clamp(torch.arange(1, q_blocks + 1, device=lo.device) * block, max=rows) - 1
-    lo_first, lo_last = lo[::block, None], lo[last_row, None]
-    hi_first, hi_last = hi[::block, None], hi[last_row, None]
-    key_first = torch.arange(kv_blocks, device=lo.device)[None] * block
+    lo_first, lo_last = lo[:, ::block, None], lo[:, last_row, None]
+    hi_first, hi_last = hi[:, ::block, None], hi[:, last_row, None]
+    key_first = torch.arange(kv_blocks, device=lo.device) * block
     some = (key_first < hi_last) & (key_first + block > lo_first) & (hi_last > lo_first)
     every = (key_first >= lo_last) & (key_first + block <= hi_first)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return (kv_idx >= lo[q_idx]) & (kv_idx < hi[q_idx])
+        row = b if batched else 0
+        return (kv_idx >= lo[row, q_idx]) & (kv_idx < hi[row, q_idx])
 
     return _block_mask(some, every, mask_mod, block, (rows, keys))
+
+
+def document_block_mask(doc_start: torch.Tensor) -> BlockMask:
+    """The causal mask within packed documents (doc_start [b, n]), per sequence: query i reads
+    keys [doc_start[i], i], so blocks of other documents are skipped, not computed and masked."""
+    n = doc_start.shape[-1]
+    ends = torch.arange(1, n + 1, device=doc_start.device).expand(doc_start.shape)
+    return range_block_mask(doc_start, ends, n)
 
 
 def flex_range_attention(q, k, v, lo, hi, scale: float):

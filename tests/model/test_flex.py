@@ -17,6 +17,7 @@ from megatron_focus.model import kernels
 from megatron_focus.model.documents import segments
 from megatron_focus.model.flex import (
     causal_block_mask,
+    document_block_mask,
     flex_attention_with_lse,
     flex_soft_focus,
     gate_score_mod,
@@ -104,6 +105,34 @@ def test_causal_block_mask_is_exact(n, window):
             assert kept[i * block : (i + 1) * block, j * block : (j + 1) * block].all(), (i, j)
 
 
+def _packed_starts(b, n, gen, mean_length):
+    """doc_start [b, n] of documents of random lengths (about `mean_length`)."""
+    starts = torch.rand(b, n, generator=gen) < 1 / mean_length
+    starts[:, 0] = True
+    return torch.cummax(torch.where(starts, torch.arange(n), 0), dim=1).values
+
+
+@pytest.mark.parametrize("n", [1, 100, 300, 513])
+@pytest.mark.parametrize("mean_length", [10, 150, 10_000])
+def test_document_block_mask_is_exact(n, mean_length):
+    """Packed documents: the blocks present are create_block_mask's for the causal pairs within
+    documents, one mask per sequence (blocks of other documents skipped); whole blocks hold only
+    kept pairs."""
+    doc_start = _packed_starts(3, n, torch.Generator().manual_seed(n + mean_length), mean_length)
+    ours = document_block_mask(doc_start)
+    ref = create_block_mask(
+        lambda b, h, q, kv: (q >= kv) & (kv >= doc_start[b, q]), 3, None, n, n, device="cpu"
+    )
+    assert torch.equal(ours.to_dense(), ref.to_dense())
+    pos = torch.arange(n)
+    kept = (pos[:, None] >= pos) & (pos >= doc_start[..., None])
+    for b in range(3):
+        full = ours.full_kv_indices[b, 0]
+        for i in range(full.shape[0]):
+            for j in full[i, : int(ours.full_kv_num_blocks[b, 0, i])].tolist():
+                assert kept[b, i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].all()
+
+
 @pytest.mark.parametrize(
     "n, groups, top_k, how",
     [
@@ -121,11 +150,7 @@ def test_range_block_mask_covers_every_kept_pair(n, groups, top_k, how, packed):
     only kept pairs in a block marked whole. `packed`: documents of 1-200 tokens."""
     gen = torch.Generator().manual_seed(n)
     groups_q = Routing.of(assignments(2, n, groups, gen, how)).top(top_k)
-    doc_start = torch.zeros(2, n, dtype=torch.long)
-    if packed:
-        starts = torch.rand(2, n, generator=gen) < 1 / 50
-        starts[:, 0] = True
-        doc_start = torch.cummax(torch.where(starts, torch.arange(n), 0), dim=1).values
+    doc_start = _packed_starts(2, n, gen, 50) if packed else torch.zeros(2, n, dtype=torch.long)
     segment = segments(doc_start)
     _, _, _, starts, before = _buckets(groups_q, groups, doc_start, segment)
     for slot in range(top_k):
