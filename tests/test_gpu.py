@@ -137,6 +137,26 @@ def test_packed_documents_on_gpu_equal_the_chunked_path():
     torch.testing.assert_close(sparse, masked, rtol=1e-4, atol=1e-4)
 
 
+def test_sparse_dispatch_on_gpu_does_not_wait_for_the_host():
+    """Without packed documents, the GPU sparse path queues its kernels without a host
+    synchronisation (any would stall the GPU once per layer)."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 1000, 64, generator=gen).cuda()
+    k, v = (torch.randn(2, 2, 1000, 64, generator=gen).cuda() for _ in range(2))
+    routing = Routing.of(assignments(2, 1000, 8, gen, "random").cuda())
+
+    def attend():
+        return sparse_focus_attention(q, k, v, routing, window=128, top_k=2, scale=0.125)
+
+    attend()  # compiles FlexAttention first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        attend()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def _peak_bytes(fn) -> int:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

@@ -69,14 +69,14 @@ def _scatter_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(flat).index_copy_(0, index, flat).view(x.shape)
 
 
-def _buckets(groups_q: torch.Tensor, num_groups: int, doc_start, segment):
+def _buckets(groups_q: torch.Tensor, num_groups: int, doc_start, segment, documents: int):
     """Bucket of each token (document * K + top-1 group), the token rows in bucket order (stable:
     positions increasing), each bucket's first place in that order, and [b, n, K] how many
     members each group has in the token's document before it."""
     bucket = (segment * num_groups + groups_q[..., 0]).reshape(-1)
     order = torch.sort(bucket, stable=True).indices
-    buckets = (int(segment[-1, -1]) + 1) * num_groups  # a host synchronisation
-    sizes = torch.bincount(bucket, minlength=buckets)
+    # Counted by a scatter of known size: bincount would synchronise with the host for its size.
+    sizes = bucket.new_zeros(documents * num_groups).index_add_(0, bucket, torch.ones_like(bucket))
     onehot = torch.nn.functional.one_hot(groups_q[..., 0], num_groups)
     before = onehot.cumsum(1) - onehot  # in the sequence, then less those before the document
     before -= before.gather(1, doc_start[..., None].expand_as(before))
@@ -162,13 +162,17 @@ def _range_attention(q, k, v, lo, hi, scale: float):
     return out, lse.masked_fill_((hi <= lo)[:, None], float("-inf"))
 
 
-def _bucket_part(q, k, v, groups_q, num_groups: int, doc_start, segment, sink: int, window, scale):
+def _bucket_part(
+    q, k, v, groups_q, num_groups: int, doc_start, segment, documents: int, sink: int, window, scale
+):
     """Per top-k slot, each query's attention over its keys of that slot's group, and with sinks
     the sink part: outputs [parts][b, h, n, d], lses [parts][b, h, n]."""
     b, h, n, d = q.shape
     top_k = groups_q.shape[-1]
     rows = [x.transpose(1, 2).reshape(b * n, x.shape[1], d) for x in (q, k, v)]
-    bucket, order, sizes, starts, before = _buckets(groups_q, num_groups, doc_start, segment)
+    bucket, order, sizes, starts, before = _buckets(
+        groups_q, num_groups, doc_start, segment, documents
+    )
     flex = kernels.lse_kernel(q.device) == "flex"
     if flex or top_k > 1 or sink:
         members_k, members_v = (_gather_rows(x, order) for x in rows[1:])
@@ -306,8 +310,10 @@ def sparse_focus_attention(
         groups_q[..., 0].masked_fill_(position < sink, num_groups)
         num_groups += 1
     segment = segments(doc_start)
+    # One document per sequence unless packed: then counting them synchronises with the host.
+    documents = b if routing.doc_start is None else int(segment[-1, -1]) + 1
     outs, lses = _bucket_part(
-        q, k, v, groups_q, num_groups, doc_start, segment, sink, window, scale
+        q, k, v, groups_q, num_groups, doc_start, segment, documents, sink, window, scale
     )
     if kernels.lse_kernel(q.device) == "flex":  # a GPU: one call over the band
         local_out, local_lse = flex_local_part(q, k, v, groups_q, segment, window, scale)

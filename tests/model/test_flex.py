@@ -152,7 +152,8 @@ def test_range_block_mask_covers_every_kept_pair(n, groups, top_k, how, packed):
     groups_q = Routing.of(assignments(2, n, groups, gen, how)).top(top_k)
     doc_start = _packed_starts(2, n, gen, 50) if packed else torch.zeros(2, n, dtype=torch.long)
     segment = segments(doc_start)
-    _, _, _, starts, before = _buckets(groups_q, groups, doc_start, segment)
+    documents = int(segment[-1, -1]) + 1
+    _, _, _, starts, before = _buckets(groups_q, groups, doc_start, segment, documents)
     for slot in range(top_k):
         lo, hi = _key_ranges(groups_q, slot, starts, before, segment, groups)
         entries = torch.sort(lo * (2 * n + 1) + hi).indices
