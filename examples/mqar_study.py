@@ -319,8 +319,8 @@ def main() -> None:
             summary,
             opts.plot,
             f"MQAR: {opts.mqar_pairs} pairs, queries >= "
-            f"{opts.mqar_min_distance} tokens later, seq {opts.seq_length}{curriculum}; Focus window "
-            f"{opts.focus_window}, K {opts.focus_groups}",
+            f"{opts.mqar_min_distance} tokens later, seq {opts.seq_length}{curriculum}; "
+            f"Focus window {opts.focus_window}, K {opts.focus_groups}",
         )
 
 
