@@ -100,7 +100,7 @@ def pretrain(args: argparse.Namespace) -> dict:
         data_loader(train_data, consumed, args.train_iters * args.global_batch_size, args)
     )
     unread = _UnreadLosses(engine.skipped_steps, args.max_skipped_steps)
-    window_start = time.time()
+    interval = _LogInterval(iteration)
     profiler = StepProfiler(args)
     while iteration < args.train_iters:
         log_now = (iteration + 1) % args.log_interval == 0 or iteration + 1 == args.train_iters
@@ -115,7 +115,7 @@ def pretrain(args: argparse.Namespace) -> dict:
 
         if log_now:
             grad_norm = engine.get_global_grad_norm()
-            losses, values = unread.read(
+            _, values = unread.read(
                 history,
                 rank0,
                 {
@@ -129,7 +129,8 @@ def pretrain(args: argparse.Namespace) -> dict:
                     **focus_statistics(engine.module),
                 },
             )
-            seconds = (time.time() - window_start) / len(losses)
+            # the whole interval's losses: a checkpoint save in it has read some of them
+            losses = history["losses"][interval.first - iteration :]
             grad_norm, loss_scale = values.pop("grad norm"), values.pop("loss scale")
             norm, num_zeros = values.pop("params norm", None), values.pop("num zeros", None)
             if num_zeros is not None:
@@ -141,7 +142,7 @@ def pretrain(args: argparse.Namespace) -> dict:
                 sum(losses) / len(losses),
                 history["lr"][-1],
                 None if math.isnan(grad_norm) else grad_norm,
-                seconds,
+                interval.seconds_per_iteration(iteration),
                 engine.skipped_steps,
                 unread.non_finite,
                 values,
@@ -149,18 +150,20 @@ def pretrain(args: argparse.Namespace) -> dict:
                 norm,
                 num_zeros,
             )
-            window_start = time.time()
+            interval.restart(iteration)
         if valid_data is not None and (
             iteration % args.eval_interval == 0 or iteration == args.train_iters
         ):
-            _validate(engine, valid_data, args, iteration, consumed, reporter, history)
+            with interval.paused():
+                _validate(engine, valid_data, args, iteration, consumed, reporter, history)
         saved = args.save and (
             (args.save_interval and iteration % args.save_interval == 0)
             or iteration == args.train_iters
         )
         if saved:
             unread.read(history, rank0)  # never save after a step trained on a non-finite loss
-            _save(engine, args, iteration, consumed, rank0)
+            with interval.paused():
+                _save(engine, args, iteration, consumed, rank0)
         exit_now = (args.exit_interval and iteration % args.exit_interval == 0) or (
             stop is not None and stop.any_rank()
         )
@@ -232,6 +235,29 @@ def train_step(
             zeros = num_zeros_in_grad(engine.module)
         engine.step()
     return _mean_over_data_parallel(total / micro), zeros
+
+
+class _LogInterval:
+    """The iterations since the last log line and their training time, evaluation and checkpoint
+    saves left out as Megatron-LM's interval timer leaves them out: the per-iteration time,
+    tokens/s and ETA measure training alone."""
+
+    def __init__(self, iteration: int):
+        self.restart(iteration)
+
+    def restart(self, iteration: int) -> None:
+        self.first, self.started = iteration, time.time()
+
+    @contextlib.contextmanager
+    def paused(self):
+        paused = time.time()
+        try:
+            yield
+        finally:
+            self.started += time.time() - paused
+
+    def seconds_per_iteration(self, iteration: int) -> float:
+        return (time.time() - self.started) / (iteration - self.first)
 
 
 class _UnreadLosses:

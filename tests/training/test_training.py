@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from tiny_runs import ROOT, TINY, tiny_argv, train
+from tiny_runs import ROOT, TINY, run_pretrain, tiny_argv, train
 
 
 class _Payload:
@@ -163,6 +163,52 @@ def test_default_run_loss_falls_and_logs_to_tensorboard(embedded_cache, tmp_path
     assert arguments <= set(events.Tags()["tensors"])
     # each point averages the iterations since the previous one, as Megatron's log line does
     assert math.isclose(events.Scalars("lm loss")[-1].value, sum(losses[-3:]) / 3, rel_tol=1e-6)
+
+
+def _slow_saves(argv):
+    """pretrain(argv) with every checkpoint save taking a second longer."""
+    import time
+
+    from megatron_focus.training import trainer
+
+    save = trainer._save
+
+    def slow(*args, **kwargs):
+        time.sleep(1.0)
+        save(*args, **kwargs)
+
+    trainer._save = slow
+    return run_pretrain(argv)
+
+
+def test_log_line_covers_its_whole_interval_and_leaves_out_saves(embedded_cache, tmp_path):
+    """Saves that fall between log lines (every 3 iterations, logs every 4) neither cut the
+    logged loss's average short nor count in the time per iteration, as in Megatron-LM."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = str(tmp_path / "tb")
+    argv = tiny_argv(
+        embedded_cache,
+        "--log-interval",
+        "4",
+        "--save",
+        str(tmp_path / "ckpt"),
+        "--save-interval",
+        "3",
+        "--tensorboard-dir",
+        tb,
+        "--log-timers-to-tensorboard",
+        iters=8,
+    )
+    losses = run_distributed(_slow_saves, 1, argv)["losses"]
+    events = EventAccumulator(tb)
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("lm loss")]
+    assert [step for step, _ in logged] == [4, 8]
+    for (step, value), window in zip(logged, (losses[:4], losses[4:])):
+        assert math.isclose(value, sum(window) / 4, rel_tol=1e-6), step
+    # each interval holds one or two one-second saves; a tiny model's step takes milliseconds
+    assert all(e.value < 0.25 for e in events.Scalars("iteration-time"))
 
 
 def _host_reads(argv):
