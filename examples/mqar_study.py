@@ -24,7 +24,9 @@ as context extension is done on text: `--short-seq-length 128 --short-iters 800`
 each model at 128 tokens (recall at a distance is learned there in minutes; trained at 1024 from
 scratch, no model leaves the plateau within a CPU's budget), then `--iters` at --seq-length
 continue from those weights (`pretrain_gpt.py --pretrained-checkpoint`), and the models are
-scored at --seq-length.
+scored at --seq-length. `--init-from` adds a further stage: each model starts from the weights
+of an earlier study's model of the same variant and seed (e.g. 2048 tokens after the 1024 above);
+with `--iters 0` those models are only scored, at this study's --seq-length.
 """
 
 import argparse
@@ -76,12 +78,31 @@ def parse() -> argparse.Namespace:
     short.add_argument(
         "--short-min-distance", type=int, default=64, help="--mqar-min-distance of that stage"
     )
+    p.add_argument(
+        "--init-from",
+        metavar="STUDY",
+        help="start each model from the final weights of the model of the same variant and seed "
+        "in this earlier study's --out (a further stage of a length curriculum); with --iters 0, "
+        "score those models at --seq-length without training",
+    )
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PATH")
     opts = p.parse_args()
     for name in opts.variants:
         variant_flags(name, opts)  # unknown names fail before any training
+    if opts.iters == 0 and (opts.short_seq_length or not opts.init_from):
+        raise SystemExit("error: --iters 0 scores the models of --init-from: give it, alone")
+    if opts.init_from:  # and missing starting points too
+        for name in opts.variants:
+            for seed in opts.seeds:
+                origin = os.path.join(opts.init_from, run_name(name, seed), "ckpt")
+                if not os.path.exists(os.path.join(origin, "latest")):
+                    raise SystemExit(f"error: --init-from: no checkpoint in {origin}")
     return opts
+
+
+def run_name(variant: str, seed: int) -> str:
+    return f"{variant.replace('+', '-')}-seed{seed}"
 
 
 def variant_flags(name: str, opts) -> list:
@@ -185,13 +206,17 @@ def model_flags(opts) -> list:
 
 
 def train_and_evaluate(opts, variant: str, seed: int) -> dict:
-    name = f"{variant.replace('+', '-')}-seed{seed}"
-    folder = os.path.join(opts.out, name)
+    folder = os.path.join(opts.out, run_name(variant, seed))
     os.makedirs(folder, exist_ok=True)
     ckpt, log, report = (os.path.join(folder, x) for x in ("ckpt", "log.txt", "eval.json"))
     start = time.time()
     if not os.path.exists(report):  # an interrupted study resumes where it stopped
         extra = []
+        if opts.init_from:
+            origin = os.path.join(opts.init_from, run_name(variant, seed), "ckpt")
+            extra = ["--pretrained-checkpoint", origin]
+            if opts.iters == 0:  # scored as they are, e.g. beyond their training length
+                ckpt = origin
         if opts.short_seq_length:
             short_ckpt = os.path.join(folder, f"ckpt-{opts.short_seq_length}")
             short = {
@@ -200,7 +225,7 @@ def train_and_evaluate(opts, variant: str, seed: int) -> dict:
                 "micro_batch": opts.short_micro_batch_size,
                 "iters": opts.short_iters,
             }
-            train(opts, variant, seed, short_ckpt, log, short)
+            train(opts, variant, seed, short_ckpt, log, short, extra)
             extra = ["--pretrained-checkpoint", short_ckpt]
         stage = {
             "seq": opts.seq_length,
@@ -208,7 +233,8 @@ def train_and_evaluate(opts, variant: str, seed: int) -> dict:
             "micro_batch": opts.micro_batch_size,
             "iters": opts.iters,
         }
-        train(opts, variant, seed, ckpt, log, stage, extra)
+        if stage["iters"]:
+            train(opts, variant, seed, ckpt, log, stage, extra)
         run(
             [
                 sys.executable,
@@ -300,6 +326,9 @@ def main() -> None:
     curriculum = (
         f" after {opts.short_iters} at seq {opts.short_seq_length}" if opts.short_seq_length else ""
     )
+    if opts.init_from:
+        origin = os.path.normpath(opts.init_from)
+        curriculum += f", from {origin}" if opts.iters else f": {origin}'s models, not trained"
     print(
         f"{opts.task}, seq {opts.seq_length}, {opts.iters} iterations{curriculum}, "
         f"seeds {opts.seeds}"

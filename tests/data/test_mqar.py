@@ -207,3 +207,43 @@ def test_mqar_study_script_trains_evaluates_and_plots(tmp_path, run_tool):
         sum(min(i + 1, 4) for i in range(48)) / (48 * 49 / 2)
     )
     assert os.path.getsize(tmp_path / "s.png") > 5_000
+
+    # a further stage from those models, and a clear error where one is missing
+    further = (
+        "--variants window --seeds 1 --seq-length 64 --iters 2 --layers 1 --hidden 32 "
+        "--mqar-pairs 3 --mqar-queries 4 --mqar-min-distance 20 --mqar-vocab-size 16 "
+        "--focus-window 4 --micro-batch-size 2 --eval-iters 1"
+    ).split()
+    missing = run_tool(
+        "examples/mqar_study.py", "--out", tmp_path / "x", "--init-from", tmp_path, *further
+    )
+    assert missing.returncode != 0 and "no checkpoint in" in missing.stderr
+    out = run_tool(
+        "examples/mqar_study.py",
+        "--out",
+        tmp_path / "long",
+        "--init-from",
+        tmp_path / "runs",
+        *further,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    log = (tmp_path / "long" / "window-seed1" / "log.txt").read_text()
+    assert "--pretrained-checkpoint " + str(tmp_path / "runs" / "window-seed1" / "ckpt") in log
+    assert "--seq-length 64" in log
+    scored = run_tool(
+        "examples/mqar_study.py",
+        "--out",
+        tmp_path / "scored",
+        "--init-from",
+        tmp_path / "long",
+        *further,
+        "--iters",
+        "0",
+        "--json",
+        tmp_path / "scored.json",
+    )
+    assert scored.returncode == 0, scored.stdout[-2000:] + scored.stderr[-2000:]
+    log = (tmp_path / "scored" / "window-seed1" / "log.txt").read_text()
+    assert "pretrain_gpt.py" not in log
+    assert "--load " + str(tmp_path / "long" / "window-seed1" / "ckpt") in log
+    assert json.load(open(tmp_path / "scored.json"))["summary"][0]["variant"] == "window"
