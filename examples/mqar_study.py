@@ -91,7 +91,10 @@ def parse() -> argparse.Namespace:
     for name in opts.variants:
         variant_flags(name, opts)  # unknown names fail before any training
     if opts.iters == 0 and (opts.short_seq_length or not opts.init_from):
-        raise SystemExit("error: --iters 0 scores the models of --init-from: give it, alone")
+        raise SystemExit(
+            "error: --iters 0 only scores the models of --init-from: give --init-from, "
+            "without --short-seq-length"
+        )
     if opts.init_from:  # and missing starting points too
         for name in opts.variants:
             for seed in opts.seeds:
