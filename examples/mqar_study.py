@@ -98,7 +98,7 @@ def parse() -> argparse.Namespace:
     if opts.init_from:  # and missing starting points too
         for name in opts.variants:
             for seed in opts.seeds:
-                origin = os.path.join(opts.init_from, run_name(name, seed), "ckpt")
+                origin = init_checkpoint(opts, name, seed)
                 if not os.path.exists(os.path.join(origin, "latest")):
                     raise SystemExit(f"error: --init-from: no checkpoint in {origin}")
     return opts
@@ -106,6 +106,11 @@ def parse() -> argparse.Namespace:
 
 def run_name(variant: str, seed: int) -> str:
     return f"{variant.replace('+', '-')}-seed{seed}"
+
+
+def init_checkpoint(opts, variant: str, seed: int) -> str:
+    """The --init-from study's final checkpoint of this variant and seed."""
+    return os.path.join(opts.init_from, run_name(variant, seed), "ckpt")
 
 
 def variant_flags(name: str, opts) -> list:
@@ -216,7 +221,7 @@ def train_and_evaluate(opts, variant: str, seed: int) -> dict:
     if not os.path.exists(report):  # an interrupted study resumes where it stopped
         extra = []
         if opts.init_from:
-            origin = os.path.join(opts.init_from, run_name(variant, seed), "ckpt")
+            origin = init_checkpoint(opts, variant, seed)
             extra = ["--pretrained-checkpoint", origin]
             if opts.iters == 0:  # scored as they are, e.g. beyond their training length
                 ckpt = origin
