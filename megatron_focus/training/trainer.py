@@ -115,7 +115,7 @@ def pretrain(args: argparse.Namespace) -> dict:
 
         if log_now:
             grad_norm = engine.get_global_grad_norm()
-            _, values = unread.read(
+            values = unread.read(
                 history,
                 rank0,
                 {
@@ -275,8 +275,8 @@ class _UnreadLosses:
         self.pending.append((iteration, loss, self.skipped > before))
 
     def read(self, history: dict, rank0: bool, extra: Optional[dict] = None):
-        """(the pending losses as floats, `extra`'s tensors as floats); appends the losses to
-        history["losses"]. Raises if a non-finite loss was trained on."""
+        """`extra`'s tensors as floats; appends the pending losses to history["losses"].
+        Raises if a non-finite loss was trained on."""
         extra = extra or {}
         tensors = [loss for _, loss, _ in self.pending] + list(extra.values())
         values = (
@@ -312,7 +312,7 @@ class _UnreadLosses:
                 )
         history["losses"] += losses
         self.pending = []
-        return losses, dict(zip(extra, values[len(losses) :]))
+        return dict(zip(extra, values[len(losses) :]))
 
 
 @torch.no_grad()
