@@ -41,14 +41,17 @@ def gate_score_mod(
 
     g [b, n, K] are the assignments (probabilities). The K-term dot product is unrolled, so each
     pair reads 2K numbers; its gradient reaches g through FlexAttention's captured-buffer rule.
-    Causality is the block mask's job, not this function's.
+    That rule (inductor's lowering of the backward) takes each captured tensor that requires
+    gradients to be indexed once: the query side and the key side read their own copy of each
+    column. Causality is the block mask's job, not this function's.
     """
-    groups = g.shape[-1]
+    query_side = [column.clone() for column in g.unbind(-1)]  # K tensors [b, n]
+    key_side = [column.clone() for column in g.unbind(-1)]
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        affinity = g[b, q_idx, 0] * g[b, kv_idx, 0]
-        for j in range(1, groups):
-            affinity = affinity + g[b, q_idx, j] * g[b, kv_idx, j]
+        affinity = query_side[0][b, q_idx] * key_side[0][b, kv_idx]
+        for g_q, g_k in zip(query_side[1:], key_side[1:]):
+            affinity = affinity + g_q[b, q_idx] * g_k[b, kv_idx]
         if gate == "sigmoid":
             gated = score * torch.sigmoid(gate_scale * affinity)
         else:
@@ -126,7 +129,9 @@ def _kernel(device: torch.device):
 @functools.lru_cache(maxsize=1)
 def _compiled_flex():
     platform.setup()  # raises dynamo's recompile limit (platform.RECOMPILE_LIMIT)
-    return torch.compile(flex_attention)
+    # dynamic=False: a second sequence length recompiles for its shape instead of turning the
+    # kernel symbolic (slower, and some block-mask shapes are refused symbolic).
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _attend_with_lse(q, k, v, scale: float, score_mod=None, block_mask=None):
@@ -200,7 +205,7 @@ def flex_local_part(q, k, v, groups_q, segment, window: int, scale: float):
 
     groups_q [b, n, top_k] (top-1 first). Returns (output, log-sum-exp), -inf where no key is left.
     """
-    top1 = groups_q[..., 0]
+    top1 = groups_q[..., 0].contiguous()  # its own tensor: inductor refuses a captured view
     slots = groups_q.shape[-1]
 
     def score_mod(score, b, h, q_idx, kv_idx):

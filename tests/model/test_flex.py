@@ -227,3 +227,87 @@ def test_compiled_flex_takes_a_new_gate_closure_without_recompiling():
             out = compiled(q, k, v, score_mod=score_mod, block_mask=mask, scale=0.25)
         ref = reference_focus(q, k, v, log_g, window=32, gate_scale=0.7, top_k=None, scale=0.25)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+# Inductor's own checks, traced on the CPU. A GPU compiles every FlexAttention call; the lowering
+# of the backward first hands the score_mod's joint graph to `validate_joint_graph`, which refuses
+# a gradient-requiring capture indexed more than once. Tracing through AOTAutograd on the CPU
+# builds that same joint graph (FlexAttention refuses a CPU backward only at its entry check,
+# which the trace skips here: the backward graph is inspected, not run).
+
+
+def _flex_backward_joint_graphs(fn, *args):
+    """The joint graphs of every flex_attention_backward that `fn(*args).sum()`'s backward
+    traces, through AOTAutograd."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch.nn.attention import flex_attention as flex_module
+
+    graphs = []
+
+    def backward_compiler(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.target is torch.ops.higher_order.flex_attention_backward:
+                graphs.append(gm.get_submodule(node.args[8].target).graph)
+        raise _Traced  # the graph is what is wanted; running it is FlexAttention's CPU refusal
+
+    backend = aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=backward_compiler)
+    torch._dynamo.reset()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(flex_module, "_validate_device", lambda *tensors: None)
+        out = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*args)
+        with pytest.raises(_Traced):
+            out.sum().backward()
+    return graphs
+
+
+class _Traced(Exception):
+    pass
+
+
+@pytest.mark.parametrize("gate", ["log", "sigmoid"])
+@pytest.mark.parametrize("groups, sink, packed", [(1, 0, False), (4, 0, False), (4, 2, True)])
+def test_soft_gate_passes_inductors_backward_check(gate, groups, sink, packed):
+    """Fails with a score_mod that reads one captured g at both q_idx and kv_idx."""
+    from torch._inductor.kernel.flex.flex_attention import validate_joint_graph
+
+    q, k, v, log_g, gen = soft_inputs(1, 4, 2, 256, 16, groups, groups)
+    for t in (q, k, v, log_g):
+        t.requires_grad_()
+    doc_start = _packed_starts(1, 256, gen, 60) if packed else None
+
+    def soft(q, k, v, log_g):
+        return flex_soft_focus(
+            q,
+            k,
+            v,
+            log_g,
+            window=16,
+            gate_scale=0.7,
+            scale=0.25,
+            gate=gate,
+            sink=sink,
+            doc_start=doc_start,
+        )
+
+    graphs = _flex_backward_joint_graphs(soft, q, k, v, log_g)
+    assert len(graphs) == 1
+    validate_joint_graph(graphs[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gate, packed", [("log", True), ("sigmoid", False)])
+def test_soft_gate_compiled_by_cpu_inductor_equals_eager(gate, packed, monkeypatch):
+    """The forward as inductor compiles it (the CPU backend compiles FlexAttention's forward
+    without the log-sum-exp) equals the eager evaluation of the same score_mod and block mask."""
+    from megatron_focus.model import flex
+
+    q, k, v, log_g, gen = soft_inputs(2, 4, 2, 300, 16, 4, 5)
+    kwargs = dict(window=16, gate_scale=0.7, scale=0.25, gate=gate, sink=2)
+    if packed:
+        kwargs["doc_start"] = _packed_starts(2, 300, gen, 60)
+    eager = flex_soft_focus(q, k, v, log_g, **kwargs)
+    monkeypatch.setattr(flex, "compiled_flex", lambda device: True)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = flex_soft_focus(q, k, v, log_g, **kwargs)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
