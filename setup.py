@@ -26,6 +26,9 @@ EXTRAS = {
         "hypothesis>=6.100",
         "matplotlib>=3.8",
         "ruff==0.17.6",
+        # the Triton kernels' tests run them under its interpreter on CPU tensors (a CUDA torch
+        # brings its own Triton)
+        "triton>=3.3",
     ],
     # --wandb-project; offline (WANDB_MODE=offline) needs no network
     "wandb": ["wandb>=0.19,<0.32"],

@@ -954,7 +954,8 @@ def _validate_focus(args: argparse.Namespace) -> None:
 
     from megatron_focus.model.kernels import soft_kernel
 
-    soft_kernel(focus.kernel, torch.device("cpu"), args.attention_dropout)  # flex: no dropout
+    # fused kernels: no dropout; Triton: installed, and interpreted on the CPU
+    soft_kernel(focus.kernel, torch.device("cuda" if _gpu() else "cpu"), args.attention_dropout)
 
 
 def _schedule_in_iterations(args: argparse.Namespace, world_size: int) -> None:

@@ -19,7 +19,7 @@ import sys
 from typing import Dict, List, Optional
 
 FOCUS_GATES = ("log", "sigmoid")  # the soft gate on distant pairs: model/focus_gate.py
-FOCUS_KERNELS = ("auto", "flex", "chunked")  # the soft gate's kernel: model/kernels.py
+FOCUS_KERNELS = ("auto", "triton", "flex", "chunked")  # the soft gate's kernel: model/kernels.py
 FOCUS_MODES = ("soft", "sparse")  # the soft gate (training) or the hard top-k rule
 
 
@@ -184,8 +184,8 @@ class FocusConfig:
     )
     kernel: str = _setting(
         "auto",
-        "soft gate's kernel: flex (FlexAttention score_mod, fused; GPU only) or chunked; "
-        "auto = flex on a GPU, chunked on the CPU",
+        "soft gate's kernel: triton (fused Triton kernel), flex (FlexAttention score_mod) or "
+        "chunked; auto = triton on a GPU (flex without Triton), chunked on the CPU",
         RUN,
         choices=FOCUS_KERNELS,
     )

@@ -2,8 +2,14 @@ import os
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/distributed.py
+
+# Without a GPU, Triton's kernels run under its interpreter on CPU tensors; Triton reads this when
+# it is imported, so it is set before any test imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

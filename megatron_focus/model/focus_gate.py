@@ -21,7 +21,8 @@ no n x n tensor outlives one chunk: memory is linear in n at a fixed chunk size.
 without dropout runs as `_SoftFocusAttention`, flash-attention style: the fused kernel and its
 log-sum-exp forward, each chunk's probabilities rebuilt from them in backward. Otherwise (dropout,
 or the hard rule with gradients) each chunk is a masked SDPA call recomputed in backward. On a GPU
-the soft rule runs fused instead, as a FlexAttention `score_mod` (flex.py).
+the soft rule runs fused instead: a Triton kernel (triton_gate.py), or a FlexAttention
+`score_mod` (flex.py).
 """
 
 from typing import Optional
@@ -35,8 +36,9 @@ from megatron_focus.model.flex import TINY_AFFINITY, flex_attention_with_lse, fl
 from megatron_focus.model.groups import Routing
 from megatron_focus.variants import FOCUS_GATES
 
-# The soft rule's kernels (kernels.soft_kernel): FlexAttention's fused one, or the chunked one
-# below. Its gates on distant pairs (FOCUS_GATES): ours in log space, or the paper's one.
+# The soft rule's kernels (kernels.soft_kernel): the fused Triton one, FlexAttention's, or the
+# chunked one below. Its gates on distant pairs (FOCUS_GATES): ours in log space, or the
+# paper's one.
 
 
 def _causal_local(q_pos, k_pos, window: int, sink: int = 0, doc_start=None):
@@ -243,8 +245,12 @@ def focus_attention(
     gqa = q.shape[1] != k.shape[1]
     log_g, doc_start = routing.log_g.float(), routing.doc_start
     if top_k is None:
-        if kernels.soft_kernel(kernel, q.device, dropout_p) == "flex":
-            return flex_soft_focus(
+        fused = kernels.soft_kernel(kernel, q.device, dropout_p)
+        if fused in ("triton", "flex"):
+            attend = flex_soft_focus
+            if fused == "triton":
+                from megatron_focus.model.triton_gate import triton_soft_focus as attend
+            return attend(
                 q,
                 k,
                 v,

@@ -1,9 +1,9 @@
 """Which kernel runs where, and the torch calls that are private or version-specific.
 
 Every kernel choice is a named function here, so what runs on a given machine is decided in one
-place: flash-attn or SDPA for standard attention, FlexAttention or the chunked path for Focus's
-soft gate, the CPU flash kernel or FlexAttention for attention with its log-sum-exp (the sparse
-path's).
+place: flash-attn or SDPA for standard attention, the fused Triton kernel, FlexAttention or the
+chunked path for Focus's soft gate, the CPU flash kernel or FlexAttention for attention with its
+log-sum-exp (the sparse path's).
 
 setup.py accepts torch 2.11 to 2.15; the suite runs on 2.11 and 2.13 (and its fast part on 2.15).
 What could move between releases lives here too, so a new torch is one file to check:
@@ -13,6 +13,9 @@ What could move between releases lives here too, so a new torch is one file to c
 
 (Dynamo's recompile limit, a process-wide setting, is `platform.setup()`'s.)
 """
+
+import importlib.util
+import os
 
 import torch
 
@@ -63,18 +66,38 @@ def use_flash_attn(q: torch.Tensor) -> bool:
     return flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
 
+def has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpreted() -> bool:
+    """Triton runs its kernels on CPU tensors only under its interpreter (tests, rehearsals)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def soft_kernel(requested: str, device: torch.device, dropout_p: float = 0.0) -> str:
-    """Focus's soft rule's kernel: "auto" is FlexAttention's fused one on a GPU without dropout
-    (FlexAttention has no dropout, and no CPU backward), the chunked one otherwise."""
+    """Focus's soft rule's kernel: "auto" is the fused Triton kernel (triton_gate.py) on a GPU
+    without dropout, FlexAttention's where Triton is missing, the chunked one otherwise (the
+    fused kernels have no dropout; on the CPU, Triton only interprets and FlexAttention has no
+    backward)."""
     if requested not in FOCUS_KERNELS:
         raise ValueError(f"unknown Focus kernel {requested!r}; choose from {FOCUS_KERNELS}")
-    if requested == "flex" and dropout_p > 0:
+    if requested in ("flex", "triton") and dropout_p > 0:
         raise ValueError(
-            "FlexAttention has no attention dropout: --focus-kernel flex needs "
+            f"the {requested} kernel has no attention dropout: --focus-kernel {requested} needs "
             "--attention-dropout 0"
         )
+    if requested == "triton" and not has_triton():
+        raise ValueError("--focus-kernel triton needs Triton (pip install triton)")
+    if requested == "triton" and device.type == "cpu" and not triton_interpreted():
+        raise ValueError(
+            "--focus-kernel triton on the CPU runs Triton's interpreter (slow; for tests): set "
+            "TRITON_INTERPRET=1, or use auto or chunked"
+        )
     if requested == "auto":
-        return "flex" if device.type == "cuda" and dropout_p == 0 else "chunked"
+        if device.type != "cuda" or dropout_p > 0:
+            return "chunked"
+        return "triton" if has_triton() else "flex"
     return requested
 
 

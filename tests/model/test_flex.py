@@ -200,15 +200,25 @@ def test_flex_attention_with_lse_equals_cpu_kernel(causal, mask_shape):
     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
 
 
-def test_soft_kernel_choice():
-    assert kernels.soft_kernel("auto", torch.device("cpu")) == "chunked"
-    assert kernels.soft_kernel("auto", torch.device("cuda")) == "flex"
-    assert kernels.soft_kernel("chunked", torch.device("cuda")) == "chunked"
-    assert kernels.soft_kernel("auto", torch.device("cuda"), dropout_p=0.1) == "chunked"
-    with pytest.raises(ValueError, match="needs --attention-dropout 0"):
-        kernels.soft_kernel("flex", torch.device("cuda"), dropout_p=0.1)
+def test_soft_kernel_choice(monkeypatch):
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert kernels.soft_kernel("auto", cpu) == "chunked"
+    assert kernels.soft_kernel("chunked", cuda) == "chunked"
+    assert kernels.soft_kernel("auto", cuda, dropout_p=0.1) == "chunked"
+    for fused in ("flex", "triton"):
+        with pytest.raises(ValueError, match="needs --attention-dropout 0"):
+            kernels.soft_kernel(fused, cuda, dropout_p=0.1)
     with pytest.raises(ValueError, match="unknown Focus kernel"):
-        kernels.soft_kernel("triton", torch.device("cpu"))
+        kernels.soft_kernel("fused", cpu)
+    monkeypatch.setattr(kernels, "has_triton", lambda: True)
+    assert kernels.soft_kernel("auto", cuda) == "triton"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="set TRITON_INTERPRET=1"):
+        kernels.soft_kernel("triton", cpu)
+    monkeypatch.setattr(kernels, "has_triton", lambda: False)
+    assert kernels.soft_kernel("auto", cuda) == "flex"
+    with pytest.raises(ValueError, match="needs Triton"):
+        kernels.soft_kernel("triton", cuda)
 
 
 def test_compiled_flex_takes_a_new_gate_closure_without_recompiling():

@@ -1,0 +1,144 @@
+"""The soft gate's fused Triton kernel (model/triton_gate.py), run by Triton's interpreter on CPU
+tensors: the kernels exactly as a GPU compiles them, one program after another.
+
+Outputs and the gradients of q, k, v and the log-assignments against the dense float64
+reference (tests/reference.py; packed documents: each document alone through it) and against the
+chunked path; sizes are small (the interpreter is slow) but cross every block edge: lengths not
+a multiple of the block (16 here), one query block, GQA with a head count that is no power of
+two, K = 1, sinks, many documents, both gates.
+"""
+
+import os
+
+import pytest
+import torch
+
+from megatron_focus.model.focus_gate import focus_attention
+from megatron_focus.model.groups import Routing
+from megatron_focus.model.sinkhorn import causal_sinkhorn
+
+from reference import reference_focus
+
+triton_gate = pytest.importorskip("megatron_focus.model.triton_gate")
+
+CASES = [  # (b, heads, kv heads, n, d, K, window, sink, document lengths or None)
+    (2, 4, 4, 37, 16, 4, 5, 0, None),  # MHA; n not a multiple of the block
+    (1, 4, 2, 40, 8, 3, 64, 2, None),  # GQA; n < w; d padded to 16; sinks
+    (2, 3, 1, 33, 16, 1, 4, 0, None),  # 3 query heads on one kv head (stacked as 4); K = 1
+    (1, 2, 2, 12, 16, 4, 3, 1, None),  # one query block
+    (1, 4, 2, 70, 16, 4, 6, 2, [9, 1, 30, 17, 13]),  # many documents, one of one token
+]
+
+
+def inputs(b, heads, kv, n, d, groups, doc_lengths, seed, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, heads, n, d, generator=gen).to(dtype)
+    k, v = (torch.randn(b, kv, n, d, generator=gen).to(dtype) for _ in range(2))
+    doc_start = None
+    if doc_lengths is not None:
+        firsts = torch.cumsum(torch.tensor([0] + doc_lengths[:-1]), 0)
+        doc_start = firsts.repeat_interleave(torch.tensor(doc_lengths)).expand(b, n)
+    log_g = causal_sinkhorn(torch.randn(b, n, groups, generator=gen) * 3, 5, doc_start)
+    return [t.requires_grad_() for t in (q, k, v, log_g)], doc_start, gen
+
+
+def reference(q, k, v, log_g, doc_start, **kwargs):
+    """reference_focus, each document alone."""
+    if doc_start is None:
+        return reference_focus(q, k, v, log_g, top_k=None, **kwargs)
+    parts, n = [], q.shape[2]
+    firsts = sorted(set(doc_start[0].tolist())) + [n]
+    for first, end in zip(firsts, firsts[1:]):
+        part = slice(first, end)
+        parts.append(
+            reference_focus(
+                q[:, :, part], k[:, :, part], v[:, :, part], log_g[:, part], top_k=None, **kwargs
+            )
+        )
+    return torch.cat(parts, dim=2)
+
+
+def grads(out, leaves, cotangent):
+    return torch.autograd.grad(out, leaves, cotangent)
+
+
+@pytest.mark.parametrize("gate", ["log", "sigmoid"])
+@pytest.mark.parametrize("b, heads, kv, n, d, groups, window, sink, docs", CASES)
+def test_kernel_equals_dense_float64_reference(
+    b, heads, kv, n, d, groups, window, sink, docs, gate
+):
+    leaves, doc_start, gen = inputs(b, heads, kv, n, d, groups, docs, n + window)
+    kwargs = dict(window=window, gate_scale=0.7, scale=d**-0.5, gate=gate, sink=sink)
+    out = triton_gate.triton_soft_focus(*leaves, doc_start=doc_start, **kwargs)
+    want = reference(*leaves, doc_start, **kwargs)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    cotangent = torch.randn(out.shape, generator=gen)
+    for name, got, ref in zip(
+        "qkvg", grads(out, leaves, cotangent), grads(want, leaves, cotangent)
+    ):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("b, heads, kv, n, d, groups, window, sink, docs", [CASES[1], CASES[4]])
+def test_kernel_equals_the_chunked_path(b, heads, kv, n, d, groups, window, sink, docs):
+    """Also on Megatron's layout: q, k, v handed as permuted views of [s, b, heads, d]."""
+    leaves, doc_start, gen = inputs(b, heads, kv, n, d, groups, docs, 7)
+    q, k, v, log_g = (
+        t.detach().permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3).requires_grad_()
+        if t.dim() == 4
+        else t
+        for t in leaves
+    )
+    kwargs = dict(window=window, gate_scale=1.3, scale=d**-0.5, sink=sink)
+    out = triton_gate.triton_soft_focus(q, k, v, log_g, doc_start=doc_start, **kwargs)
+    routing = Routing.of(log_g, doc_start)
+    chunked = focus_attention(
+        q, k, v, routing, top_k=None, chunk_size=16, kernel="chunked", **kwargs
+    )
+    torch.testing.assert_close(out, chunked, rtol=1e-5, atol=1e-5)
+    chosen = focus_attention(q, k, v, routing, top_k=None, chunk_size=16, kernel="triton", **kwargs)
+    assert torch.equal(chosen, out)  # the kernel choice reaches it
+    cotangent = torch.randn(out.shape, generator=gen)
+    ours, theirs = (
+        grads(out, (q, k, v, log_g), cotangent),
+        grads(chunked, (q, k, v, log_g), cotangent),
+    )
+    for name, got, want in zip("qkvg", ours, theirs):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
+
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float16,
+        pytest.param(
+            torch.bfloat16,
+            marks=pytest.mark.skipif(
+                INTERPRETED,
+                reason="Triton 3.9's interpreter multiplies bf16 tl.dot operands as raw bits",
+            ),
+        ),
+    ],
+)
+def test_half_precision_inputs_accumulate_in_float32(dtype):
+    """Half-precision q, k, v: outputs and gradients in that dtype, within its rounding of the
+    float64 reference on the same (rounded) inputs."""
+    leaves, doc_start, gen = inputs(1, 4, 2, 40, 16, 4, None, 3, dtype)
+    kwargs = dict(window=6, gate_scale=0.7, scale=0.25, sink=1)
+    out = triton_gate.triton_soft_focus(*leaves, doc_start=doc_start, **kwargs)
+    assert out.dtype == dtype
+    wide = [t.detach().double().requires_grad_() for t in leaves]
+    want = reference(*wide, doc_start, **kwargs)
+    tolerance = (
+        dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=3e-3, atol=3e-3)
+    )
+    torch.testing.assert_close(out.double(), want, **tolerance)
+    cotangent = torch.randn(out.shape, generator=gen)
+    got = grads(out, leaves, cotangent.to(dtype))
+    ref = grads(want, wide, cotangent.double())
+    for name, ours, theirs in zip("qkvg", got, ref):
+        assert ours.dtype == leaves["qkvg".index(name)].dtype
+        torch.testing.assert_close(ours.double(), theirs, **tolerance, msg=name)
