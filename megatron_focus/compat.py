@@ -32,10 +32,6 @@ NO_EFFECT = {
         {"action": "store_true"},
         "the loss is PyTorch's cross entropy",
     ),
-    "--grad-reduce-in-bf16": (
-        {"action": "store_true"},
-        "DeepSpeed reduces gradients in the precision its config gives (communication_data_type)",
-    ),
     "--no-create-attention-mask-in-dataloader": (
         {"action": "store_true"},
         "batches never carry an attention mask",
@@ -149,6 +145,12 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
         "--overlap-param-gather",
         action="store_true",
         help="overlap parameter gathering with compute (DeepSpeed's overlap_comm)",
+    )
+    g.add_argument(
+        "--grad-reduce-in-bf16",
+        action="store_true",
+        help="reduce gradients across data-parallel ranks in bf16 (DeepSpeed's "
+        "communication_data_type; fp32 otherwise)",
     )
 
 

@@ -130,6 +130,24 @@ def deepspeed_config(args: argparse.Namespace, data_parallel_size: int) -> dict:
         setattr(args, flag, bool(section["enabled"]))
     if args.bf16 and args.fp16:
         raise ValueError("--deepspeed_config enables both bf16 and fp16")
+    if args.bf16 or args.fp16:
+        _gradients_in_fp32(config, args)
     config.setdefault("steps_per_print", 10**9)  # our own log line replaces DeepSpeed's
     config.setdefault("wall_clock_breakdown", False)
     return config
+
+
+def _gradients_in_fp32(config: dict, args: argparse.Namespace) -> None:
+    """Half-precision training accumulates gradients over micro-batches and reduces them across
+    data-parallel ranks in fp32, as Megatron-LM does (`--grad-reduce-in-bf16` reduces in bf16);
+    what the JSON sets stays. DeepSpeed accumulates in another dtype than the model's only under
+    ZeRO (stage 0 refuses the mix)."""
+    wanted = "bf16" if args.grad_reduce_in_bf16 else "fp32"
+    if args.grad_reduce_in_bf16 and config.setdefault("communication_data_type", wanted) != wanted:
+        raise ValueError(
+            f"--grad-reduce-in-bf16, but --deepspeed_config sets communication_data_type "
+            f"{config['communication_data_type']!r}: drop one of them"
+        )
+    config.setdefault("communication_data_type", wanted)
+    if config["zero_optimization"]["stage"] > 0:
+        config.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
