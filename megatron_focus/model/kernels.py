@@ -101,6 +101,12 @@ def soft_kernel(requested: str, device: torch.device, dropout_p: float = 0.0) ->
     return requested
 
 
+def xsa_kernel(device: torch.device) -> str:
+    """XSA's projection: one fused Triton kernel each way on a GPU (triton_xsa.py), PyTorch's
+    ops elsewhere."""
+    return "triton" if device.type == "cuda" and has_triton() else "torch"
+
+
 def lse_kernel(device: torch.device) -> str:
     """The kernel of attention with its log-sum-exp (the sparse path's): the CPU's fused flash
     kernel, or FlexAttention (linear memory on a GPU)."""

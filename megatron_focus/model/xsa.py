@@ -9,6 +9,7 @@ whole inside core attention) need nothing more.
 
 import torch
 
+from megatron_focus.model import kernels
 from megatron_focus.model.core_attention import CoreAttention
 
 
@@ -38,11 +39,17 @@ class XSAMixin:
     """Adds XSA to a core attention: `class X(XSAMixin, SomeCoreAttention)`.
 
     It only overrides `project`, which `CoreAttention.forward` calls on the per-head outputs of
-    `attend`, so whatever pairs the base attention attends to, XSA applies to its output.
+    `attend`, so whatever pairs the base attention attends to, XSA applies to its output. On a GPU
+    the projection is one fused Triton kernel each way (triton_xsa.py).
     """
 
     def project(self, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return exclusive_projection(super().project(y, v), v)
+        y = super().project(y, v)
+        if kernels.xsa_kernel(y.device) == "triton":
+            from megatron_focus.model.triton_xsa import triton_exclusive_projection
+
+            return triton_exclusive_projection(y, v)
+        return exclusive_projection(y, v)
 
 
 class XSAAttention(XSAMixin, CoreAttention):
