@@ -2,6 +2,9 @@
 # The GPU check in one command (under 9 minutes on one H200), each part under its own time limit
 # so that one that hangs or fails leaves the others' results; JSON per part and a summary table
 # under $OUT (default gpu-results/):
+#   kernels    first, the decisive one: the fused Triton soft gate and XSA against SDPA (flash) and
+#              FlexAttention, forward + backward, at the 0.7B recipe's layer and 32 heads of 128
+#              (benchmarks/soft_gate_kernel.py: device time, peak memory, a JSON row at a time)
 #   tests      tests/test_gpu.py: FlexAttention soft gate and sparse dispatch against the chunked
 #              and dense references (fp32, bf16, both gates), memory growth, a model step;
 #              the HF model's attention backends (sdpa, flex_attention) against eager
@@ -54,12 +57,15 @@ part() {
   date -u; } | tee -a "$LOG"
 
 if [ "$REHEARSAL" = 1 ]; then  # the same steps, sized for a CPU
+    KERNELS=(--tiny)
+    export TRITON_INTERPRET=1  # the GPU branches' Triton kernels, interpreted on the CPU
     E2E=(--tiny --iters 4)
     SPARSE=(--seq-lengths 1024 2048 --groups 4 --top-k 1 2 --repeats 1)
     OVERHEAD=(--seq-lengths 256 --num-layers 1 --hidden-size 64 --num-attention-heads 4
               --micro-batch-size 1 --iters 2 --warmup 1)
     RECIPE=(--smoke --iters 3 --warmup 1)
 else
+    KERNELS=()
     E2E=(--iters 30)
     SPARSE=(--dtype bf16 --groups 4 8 --top-k 1 2
             --seq-lengths 1024 4096 16384 32768 65536 262144 1048576)
@@ -68,6 +74,7 @@ else
     RECIPE=(--model 0.7b --iters 8 --warmup 3)
 fi
 
+part kernels 90 python3 benchmarks/soft_gate_kernel.py "${KERNELS[@]}" --json "$OUT/kernels.json"
 # -o addopts="": in this process, one GPU; pytest-xdist need not be there
 part tests 120 python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/test_gpu.py \
     "tests/hf/test_hf.py::test_attention_backends_compute_what_eager_computes"

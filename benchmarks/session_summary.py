@@ -60,7 +60,23 @@ def recipe(result: dict) -> str:
     )
 
 
-HEADLINES = {"e2e": e2e, "sparse": sparse, "overhead": overhead, "recipe": recipe}
+def kernels(result: dict) -> str:
+    return ", ".join(
+        f"{r['shape']} {r['kernel']} {r['x_sdpa']:.2f}x"
+        if "x_sdpa" in r
+        else f"{r['shape']} {r.get('kernel', '')} failed"
+        for r in result["results"]
+        if r.get("kernel") != "sdpa causal"
+    )
+
+
+HEADLINES = {
+    "kernels": kernels,
+    "e2e": e2e,
+    "sparse": sparse,
+    "overhead": overhead,
+    "recipe": recipe,
+}
 
 
 def main() -> int:

@@ -1,5 +1,6 @@
-"""Focus's GPU kernels on a GPU: compiled FlexAttention against the chunked path and the dense
-references, in fp32 (values and gradients) and bf16, and their memory growth in n.
+"""Focus's GPU kernels on a GPU: the fused Triton kernels and compiled FlexAttention against the
+chunked path and the dense references, in fp32 (values and gradients) and bf16, and their memory
+growth in n.
 
 Skipped without CUDA (CI has none); `benchmarks/gpu_session.sh` runs them on a lent GPU.
 """
@@ -64,22 +65,42 @@ def test_flex_soft_focus_equals_chunked_path_fp32(b, heads, kv, n, d, groups, wi
         gate=gate,
         sink=sink,
     )
-    flex = focus_attention(q, k, v, Routing.of(log_g), kernel="flex", **kwargs)
     chunked = focus_attention(q, k, v, Routing.of(log_g), kernel="chunked", **kwargs)
-    torch.testing.assert_close(flex, chunked, rtol=1e-4, atol=1e-4)
-    assert_same_grads(flex, chunked, (q, k, v, log_g))
+    for fused in ("triton", "flex"):
+        out = focus_attention(q, k, v, Routing.of(log_g), kernel=fused, **kwargs)
+        torch.testing.assert_close(out, chunked, rtol=1e-4, atol=1e-4, msg=fused)
+        assert_same_grads(out, chunked, (q, k, v, log_g))
 
 
-def test_flex_soft_focus_bf16_is_close_to_the_dense_reference():
-    q, k, v, log_g = inputs(1, 4, 4, 512, 64, 8, dtype=torch.bfloat16)
-    kwargs = dict(window=64, gate_scale=1.0, scale=0.125)
+@pytest.mark.parametrize("kernel", ["triton", "flex"])
+@pytest.mark.parametrize("heads, kv, d", [(4, 4, 64), (6, 6, 256), (8, 2, 128)])
+def test_fused_soft_focus_bf16_is_close_to_the_dense_reference(kernel, heads, kv, d):
+    """bf16 (Triton's interpreter cannot check it on the CPU), at the recipes' head sizes."""
+    q, k, v, log_g = inputs(1, heads, kv, 512, d, 8, dtype=torch.bfloat16)
+    kwargs = dict(window=64, gate_scale=1.0, scale=d**-0.5)
     out = focus_attention(
-        q, k, v, Routing.of(log_g), kernel="flex", top_k=None, chunk_size=128, **kwargs
+        q, k, v, Routing.of(log_g), kernel=kernel, top_k=None, chunk_size=128, **kwargs
     )
     ref = reference_focus(
         *(t.detach().float().cpu() for t in (q, k, v, log_g)), top_k=None, **kwargs
     )
     torch.testing.assert_close(out.float().cpu(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_fused_xsa_bf16_is_close_to_the_pytorch_projection():
+    from megatron_focus.model.triton_xsa import triton_exclusive_projection
+    from megatron_focus.model.xsa import exclusive_projection
+
+    y = torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(2, 2, 1000, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = triton_exclusive_projection(y, v)
+    ref = exclusive_projection(y.float(), v.float())
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    dz = torch.randn_like(out)
+    for got, want in zip(
+        torch.autograd.grad(out, (y, v), dz), torch.autograd.grad(ref, (y, v), dz.float())
+    ):
+        torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
 
 
 @pytest.mark.parametrize(

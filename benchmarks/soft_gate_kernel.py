@@ -1,0 +1,142 @@
+"""The soft gate's kernels against standard attention, forward + backward of one layer's
+attention: time (CUDA events, device time only) and peak memory, side by side in one process.
+
+Rows: SDPA causal (flash on a GPU: the standard model's attention), the fused Triton soft gate,
+FlexAttention's soft gate, XSA's projection alone (Triton on a GPU) and its share of SDPA. Each
+shape is measured apart and its JSON written at once, so a failure (an error, an out-of-memory)
+costs only that row. Shapes: the 0.7B recipe's layer (6 heads of 256) and 32 heads of 128.
+
+    python benchmarks/soft_gate_kernel.py [--seq-length 2048 --batch 4 --groups 8]
+        [--repeats 10] [--json out.json]
+
+Without a GPU it rehearses the same calls at tiny sizes with the Triton kernels interpreted
+(TRITON_INTERPRET=1), so the script is exercised by CI.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+from megatron_focus import platform
+
+from timing import seconds
+
+SHAPES = {"0.7b": (6, 256), "32x128": (32, 128)}  # heads, head dim
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--seq-length", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--groups", type=int, default=8, help="Focus's K")
+    p.add_argument("--window", type=int, default=128)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--tiny", action="store_true", help="CPU rehearsal sizes")
+    p.add_argument("--json", metavar="PATH")
+    return p.parse_args()
+
+
+def device_ms(fn, repeats: int) -> float:
+    """Median device time of fn() in ms (CUDA events; wall clock on the CPU)."""
+    fn()  # warm-up: compilation, autotuning
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            times.append(seconds(fn) * 1e3)
+    return statistics.median(times)
+
+
+def peak_mib(fn) -> float:
+    if not torch.cuda.is_available():
+        return float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def calls(opts, heads: int, head_dim: int) -> dict:
+    """name -> a forward + backward of one layer's attention (or XSA alone)."""
+    from megatron_focus.model.flex import flex_soft_focus
+    from megatron_focus.model.sinkhorn import causal_sinkhorn
+    from megatron_focus.model.triton_gate import triton_soft_focus
+    from megatron_focus.model.triton_xsa import triton_exclusive_projection
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    shape = (opts.batch, heads, opts.seq_length, head_dim)
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in "qkv")
+    scores = torch.randn(opts.batch, opts.seq_length, opts.groups, device=device) * 3
+    log_g = causal_sinkhorn(scores, 3).requires_grad_()
+    dout = torch.randn(shape, device=device, dtype=dtype)
+    soft = dict(window=opts.window, gate_scale=1.0, scale=head_dim**-0.5)
+
+    def backward_of(out):
+        return lambda: torch.autograd.backward(out(), dout)
+
+    table = {
+        "sdpa causal": backward_of(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+        "triton soft gate": backward_of(lambda: triton_soft_focus(q, k, v, log_g, **soft)),
+        "xsa (alone)": backward_of(lambda: triton_exclusive_projection(q, v)),
+    }
+    if device == "cuda":  # FlexAttention has no CPU backward
+        table["flex soft gate"] = backward_of(lambda: flex_soft_focus(q, k, v, log_g, **soft))
+    return table
+
+
+def main() -> None:
+    opts = parse()
+    if opts.tiny:
+        opts.seq_length, opts.batch, opts.repeats, opts.groups = 40, 1, 1, 4
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("without a GPU, run with TRITON_INTERPRET=1 (the Triton interpreter)")
+    platform.setup()
+    results = []
+    print(f"{'shape':>8} {'kernel':>18} {'ms fwd+bwd':>11} {'x sdpa':>7} {'peak MiB':>9}")
+    for name in opts.shapes:
+        heads, head_dim = SHAPES[name]
+        if opts.tiny:
+            heads, head_dim = 2, 16
+        try:
+            table = calls(opts, heads, head_dim)
+        except Exception:  # noqa: BLE001 -- a shape that cannot be built is one failed row
+            results.append({"shape": name, "error": traceback.format_exc(limit=3)})
+            continue
+        baseline = None
+        for kernel, fn in table.items():
+            row = {"shape": name, "heads": heads, "head_dim": head_dim, "kernel": kernel}
+            try:
+                row["ms"] = device_ms(fn, opts.repeats)
+                row["peak_mib"] = peak_mib(fn)
+                baseline = row["ms"] if kernel == "sdpa causal" else baseline
+                row["x_sdpa"] = row["ms"] / baseline if baseline else None
+                ratio = f"{row['x_sdpa']:.2f}" if row["x_sdpa"] else "-"
+                print(
+                    f"{name:>8} {kernel:>18} {row['ms']:>11.2f} {ratio:>7} {row['peak_mib']:>9.0f}"
+                )
+            except Exception:  # noqa: BLE001 -- kept as the row's error, the others still run
+                row["error"] = traceback.format_exc(limit=3)
+                print(f"{name:>8} {kernel:>18} failed: {row['error'].splitlines()[-1]}")
+            results.append(row)
+            if opts.json:  # after every row: a later failure loses nothing measured
+                with open(opts.json, "w") as f:
+                    json.dump({"config": vars(opts), "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
