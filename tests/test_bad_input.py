@@ -423,8 +423,25 @@ CASES = [
         P,
         "a 'latest' naming a missing checkpoint",
         TINY + ["--load", "{tmp}/run"],
-        r"names 'iter_0000009', which is not in",
+        r"run/latest is damaged: it names 'iter_0000009', which is not in .*run; complete "
+        r"checkpoints there: iter_0000002; pick one with --ckpt-step \(e.g. 2\)",
         _copy_run(_rewrite_latest("iter_0000009")),
+    ),
+    Case(
+        P,
+        "an empty 'latest' file",
+        TINY + ["--load", "{tmp}/run", "--save", "{tmp}/run"],
+        r"run/latest is damaged: it is empty; complete checkpoints there: iter_0000002; pick "
+        r"one with --ckpt-step \(e.g. 2\)",
+        _copy_run(_rewrite_latest("")),
+    ),
+    Case(
+        P,
+        "a 'latest' file holding garbage",
+        TINY + ["--load", "{tmp}/run"],
+        r"run/latest is damaged: it holds '\\x00\\x01junk', not a checkpoint's name; complete "
+        r"checkpoints there: iter_0000002",
+        _copy_run(_rewrite_latest("\x00\x01junk")),
     ),
     Case(
         P,
@@ -544,6 +561,14 @@ CASES = [
         ["--load", "{run}", "--save-dir", "{tmp}/out"],
         r"out.*--overwrite",
         _nonempty_out,
+    ),
+    Case(
+        "tools/convert_to_hf.py",
+        "an empty 'latest' file",
+        ["--load", "{tmp}/run", "--save-dir", "{tmp}/out"],
+        r"run/latest is damaged: it is empty; complete checkpoints there: iter_0000002; pick "
+        r"one with --iteration \(e.g. 2\)",
+        _copy_run(_rewrite_latest("")),
     ),
     Case(
         "tools/convert_to_hf.py",

@@ -130,16 +130,31 @@ def current_names(weights: dict) -> dict:
     return {current_name(name): value for name, value in weights.items()}
 
 
-def latest_tag(load_dir: str) -> Optional[str]:
-    """The newest complete checkpoint's tag, or None if the folder holds none yet."""
+def latest_tag(load_dir: str, flag: str = "--ckpt-step") -> Optional[str]:
+    """The newest complete checkpoint's tag, or None if the folder holds none yet. A `latest`
+    that names no complete checkpoint is refused, with those the folder holds: `flag` (the
+    command's) picks one."""
     pointer = os.path.join(load_dir, LATEST)
     if not os.path.isfile(pointer):
         return None
-    with open(pointer) as f:
-        tag = f.read().strip()
-    if not os.path.isdir(os.path.join(load_dir, tag)):
-        raise FileNotFoundError(f"{pointer} names {tag!r}, which is not in {load_dir}")
-    return tag
+    with open(pointer, "rb") as f:
+        tag = f.read().decode(errors="replace").strip()
+    complete = complete_tags(load_dir)
+    if tag in complete:
+        return tag
+    if not tag:
+        damage = "it is empty"
+    elif re.fullmatch(r"iter_\d{7}", tag):
+        damage = f"it names {tag!r}, which is not in {load_dir}"
+    else:
+        damage = f"it holds {tag[:40]!r}, not a checkpoint's name"
+    offer = (
+        f"complete checkpoints there: {', '.join(complete)}; pick one with {flag} (e.g. "
+        f"{int(complete[-1][len('iter_') :])})"
+        if complete
+        else f"{load_dir} holds no complete checkpoint"
+    )
+    raise ValueError(f"{pointer} is damaged: {damage}; {offer}")
 
 
 def resume_tag(args: argparse.Namespace) -> Optional[str]:

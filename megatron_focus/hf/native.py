@@ -35,7 +35,7 @@ def checkpoint_tag_dir(load_dir: str, iteration: Optional[int] = None) -> str:
     tag = (
         checkpoint_format.tag_for(iteration)
         if iteration is not None
-        else checkpoint_format.latest_tag(load_dir)
+        else checkpoint_format.latest_tag(load_dir, flag="--iteration")
     )
     if tag is None:
         raise FileNotFoundError(
