@@ -12,6 +12,7 @@ trained-only checkpoint: where its frozen weights are).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -79,13 +80,19 @@ def tag_for(iteration: int) -> str:
 
 
 def write_atomically(path: str, text: str) -> None:
-    """Every file of the checkpoint format is written so: whole under its name, or not at all."""
+    """Every file of the checkpoint format is written so: whole under its name, or not at all (a
+    failed write, e.g. on a full disk, removes its temporary file and raises naming it)."""
     tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):  # never written, or not ours to remove
+            os.remove(tmp)
+        raise OSError(e.errno, e.strerror, e.filename or tmp) from e
 
 
 def model_args(args: argparse.Namespace) -> dict:

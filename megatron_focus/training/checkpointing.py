@@ -105,7 +105,8 @@ def save(engine, args: argparse.Namespace, iteration: int, consumed_samples: int
         **({} if args.no_save_rng else {"rng": rng_state()}),
     }
     trained_only = args.retrofit and not args.save_full
-    with _optimizer_left_out(engine) if args.no_save_optim else contextlib.nullcontext():
+    optimizer = _optimizer_left_out(engine) if args.no_save_optim else contextlib.nullcontext()
+    with optimizer, _failures_named(engine):
         failure = _attempt(
             lambda: engine.save_checkpoint(
                 args.save,
@@ -129,12 +130,19 @@ def save(engine, args: argparse.Namespace, iteration: int, consumed_samples: int
         partial,
         args.save,
     )
-    if rank0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)
-        write_atomically(os.path.join(args.save, LATEST), tag)
-    dist.barrier()
+    _agree(
+        _attempt(lambda: _publish(partial, final, args.save)) if rank0 else None,
+        partial,
+        args.save,
+    )
     return final
+
+
+def _publish(partial: str, final: str, save_dir: str) -> None:
+    """The complete checkpoint under its own name, then `latest` naming it."""
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(partial, final)
+    write_atomically(os.path.join(save_dir, LATEST), os.path.basename(final))
 
 
 @contextlib.contextmanager
@@ -151,6 +159,40 @@ def _optimizer_left_out(engine):
         engine.optimizer, engine.save_zero_checkpoint = optimizer, zero_files
 
 
+# Bytes free below which a write that failed was a full disk: torch's writer reports one as
+# `RuntimeError: [enforce fail at inline_container.cc:...] unexpected pos ...`, without an errno.
+_FULL = 1 << 20
+
+
+@contextlib.contextmanager
+def _failures_named(engine):
+    """DeepSpeed's files written so that a failed write raises an OSError naming the file."""
+    writer = engine.checkpoint_engine
+    save = writer.save
+
+    def named(state_dict, path):
+        try:
+            save(state_dict, path)
+        except (OSError, RuntimeError) as e:
+            raise _write_error(e, path) from e
+
+    writer.save = named
+    try:
+        yield
+    finally:
+        writer.save = save
+
+
+def _write_error(error: Exception, path: str) -> OSError:
+    """`error`, raised writing `path`, as an OSError naming the file and, when torch's writer
+    hides it, the cause: a full disk is told by the space left."""
+    if isinstance(error, OSError):
+        return error if error.filename else OSError(error.errno, error.strerror or str(error), path)
+    if shutil.disk_usage(os.path.dirname(path)).free < _FULL:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+    return OSError(errno.EIO, f"torch could not write it ({str(error).splitlines()[0]})", path)
+
+
 def _attempt(write) -> Optional[OSError]:
     try:
         write()
@@ -159,23 +201,40 @@ def _attempt(write) -> Optional[OSError]:
     return None
 
 
+# A failed write's cause in words, and what the user can do about it.
+_CAUSES = {
+    errno.ENOSPC: ("the disk is full", "free space on that disk"),
+    errno.EDQUOT: ("the disk quota is used up", "free some of the quota"),
+    errno.EACCES: ("no permission to write there", "make the folder writable"),
+    errno.EPERM: ("no permission to write there", "make the folder writable"),
+    errno.EROFS: ("the file system is read-only", "mount it writable"),
+}
+
+
+def described(failure: OSError, folder: str) -> tuple:
+    """(what failed, naming the file; what to do) for a write into `folder` that failed."""
+    cause, remedy = _CAUSES.get(failure.errno, ("the write failed", "fix that"))
+    what = failure.strerror or str(failure)
+    return f"{cause} ({what}: {failure.filename or folder})", remedy
+
+
 def _agree(failure: Optional[OSError], partial: str, save_dir: str) -> None:
     """Collective: if the save failed on any rank, every rank raises `SaveFailed`."""
     failures = [None] * dist.get_world_size()
-    dist.all_gather_object(
-        failures, failure and f"{failure.strerror or failure} ({failure.filename or partial})"
-    )
+    dist.all_gather_object(failures, failure and described(failure, partial))
     failed = [(rank, what) for rank, what in enumerate(failures) if what]
     if not failed:
         return
     if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
     previous = latest_tag(save_dir) if os.path.isfile(os.path.join(save_dir, LATEST)) else None
-    rank, what = failed[0]
+    rank, (what, remedy) = failed[0]
     raise SaveFailed(
         f"saving {os.path.basename(partial)[: -len('.partial')]} failed on rank "
         f"{rank}: {what}; "
         + (f"{previous} stays the latest checkpoint" if previous else "no checkpoint was saved")
+        + f": {remedy} or give --save another folder, then rerun"
+        + (" with --load to resume" if previous else "")
     )
 
 

@@ -2,12 +2,15 @@
 
 import errno
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from distributed import run_distributed
-from tiny_runs import run_pretrain, tiny_argv, train
+from tiny_runs import ROOT, run_pretrain, tiny_argv, train
 
 
 def _train_with_disk_full_at(argv, tag, rank):
@@ -32,9 +35,8 @@ def test_a_save_that_fails_on_one_rank_stops_the_run_and_keeps_the_last(embedded
     )
     with pytest.raises(
         Exception,
-        match=r"saving iter_0000004 failed on rank 1: No space left on "
-        r"device \(.*iter_0000004.partial.*\); iter_0000002 "
-        "stays the latest checkpoint",
+        match=r"saving iter_0000004 failed on rank 1: the disk is full \(No space left on "
+        r"device: .*iter_0000004.partial.*\); iter_0000002 stays the latest checkpoint",
     ):
         run_distributed(_train_with_disk_full_at, 2, argv, "iter_0000004", 1)
     assert (ckpt / "latest").read_text() == "iter_0000002"
@@ -42,6 +44,99 @@ def test_a_save_that_fails_on_one_rank_stops_the_run_and_keeps_the_last(embedded
         "iter_0000002",
         "latest",
     ]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 9 MiB file system (tmpfs) that the second checkpoint of a tiny run fills; mounting one
+    needs root, as on CI."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=9m", "tmpfs", str(disk)]
+    if subprocess.run(mount, capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def _without_rendezvous() -> dict:
+    """This process's environment, less the torch.distributed rendezvous of its own ranks."""
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return {k: v for k, v in os.environ.items() if k not in names}
+
+
+def test_a_full_disk_mid_save_is_named_and_the_last_checkpoint_stays(embedded_cache, small_disk):
+    ckpt = small_disk / "ckpt"
+    argv = tiny_argv(embedded_cache, "--save", str(ckpt), "--save-interval", "2", iters=6)
+    run = subprocess.run(
+        [sys.executable, "pretrain_gpt.py", *argv],
+        capture_output=True,
+        text=True,
+        env=_without_rendezvous(),
+        cwd=ROOT,
+    )
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    error = run.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"error: saving iter_0000004 failed on rank 0: the disk is full \(No space left on "
+        rf"device: {ckpt}/iter_0000004\.partial/\S+\.pt\); iter_0000002 stays the latest "
+        "checkpoint: free space on that disk or give --save another folder, then rerun with "
+        "--load to resume",
+        error,
+    ), error
+    assert sorted(os.listdir(ckpt)) == [
+        "iter_0000002",
+        "latest",
+        "zero_to_fp32.py",
+        "zero_to_torch.py",
+    ]
+    assert (ckpt / "latest").read_text() == "iter_0000002"
+
+
+def test_a_record_that_cannot_be_written_leaves_no_temporary_file(small_disk):
+    from megatron_focus.checkpoint.format import write_atomically
+
+    with pytest.raises(OSError) as full:
+        with open(small_disk / "filler", "wb") as f:
+            f.write(bytes(10 << 20))
+    assert full.value.errno == errno.ENOSPC
+    with pytest.raises(OSError, match="No space left on device") as failed:
+        write_atomically(str(small_disk / "latest"), "iter_0000002" * 1000)
+    assert failed.value.filename == str(small_disk / "latest.tmp")
+    assert sorted(os.listdir(small_disk)) == ["filler"]
+
+
+@pytest.mark.parametrize(
+    "code, words",
+    [
+        (errno.ENOSPC, "the disk is full (No space left on device: {f})"),
+        (errno.EDQUOT, "the disk quota is used up (Disk quota exceeded: {f})"),
+        (errno.EACCES, "no permission to write there (Permission denied: {f})"),
+        (errno.EROFS, "the file system is read-only (Read-only file system: {f})"),
+    ],
+    ids=["ENOSPC", "EDQUOT", "EACCES", "EROFS"],
+)
+def test_a_failed_write_is_told_in_words_naming_the_file(code, words):
+    from megatron_focus.training.checkpointing import described
+
+    path = "/ckpt/iter_0000004.partial/mp_rank_00_model_states.pt"
+    failure = OSError(code, os.strerror(code), path)
+    assert described(failure, "/ckpt/iter_0000004.partial")[0] == words.format(f=path)
+
+
+def test_a_torch_write_error_off_a_full_disk_names_the_file(tmp_path):
+    from megatron_focus.training.checkpointing import _write_error, described
+
+    path = str(tmp_path / "mp_rank_00_model_states.pt")
+    torch_says = "[enforce fail at inline_container.cc:672] . why\nmore"
+    failure = _write_error(RuntimeError(torch_says), path)
+    assert described(failure, str(tmp_path))[0] == (
+        f"the write failed (torch could not write it ([enforce fail at inline_container.cc:672] "
+        f". why): {path})"
+    )
 
 
 def test_a_damaged_checkpoint_is_refused_and_the_previous_one_resumes(embedded_cache, tmp_path):
