@@ -276,7 +276,8 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--exit-signal-handler",
         action="store_true",
-        help="on SIGTERM, save a checkpoint and exit cleanly",
+        help="on SIGTERM or SIGINT (to any rank or the whole process group), save a "
+        "checkpoint at the current iteration and exit cleanly (needs --save)",
     )
     g.add_argument(
         "--exit-duration-in-mins",

@@ -279,6 +279,12 @@ CASES = [
     ),
     Case(
         P,
+        "--exit-signal-handler without --save",
+        TINY + DATA + ["--exit-signal-handler"],
+        r"--exit-signal-handler saves a checkpoint when a signal stops the run: give --save",
+    ),
+    Case(
+        P,
         "a Focus top-k above its group count",
         TINY + ["--attention", "focus", "--focus-groups", "4", "--focus-top-k", "5"],
         r"--focus-top-k",
@@ -817,7 +823,8 @@ FAULTS = """## Faults during a run
 |---|---|---|
 | SIGKILL mid-save | `iter_N.partial` never becomes `latest`; the run resumes from the previous checkpoint | `tests/training/test_resume.py::test_resume_is_exact_with_dropout` |
 | Files an interrupted save or layout conversion left (`iter_N.partial`, `iter_N.universal`, `latest.tmp`) | removed by the next run, which says so | `tests/training/test_faults.py::test_what_an_interrupted_run_left_is_removed_and_reported` |
-| SIGTERM (e.g. a SLURM time limit) with `--exit-signal-handler` | saves, exits 0, resumes bit for bit | `tests/training/test_training.py::test_sigterm_saves_a_checkpoint_and_exits_cleanly` |
+| SIGTERM with `--exit-signal-handler` to one process (`python pretrain_gpt.py`) and its DataLoader workers (its process group, as a terminal or a scheduler sends it) | the workers leave it to the trainer, which saves at the current iteration and exits 0 | `tests/training/test_training.py::test_sigterm_saves_a_checkpoint_and_exits_cleanly` |
+| SIGTERM or SIGINT with `--exit-signal-handler` under torchrun (TP 2, `--num-workers 2`): to every process of the job (SLURM's preemption), to torchrun alone (which passes it to each rank's process group) or to one rank | every rank saves at the same iteration and exits 0, no DataLoader worker dies of it, the run resumes bit for bit; torchrun, when signalled itself, then reports that signal (its `SignalException`, exit 1) | `tests/training/test_faults.py::test_a_signal_under_torchrun_saves_where_the_ranks_agree_and_resumes_exactly` |
 | A save fails on any rank (disk full, quota, permission, read-only file system) | every rank stops with `error: saving iter_N failed on rank R: the disk is full (No space left on device: <the file>); iter_M stays the latest checkpoint: free space on that disk or give --save another folder, then rerun with --load to resume` (likewise `the disk quota is used up`, `no permission to write there`, `the file system is read-only`), exit 1, no traceback, the partial folder and any temporary file removed | `tests/training/test_faults.py::test_a_full_disk_mid_save_is_named_and_the_last_checkpoint_stays`, `tests/training/test_faults.py::test_a_save_that_fails_on_one_rank_stops_the_run_and_keeps_the_last`, `tests/training/test_faults.py::test_a_failed_write_is_told_in_words_naming_the_file`, `tests/training/test_faults.py::test_a_record_that_cannot_be_written_leaves_no_temporary_file` |
 | A checkpoint file damaged after its save (size or SHA-256) | refused before any compute, naming the file and the previous complete checkpoint to resume with `--ckpt-step` | `tests/training/test_faults.py::test_a_damaged_checkpoint_is_refused_and_the_previous_one_resumes` |
 | Losses non-finite for `--max-skipped-steps` steps in a row | the run stops, exit 1, no checkpoint of the diverged state | `tests/training/test_training.py::test_skipped_steps_in_a_row_stop_the_run` |

@@ -7,10 +7,16 @@ resumed run, started at its checkpoint's consumed-sample count, reads exactly th
 uninterrupted run would have; tensor-parallel ranks of one replica read the same samples.
 
 Worker processes read and collate ahead of the step (`--num-workers`, Megatron's flag), into
-pinned memory on a GPU, so the loop never waits on per-sample indexing.
+pinned memory on a GPU, so the loop never waits on per-sample indexing. They ignore SIGTERM and
+SIGINT from anyone but the training process: a scheduler's or a terminal's signal reaches the whole
+process group, and the trainer, not its workers, decides how the run ends (`--exit-signal-handler`
+saves first).
 """
 
+import os
+import signal
 import sys
+import threading
 from typing import Iterator, List
 
 import torch
@@ -44,6 +50,24 @@ class MicroBatchSampler(Sampler[List[int]]):
             yield [(first + i) % self.size for i in range(self.mbs)]
 
 
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+def _ignore_stop_signals(worker_id: int) -> None:
+    """A worker's `worker_init_fn`: SIGTERM and SIGINT wait for a thread that ends the worker only
+    when the training process sends one, as it does to a worker that outlived its iterator when
+    the interpreter exits (a worker ignoring that would hang the exit). Workers still end when
+    the training process dies: torch's workers watch their parent."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)  # inherited by the thread below
+    threading.Thread(target=_end_when_parent_asks, args=(os.getppid(),), daemon=True).start()
+
+
+def _end_when_parent_asks(parent: int) -> None:
+    while True:
+        if signal.sigwaitinfo(_STOP_SIGNALS).si_pid == parent:
+            os._exit(0)  # as torch's own SIGTERM handler ends a worker its parent terminates
+
+
 def micro_batches(
     dataset: Dataset,
     consumed: int,
@@ -74,6 +98,8 @@ def micro_batches(
         prefetch_factor=2 if num_workers else None,
         persistent_workers=persistent and num_workers > 0,
         multiprocessing_context="fork" if num_workers and sys.platform == "linux" else None,
+        # where Python has no sigwaitinfo (macOS), workers keep torch's signal handling
+        worker_init_fn=_ignore_stop_signals if hasattr(signal, "sigwaitinfo") else None,
         generator=torch.Generator().manual_seed(0),
     )
 

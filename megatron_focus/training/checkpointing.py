@@ -296,12 +296,18 @@ def _remove_debris(folder: str) -> None:
 
 
 def preflight(args: argparse.Namespace) -> None:
-    """What would fail at the first save or at load, refused before any compute: a `--save` that
-    cannot be written, a folder of complete checkpoints whose `latest` is gone (which would
-    otherwise start from scratch and overwrite them), and a damaged checkpoint to resume.
+    """What would fail at the first save or at load, refused before any compute: a signal
+    handler with nowhere to save, a `--save` that cannot be written, a folder of complete
+    checkpoints whose `latest` is gone (which would otherwise start from scratch and overwrite
+    them), and a damaged checkpoint to resume.
     Megatron's `--pretrained-checkpoint` becomes a weights-only `--load` while `--load` is empty."""
     if args.pretrained_checkpoint and (not args.load or resume_tag(args) is None):
         args.load, args.finetune, args.ckpt_step = args.pretrained_checkpoint, True, None
+    if args.exit_signal_handler and not args.save:
+        raise ValueError(
+            "--exit-signal-handler saves a checkpoint when a signal stops the run: give --save "
+            "(without one, the stopped run would look finished)"
+        )
     if args.save:
         _check_writable("--save", args.save)
         if os.path.isdir(args.save) and dist.get_rank() == 0:

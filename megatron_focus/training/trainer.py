@@ -433,8 +433,11 @@ class _StepByOne:
 
 
 class _StopRequest:
-    """A SIGTERM (`--exit-signal-handler`) or the end of `--exit-duration-in-mins`;
-    `any_rank()` tells every rank if one of them has one, so all save and stop together."""
+    """A SIGTERM or SIGINT (`--exit-signal-handler`) or the end of `--exit-duration-in-mins`;
+    `any_rank()` tells every rank if one of them has one, so all save at the same iteration and
+    stop together. A scheduler (SLURM's preemption, torchrun passing on its own signal) may signal
+    the whole process group or a single rank; the DataLoader workers leave the signal to this
+    handler (data/loader.py)."""
 
     def __init__(self, args: argparse.Namespace, started: float):
         self.received = False
@@ -444,7 +447,8 @@ class _StopRequest:
         # Asked every iteration: a CPU flag reduced over gloo never waits for the GPU's queue.
         self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         if args.exit_signal_handler:
-            signal.signal(signal.SIGTERM, self._handler)
+            for stop in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(stop, self._handler)
 
     def _handler(self, *_):
         self.received = True

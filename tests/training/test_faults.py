@@ -1,8 +1,11 @@
-"""Faults during a run and in its checkpoints: a save that cannot be written, a damaged file."""
+"""Faults during a run and in its checkpoints: a save that cannot be written, a damaged file, a
+signal from a scheduler."""
 
+import contextlib
 import errno
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -312,3 +315,108 @@ def test_a_rope_model_fine_tunes_at_a_longer_context(embedded_cache, tmp_path):
     train(1, tiny_argv(embedded_cache, "--save", learned, iters=3))
     with pytest.raises(Exception, match="max_position_embeddings: checkpoint 32, this run 64"):
         train(1, tiny_argv(embedded_cache, "--seq-length", "64", "--load", learned, "--finetune"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_tp2(embedded_cache):
+    """The losses of 24 iterations at TP 2 that no signal stopped."""
+    argv = tiny_argv(
+        embedded_cache, "--tensor-model-parallel-size", "2", "--exit-interval", "24", iters=10_000
+    )
+    return train(2, argv)["losses"]
+
+
+def _job(launcher: int) -> dict:
+    """torchrun's processes: {"launcher": [pid], "ranks": {rank: pid}, "workers": [pids]}."""
+    import psutil
+
+    ranks = {
+        int(p.environ()["RANK"]): p
+        for p in psutil.Process(launcher).children()
+        if "pretrain_gpt.py" in p.cmdline()
+    }
+    workers = [w for p in ranks.values() for w in p.children()]
+    return {"launcher": psutil.Process(launcher), "ranks": ranks, "workers": workers}
+
+
+def _kill_tree(proc) -> None:
+    """What is left of a job whose test failed: torchrun starts each rank in a session of its
+    own."""
+    import psutil
+
+    if proc.poll() is None:
+        tree = psutil.Process(proc.pid)
+        for process in [*tree.children(recursive=True), tree]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "target, sig",
+    [
+        ("every process", signal.SIGTERM),  # SLURM's preemption signals the whole job
+        ("every process", signal.SIGINT),
+        ("the launcher", signal.SIGTERM),  # torchrun passes it to each rank's process group
+        ("one rank", signal.SIGTERM),
+    ],
+    ids=lambda x: x.name if isinstance(x, signal.Signals) else x.replace(" ", "-"),
+)
+def test_a_signal_under_torchrun_saves_where_the_ranks_agree_and_resumes_exactly(
+    embedded_cache, tmp_path, uninterrupted_tp2, target, sig
+):
+    """--exit-signal-handler under torchrun at TP 2 with DataLoader workers: whoever gets the
+    signal, every rank saves at one iteration and exits 0, the workers leave the shutdown to
+    their rank, and the run resumes bit for bit."""
+    ckpt = str(tmp_path / "ckpt")
+    flags = ["--tensor-model-parallel-size", "2", "--num-workers", "2"]
+    argv = tiny_argv(embedded_cache, *flags, "--save", ckpt, "--exit-signal-handler", iters=10_000)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    proc = subprocess.Popen(
+        [*torchrun, "--nproc_per_node", "2", "pretrain_gpt.py", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_without_rendezvous(),
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        for line in proc.stdout:
+            if "iteration        3/" in line:
+                job = _job(proc.pid)
+                assert len(job["ranks"]) == 2 and len(job["workers"]) >= 4, job
+                signalled = {
+                    "every process": [job["launcher"], *job["ranks"].values(), *job["workers"]],
+                    "the launcher": [job["launcher"]],
+                    "one rank": [job["ranks"][1]],
+                }[target]
+                for process in signalled:
+                    process.send_signal(sig)
+                break
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        _kill_tree(proc)
+    assert "DataLoader worker" not in output and "ChildFailedError" not in output, output
+    # The ranks exit 0; torchrun, when it was signalled itself, then reports the signal it got.
+    assert proc.returncode == (0 if target == "one rank" else 1), output
+    saved = re.findall(r"saved checkpoint .*/(iter_\d{7})", output)
+    stopped = re.findall(r"exiting at iteration (\d+)", output)
+    assert len(saved) == len(stopped) == 1 and int(stopped[0]) >= 3, output
+    assert open(os.path.join(ckpt, "latest")).read() == saved[0] == f"iter_{int(stopped[0]):07d}"
+    assert not [w for w in job["workers"] if w.is_running()]
+    iteration = int(stopped[0])
+    resumed = train(
+        2,
+        tiny_argv(
+            embedded_cache,
+            *flags,
+            "--load",
+            ckpt,
+            "--exit-interval",
+            str(iteration + 2),
+            iters=10_000,
+        ),
+    )
+    assert resumed["losses"] == uninterrupted_tp2[iteration : iteration + 2]

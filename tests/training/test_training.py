@@ -413,11 +413,12 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(embedded_cache, tmp_path):
         text=True,
         env=env,
         cwd=ROOT,
+        start_new_session=True,
     )
     try:
         for line in proc.stdout:
-            if "iteration        2/" in line:
-                proc.send_signal(signal.SIGTERM)
+            if "iteration        2/" in line:  # to the DataLoader workers too, as a job's signal
+                os.killpg(proc.pid, signal.SIGTERM)
                 break
         output = proc.communicate(timeout=120)[0]
     finally:
