@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from interpreted import skip_unless_kernels_run
 
 from megatron_focus.model.focus_gate import focus_attention
 from megatron_focus.model.groups import Routing
@@ -19,6 +20,7 @@ from megatron_focus.model.sinkhorn import causal_sinkhorn
 
 from reference import reference_focus
 
+skip_unless_kernels_run()
 triton_gate = pytest.importorskip("megatron_focus.model.triton_gate")
 
 CASES = [  # (b, heads, kv heads, n, d, K, window, sink, document lengths or None)

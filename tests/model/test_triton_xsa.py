@@ -4,11 +4,13 @@ and gradients, GQA ratios, lengths off the block, values below eps, half precisi
 
 import pytest
 import torch
+from interpreted import skip_unless_kernels_run
 from launches import count_launches
 
 from megatron_focus.model import kernels
 from megatron_focus.model.xsa import XSAMixin, exclusive_projection
 
+skip_unless_kernels_run()
 triton_xsa = pytest.importorskip("megatron_focus.model.triton_xsa")
 
 
