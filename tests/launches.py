@@ -19,6 +19,7 @@ NO_LAUNCH = {
     "detach",
     "alias",
     "lift_fresh",
+    "_unsafe_view",
 }
 
 

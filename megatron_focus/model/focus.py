@@ -33,6 +33,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch.utils.checkpoint import checkpoint
 
 from megatron_focus.checkpoint.format import current_name
+from megatron_focus.model import kernels
 from megatron_focus.model.core_attention import CoreAttention
 from megatron_focus.model.documents import document_starts
 from megatron_focus.model.focus_gate import focus_attention
@@ -67,7 +68,11 @@ class Router(torch.nn.Module):
             # Each rank then sends back the full gradient of its slice: split, not reduce-scatter.
             r = gather_from_sequence_parallel_region(r, tensor_parallel_output_grad=False)
         scores = (r.float() @ self.centroids.float().t()).transpose(0, 1) / self.focus.tau
-        if torch.is_grad_enabled():
+        if kernels.sinkhorn_kernel(scores.device) == "triton":  # one pass each way, fused
+            from megatron_focus.model.triton_sinkhorn import triton_causal_sinkhorn
+
+            log_g = triton_causal_sinkhorn(scores, self.focus.sinkhorn_iters, doc_start)
+        elif torch.is_grad_enabled():
             # Recomputed in backward: its iterations would otherwise keep ~6 [b, s, K] tensors
             # each, more than the attention's own saved state at K = 8 and 10 iterations.
             log_g = checkpoint(

@@ -107,6 +107,12 @@ def xsa_kernel(device: torch.device) -> str:
     return "triton" if device.type == "cuda" and has_triton() else "torch"
 
 
+def sinkhorn_kernel(device: torch.device) -> str:
+    """The causal Sinkhorn: one fused Triton kernel each way on a GPU (triton_sinkhorn.py),
+    PyTorch's float64 scans elsewhere."""
+    return "triton" if device.type == "cuda" and has_triton() else "torch"
+
+
 def lse_kernel(device: torch.device) -> str:
     """The kernel of attention with its log-sum-exp (the sparse path's): the CPU's fused flash
     kernel, or FlexAttention (linear memory on a GPU)."""

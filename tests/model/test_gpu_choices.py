@@ -1,0 +1,101 @@
+"""The kernels a GPU chooses (model/kernels.py), run on the CPU: the fused Triton kernels under
+Triton's interpreter, through the whole model, against the CPU's choices; and the launches one
+Focus layer's routing makes per training step as a GPU would make them."""
+
+import pytest
+import torch
+from interpreted import skip_unless_kernels_run
+from launches import count_launches
+
+from megatron_focus.model import kernels
+
+skip_unless_kernels_run()
+
+SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+SMALL += ["--seq-length", "40", "--hidden-dropout", "0", "--attention-dropout", "0"]
+FOCUS = ["--focus-window", "4", "--focus-groups", "4", "--focus-chunk-size", "16"]
+GQA = ["--group-query-attention", "--num-query-groups", "2"]
+
+
+def gpu_choices(monkeypatch):
+    monkeypatch.setattr(kernels, "soft_kernel", lambda requested, device, dropout_p=0.0: "triton")
+    monkeypatch.setattr(kernels, "xsa_kernel", lambda device: "triton")
+    monkeypatch.setattr(kernels, "sinkhorn_kernel", lambda device: "triton")
+
+
+def model(argv):
+    from megatron_focus import platform
+    from megatron_focus.arguments import parse_args
+    from megatron_focus.model.gpt import build_model
+
+    platform.manual_seed(1234)
+    return build_model(parse_args(SMALL + argv), 256)
+
+
+def loss_and_grads(net, tokens):
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    logits = net(tokens, positions, None)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+    net.zero_grad()
+    loss.backward()
+    return loss, {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--attention", "focus+xsa"] + FOCUS + GQA,
+        ["--attention", "focus", "--focus-gate", "sigmoid"] + FOCUS,
+    ],
+    ids=["focus+xsa-gqa", "focus-sigmoid"],
+)
+def test_a_training_step_on_the_gpu_kernels_equals_the_cpu_ones(single_process, monkeypatch, argv):
+    net = model(argv)
+    tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    cpu_loss, cpu_grads = loss_and_grads(net, tokens)
+    gpu_choices(monkeypatch)
+    gpu_loss, gpu_grads = loss_and_grads(net, tokens)
+    torch.testing.assert_close(gpu_loss, cpu_loss, rtol=1e-5, atol=1e-5)
+    assert gpu_grads.keys() == cpu_grads.keys() and any(".router." in n for n in gpu_grads)
+    for name, grad in gpu_grads.items():
+        torch.testing.assert_close(grad, cpu_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_later_tokens_change_no_earlier_logit_on_the_gpu_kernels(single_process, monkeypatch):
+    gpu_choices(monkeypatch)
+    net = model(["--attention", "focus+xsa"] + FOCUS).eval()
+    tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    changed = tokens.clone()
+    changed[:, 25:] = torch.randint(0, 256, (2, 15), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(40).expand_as(tokens)
+    with torch.no_grad():
+        before, after = net(tokens, positions, None), net(changed, positions, None)
+    assert torch.equal(before[:, :25], after[:, :25])
+    assert not torch.equal(before[:, 25:], after[:, 25:])
+
+
+def test_one_layers_routing_launches_within_budget(single_process, monkeypatch):
+    """Router (projection, scores, Sinkhorn, group ranking), forward and backward, as a GPU
+    launches it: at most 12 kernels, the Sinkhorn 2 of them (PyTorch's scans: about 300)."""
+    from megatron_focus.model import triton_sinkhorn
+
+    net = model(["--attention", "focus"] + FOCUS + ["--focus-sinkhorn-iters", "10"])
+    router = net.decoder.layers[0].self_attention.core_attention.router
+    hidden = torch.randn(40, 2, 64, requires_grad=True)
+    cotangent = torch.randn(2, 40, 4)
+
+    def step():
+        router(hidden).log_g.backward(cotangent)
+
+    with count_launches() as eager:
+        step()
+    router.zero_grad(set_to_none=True)
+    hidden.grad = None  # gradients are assigned, not accumulated, as in a first micro-batch
+    gpu_choices(monkeypatch)
+    fused = (triton_sinkhorn._forward, triton_sinkhorn._backward)
+    with count_launches(fused) as launches:
+        step()
+    sinkhorn = [name for name in launches if name in ("_forward", "_backward")]
+    assert sinkhorn == ["_forward", "_backward"], launches
+    assert len(launches) <= 12, " ".join(launches)
+    assert len(eager) > 200, len(eager)
