@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check in one command (under 9 minutes on one H200), each part under its own time limit
-# so that one that hangs or fails leaves the others' results; JSON per part and a summary table
-# under $OUT (default gpu-results/):
+# so that one that hangs or fails leaves the others' results, the decisive measurements first and
+# the end-to-end runs last; JSON per part (written as it goes) and a summary table under $OUT
+# (default gpu-results/):
+#   environment  torch within setup.py's range and Triton importable, or the session stops
 #   kernels    first, the decisive one: the fused Triton soft gate and XSA against SDPA (flash) and
 #              FlexAttention, forward + backward, at the 0.7B recipe's layer and 32 heads of 128
 #              (benchmarks/soft_gate_kernel.py: device time, peak memory, a JSON row at a time)
@@ -74,18 +76,29 @@ else
     RECIPE=(--model 0.7b --iters 8 --warmup 3)
 fi
 
+# the image's torch within setup.py's range, and Triton for the fused kernels: else stop here
+part environment 60 python3 -c "
+import torch
+major, minor = (int(x) for x in torch.__version__.split('.')[:2])
+assert (2, 11) <= (major, minor) < (2, 16), f'torch {torch.__version__}: setup.py takes 2.11-2.15'
+import triton
+print('torch', torch.__version__, '| triton', triton.__version__, '| cuda', torch.version.cuda)"
+if ! tail -1 "$OUT/parts.tsv" | grep -qP '\t0\t'; then
+    python3 benchmarks/session_summary.py "$OUT" | tee "$OUT/summary.txt"
+    exit 1
+fi
 part kernels 90 python3 benchmarks/soft_gate_kernel.py "${KERNELS[@]}" --json "$OUT/kernels.json"
-# -o addopts="": in this process, one GPU; pytest-xdist need not be there
-part tests 120 python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/test_gpu.py \
-    "tests/hf/test_hf.py::test_attention_backends_compute_what_eager_computes"
-part e2e-focus-xsa 100 python3 benchmarks/end_to_end.py --attention focus+xsa "${E2E[@]}" \
-    --json "$OUT/e2e-focus-xsa.json"
-part e2e-standard 60 python3 benchmarks/end_to_end.py --attention standard "${E2E[@]}" \
-    --json "$OUT/e2e-standard.json"
-part sparse 80 python3 benchmarks/focus_sparse_speed.py "${SPARSE[@]}" --json "$OUT/sparse.json"
 part overhead 80 python3 benchmarks/variant_overhead.py --variants standard xsa focus focus+xsa \
     --hidden-dropout 0 --attention-dropout 0 "${OVERHEAD[@]}" --json "$OUT/overhead.json"
 part recipe 80 python3 benchmarks/recipe_speed.py --variants standard focus+xsa "${RECIPE[@]}" \
     --json "$OUT/recipe.json"
+# -o addopts="": in this process, one GPU; pytest-xdist need not be there
+part tests 120 python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/test_gpu.py \
+    "tests/hf/test_hf.py::test_attention_backends_compute_what_eager_computes"
+part sparse 80 python3 benchmarks/focus_sparse_speed.py "${SPARSE[@]}" --json "$OUT/sparse.json"
+part e2e-focus-xsa 100 python3 benchmarks/end_to_end.py --attention focus+xsa "${E2E[@]}" \
+    --json "$OUT/e2e-focus-xsa.json"
+part e2e-standard 60 python3 benchmarks/end_to_end.py --attention standard "${E2E[@]}" \
+    --json "$OUT/e2e-standard.json"
 
 python3 benchmarks/session_summary.py "$OUT" | tee "$OUT/summary.txt"

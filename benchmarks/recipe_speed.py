@@ -139,19 +139,34 @@ def measure(opts, attention: str, work: str) -> dict:
 
 def main() -> None:
     opts = parse()
+    rows = []
     with tempfile.TemporaryDirectory() as work:
-        rows = [measure(opts, variant, work) for variant in opts.variants]
-    base = rows[0]["tokens_per_s"]
+        for variant in opts.variants:  # a variant that fails is a row saying so; the rest run
+            try:
+                rows.append(measure(opts, variant, work))
+            except (RuntimeError, subprocess.TimeoutExpired, StopIteration, ValueError) as e:
+                rows.append({"attention": variant, "error": f"{type(e).__name__}: {e}"})
+            if opts.json:  # after each variant: a later failure loses nothing measured
+                with open(opts.json, "w") as f:
+                    json.dump({"model": opts.model, "smoke": opts.smoke, "rows": rows}, f, indent=2)
+    measured = [r for r in rows if "error" not in r]
     print(
-        f"{opts.model}{' (smoke)' if opts.smoke else ''}: micro-batch "
-        f"{rows[0]['micro_batch_size']} x {rows[0]['seq_length']} tokens, one process; medians "
-        f"of iterations {opts.warmup + 1}..{opts.iters}"
+        f"{opts.model}{' (smoke)' if opts.smoke else ''}: one process; medians of iterations "
+        f"{opts.warmup + 1}..{opts.iters}"
+        + (
+            f", micro-batch {measured[0]['micro_batch_size']} x {measured[0]['seq_length']}"
+            if measured
+            else ""
+        )
     )
     print(
         f"{'variant':<12}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}{'peak GiB':>10}{'vs first':>10}"
     )
     for r in rows:
-        r["tokens_per_s_ratio"] = r["tokens_per_s"] / base
+        if "error" in r:
+            print(f"{r['attention']:<12} failed: {r['error']}")
+            continue
+        r["tokens_per_s_ratio"] = r["tokens_per_s"] / measured[0]["tokens_per_s"]
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         print(
             f"{r['attention']:<12}{r['tokens_per_s']:>12.0f}{r['tflops']:>10.2f}{mfu:>8}"
@@ -160,6 +175,8 @@ def main() -> None:
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump({"model": opts.model, "smoke": opts.smoke, "rows": rows}, f, indent=2)
+    if not measured:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -45,16 +45,22 @@ def overhead(result: dict) -> str:
         for variant, r in run["results"].items():
             ratios = (r["step_time_ratio"], r["peak_step_memory_ratio"])
             worst[variant] = tuple(map(max, zip(worst.get(variant, (0, 0)), ratios)))
+    failed = sorted({v for run in result["runs"] for v in run.get("errors", {})})
     return ", ".join(
-        f"{v} {t:.2f}x time {m:.2f}x memory"
-        for v, (t, m) in worst.items()
-        if v != result["config"]["variants"][0]
+        [
+            f"{v} {t:.2f}x time {m:.2f}x memory"
+            for v, (t, m) in worst.items()
+            if v != result["config"]["variants"][0]
+        ]
+        + [f"{v} failed" for v in failed]
     )
 
 
 def recipe(result: dict) -> str:
     return ", ".join(
-        f"{r['attention']} {r['tokens_per_s']:.0f} tok/s"
+        f"{r['attention']} failed"
+        if "error" in r
+        else f"{r['attention']} {r['tokens_per_s']:.0f} tok/s"
         + (f" MFU {r['mfu']:.0%}" if r["mfu"] is not None else "")
         for r in result["rows"]
     )

@@ -2,7 +2,8 @@
 attention: time (CUDA events, device time only) and peak memory, side by side in one process.
 
 Rows: SDPA causal (flash on a GPU: the standard model's attention), the fused Triton soft gate,
-FlexAttention's soft gate, XSA's projection alone (Triton on a GPU) and its share of SDPA. Each
+FlexAttention's soft gate, and, as shares of SDPA, XSA's projection and the causal Sinkhorn
+(10 iterations) alone, the Sinkhorn also as PyTorch runs it. Each
 shape is measured apart and its JSON written at once, so a failure (an error, an out-of-memory)
 costs only that row. Shapes: the 0.7B recipe's layer (6 heads of 256) and 32 heads of 128.
 
@@ -75,6 +76,7 @@ def calls(opts, heads: int, head_dim: int) -> dict:
     from megatron_focus.model.flex import flex_soft_focus
     from megatron_focus.model.sinkhorn import causal_sinkhorn
     from megatron_focus.model.triton_gate import triton_soft_focus
+    from megatron_focus.model.triton_sinkhorn import triton_causal_sinkhorn
     from megatron_focus.model.triton_xsa import triton_exclusive_projection
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -83,6 +85,7 @@ def calls(opts, heads: int, head_dim: int) -> dict:
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in "qkv")
     scores = torch.randn(opts.batch, opts.seq_length, opts.groups, device=device) * 3
     log_g = causal_sinkhorn(scores, 3).requires_grad_()
+    scores.requires_grad_()
     dout = torch.randn(shape, device=device, dtype=dtype)
     soft = dict(window=opts.window, gate_scale=1.0, scale=head_dim**-0.5)
 
@@ -93,6 +96,12 @@ def calls(opts, heads: int, head_dim: int) -> dict:
         "sdpa causal": backward_of(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
         "triton soft gate": backward_of(lambda: triton_soft_focus(q, k, v, log_g, **soft)),
         "xsa (alone)": backward_of(lambda: triton_exclusive_projection(q, v)),
+        "sinkhorn (alone)": lambda: torch.autograd.backward(
+            triton_causal_sinkhorn(scores, 10), torch.ones_like(scores)
+        ),
+        "sinkhorn, pytorch": lambda: torch.autograd.backward(
+            causal_sinkhorn(scores, 10), torch.ones_like(scores)
+        ),
     }
     if device == "cuda":  # FlexAttention has no CPU backward
         table["flex soft gate"] = backward_of(lambda: flex_soft_focus(q, k, v, log_g, **soft))

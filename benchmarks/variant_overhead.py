@@ -27,6 +27,7 @@ import ctypes.util
 import json
 import re
 import statistics
+import sys
 
 import torch
 
@@ -140,18 +141,25 @@ def run(opts: argparse.Namespace, model_argv: list[str], seq_length: int) -> dic
         "--seq-length",
         str(seq_length),
     ]
-    models = {}
-    for variant in opts.variants:
-        platform.manual_seed(opts.seed)
-        models[variant] = build_model(
-            parse_args(size + model_argv + ["--attention", variant]), opts.vocab_size
-        ).to(device)
-        if opts.bf16:
-            models[variant].bfloat16()
     g = torch.Generator().manual_seed(opts.seed)
     shape = (opts.micro_batch_size, seq_length)
     tokens = torch.randint(0, opts.vocab_size, shape, generator=g).to(device)
     positions = torch.arange(seq_length, device=device).expand(shape)
+    models, errors = {}, {}
+    for variant in opts.variants:  # one that fails to build or step is reported, not measured
+        platform.manual_seed(opts.seed)
+        try:
+            model = build_model(
+                parse_args(size + model_argv + ["--attention", variant]), opts.vocab_size
+            ).to(device)
+            if opts.bf16:
+                model.bfloat16()
+            step(model, tokens, positions)
+            models[variant] = model
+        except (RuntimeError, ValueError, NotImplementedError) as e:
+            errors[variant] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if opts.variants[0] in errors:
+        return {"seq_length": seq_length, "results": {}, "errors": errors}
 
     times = interleaved(
         lambda model: seconds(lambda: step(model, tokens, positions)),
@@ -182,7 +190,8 @@ def run(opts: argparse.Namespace, model_argv: list[str], seq_length: int) -> dic
 
     return {
         "seq_length": seq_length,
-        "results": {variant: summary(variant) for variant in opts.variants},
+        "results": {variant: summary(variant) for variant in models},
+        "errors": errors,
     }
 
 
@@ -216,6 +225,8 @@ def table(config: dict, runs: list) -> str:
         f"{'time x':>8}{'mem x':>8}",
     ]
     for run in runs:
+        for variant, error in run["errors"].items():
+            rows.append(f"{run['seq_length']:>6} {variant:<11} failed: {error}")
         for variant, r in run["results"].items():
             lo, hi = r["step_ms_iqr"]
             rows.append(
@@ -228,13 +239,17 @@ def table(config: dict, runs: list) -> str:
 
 def main() -> None:
     opts, model_argv = parse()
-    runs = [run(opts, model_argv, n) for n in opts.seq_lengths]
     config = describe(opts, model_argv)
+    runs = []
+    for n in opts.seq_lengths:
+        runs.append(run(opts, model_argv, n))
+        if opts.json:  # after each length: a later failure loses nothing measured
+            with open(opts.json, "w") as f:
+                json.dump({"config": config, "runs": runs}, f, indent=2)
     print(table(config, runs))
-    if opts.json:
-        with open(opts.json, "w") as f:
-            json.dump({"config": config, "runs": runs}, f, indent=2)
     platform.destroy_distributed()
+    if any(run["errors"] for run in runs):
+        sys.exit(1)
 
 
 if __name__ == "__main__":
