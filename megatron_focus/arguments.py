@@ -953,10 +953,10 @@ def _validate_focus(args: argparse.Namespace) -> None:
         )
     import torch
 
-    from megatron_focus.model.kernels import soft_kernel
+    from megatron_focus.model.kernels import soft_gate
 
     # fused kernels: no dropout; Triton: installed, and interpreted on the CPU
-    soft_kernel(focus.kernel, torch.device("cuda" if _gpu() else "cpu"), args.attention_dropout)
+    soft_gate(focus.kernel, torch.device("cuda" if _gpu() else "cpu"), args.attention_dropout)
 
 
 def _schedule_in_iterations(args: argparse.Namespace, world_size: int) -> None:

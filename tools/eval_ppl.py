@@ -43,7 +43,7 @@ from megatron_focus.model.focus import (  # noqa: E402
     recording_statistics,
     set_focus_mode,
 )
-from megatron_focus.model.kernels import lse_kernel, soft_kernel  # noqa: E402
+from megatron_focus.model.kernels import chosen, lse_kernel  # noqa: E402
 
 
 def parse() -> tuple[argparse.Namespace, argparse.Namespace]:
@@ -175,10 +175,9 @@ def main() -> None:
     print(f"{opts.load}: {arch.attention}, {sequences} validation sequences per length")
     kernels = None
     if arch.focus is not None:
-        layer = next(m for m in model.modules() if isinstance(m, FocusAttention))
         device = next(model.parameters()).device
-        kernels = {"soft": soft_kernel(layer.focus.kernel, device), "sparse": lse_kernel(device)}
-        print(f"Focus kernels: soft gate {kernels['soft']}, sparse {kernels['sparse']}")
+        kernels = {**chosen(model), "sparse": lse_kernel(device)}
+        print("Focus kernels: " + ", ".join(f"{op} {name}" for op, name in kernels.items()))
     print(table(rows, lengths))
     if opts.json:
         with open(opts.json, "w") as f:

@@ -32,6 +32,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch.utils.checkpoint import checkpoint
 
+from megatron_focus import platform
 from megatron_focus.checkpoint.format import current_name
 from megatron_focus.model import kernels
 from megatron_focus.model.core_attention import CoreAttention
@@ -39,7 +40,6 @@ from megatron_focus.model.documents import document_starts
 from megatron_focus.model.focus_gate import focus_attention
 from megatron_focus.model.focus_sparse import sparse_focus_attention
 from megatron_focus.model.groups import Routing
-from megatron_focus.model.sinkhorn import causal_sinkhorn
 from megatron_focus.model.xsa import XSAMixin
 from megatron_focus.parallel import sum_grad_over_tensor_parallel
 from megatron_focus.variants import FOCUS_MODES, FocusConfig
@@ -60,6 +60,7 @@ class Router(torch.nn.Module):
         self.proj.weight.sequence_parallel = config.sequence_parallel
         self.record_stats = False  # set by `recording_statistics`
         self.stats: Optional[dict] = None
+        self.sinkhorn = kernels.sinkhorn(platform.setup().device)
 
     def forward(self, hidden_states: torch.Tensor, doc_start=None) -> Routing:
         """`doc_start` [b, s]: each token's document start, with packed documents (documents.py)."""
@@ -68,18 +69,11 @@ class Router(torch.nn.Module):
             # Each rank then sends back the full gradient of its slice: split, not reduce-scatter.
             r = gather_from_sequence_parallel_region(r, tensor_parallel_output_grad=False)
         scores = (r.float() @ self.centroids.float().t()).transpose(0, 1) / self.focus.tau
-        if kernels.sinkhorn_kernel(scores.device) == "triton":  # one pass each way, fused
-            from megatron_focus.model.triton_sinkhorn import triton_causal_sinkhorn
-
-            log_g = triton_causal_sinkhorn(scores, self.focus.sinkhorn_iters, doc_start)
-        elif torch.is_grad_enabled():
-            # Recomputed in backward: its iterations would otherwise keep ~6 [b, s, K] tensors
-            # each, more than the attention's own saved state at K = 8 and 10 iterations.
-            log_g = checkpoint(
-                causal_sinkhorn, scores, self.focus.sinkhorn_iters, doc_start, use_reentrant=False
-            )
+        inputs = (scores, self.focus.sinkhorn_iters, doc_start)
+        if self.sinkhorn.recompute and torch.is_grad_enabled():
+            log_g = checkpoint(self.sinkhorn, *inputs, use_reentrant=False)
         else:
-            log_g = causal_sinkhorn(scores, self.focus.sinkhorn_iters, doc_start)
+            log_g = self.sinkhorn(*inputs)
         routing = Routing.of(log_g, doc_start)
         if self.record_stats:
             with torch.no_grad():
@@ -212,6 +206,9 @@ class FocusAttention(CoreAttention):
         super().__init__(config, layer_number, attn_mask_type, **kwargs)
         self.focus = focus
         self.router = build_module(submodules.router, config=config, focus=focus)
+        self.soft_gate = kernels.soft_gate(
+            focus.kernel, platform.setup().device, self.dropout_p, focus.chunk_size
+        )
 
     def forward(self, query, key, value, attention_mask, hidden_states, **kwargs):
         """`attention_mask`: None (causal), or Megatron's mask of packed documents, which the
@@ -247,7 +244,7 @@ class FocusAttention(CoreAttention):
             chunk_size=focus.chunk_size,
             scale=self.softmax_scale,
             dropout_p=self.dropout_p if self.training else 0.0,
-            kernel=focus.kernel,
+            kernel=self.soft_gate,
             gate=focus.gate,
             sink=focus.sink_tokens,
         )

@@ -25,18 +25,18 @@ the soft rule runs fused instead: a Triton kernel (triton_gate.py), or a FlexAtt
 `score_mod` (flex.py).
 """
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megatron_focus.model import kernels
-from megatron_focus.model.flex import TINY_AFFINITY, flex_attention_with_lse, flex_soft_focus
+from megatron_focus.model.flex import TINY_AFFINITY, flex_attention_with_lse
 from megatron_focus.model.groups import Routing
 from megatron_focus.variants import FOCUS_GATES
 
-# The soft rule's kernels (kernels.soft_kernel): the fused Triton one, FlexAttention's, or the
+# The soft rule's kernels (kernels.soft_gate): the fused Triton one, FlexAttention's, or the
 # chunked one below. Its gates on distant pairs (FOCUS_GATES): ours in log space, or the
 # paper's one.
 
@@ -227,81 +227,85 @@ def focus_attention(
     chunk_size: int,
     scale: float,
     dropout_p: float = 0.0,
-    kernel: str = "auto",
+    kernel: Union[str, kernels.Kernel] = "auto",
     gate: str = "log",
     sink: int = 0,
 ) -> torch.Tensor:
     """Causal Focus attention. q [b, h, n, d], k/v [b, groups, n, d], routing's tensors [b, n, K]
     (and its documents) -> [b, h, n, d].
 
-    `top_k=None` is the soft (training) rule, with `gate` (FOCUS_GATES) on distant pairs; an integer
-    applies the hard rule with that top-k. The first `sink` tokens are kept for every query, as
-    local pairs are. The sigmoid gate has no fused CPU kernel: its chunks build their scores
-    explicitly (an ablation's speed).
+    `top_k=None` is the soft (training) rule, with `gate` (FOCUS_GATES) on distant pairs, by
+    `kernel` (the layer's kernels.soft_gate, or a name to choose one by); an integer applies the
+    hard rule with that top-k, by masked chunks. The first `sink` tokens are kept for every
+    query, as local pairs are.
     """
     if gate not in FOCUS_GATES:
         raise ValueError(f"unknown Focus gate {gate!r}; choose from {FOCUS_GATES}")
-    n = q.shape[2]
-    gqa = q.shape[1] != k.shape[1]
     log_g, doc_start = routing.log_g.float(), routing.doc_start
     if top_k is None:
-        fused = kernels.soft_kernel(kernel, q.device, dropout_p)
-        if fused in ("triton", "flex"):
-            attend = flex_soft_focus
-            if fused == "triton":
-                from megatron_focus.model.triton_gate import triton_soft_focus as attend
-            return attend(
-                q,
-                k,
-                v,
-                log_g,
-                window=window,
-                gate_scale=gate_scale,
-                scale=scale,
-                gate=gate,
-                sink=sink,
-                doc_start=doc_start,
-            )
-        if gate == "log" and dropout_p == 0.0 and torch.is_grad_enabled():
-            return _SoftFocusAttention.apply(
-                q, k, v, log_g, window, gate_scale, chunk_size, scale, sink, doc_start
-            )
-    groups_q, top1 = routing.top(top_k or 1), routing.groups[..., 0]
+        if isinstance(kernel, str):
+            kernel = kernels.soft_gate(kernel, q.device, dropout_p, chunk_size)
+        dropout = {"dropout_p": dropout_p} if kernel.dropout else {}
+        return kernel(
+            q,
+            k,
+            v,
+            log_g,
+            window=window,
+            gate_scale=gate_scale,
+            scale=scale,
+            gate=gate,
+            sink=sink,
+            doc_start=doc_start,
+            **dropout,
+        )
+    groups_q, top1 = routing.top(top_k), routing.groups[..., 0]
+
+    def rule(start, end, docs):
+        settings = (start, window, sink, scale, dropout_p, q.shape[1] != k.shape[1], docs)
+        return _hard_chunk, (groups_q[:, start:end], top1[:, :end]) + settings
+
+    return _by_chunks(q, k, v, rule, chunk_size, doc_start)
+
+
+def chunked_soft_focus(
+    q,
+    k,
+    v,
+    log_g,
+    *,
+    window: int,
+    gate_scale: float,
+    scale: float,
+    gate: str = "log",
+    sink: int = 0,
+    doc_start=None,
+    dropout_p: float = 0.0,
+    chunk_size: int = 128,
+):
+    """The soft rule by query chunks (the CPU's kernel, and any with dropout): flash-style with
+    a recomputing backward for the log gate without dropout; otherwise each chunk's masked SDPA
+    call, recomputed in backward. The sigmoid gate has no fused CPU kernel: its chunks build
+    their scores explicitly (an ablation's speed)."""
+    if gate == "log" and dropout_p == 0.0 and torch.is_grad_enabled():
+        return _SoftFocusAttention.apply(
+            q, k, v, log_g, window, gate_scale, chunk_size, scale, sink, doc_start
+        )
+
+    def rule(start, end, docs):
+        settings = (window, sink, gate_scale, scale, dropout_p, q.shape[1] != k.shape[1], gate)
+        return _soft_chunk, (log_g[:, start:end], log_g[:, :end], start) + settings + (docs,)
+
+    return _by_chunks(q, k, v, rule, chunk_size, doc_start)
+
+
+def _by_chunks(q, k, v, rule, chunk_size: int, doc_start):
+    """Queries by chunks against the keys up to each chunk's end; `rule(start, end, docs)` gives
+    a chunk's function and its arguments after q, k, v."""
     outputs = []
-    for start, end in _chunks(n, chunk_size):
+    for start, end in _chunks(q.shape[2], chunk_size):
         docs = None if doc_start is None else doc_start[:, start:end]
-        if top_k is None:
-            attend, args = (
-                _soft_chunk,
-                (
-                    log_g[:, start:end],
-                    log_g[:, :end],
-                    start,
-                    window,
-                    sink,
-                    gate_scale,
-                    scale,
-                    dropout_p,
-                    gqa,
-                    gate,
-                    docs,
-                ),
-            )
-        else:
-            attend, args = (
-                _hard_chunk,
-                (
-                    groups_q[:, start:end],
-                    top1[:, :end],
-                    start,
-                    window,
-                    sink,
-                    scale,
-                    dropout_p,
-                    gqa,
-                    docs,
-                ),
-            )
+        attend, args = rule(start, end, docs)
         args = (q[:, :, start:end], k[:, :, :end], v[:, :, :end]) + args
         if torch.is_grad_enabled():
             # Recompute in backward: only this chunk's scores ever exist at once.

@@ -14,6 +14,8 @@ What could move between releases lives here too, so a new torch is one file to c
 (Dynamo's recompile limit, a process-wide setting, is `platform.setup()`'s.)
 """
 
+import dataclasses
+import importlib
 import importlib.util
 import os
 
@@ -75,11 +77,34 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def soft_kernel(requested: str, device: torch.device, dropout_p: float = 0.0) -> str:
-    """Focus's soft rule's kernel: "auto" is the fused Triton kernel (triton_gate.py) on a GPU
-    without dropout, FlexAttention's where Triton is missing, the chunked one otherwise (the
-    fused kernels have no dropout; on the CPU, Triton only interprets and FlexAttention has no
-    backward)."""
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One implementation of an operation, chosen once when a layer is built (as OLMo-core's
+    attention backends are): its name for logs and banners, what it supports, and the function
+    it calls ("module:function", imported at the first call, as the implementations import this
+    module). Callers ask it what it supports instead of comparing names."""
+
+    name: str
+    function: str
+    dropout: bool = False  # attention dropout inside the kernel
+    backward: bool = True  # gradients
+    recompute: bool = False  # its backward keeps much: run it under activation checkpointing
+    options: tuple = ()  # (keyword, value) pairs every call gets
+
+    def __call__(self, *args, **kwargs):
+        module, function = self.function.split(":")
+        return getattr(importlib.import_module(module), function)(
+            *args, **kwargs, **dict(self.options)
+        )
+
+
+def soft_gate(
+    requested: str, device: torch.device, dropout_p: float = 0.0, chunk_size: int = 128
+) -> Kernel:
+    """Focus's soft rule: "auto" is the fused Triton kernel (triton_gate.py) on a GPU without
+    dropout, FlexAttention's where Triton is missing, the chunked one otherwise (the fused
+    kernels have no dropout; on the CPU, Triton only interprets and FlexAttention has no
+    backward). Each is called as flex.flex_soft_focus, plus `dropout_p` where it has dropout."""
     if requested not in FOCUS_KERNELS:
         raise ValueError(f"unknown Focus kernel {requested!r}; choose from {FOCUS_KERNELS}")
     if requested in ("flex", "triton") and dropout_p > 0:
@@ -96,21 +121,49 @@ def soft_kernel(requested: str, device: torch.device, dropout_p: float = 0.0) ->
         )
     if requested == "auto":
         if device.type != "cuda" or dropout_p > 0:
-            return "chunked"
-        return "triton" if has_triton() else "flex"
-    return requested
+            requested = "chunked"
+        else:
+            requested = "triton" if has_triton() else "flex"
+    if requested == "triton":
+        return Kernel("triton", "megatron_focus.model.triton_gate:triton_soft_focus")
+    if requested == "flex":
+        return Kernel(
+            "flex", "megatron_focus.model.flex:flex_soft_focus", backward=device.type == "cuda"
+        )
+    return Kernel(
+        "chunked",
+        "megatron_focus.model.focus_gate:chunked_soft_focus",
+        dropout=True,
+        options=(("chunk_size", chunk_size),),
+    )
 
 
-def xsa_kernel(device: torch.device) -> str:
+def xsa(device: torch.device) -> Kernel:
     """XSA's projection: one fused Triton kernel each way on a GPU (triton_xsa.py), PyTorch's
-    ops elsewhere."""
-    return "triton" if device.type == "cuda" and has_triton() else "torch"
+    ops elsewhere; called as xsa.exclusive_projection."""
+    if device.type == "cuda" and has_triton():
+        return Kernel("triton", "megatron_focus.model.triton_xsa:triton_exclusive_projection")
+    return Kernel("torch", "megatron_focus.model.xsa:exclusive_projection")
 
 
-def sinkhorn_kernel(device: torch.device) -> str:
-    """The causal Sinkhorn: one fused Triton kernel each way on a GPU (triton_sinkhorn.py),
-    PyTorch's float64 scans elsewhere."""
-    return "triton" if device.type == "cuda" and has_triton() else "torch"
+def sinkhorn(device: torch.device) -> Kernel:
+    """The causal Sinkhorn: one fused Triton pass each way on a GPU (triton_sinkhorn.py, which
+    keeps its iterations' states), PyTorch's float64 scans elsewhere (recomputed in backward:
+    its iterations would otherwise keep ~6 [b, s, K] tensors each); called as
+    sinkhorn.causal_sinkhorn."""
+    if device.type == "cuda" and has_triton():
+        return Kernel("triton", "megatron_focus.model.triton_sinkhorn:triton_causal_sinkhorn")
+    return Kernel("torch", "megatron_focus.model.sinkhorn:causal_sinkhorn", recompute=True)
+
+
+def chosen(model: torch.nn.Module) -> dict:
+    """The kernels a model's layers chose, by operation (the first layer's): for banners."""
+    names = {}
+    for module in model.modules():
+        for operation, kernel in vars(module).items():
+            if isinstance(kernel, Kernel):
+                names.setdefault(operation.replace("_", " "), kernel.name)
+    return names
 
 
 def lse_kernel(device: torch.device) -> str:

@@ -9,6 +9,7 @@ whole inside core attention) need nothing more.
 
 import torch
 
+from megatron_focus import platform
 from megatron_focus.model import kernels
 from megatron_focus.model.core_attention import CoreAttention
 
@@ -43,13 +44,12 @@ class XSAMixin:
     the projection is one fused Triton kernel each way (triton_xsa.py).
     """
 
-    def project(self, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        y = super().project(y, v)
-        if kernels.xsa_kernel(y.device) == "triton":
-            from megatron_focus.model.triton_xsa import triton_exclusive_projection
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.xsa = kernels.xsa(platform.setup().device)
 
-            return triton_exclusive_projection(y, v)
-        return exclusive_projection(y, v)
+    def project(self, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.xsa(super().project(y, v), v)
 
 
 class XSAAttention(XSAMixin, CoreAttention):

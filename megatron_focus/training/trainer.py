@@ -22,6 +22,7 @@ from megatron_focus import platform
 from megatron_focus.data.loader import micro_batches, to_device
 from megatron_focus.data.sources import datasets_for, tokenizer_for
 from megatron_focus.deepspeed_config import deepspeed_config
+from megatron_focus.model import kernels
 from megatron_focus.model.flops import flops_per_token
 from megatron_focus.model.focus import (
     focus_statistics,
@@ -30,7 +31,6 @@ from megatron_focus.model.focus import (
     train_routers_only,
 )
 from megatron_focus.model.gpt import build_model, padded_vocab_size
-from megatron_focus.model.kernels import lse_kernel, soft_kernel
 from megatron_focus.parallel import (
     install_sequence_parallel_grad_allreduce,
     num_zeros_in_grad,
@@ -472,14 +472,15 @@ def _print_banner(args: argparse.Namespace, model: torch.nn.Module, iteration: i
         f"{_data_name(args)} | starting at iteration {iteration}",
         flush=True,
     )
+    chosen = ", ".join(f"{operation} {name}" for operation, name in kernels.chosen(model).items())
     if variant(args.attention).focus:
-        device = platform.setup().device
-        soft = soft_kernel(args.focus_kernel, device, args.attention_dropout)
         print(
-            f"Focus {args.focus_gate} gate | kernels: soft gate {soft}, sparse "
-            f"{lse_kernel(device)}",
+            f"Focus {args.focus_gate} gate | kernels: {chosen}, sparse "
+            f"{kernels.lse_kernel(platform.setup().device)}",
             flush=True,
         )
+    elif chosen:
+        print(f"kernels: {chosen}", flush=True)
 
 
 def _data_name(args: argparse.Namespace) -> str:

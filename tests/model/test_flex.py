@@ -200,25 +200,32 @@ def test_flex_attention_with_lse_equals_cpu_kernel(causal, mask_shape):
     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
 
 
-def test_soft_kernel_choice(monkeypatch):
+def test_soft_gate_kernel_choice(monkeypatch):
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert kernels.soft_kernel("auto", cpu) == "chunked"
-    assert kernels.soft_kernel("chunked", cuda) == "chunked"
-    assert kernels.soft_kernel("auto", cuda, dropout_p=0.1) == "chunked"
+
+    def choice(*args, **kwargs):
+        return kernels.soft_gate(*args, **kwargs).name
+
+    assert choice("auto", cpu) == "chunked"
+    assert choice("chunked", cuda) == "chunked"
+    assert choice("auto", cuda, dropout_p=0.1) == "chunked"
     for fused in ("flex", "triton"):
         with pytest.raises(ValueError, match="needs --attention-dropout 0"):
-            kernels.soft_kernel(fused, cuda, dropout_p=0.1)
+            choice(fused, cuda, dropout_p=0.1)
     with pytest.raises(ValueError, match="unknown Focus kernel"):
-        kernels.soft_kernel("fused", cpu)
+        choice("fused", cpu)
     monkeypatch.setattr(kernels, "has_triton", lambda: True)
-    assert kernels.soft_kernel("auto", cuda) == "triton"
+    assert choice("auto", cuda) == "triton"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="set TRITON_INTERPRET=1"):
-        kernels.soft_kernel("triton", cpu)
+        choice("triton", cpu)
     monkeypatch.setattr(kernels, "has_triton", lambda: False)
-    assert kernels.soft_kernel("auto", cuda) == "flex"
+    assert choice("auto", cuda) == "flex"
     with pytest.raises(ValueError, match="needs Triton"):
-        kernels.soft_kernel("triton", cuda)
+        choice("triton", cuda)
+    # what each answers: dropout only by chunks, no FlexAttention backward on the CPU
+    assert [kernels.soft_gate(k, cpu).dropout for k in ("chunked", "flex")] == [True, False]
+    assert not kernels.soft_gate("flex", cpu).backward and kernels.soft_gate("flex", cuda).backward
 
 
 def test_compiled_flex_takes_a_new_gate_closure_without_recompiling():

@@ -194,7 +194,11 @@ def test_eval_ppl_reports_every_top_k_at_every_length(embedded_cache, tmp_path, 
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ppl@64" in out.stdout
     result = json.load(open(report))
-    assert result["focus_kernels"] == {"soft": "chunked", "sparse": "cpu-flash"}
+    assert result["focus_kernels"] == {
+        "sinkhorn": "torch",
+        "soft gate": "chunked",
+        "sparse": "cpu-flash",
+    }
     rows = result["rows"]
     assert [(r["mode"], r["top_k"], r["seq_length"]) for r in rows] == [
         (mode, top_k, n)

@@ -18,9 +18,17 @@ GQA = ["--group-query-attention", "--num-query-groups", "2"]
 
 
 def gpu_choices(monkeypatch):
-    monkeypatch.setattr(kernels, "soft_kernel", lambda requested, device, dropout_p=0.0: "triton")
-    monkeypatch.setattr(kernels, "xsa_kernel", lambda device: "triton")
-    monkeypatch.setattr(kernels, "sinkhorn_kernel", lambda device: "triton")
+    """Layers built from here on choose what a GPU with Triton chooses."""
+    monkeypatch.setattr(kernels, "has_triton", lambda: True)
+    cuda = torch.device("cuda")
+    for choose in ("xsa", "sinkhorn"):
+        monkeypatch.setattr(
+            kernels, choose, lambda device, choose=getattr(kernels, choose): choose(cuda)
+        )
+    soft_gate = kernels.soft_gate
+    monkeypatch.setattr(
+        kernels, "soft_gate", lambda requested, device, *args: soft_gate(requested, cuda, *args)
+    )
 
 
 def model(argv):
@@ -50,10 +58,11 @@ def loss_and_grads(net, tokens):
     ids=["focus+xsa-gqa", "focus-sigmoid"],
 )
 def test_a_training_step_on_the_gpu_kernels_equals_the_cpu_ones(single_process, monkeypatch, argv):
-    net = model(argv)
     tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
-    cpu_loss, cpu_grads = loss_and_grads(net, tokens)
+    cpu_loss, cpu_grads = loss_and_grads(model(argv), tokens)
     gpu_choices(monkeypatch)
+    net = model(argv)
+    assert set(kernels.chosen(net).values()) == {"triton"}
     gpu_loss, gpu_grads = loss_and_grads(net, tokens)
     torch.testing.assert_close(gpu_loss, cpu_loss, rtol=1e-5, atol=1e-5)
     assert gpu_grads.keys() == cpu_grads.keys() and any(".router." in n for n in gpu_grads)
@@ -79,22 +88,21 @@ def test_one_layers_routing_launches_within_budget(single_process, monkeypatch):
     launches it: at most 12 kernels, the Sinkhorn 2 of them (PyTorch's scans: about 300)."""
     from megatron_focus.model import triton_sinkhorn
 
-    net = model(["--attention", "focus"] + FOCUS + ["--focus-sinkhorn-iters", "10"])
-    router = net.decoder.layers[0].self_attention.core_attention.router
+    argv = ["--attention", "focus"] + FOCUS + ["--focus-sinkhorn-iters", "10"]
     hidden = torch.randn(40, 2, 64, requires_grad=True)
     cotangent = torch.randn(2, 40, 4)
 
-    def step():
-        router(hidden).log_g.backward(cotangent)
+    def step(net):
+        hidden.grad = None  # gradients are assigned, not accumulated, as in a first micro-batch
+        net.decoder.layers[0].self_attention.core_attention.router(hidden).log_g.backward(cotangent)
 
     with count_launches() as eager:
-        step()
-    router.zero_grad(set_to_none=True)
-    hidden.grad = None  # gradients are assigned, not accumulated, as in a first micro-batch
+        step(model(argv))
     gpu_choices(monkeypatch)
+    net = model(argv)
     fused = (triton_sinkhorn._forward, triton_sinkhorn._backward)
     with count_launches(fused) as launches:
-        step()
+        step(net)
     sinkhorn = [name for name in launches if name in ("_forward", "_backward")]
     assert sinkhorn == ["_forward", "_backward"], launches
     assert len(launches) <= 12, " ".join(launches)

@@ -60,8 +60,8 @@ class _XSA(XSAMixin, _Identity):
     """XSA on an attention whose output is its input."""
 
 
-def _project_forward_backward(y, v, dz):
-    _XSA().project(y, v).backward(dz)
+def _project_forward_backward(y, v, dz, layer=None):
+    (layer or _XSA()).project(y, v).backward(dz)
 
 
 def test_a_gpu_launches_at_most_four_kernels_for_xsa(monkeypatch):
@@ -73,10 +73,14 @@ def test_a_gpu_launches_at_most_four_kernels_for_xsa(monkeypatch):
     dz = torch.randn(2, 4, 48, 32, generator=gen)
     with count_launches() as eager:
         _project_forward_backward(y, v, dz)
-    monkeypatch.setattr(kernels, "xsa_kernel", lambda device: "triton")
+    monkeypatch.setattr(kernels, "has_triton", lambda: True)
+    assert kernels.xsa(torch.device("cuda")).name == "triton"
+    gpu = _XSA()
+    gpu.xsa = kernels.xsa(torch.device("cuda"))
     fused_kernels = (triton_xsa._forward, triton_xsa._backward)
+    y.grad = v.grad = None
     with count_launches(fused_kernels) as fused:
-        _project_forward_backward(y, v, dz)
+        _project_forward_backward(y, v, dz, gpu)
     assert len(fused) <= 4, fused
     assert fused.count("_forward") == fused.count("_backward") == 1
     assert len(eager) > 4 * len(fused), eager  # what the fused kernels replace
