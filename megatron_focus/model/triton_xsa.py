@@ -29,16 +29,24 @@ def _rows(X, b, head, heads, tokens, n, dims, head_dim):
 
 
 @triton.jit
-def _forward(
-    Y, V, Z, n, heads, kv_heads, head_dim, min_sq, BT: tl.constexpr, D: tl.constexpr
-):  # fmt: skip
+def _value_block(V, n, kv_heads, head_dim, BT: tl.constexpr, D: tl.constexpr):
+    """A program's sequence, key/value head, tokens, dims, its values [BT, D] in fp32, their
+    mask and squared norms."""
     b = tl.program_id(1) // kv_heads
     kv_head = tl.program_id(1) % kv_heads
     tokens = tl.program_id(0) * BT + tl.arange(0, BT)
     dims = tl.arange(0, D)
     v_at, mask = _rows(V, b, kv_head, kv_heads, tokens, n, dims, head_dim)
     v = tl.load(v_at, mask=mask, other=0.0).to(tl.float32)
-    inverse = 1.0 / tl.maximum(tl.sum(v * v, axis=1), min_sq)
+    return b, kv_head, tokens, dims, v, mask, tl.sum(v * v, axis=1)
+
+
+@triton.jit
+def _forward(
+    Y, V, Z, n, heads, kv_heads, head_dim, min_sq, BT: tl.constexpr, D: tl.constexpr
+):  # fmt: skip
+    b, kv_head, tokens, dims, v, mask, squared = _value_block(V, n, kv_heads, head_dim, BT, D)
+    inverse = 1.0 / tl.maximum(squared, min_sq)
     rep = heads // kv_heads
     for r in range(rep):
         y_at, _ = _rows(Y, b, kv_head * rep + r, heads, tokens, n, dims, head_dim)
@@ -52,13 +60,7 @@ def _forward(
 def _backward(
     Y, V, DZ, DY, DV, n, heads, kv_heads, head_dim, min_sq, BT: tl.constexpr, D: tl.constexpr
 ):  # fmt: skip
-    b = tl.program_id(1) // kv_heads
-    kv_head = tl.program_id(1) % kv_heads
-    tokens = tl.program_id(0) * BT + tl.arange(0, BT)
-    dims = tl.arange(0, D)
-    v_at, mask = _rows(V, b, kv_head, kv_heads, tokens, n, dims, head_dim)
-    v = tl.load(v_at, mask=mask, other=0.0).to(tl.float32)
-    squared = tl.sum(v * v, axis=1)
+    b, kv_head, tokens, dims, v, mask, squared = _value_block(V, n, kv_heads, head_dim, BT, D)
     inverse = 1.0 / tl.maximum(squared, min_sq)
     through_norm = tl.where(squared > min_sq, 2.0, 0.0)  # m's gradient reaches v above eps only
     dv = tl.zeros((BT, D), tl.float32)
