@@ -43,7 +43,7 @@ from megatron_focus.model.focus import (  # noqa: E402
     recording_statistics,
     set_focus_mode,
 )
-from megatron_focus.model.kernels import chosen, lse_kernel  # noqa: E402
+from megatron_focus.model.kernels import chosen  # noqa: E402
 
 
 def parse() -> tuple[argparse.Namespace, argparse.Namespace]:
@@ -175,8 +175,7 @@ def main() -> None:
     print(f"{opts.load}: {arch.attention}, {sequences} validation sequences per length")
     kernels = None
     if arch.focus is not None:
-        device = next(model.parameters()).device
-        kernels = {**chosen(model), "sparse": lse_kernel(device)}
+        kernels = chosen(model)
         print("Focus kernels: " + ", ".join(f"{op} {name}" for op, name in kernels.items()))
     print(table(rows, lengths))
     if opts.json:

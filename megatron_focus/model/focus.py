@@ -206,9 +206,9 @@ class FocusAttention(CoreAttention):
         super().__init__(config, layer_number, attn_mask_type, **kwargs)
         self.focus = focus
         self.router = build_module(submodules.router, config=config, focus=focus)
-        self.soft_gate = kernels.soft_gate(
-            focus.kernel, platform.setup().device, self.dropout_p, focus.chunk_size
-        )
+        device = platform.setup().device
+        self.soft_gate = kernels.soft_gate(focus.kernel, device, self.dropout_p, focus.chunk_size)
+        self.sparse = kernels.lse_attention(device)
 
     def forward(self, query, key, value, attention_mask, hidden_states, **kwargs):
         """`attention_mask`: None (causal), or Megatron's mask of packed documents, which the
@@ -232,6 +232,7 @@ class FocusAttention(CoreAttention):
                 top_k=focus.top_k,
                 scale=self.softmax_scale,
                 sink=focus.sink_tokens,
+                kernel=self.sparse,
             )
         return focus_attention(
             q,

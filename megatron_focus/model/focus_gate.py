@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from megatron_focus.model import kernels
-from megatron_focus.model.flex import TINY_AFFINITY, flex_attention_with_lse
+from megatron_focus.model.flex import TINY_AFFINITY
 from megatron_focus.model.groups import Routing
 from megatron_focus.variants import FOCUS_GATES
 
@@ -136,9 +136,7 @@ def attention_with_lse(q, k, v, scale: float, causal: bool, mask=None):
     query with no key left, the CPU kernel returns output 0 with log-sum-exp 0 (FlexAttention:
     -inf).
     """
-    if kernels.lse_kernel(q.device) == "cpu-flash":
-        return kernels.cpu_attention_with_lse(q, k, v, scale, causal, mask)
-    return flex_attention_with_lse(q, k, v, scale, causal, mask)
+    return kernels.lse_attention(q.device)(q, k, v, scale, causal, mask)
 
 
 def _soft_chunk(

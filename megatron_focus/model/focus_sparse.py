@@ -34,6 +34,8 @@ synchronises with the host for the longest bucket and the key ranges' bounds.
 This is an inference path (no backward through the log-sum-exp); training uses the soft gate.
 """
 
+from typing import Optional
+
 import torch
 
 from megatron_focus.model import kernels
@@ -163,7 +165,18 @@ def _range_attention(q, k, v, lo, hi, scale: float):
 
 
 def _bucket_part(
-    q, k, v, groups_q, num_groups: int, doc_start, segment, documents: int, sink: int, window, scale
+    q,
+    k,
+    v,
+    groups_q,
+    num_groups: int,
+    doc_start,
+    segment,
+    documents: int,
+    sink: int,
+    window,
+    scale,
+    kernel,
 ):
     """Per top-k slot, each query's attention over its keys of that slot's group, and with sinks
     the sink part: outputs [parts][b, h, n, d], lses [parts][b, h, n]."""
@@ -173,12 +186,12 @@ def _bucket_part(
     bucket, order, sizes, starts, before = _buckets(
         groups_q, num_groups, doc_start, segment, documents
     )
-    flex = kernels.lse_kernel(q.device) == "flex"
-    if flex or top_k > 1 or sink:
+    ranges = kernel.ranges
+    if ranges or top_k > 1 or sink:
         members_k, members_v = (_gather_rows(x, order) for x in rows[1:])
 
     def attend_ranges(lo, hi, entries):  # entries: the queries in an order where lo, hi rise
-        attend = flex_range_attention if flex else _range_attention
+        attend = flex_range_attention if ranges else _range_attention
         out_sorted, lse_sorted = attend(
             _gather_rows(rows[0], entries), members_k, members_v, lo[entries], hi[entries], scale
         )
@@ -189,7 +202,7 @@ def _bucket_part(
 
     outs, lses = [], []
     for slot in range(top_k):
-        if slot == 0 and not flex:
+        if slot == 0 and not ranges:
             out, lse = _causal_buckets(rows, order, bucket, sizes, starts, scale)
         else:
             lo, hi = _key_ranges(groups_q, slot, starts, before, segment, num_groups)
@@ -293,10 +306,21 @@ def _local_part(q, k, v, groups_q, segment, window: int, scale: float):
 
 @torch.no_grad()
 def sparse_focus_attention(
-    q, k, v, routing: Routing, *, window: int, top_k: int, scale: float, sink: int = 0
+    q,
+    k,
+    v,
+    routing: Routing,
+    *,
+    window: int,
+    top_k: int,
+    scale: float,
+    sink: int = 0,
+    kernel: Optional[kernels.Kernel] = None,
 ):
     """Hard-rule Focus attention computing only kept pairs. q [b,h,n,d], k/v [b,g,n,d]; the
-    routing's documents, if any, each attend as alone."""
+    routing's documents, if any, each attend as alone. `kernel`: the layer's
+    kernels.lse_attention (by q's device if None)."""
+    kernel = kernel or kernels.lse_attention(q.device)
     b, _, n, _ = q.shape
     groups_q = routing.top(top_k)  # [b, n, top_k], top-1 first
     num_groups = routing.groups.shape[-1]
@@ -313,9 +337,9 @@ def sparse_focus_attention(
     # One document per sequence unless packed: then counting them synchronises with the host.
     documents = b if routing.doc_start is None else int(segment[-1, -1]) + 1
     outs, lses = _bucket_part(
-        q, k, v, groups_q, num_groups, doc_start, segment, documents, sink, window, scale
+        q, k, v, groups_q, num_groups, doc_start, segment, documents, sink, window, scale, kernel
     )
-    if kernels.lse_kernel(q.device) == "flex":  # a GPU: one call over the band
+    if kernel.ranges:  # a GPU: one call over the band
         local_out, local_lse = flex_local_part(q, k, v, groups_q, segment, window, scale)
     else:
         local_out, local_lse = _local_part(q, k, v, groups_q, segment, window, scale)

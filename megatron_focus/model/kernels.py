@@ -89,6 +89,7 @@ class Kernel:
     dropout: bool = False  # attention dropout inside the kernel
     backward: bool = True  # gradients
     recompute: bool = False  # its backward keeps much: run it under activation checkpointing
+    ranges: bool = False  # attention with log-sum-exp: per-query key ranges in one call
     options: tuple = ()  # (keyword, value) pairs every call gets
 
     def __call__(self, *args, **kwargs):
@@ -166,10 +167,19 @@ def chosen(model: torch.nn.Module) -> dict:
     return names
 
 
-def lse_kernel(device: torch.device) -> str:
-    """The kernel of attention with its log-sum-exp (the sparse path's): the CPU's fused flash
-    kernel, or FlexAttention (linear memory on a GPU)."""
-    return "cpu-flash" if device.type == "cpu" else "flex"
+# Attention with its log-sum-exp, the sparse path's parts (no backward: an inference path),
+# called as cpu_attention_with_lse: the CPU's fused flash kernel, or FlexAttention (linear
+# memory on a GPU; it also attends per-query key ranges and the local band in one call each).
+CPU_FLASH_LSE = Kernel(
+    "cpu-flash", "megatron_focus.model.kernels:cpu_attention_with_lse", backward=False
+)
+FLEX_LSE = Kernel(
+    "flex", "megatron_focus.model.flex:flex_attention_with_lse", backward=False, ranges=True
+)
+
+
+def lse_attention(device: torch.device) -> Kernel:
+    return CPU_FLASH_LSE if device.type == "cpu" else FLEX_LSE
 
 
 def compiled_flex(device: torch.device) -> bool:

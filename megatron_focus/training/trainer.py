@@ -474,11 +474,7 @@ def _print_banner(args: argparse.Namespace, model: torch.nn.Module, iteration: i
     )
     chosen = ", ".join(f"{operation} {name}" for operation, name in kernels.chosen(model).items())
     if variant(args.attention).focus:
-        print(
-            f"Focus {args.focus_gate} gate | kernels: {chosen}, sparse "
-            f"{kernels.lse_kernel(platform.setup().device)}",
-            flush=True,
-        )
+        print(f"Focus {args.focus_gate} gate | kernels: {chosen}", flush=True)
     elif chosen:
         print(f"kernels: {chosen}", flush=True)
 

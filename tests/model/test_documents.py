@@ -149,8 +149,8 @@ PATHS = {  # name: (attention, with gradients, kernel of the log-sum-exp calls)
     "soft gate": (chunked(), True, None),
     "sigmoid gate": (chunked("sigmoid"), True, None),
     "hard rule, masked": (chunked(top_k=TOP_K), True, None),
-    "sparse dispatch": (sparse, False, "cpu-flash"),
-    "sparse dispatch, FlexAttention": (sparse, False, "flex"),
+    "sparse dispatch": (sparse, False, kernels.CPU_FLASH_LSE),
+    "sparse dispatch, FlexAttention": (sparse, False, kernels.FLEX_LSE),
     "soft gate, FlexAttention": (flex, False, None),
 }
 
@@ -159,7 +159,7 @@ PATHS = {  # name: (attention, with gradients, kernel of the log-sum-exp calls)
 def test_each_document_attends_as_alone(monkeypatch, path):
     attend, grads, kernel = PATHS[path]
     if kernel is not None:
-        monkeypatch.setattr(kernels, "lse_kernel", lambda device: kernel)
+        monkeypatch.setattr(kernels, "lse_attention", lambda device: kernel)
     gen = torch.Generator().manual_seed(1)
     b, heads, kv, d, groups = len(LENGTHS), 4, 2, 8, 4
     q = torch.randn(b, heads, N, d, generator=gen, requires_grad=grads)

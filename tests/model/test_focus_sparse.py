@@ -51,7 +51,7 @@ def test_sparse_dispatch_equals_dense_hard_rule(
     if kernel == "flex":
         if n > 300:
             pytest.skip("eager FlexAttention on the CPU evaluates every pair")
-        monkeypatch.setattr(kernels, "lse_kernel", lambda device: "flex")
+        monkeypatch.setattr(kernels, "lse_attention", lambda device: kernels.FLEX_LSE)
     gen = torch.Generator().manual_seed(n + groups)
     q = torch.randn(b, heads, n, d, generator=gen)
     k, v = (torch.randn(b, kv, n, d, generator=gen) for _ in range(2))

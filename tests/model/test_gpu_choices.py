@@ -21,7 +21,7 @@ def gpu_choices(monkeypatch):
     """Layers built from here on choose what a GPU with Triton chooses."""
     monkeypatch.setattr(kernels, "has_triton", lambda: True)
     cuda = torch.device("cuda")
-    for choose in ("xsa", "sinkhorn"):
+    for choose in ("xsa", "sinkhorn", "lse_attention"):
         monkeypatch.setattr(
             kernels, choose, lambda device, choose=getattr(kernels, choose): choose(cuda)
         )
@@ -62,7 +62,8 @@ def test_a_training_step_on_the_gpu_kernels_equals_the_cpu_ones(single_process, 
     cpu_loss, cpu_grads = loss_and_grads(model(argv), tokens)
     gpu_choices(monkeypatch)
     net = model(argv)
-    assert set(kernels.chosen(net).values()) == {"triton"}
+    chosen = kernels.chosen(net)
+    assert chosen.pop("sparse") == "flex" and set(chosen.values()) == {"triton"}, chosen
     gpu_loss, gpu_grads = loss_and_grads(net, tokens)
     torch.testing.assert_close(gpu_loss, cpu_loss, rtol=1e-5, atol=1e-5)
     assert gpu_grads.keys() == cpu_grads.keys() and any(".router." in n for n in gpu_grads)
