@@ -289,6 +289,12 @@ CASES = [
         TINY + ["--attention", "focus", "--focus-groups", "4", "--focus-top-k", "5"],
         r"--focus-top-k",
     ),
+    Case(
+        P,
+        "a fused Focus kernel with attention dropout",
+        TINY + ["--attention", "focus", "--focus-kernel", "triton", "--attention-dropout", "0.1"],
+        r"--focus-kernel triton needs --attention-dropout 0",
+    ),
     # --- DeepSpeed JSON
     Case(
         P,
@@ -330,6 +336,13 @@ CASES = [
         TINY + ["--deepspeed_config", "{tmp}/ds.json"],
         r"unknown section 'zero_optimisation' \(did you mean 'zero_optimization'",
         _deepspeed_json({"zero_optimisation": {"stage": 1}}),
+    ),
+    Case(
+        P,
+        "--grad-reduce-in-bf16 against the DeepSpeed config's reduction dtype",
+        TINY + ["--deepspeed_config", "{tmp}/ds.json", "--grad-reduce-in-bf16"],
+        r"--grad-reduce-in-bf16, but --deepspeed_config sets communication_data_type 'fp32'",
+        _deepspeed_json({"bf16": {"enabled": True}, "communication_data_type": "fp32"}),
     ),
     Case(
         P,
