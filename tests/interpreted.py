@@ -41,3 +41,10 @@ def skip_unless_kernels_run():
             "the kernel (3.9's can)",
             allow_module_level=True,
         )
+
+
+def gpu_launch_shapes(monkeypatch, module):
+    """The module's kernels launched with the block sizes and options a GPU gets (its
+    `_launch_shape` with on_gpu true), here under the interpreter."""
+    shape = getattr(module._launch_shape, "__wrapped__", module._launch_shape)
+    monkeypatch.setattr(module, "_launch_shape", lambda *args: shape(*args[:-1], True))

@@ -166,6 +166,7 @@ def _backward(
 
 
 def _launch_shape(n: int, groups: int, iters: int, on_gpu: bool) -> dict:
+    """Tokens per block (the interpreter takes small blocks, so small inputs cross them)."""
     return dict(
         BT=64 if on_gpu else 16,
         KP=max(2, triton.next_power_of_2(groups)),

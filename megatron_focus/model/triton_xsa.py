@@ -80,14 +80,16 @@ def _backward(
     tl.store(dv_at, dv.to(DV.dtype.element_ty), mask=mask)
 
 
+def _launch_shape(head_dim: int, on_gpu: bool) -> dict:
+    """Tokens per program (the interpreter takes small blocks, so small inputs cross them)."""
+    return dict(BT=64 if on_gpu else 16, D=max(16, triton.next_power_of_2(head_dim)))
+
+
 def _launch(kernel, y, v, *tensors, eps: float):
     b, heads, n, head_dim = y.shape
-    block = 64 if y.is_cuda else 16
-    grid = (triton.cdiv(n, block), b * v.shape[1])
-    kernel[grid](
-        y, v, *tensors, n, heads, v.shape[1], head_dim, eps * eps,
-        BT=block, D=max(16, triton.next_power_of_2(head_dim)),
-    )  # fmt: skip
+    meta = _launch_shape(head_dim, y.is_cuda)
+    grid = (triton.cdiv(n, meta["BT"]), b * v.shape[1])
+    kernel[grid](y, v, *tensors, n, heads, v.shape[1], head_dim, eps * eps, **meta)
 
 
 class TritonExclusiveProjection(torch.autograd.Function):

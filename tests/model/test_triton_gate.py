@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from interpreted import skip_unless_kernels_run
+from interpreted import gpu_launch_shapes, skip_unless_kernels_run
 
 from megatron_focus.model.focus_gate import focus_attention
 from megatron_focus.model.groups import Routing
@@ -81,9 +81,22 @@ def test_kernel_equals_dense_float64_reference(
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("b, heads, kv, n, d, groups, window, sink, docs", [CASES[1], CASES[4]])
-def test_kernel_equals_the_chunked_path(b, heads, kv, n, d, groups, window, sink, docs):
+GPU_BLOCKS = [  # at a GPU's block sizes: 64 x 64 (GQA: 2 x 64 stacked rows), 64 x 32 (d 256)
+    (1, 4, 2, 150, 64, 8, 32, 2, None),
+    (1, 2, 2, 150, 256, 4, 32, 0, [70, 80]),
+]
+
+
+@pytest.mark.parametrize(
+    "b, heads, kv, n, d, groups, window, sink, docs, gpu_blocks",
+    [case + (False,) for case in (CASES[1], CASES[4])] + [case + (True,) for case in GPU_BLOCKS],
+)
+def test_kernel_equals_the_chunked_path(
+    b, heads, kv, n, d, groups, window, sink, docs, gpu_blocks, monkeypatch
+):
     """Also on Megatron's layout: q, k, v handed as permuted views of [s, b, heads, d]."""
+    if gpu_blocks:
+        gpu_launch_shapes(monkeypatch, triton_gate)
     leaves, doc_start, gen = inputs(b, heads, kv, n, d, groups, docs, 7)
     q, k, v, log_g = (
         t.detach().permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3).requires_grad_()
@@ -144,3 +157,20 @@ def test_half_precision_inputs_accumulate_in_float32(dtype):
     for name, ours, theirs in zip("qkvg", got, ref):
         assert ours.dtype == leaves["qkvg".index(name)].dtype
         torch.testing.assert_close(ours.double(), theirs, **tolerance, msg=name)
+
+
+def test_memory_kept_for_backward_is_linear_in_sequence_length():
+    def saved_bytes(n):
+        leaves, _, _ = inputs(1, 2, 2, n, 16, 4, None, 0)
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            triton_gate.triton_soft_focus(*leaves, window=8, gate_scale=1.0, scale=0.25)
+        return sum(storages.values())
+
+    small, large = saved_bytes(64), saved_bytes(256)
+    assert large / small < 4.5  # 4x the tokens: linear; an n x n tensor would make it 16x

@@ -5,7 +5,7 @@ the scores, in float64 for the reference; blocks of 16 tokens here, so lengths c
 
 import pytest
 import torch
-from interpreted import skip_unless_kernels_run
+from interpreted import gpu_launch_shapes, skip_unless_kernels_run
 
 from megatron_focus.model.sinkhorn import causal_sinkhorn
 
@@ -27,9 +27,12 @@ def starts(lengths, b):
         (1, 40, 1, 2, None, 1.0),  # K = 1
         (1, 33, 4, 0, [20, 13], 1.0),  # no iteration: a log-softmax
         (2, 45, 8, 10, [30, 15], 40.0),  # skewed scores: masses far below float32's range
+        (1, 150, 8, 10, [100, 50], 3.0),  # (with a GPU's 64-token blocks)
     ],
 )
-def test_kernel_equals_the_pytorch_sinkhorn(b, n, groups, iters, docs, spread):
+def test_kernel_equals_the_pytorch_sinkhorn(b, n, groups, iters, docs, spread, monkeypatch):
+    if n > 100:
+        gpu_launch_shapes(monkeypatch, triton_sinkhorn)
     gen = torch.Generator().manual_seed(n + groups)
     scores = (torch.randn(b, n, groups, generator=gen) * spread).requires_grad_()
     doc_start = None if docs is None else starts(docs, b)

@@ -4,7 +4,7 @@ and gradients, GQA ratios, lengths off the block, values below eps, half precisi
 
 import pytest
 import torch
-from interpreted import skip_unless_kernels_run
+from interpreted import gpu_launch_shapes, skip_unless_kernels_run
 from launches import count_launches
 
 from megatron_focus.model import kernels
@@ -15,10 +15,18 @@ triton_xsa = pytest.importorskip("megatron_focus.model.triton_xsa")
 
 
 @pytest.mark.parametrize(
-    "b, heads, kv_heads, n, d",
-    [(2, 4, 4, 37, 16), (1, 6, 2, 20, 24), (2, 3, 1, 16, 8), (1, 2, 2, 1, 64)],
+    "b, heads, kv_heads, n, d, gpu_blocks",
+    [
+        (2, 4, 4, 37, 16, False),
+        (1, 6, 2, 20, 24, False),
+        (2, 3, 1, 16, 8, False),
+        (1, 2, 2, 1, 64, False),
+        (1, 4, 2, 150, 128, True),  # a GPU's 64-token blocks
+    ],
 )
-def test_kernel_equals_the_pytorch_projection(b, heads, kv_heads, n, d):
+def test_kernel_equals_the_pytorch_projection(b, heads, kv_heads, n, d, gpu_blocks, monkeypatch):
+    if gpu_blocks:
+        gpu_launch_shapes(monkeypatch, triton_xsa)
     gen = torch.Generator().manual_seed(n * d)
     y = torch.randn(b, heads, n, d, generator=gen).requires_grad_()
     v = torch.randn(b, kv_heads, n, d, generator=gen)
