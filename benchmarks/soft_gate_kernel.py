@@ -8,7 +8,7 @@ shape is measured apart and its JSON written at once, so a failure (an error, an
 costs only that row. Shapes: the 0.7B recipe's layer (6 heads of 256) and 32 heads of 128.
 
     python benchmarks/soft_gate_kernel.py [--seq-length 2048 --batch 4 --groups 8]
-        [--repeats 10] [--json out.json]
+        [--repeats 10] [--json out.json] [--strict]
 
 Without a GPU it rehearses the same calls at tiny sizes with the Triton kernels interpreted
 (TRITON_INTERPRET=1), so the script is exercised by CI.
@@ -40,6 +40,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--tiny", action="store_true", help="CPU rehearsal sizes")
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--strict", action="store_true", help="exit 1 if any row failed")
     return p.parse_args()
 
 
@@ -145,6 +146,8 @@ def main() -> None:
             if opts.json:  # after every row: a later failure loses nothing measured
                 with open(opts.json, "w") as f:
                     json.dump({"config": vars(opts), "results": results}, f, indent=2)
+    if opts.strict and any("error" in row for row in results):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
