@@ -143,11 +143,11 @@ def _gradients_in_fp32(config: dict, args: argparse.Namespace) -> None:
     what the JSON sets stays. DeepSpeed accumulates in another dtype than the model's only under
     ZeRO (stage 0 refuses the mix)."""
     wanted = "bf16" if args.grad_reduce_in_bf16 else "fp32"
-    if args.grad_reduce_in_bf16 and config.setdefault("communication_data_type", wanted) != wanted:
+    given = config.setdefault("communication_data_type", wanted)
+    if args.grad_reduce_in_bf16 and given != wanted:
         raise ValueError(
             f"--grad-reduce-in-bf16, but --deepspeed_config sets communication_data_type "
-            f"{config['communication_data_type']!r}: drop one of them"
+            f"{given!r}: drop one of them"
         )
-    config.setdefault("communication_data_type", wanted)
     if config["zero_optimization"]["stage"] > 0:
         config.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")

@@ -222,7 +222,9 @@ class FocusAttention(CoreAttention):
 
     def attend(self, q, k, v, attention_mask, routing):
         focus, sparse = self.focus, self.focus.attention_mode == "sparse"
-        if sparse and not torch.is_grad_enabled():
+        if sparse and (self.sparse.backward or not torch.is_grad_enabled()):
+            # kept pairs only; with gradients its kernels must have a backward (else the same
+            # rule by masked chunks below)
             return sparse_focus_attention(
                 q,
                 k,

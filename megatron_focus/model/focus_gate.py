@@ -243,6 +243,11 @@ def focus_attention(
     if top_k is None:
         if isinstance(kernel, str):
             kernel = kernels.soft_gate(kernel, q.device, dropout_p, chunk_size)
+        if torch.is_grad_enabled() and not kernel.backward:
+            raise ValueError(
+                f"the {kernel.name} soft-gate kernel has no backward on {q.device.type}: "
+                "--focus-kernel auto or chunked"
+            )
         dropout = {"dropout_p": dropout_p} if kernel.dropout else {}
         return kernel(
             q,

@@ -474,46 +474,40 @@ class TritonSoftFocus(torch.autograd.Function):
         docs = doc_start.to(torch.int32).contiguous() if doc_start is not None else g
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty(b, heads, n, device=q.device, dtype=torch.float32)
-        settings = (window, gate_scale, scale, sink, gate)
-        grid = (triton.cdiv(n, meta["BM"]), b * kv_heads)
-        _forward[grid](
-            q, k, v, g, docs, out, lse,
-            *_sizes(q, k, g), *_strides(q, k), *_scalars(settings),
-            **meta, **_flags(q, gate, doc_start), **options,
-        )  # fmt: skip
-        ctx.save_for_backward(q, k, v, log_g, g, out, lse)
-        ctx.doc_start = doc_start
-        ctx.settings = settings
+        # what every launch, forward and backward, takes after its tensors
+        scalars = _sizes(q, k, g) + _strides(q, k)
+        scalars += (float(scale), float(gate_scale), int(window), int(sink))
+        settings = dict(**meta, **options, **_flags(q, gate, doc_start))
+        _forward[(triton.cdiv(n, meta["BM"]), b * kv_heads)](
+            q, k, v, g, docs, out, lse, *scalars, **settings
+        )
+        ctx.save_for_backward(q, k, v, g, out, lse)
+        ctx.launch = (docs, doc_start, scalars, settings)
+        ctx.log_g_dtype = log_g.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, log_g, g, out, lse = ctx.saved_tensors
-        doc_start, settings = ctx.doc_start, ctx.settings
-        b, heads, n, head_dim = q.shape
+        q, k, v, g, out, lse = ctx.saved_tensors
+        docs, doc_start, scalars, settings = ctx.launch
+        b, _, n, _ = q.shape
         kv_heads = k.shape[1]
-        meta, options = _launch_shape(head_dim, heads // kv_heads, g.shape[-1], q.is_cuda)
         grad_out = grad_out.contiguous()
         delta = (grad_out.float() * out.float()).sum(-1)
-        docs = doc_start.to(torch.int32).contiguous() if doc_start is not None else g
-        query_end = _query_ends(doc_start, n, meta["BN"]) if doc_start is not None else g
+        query_end = _query_ends(doc_start, n, settings["BN"]) if doc_start is not None else g
         dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
         dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
         dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
         dg_q = torch.empty(b, kv_heads, n, g.shape[-1], device=g.device, dtype=torch.float32)
         dg_k = torch.empty_like(dg_q)
-        common = dict(**meta, **_flags(q, settings[4], doc_start), **options)
-        sizes, strides, scalars = _sizes(q, k, g), _strides(q, k), _scalars(settings)
-        _backward_keys[(triton.cdiv(n, meta["BN"]), b * kv_heads)](
-            q, k, v, g, docs, query_end, grad_out, lse, delta, dk, dv, dg_k,
-            *sizes, *strides, *scalars, **common,
-        )  # fmt: skip
-        _backward_queries[(triton.cdiv(n, meta["BM"]), b * kv_heads)](
-            q, k, v, g, docs, grad_out, lse, delta, dq, dg_q,
-            *sizes, *strides, *scalars, **common,
-        )  # fmt: skip
+        _backward_keys[(triton.cdiv(n, settings["BN"]), b * kv_heads)](
+            q, k, v, g, docs, query_end, grad_out, lse, delta, dk, dv, dg_k, *scalars, **settings
+        )
+        _backward_queries[(triton.cdiv(n, settings["BM"]), b * kv_heads)](
+            q, k, v, g, docs, grad_out, lse, delta, dq, dg_q, *scalars, **settings
+        )
         dlog_g = (dg_q.sum(1) + dg_k.sum(1)) * g
-        return dq, dk, dv, dlog_g.to(log_g.dtype), None, None, None, None, None, None
+        return dq, dk, dv, dlog_g.to(ctx.log_g_dtype), None, None, None, None, None, None
 
 
 def _sizes(q, k, g):
@@ -523,11 +517,6 @@ def _sizes(q, k, g):
 
 def _strides(q, k):
     return q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2)
-
-
-def _scalars(settings):
-    window, gate_scale, scale, sink, _ = settings
-    return float(scale), float(gate_scale), int(window), int(sink)
 
 
 def _flags(q, gate: str, doc_start) -> dict:

@@ -185,30 +185,26 @@ class TritonCausalSinkhorn(torch.autograd.Function):
         if scores.stride(-1) != 1:
             scores = scores.contiguous()
         b, n, groups = scores.shape
-        meta = _launch_shape(n, groups, iters, scores.is_cuda)
         docs = doc_start.to(torch.int32).contiguous() if doc_start is not None else scores
+        settings = dict(
+            **_launch_shape(n, groups, iters, scores.is_cuda), HAS_DOCS=doc_start is not None
+        )
         log_g = scores.new_empty(iters + 1, b, n, groups)
         log_p = scores.new_empty(max(iters, 1), b, n, groups)
-        _forward[(b,)](
-            scores, docs, log_g, log_p, n, b, groups, iters, scores.stride(0), scores.stride(1),
-            **meta, HAS_DOCS=doc_start is not None,
-        )  # fmt: skip
+        sizes = (n, b, groups, iters, scores.stride(0), scores.stride(1))
+        _forward[(b,)](scores, docs, log_g, log_p, *sizes, **settings)
         ctx.save_for_backward(log_g, log_p)
-        ctx.doc_start, ctx.iters, ctx.layout = doc_start, iters, scores.stride()
+        ctx.launch = (docs, sizes, settings, scores.stride())
         return log_g[iters]
 
     @staticmethod
     def backward(ctx, grad):
         log_g, log_p = ctx.saved_tensors
-        _, b, n, groups = log_g.shape
-        doc_start = ctx.doc_start
-        meta = _launch_shape(n, groups, ctx.iters, grad.is_cuda)
-        docs = doc_start.to(torch.int32).contiguous() if doc_start is not None else log_g
-        d_scores = torch.empty_strided((b, n, groups), ctx.layout, device=grad.device)
-        _backward[(b,)](
-            docs, log_g, log_p, grad.float().contiguous(), d_scores, n, b, groups, ctx.iters,
-            d_scores.stride(0), d_scores.stride(1), **meta, HAS_DOCS=doc_start is not None,
-        )  # fmt: skip
+        docs, sizes, settings, layout = ctx.launch
+        d_scores = torch.empty_strided(log_g.shape[1:], layout, device=grad.device)
+        _backward[(log_g.shape[1],)](
+            docs, log_g, log_p, grad.float().contiguous(), d_scores, *sizes, **settings
+        )
         return d_scores, None, None
 
 
