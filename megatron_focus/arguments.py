@@ -16,7 +16,7 @@ from megatron_focus.choices import TOKENIZER_TYPES
 from megatron_focus.compat import add_compat_args, check_compat_args
 from megatron_focus.data import reads_data_files
 from megatron_focus.deepspeed_config import deepspeed_config
-from megatron_focus.variants import VARIANTS, FocusConfig, variant
+from megatron_focus.variants import VARIANTS, FocusConfig, settings_classes, variant
 
 
 def int_tuple(text: str) -> tuple:
@@ -132,9 +132,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_focus_args(p: argparse.ArgumentParser) -> None:
-    focus = ", ".join(v.name for v in VARIANTS.values() if v.focus)
-    FocusConfig.add_flags(p.add_argument_group(f"focus (--attention {focus})"))
+def _add_variant_settings_args(p: argparse.ArgumentParser) -> None:
+    """One group of flags per settings class of the registered variants (Focus's: --focus-*)."""
+    for settings, names in settings_classes().items():
+        settings.add_flags(
+            p.add_argument_group(f"{settings.prefix} (--attention {', '.join(names)})")
+        )
 
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -671,7 +674,7 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     _add_model_args(p)
-    _add_focus_args(p)
+    _add_variant_settings_args(p)
     _add_parallel_args(p)
     _add_training_args(p)
     _add_data_args(p)
@@ -837,6 +840,8 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     _fill_defaults(args)
     check_compat_args(args)
     tp = args.tensor_model_parallel_size
+    for settings in settings_classes():  # every variant's flags, whatever the variant
+        settings.from_args(args)
     _validate_focus(args)
     _validate_recompute(args)
     if args.xsa_layers is not None:
@@ -945,7 +950,7 @@ def _validate_architecture(args: argparse.Namespace) -> None:
 
 
 def _validate_focus(args: argparse.Namespace) -> None:
-    focus = FocusConfig.from_args(args)  # the --focus-* flags checked whatever the variant
+    focus = FocusConfig.from_args(args)
     if focus.kernel == "flex" and not _gpu():
         raise ValueError(
             "--focus-kernel flex needs a GPU: FlexAttention has no CPU backward "

@@ -57,7 +57,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
-from megatron_focus.variants import FocusConfig, variant
+from megatron_focus.variants import variant
 
 GB = 1e9  # decimal gigabytes, as GPU memory sizes are quoted (80 GB)
 DEFAULT_VOCAB = 50257  # GPT-2's tokenizer
@@ -171,7 +171,7 @@ class ParamCount:
     position_embedding: int
     output_layer: int  # 0 when tied to the word embedding
     per_layer: int  # one transformer layer, router included
-    router_per_layer: int  # Focus's W_g and centroids
+    router_per_layer: int  # the attention variant's own (Focus's W_g and centroids)
     final_norm: int
     num_layers: int
     sharded: int = 0  # split by tensor parallelism
@@ -215,10 +215,12 @@ def count_parameters(args: argparse.Namespace, vocab_size: int, tp: int = 1) -> 
     # Sharded: QKV (weight, bias), output projection weight, fc1 (weight, bias), fc2 weight.
     qkv = h * (heads + 2 * groups) * d + (heads + 2 * groups) * d * (bias or args.add_qkv_bias)
     layer_sharded = qkv + heads * d * h + h * fc1_out + fc1_out * bias + ffn * h
-    # Replicated: the two norms, the row-parallel biases (output projection, fc2), the router.
-    router = FocusConfig.from_args(args).router_params(h) if variant(args.attention).focus else 0
+    # Replicated: the two norms, the row-parallel biases (output projection, fc2), the variant's
+    # own parameters (Focus's router).
+    settings = variant(args.attention).settings_from(args)
+    own = 0 if settings is None else settings.layer_params(args)
     qk_norm = 2 * (2 * d if args.normalization == "LayerNorm" else d) if args.qk_layernorm else 0
-    layer_replicated = 2 * norm + 2 * h * bias + router + qk_norm
+    layer_replicated = 2 * norm + 2 * h * bias + own + qk_norm
     word = vocab * h
     position = (
         args.max_position_embeddings * h
@@ -232,7 +234,7 @@ def count_parameters(args: argparse.Namespace, vocab_size: int, tp: int = 1) -> 
         position_embedding=position,
         output_layer=output,
         per_layer=layer_sharded + layer_replicated,
-        router_per_layer=router,
+        router_per_layer=own,
         final_norm=norm,
         num_layers=layers,
         sharded=word + output + layers * layer_sharded,

@@ -20,6 +20,7 @@ from megatron.core.parallel_state import get_tensor_model_parallel_world_size
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import divide
 
 from megatron_focus.model.kernels import flash_attn_func, use_flash_attn
@@ -58,6 +59,13 @@ class CoreAttention(MegatronModule):
         )
         # Sliding window (left, 0): query i sees keys i - left .. i.
         self.window = None if config.window_size is None else config.window_size[0]
+
+    @classmethod
+    def spec(cls, settings=None):
+        """How a layer builds this core attention: with the variant's settings, if it has any,
+        as the keyword `settings` (a subclass with submodules of its own, as Focus's router,
+        says so here)."""
+        return cls if settings is None else ModuleSpec(cls, params={"settings": settings})
 
     def forward(
         self,

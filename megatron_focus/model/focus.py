@@ -210,6 +210,13 @@ class FocusAttention(CoreAttention):
         self.soft_gate = kernels.soft_gate(focus.kernel, device, self.dropout_p, focus.chunk_size)
         self.sparse = kernels.lse_attention(device)
 
+    @classmethod
+    def spec(cls, focus: FocusConfig) -> ModuleSpec:
+        """The router is a spec'd submodule, as Megatron's DSA has its indexer."""
+        return ModuleSpec(
+            cls, params={"focus": focus}, submodules=FocusAttentionSubmodules(router=Router)
+        )
+
     def forward(self, query, key, value, attention_mask, hidden_states, **kwargs):
         """`attention_mask`: None (causal), or Megatron's mask of packed documents, which the
         routing carries from here (its Sinkhorn restarts at each document, and so does the

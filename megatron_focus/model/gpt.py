@@ -21,7 +21,7 @@ from megatron.core.transformer import TransformerConfig
 
 from megatron_focus import platform
 from megatron_focus.model.specs import block_spec
-from megatron_focus.variants import FocusConfig, variant
+from megatron_focus.variants import variant
 
 
 def openai_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -91,7 +91,7 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> GPTModel:
             args.normalization,
             args.num_layers,
             args.xsa_layers,
-            FocusConfig.from_args(args) if attention.focus else None,
+            attention.settings_from(args),
             qk_layernorm=args.qk_layernorm,
         ),
         vocab_size=padded_vocab_size(
