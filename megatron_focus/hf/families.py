@@ -408,7 +408,15 @@ def _from_gpt2(config) -> Architecture:
 
 
 def _from_custom(config) -> Architecture:
+    from megatron_focus.hf.configuration_megatron_focus import ATTENTION_VARIANTS
+
     kinds = config.layer_attention
+    unknown = sorted(set(kinds) - set(ATTENTION_VARIANTS))
+    if unknown:
+        raise ValueError(
+            f"layer_attention {', '.join(map(repr, unknown))}: a layer kind the importer does not "
+            f"know; it knows {', '.join(ATTENTION_VARIANTS)}"
+        )
     focus = [kind.startswith("focus") for kind in kinds]
     # Native Focus is all layers or none; --xsa-layers picks the XSA ones among them.
     _require(all(focus) or not any(focus), f"Focus on some layers only ({kinds})")

@@ -1102,6 +1102,22 @@ def test_inexact_hf_models_are_refused(config, message, tmp_path):
     assert not (tmp_path / "ckpt").exists()  # refused before anything was written
 
 
+def test_an_unknown_hf_layer_kind_is_refused_by_name():
+    """A layer kind the importer does not know (a newer modeling file's, say) is refused, not
+    imported as standard attention."""
+    from megatron_focus.hf.configuration_megatron_focus import MegatronFocusConfig
+    from megatron_focus.hf.families import from_hf_config
+
+    config = MegatronFocusConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4)
+    config.layer_attention = ["standard", "mamba"]
+    with pytest.raises(
+        ValueError,
+        match=r"layer_attention 'mamba': a layer kind the importer does not know; "
+        r"it knows standard, xsa, focus, focus\+xsa",
+    ):
+        from_hf_config(config)
+
+
 def test_unmapped_settings_are_refused():
     from megatron_focus.checkpoint.format import with_unrecorded_defaults
     from megatron_focus.hf.architecture import Architecture
