@@ -13,11 +13,14 @@ trained-only checkpoint: where its frozen weights are).
 
 import argparse
 import contextlib
+import dataclasses
+import glob
 import json
 import os
 import re
 from typing import Optional
 
+from megatron_focus.checkpoint.safe_load import load_file
 from megatron_focus.variants import MODEL, VARIANTS, FocusConfig, variant
 
 # What must match for weights to load: the model's shape, what it computes, and how it is split.
@@ -67,6 +70,8 @@ LATEST = "latest"
 ARGS_FILE = "model_args.json"
 # The tokenizer the model was trained with (for the HF export); not compared on load.
 TOKENIZER_FILE = "tokenizer_args.json"
+# The layout (TP / DP size, ZeRO stage, precision) that wrote a checkpoint: training/layouts.py.
+LAYOUT_FILE = "layout.json"
 # Marks a checkpoint that holds weights only (tools/convert_from_hf.py): no optimizer, no run state.
 WEIGHTS_ONLY = "weights_only"
 # Marks a checkpoint saved with --no-save-optim: weights, schedule position and data position only.
@@ -75,8 +80,64 @@ NO_OPTIMIZER = "no_optimizer"
 BASE_FILE = "base_checkpoint.json"
 
 
+TAG = re.compile(r"iter_\d{7}")
+# What an interrupted save or layout conversion leaves: never complete, never `latest`.
+DEBRIS = re.compile(r"iter_\d{7}\.(partial|universal)|latest\.tmp")
+
+
 def tag_for(iteration: int) -> str:
     return f"iter_{iteration:07d}"
+
+
+def iteration_of(tag: str) -> int:
+    return int(tag[len("iter_") :])
+
+
+# --- DeepSpeed's model-states files: one per tensor-parallel rank --------------------------------
+
+
+def model_file(checkpoint_dir: str, tp: int) -> str:
+    """TP rank `tp`'s model-states file: its weights (ZeRO 0-2) and DeepSpeed's records."""
+    return os.path.join(checkpoint_dir, f"mp_rank_{tp:02d}_model_states.pt")
+
+
+def zero3_model_file(checkpoint_dir: str, tp: int) -> str:
+    """Under ZeRO-3 data-parallel rank 0's records: every weight's name, the values partitioned
+    over the optimizer files."""
+    return os.path.join(checkpoint_dir, f"zero_pp_rank_0_mp_rank_{tp:02d}_model_states.pt")
+
+
+def model_files(checkpoint_dir: str) -> list:
+    """Every tensor-parallel rank's model-states file, in rank order (none under ZeRO-3)."""
+    return sorted(glob.glob(os.path.join(checkpoint_dir, "mp_rank_*_model_states.pt")))
+
+
+def is_zero3(checkpoint_dir: str) -> bool:
+    return bool(glob.glob(os.path.join(checkpoint_dir, "zero_pp_rank_*_model_states.pt")))
+
+
+def model_state_file(checkpoint_dir: str, tp: int, weights: bool) -> str:
+    """TP rank `tp`'s model-states file, or, under ZeRO-3, the one holding its weights' names
+    (refused when the `weights` themselves are wanted)."""
+    shard, zero3 = model_file(checkpoint_dir, tp), zero3_model_file(checkpoint_dir, tp)
+    if os.path.isfile(shard):
+        return shard
+    if not os.path.isfile(zero3):
+        raise FileNotFoundError(f"{shard} is missing: not a complete checkpoint")
+    if weights:
+        raise ValueError(
+            f"{checkpoint_dir} is a ZeRO-3 checkpoint, whose weights are "
+            "partitioned: resume it as it is, or export it (tools/convert_to_hf.py) "
+            "and import that to load its weights alone"
+        )
+    return zero3
+
+
+def read_model_file(path: str, allow_unsafe: bool, mmap: bool = False) -> dict:
+    """A model-states file, its weights under this version's names (see `current_name`)."""
+    saved = load_file(path, allow_unsafe, mmap=mmap)
+    saved["module"] = current_names(saved["module"])
+    return saved
 
 
 def write_atomically(path: str, text: str) -> None:
@@ -95,16 +156,23 @@ def write_atomically(path: str, text: str) -> None:
         raise OSError(e.errno, e.strerror, e.filename or tmp) from e
 
 
-def model_args(args: argparse.Namespace) -> dict:
-    """What decides the model, as `model_args.json` holds it (tuples as lists)."""
+def model_args(args: argparse.Namespace, padded_vocab_size: int) -> dict:
+    """What decides the model, as `model_args.json` holds it (tuples as lists); the vocabulary
+    padded for the run's tensor-parallel size is the tokenizer's, known once it is built."""
     keys = SHAPE_KEYS + (FOCUS_KEYS if variant(args.attention).focus else ())
-    values = {key: getattr(args, key) for key in keys}
+    values = {key: getattr(args, key) for key in keys if key != "padded_vocab_size"}
+    values["padded_vocab_size"] = padded_vocab_size
     return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
 
 
+def write_model_args(checkpoint_dir: str, record: dict) -> None:
+    write_atomically(
+        os.path.join(checkpoint_dir, ARGS_FILE), json.dumps(record, indent=1, sort_keys=True)
+    )
+
+
 def saved_model_args(checkpoint_dir: str) -> dict:
-    with open(os.path.join(checkpoint_dir, ARGS_FILE)) as f:
-        return with_unrecorded_defaults(json.load(f))
+    return with_unrecorded_defaults(read_json(checkpoint_dir, ARGS_FILE))
 
 
 def with_unrecorded_defaults(saved: dict) -> dict:
@@ -115,9 +183,86 @@ def with_unrecorded_defaults(saved: dict) -> dict:
     return saved
 
 
-def check_compatible(args: argparse.Namespace, checkpoint_dir: str, ignore: tuple = ()) -> None:
-    """Refuse, before any weight is read, a checkpoint whose model has another shape."""
-    saved, ours = saved_model_args(checkpoint_dir), model_args(args)
+def write_layout(checkpoint_dir: str, layout: dict) -> None:
+    write_atomically(
+        os.path.join(checkpoint_dir, LAYOUT_FILE), json.dumps(layout, indent=1, sort_keys=True)
+    )
+
+
+def read_layout(checkpoint_dir: str) -> Optional[dict]:
+    """The layout that wrote a checkpoint (None: one saved before layouts were recorded)."""
+    path = os.path.join(checkpoint_dir, LAYOUT_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+_TOKENIZER_FILES = ("tokenizer_model", "vocab_file", "merge_file")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerRecord:
+    """`tokenizer_args.json`: the tokenizer a model was trained with, for the HF export (not
+    compared on load). `files` are absolute (a training run's) or relative to the checkpoint (an
+    import's copies); `tokenizer_type` None: synthetic data, or an import without a tokenizer,
+    whose HF config's bos/eos/pad ids are `special_token_ids`."""
+
+    vocab_size: int
+    tokenizer_type: Optional[str] = None
+    files: dict = dataclasses.field(default_factory=dict)
+    special_token_ids: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of_run(cls, args: argparse.Namespace, vocab_size: int) -> "TokenizerRecord":
+        return cls(
+            vocab_size,
+            args.tokenizer_type,
+            {
+                key: os.path.abspath(getattr(args, key))
+                for key in _TOKENIZER_FILES
+                if getattr(args, key, None)
+            },
+        )
+
+    def write(self, checkpoint_dir: str) -> None:
+        record = {
+            "tokenizer_type": self.tokenizer_type,
+            **{key: self.files.get(key) for key in _TOKENIZER_FILES},
+            "vocab_size": self.vocab_size,
+        }
+        if self.special_token_ids:
+            record["special_token_ids"] = self.special_token_ids
+        write_atomically(os.path.join(checkpoint_dir, TOKENIZER_FILE), json.dumps(record, indent=1))
+
+    @classmethod
+    def read(cls, checkpoint_dir: str) -> "TokenizerRecord":
+        record = read_json(checkpoint_dir, TOKENIZER_FILE)
+        return cls(
+            record["vocab_size"],
+            record.get("tokenizer_type"),
+            {key: record[key] for key in _TOKENIZER_FILES if record.get(key)},
+            record.get("special_token_ids", {}),
+        )
+
+    def paths(self, checkpoint_dir: str) -> dict:
+        """The tokenizer's files where they are now (an import's, inside the checkpoint)."""
+        return {key: os.path.join(checkpoint_dir, path) for key, path in self.files.items()}
+
+
+def read_json(checkpoint_dir: str, name: str) -> dict:
+    path = os.path.join(checkpoint_dir, name)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{path} is missing: not a megatron-focus checkpoint, or saved by an older version"
+        )
+    with open(path) as f:
+        return json.load(f)
+
+
+def check_compatible(ours: dict, saved: dict, checkpoint_dir: str, ignore: tuple = ()) -> None:
+    """Refuse, before any weight is read, a checkpoint whose model has another shape: `saved`
+    and `ours` are its and this run's model args."""
     diffs = [
         f"{k}: checkpoint {saved.get(k)!r}, this run {ours.get(k)!r}"
         for k in sorted(set(saved) | set(ours))
@@ -151,13 +296,13 @@ def latest_tag(load_dir: str, flag: str = "--ckpt-step") -> Optional[str]:
         return tag
     if not tag:
         damage = "it is empty"
-    elif re.fullmatch(r"iter_\d{7}", tag):
+    elif TAG.fullmatch(tag):
         damage = f"it names {tag!r}, which is not in {load_dir}"
     else:
         damage = f"it holds {tag[:40]!r}, not a checkpoint's name"
     offer = (
         f"complete checkpoints there: {', '.join(complete)}; pick one with {flag} (e.g. "
-        f"{int(complete[-1][len('iter_') :])})"
+        f"{iteration_of(complete[-1])})"
         if complete
         else f"{load_dir} holds no complete checkpoint"
     )
@@ -182,7 +327,7 @@ def complete_tags(folder: str) -> list:
     return sorted(
         name
         for name in os.listdir(folder)
-        if re.fullmatch(r"iter_\d{7}", name) and os.path.isdir(os.path.join(folder, name))
+        if TAG.fullmatch(name) and os.path.isdir(os.path.join(folder, name))
     )
 
 

@@ -8,12 +8,11 @@ every file's size and SHA-256; the ranks share the hashing, each taking every wo
 import hashlib
 import json
 import os
-import re
 from typing import Optional
 
 import torch.distributed as dist
 
-from megatron_focus.checkpoint.format import write_atomically
+from megatron_focus.checkpoint.format import TAG, write_atomically
 
 CHECKSUMS = "checksums.json"
 _CHUNK = 1 << 24
@@ -99,7 +98,7 @@ def previous_complete(folder: str) -> Optional[str]:
     their saved sizes."""
     parent, tag = os.path.split(os.path.abspath(folder))
     for name in sorted(os.listdir(parent), reverse=True):
-        if re.fullmatch(r"iter_\d{7}", name) and name < tag:
+        if TAG.fullmatch(name) and name < tag:
             saved = _saved(os.path.join(parent, name))
             if saved is not None and not _by_size(os.path.join(parent, name), saved):
                 return name

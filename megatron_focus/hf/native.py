@@ -1,17 +1,15 @@
 """This project's checkpoints without a training run: read one, write one, run one.
 
-A checkpoint tag (`DIR/iter_XXXXXXX/`, see `checkpoint/format.py`) holds DeepSpeed's
-`mp_rank_XX_model_states.pt` per tensor-parallel rank, whose `module` is that rank's Megatron
-state dict (ZeRO stages 0-2 keep the whole TP shard there; stage 3 writes
-`zero_pp_rank_*` files instead and partitions the weights over its optimizer files, which
-DeepSpeed's `zero_to_fp32` reassembles), plus `model_args.json` and
-`tokenizer_args.json` (and a retrofit's trained-only checkpoint, `base_checkpoint.json`).
+A checkpoint tag (its files: `checkpoint/format.py`) holds DeepSpeed's model-states file per
+tensor-parallel rank, whose `module` is that rank's Megatron state dict (ZeRO stages 0-2 keep the
+whole TP shard there; stage 3 partitions the weights over its optimizer files, which DeepSpeed's
+`zero_to_fp32` reassembles), plus the model's args and its tokenizer's record (and a retrofit's
+trained-only checkpoint, the base it holds routers for).
 `read_weights` returns the full model, `write_checkpoint` writes a
 weights-only checkpoint that `pretrain_gpt.py --load` starts from, and `native_logits` runs the
 native Megatron-Core model of a checkpoint.
 """
 
-import glob
 import json
 import os
 import shutil
@@ -47,16 +45,6 @@ def checkpoint_tag_dir(load_dir: str, iteration: Optional[int] = None) -> str:
     return path
 
 
-def read_json(tag_dir: str, name: str) -> dict:
-    path = os.path.join(tag_dir, name)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"{path} is missing: not a megatron-focus checkpoint, or saved by an older version"
-        )
-    with open(path) as f:
-        return json.load(f)
-
-
 def checkpoint_vocabulary(
     tag_dir: str, tokenizer_type: Optional[str] = None, tokenizer_model: Optional[str] = None
 ):
@@ -64,19 +52,12 @@ def checkpoint_vocabulary(
     has moved) or the recorded one; an imported model without a tokenizer records only its
     vocabulary size, and its tokenizer is None.
     """
-    recorded = read_json(tag_dir, checkpoint_format.TOKENIZER_FILE)
-    files = {}
+    recorded = checkpoint_format.TokenizerRecord.read(tag_dir)
     if tokenizer_model is None:
-        tokenizer_type = recorded["tokenizer_type"]
-        # relative paths (an import's copies) are read from the checkpoint
-        files = {
-            key: os.path.join(tag_dir, recorded[key])
-            for key in ("tokenizer_model", "vocab_file", "merge_file")
-            if recorded.get(key)
-        }
+        tokenizer_type, files = recorded.tokenizer_type, recorded.paths(tag_dir)
         if not files:  # synthetic data, NullTokenizer or an import without a tokenizer
-            return recorded["vocab_size"], None
-        gone = [path for path in files.values() if not os.path.isfile(path)]
+            return recorded.vocab_size, None
+        gone = [path for path in files.values() if not os.path.exists(path)]
         if gone:
             raise FileNotFoundError(
                 f"the checkpoint's tokenizer {', '.join(gone)} is gone; "
@@ -86,14 +67,13 @@ def checkpoint_vocabulary(
         files = {"tokenizer_model": tokenizer_model}
     if tokenizer_type is None:
         raise ValueError("--tokenizer-model needs --tokenizer-type")
-    tokenizer = build_tokenizer(tokenizer_type, **files)
-    return recorded.get("vocab_size", tokenizer.vocab_size), tokenizer
+    return recorded.vocab_size, build_tokenizer(tokenizer_type, **files)
 
 
 def recorded_special_tokens(tag_dir: str) -> dict:
     """The bos/eos/pad ids an imported model's HF config gave (`{"bos_token_id": 1, ...}`), for
     exporting a checkpoint that has no tokenizer."""
-    return read_json(tag_dir, checkpoint_format.TOKENIZER_FILE).get("special_token_ids", {})
+    return checkpoint_format.TokenizerRecord.read(tag_dir).special_token_ids
 
 
 def read_architecture(
@@ -103,9 +83,7 @@ def read_architecture(
     focus_attention_mode: Optional[str] = None,
 ) -> Architecture:
     """The model of a checkpoint; a Focus model's inference settings as given, or the defaults."""
-    model_args = checkpoint_format.with_unrecorded_defaults(
-        read_json(tag_dir, checkpoint_format.ARGS_FILE)
-    )
+    model_args = checkpoint_format.saved_model_args(tag_dir)
     return Architecture.from_model_args(model_args, vocab_size, focus_top_k, focus_attention_mode)
 
 
@@ -116,26 +94,28 @@ def read_weights(
     pickled objects are refused unless `allow_unsafe` (see `safe_load.load_file`), and so is a
     checkpoint whose files differ from what its save wrote."""
     integrity.verify(tag_dir)
-    tp = read_json(tag_dir, checkpoint_format.ARGS_FILE)["tensor_model_parallel_size"]
-    files = sorted(glob.glob(os.path.join(tag_dir, "mp_rank_*_model_states.pt")))
-    if not files and glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_model_states.pt")):
+    tp = checkpoint_format.read_json(tag_dir, checkpoint_format.ARGS_FILE)[
+        "tensor_model_parallel_size"
+    ]
+    files = checkpoint_format.model_files(tag_dir)
+    if not files and checkpoint_format.is_zero3(tag_dir):
         # ZeRO-3 (TP = 1) partitions the weights over its optimizer files; DeepSpeed reassembles
         # them.
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         safe_load.check_safe_to_load(tag_dir, allow_unsafe)  # DeepSpeed reads with pickle
         load_dir, tag = os.path.split(os.path.normpath(tag_dir))
-        modules = [get_fp32_state_dict_from_zero_checkpoint(load_dir, tag)]
+        modules = [
+            checkpoint_format.current_names(get_fp32_state_dict_from_zero_checkpoint(load_dir, tag))
+        ]
     elif len(files) == tp:
         modules = [
-            safe_load.load_file(f, allow_unsafe)["module"]
+            checkpoint_format.read_model_file(f, allow_unsafe)["module"]
             for f in tqdm(files, desc="reading TP shards", disable=not progress)
         ]
     else:
         raise ValueError(f"{tag_dir}: {len(files)} model files for tensor-parallel size {tp}")
-    weights = layout.merge(
-        [checkpoint_format.current_names(m) for m in modules], arch.swiglu, arch.vocab_size
-    )
+    weights = layout.merge(modules, arch.swiglu, arch.vocab_size)
     base_dir = checkpoint_format.base_checkpoint(tag_dir)
     if base_dir is None:
         return weights
@@ -199,30 +179,26 @@ def _write_checkpoint(
                 "mp_world_size": tp,
                 "ds_version": deepspeed.__version__,
             },
-            os.path.join(tag_dir, f"mp_rank_{rank:02d}_model_states.pt"),
+            checkpoint_format.model_file(tag_dir, rank),
         )
-    tokenizer_args = {
-        "tokenizer_type": tokenizer_type,
-        "tokenizer_model": None,
-        "vocab_size": vocab_size,
-        "special_token_ids": special_token_ids or {},
-    }
+    files = {}
     if tokenizer_file is not None:
         copied = os.path.basename(tokenizer_file)  # read relative to the checkpoint
         shutil.copyfile(tokenizer_file, os.path.join(tag_dir, copied))
-        tokenizer_args["tokenizer_model"] = copied
+        files["tokenizer_model"] = copied
         config = os.path.join(os.path.dirname(tokenizer_file), HF_TOKENIZER_CONFIG)
         if os.path.isfile(config):  # the special tokens and chat template travel with it
             shutil.copyfile(config, os.path.join(tag_dir, HF_TOKENIZER_CONFIG))
-    files = {
-        checkpoint_format.ARGS_FILE: checkpoint_format.model_args(args),
-        checkpoint_format.TOKENIZER_FILE: tokenizer_args,
-        checkpoint_format.WEIGHTS_ONLY: {"iteration": 0},
-    }
-    for name, content in files.items():
-        checkpoint_format.write_atomically(
-            os.path.join(tag_dir, name), json.dumps(content, indent=1, sort_keys=True)
-        )
+    checkpoint_format.TokenizerRecord(
+        vocab_size, tokenizer_type, files, special_token_ids or {}
+    ).write(tag_dir)
+    checkpoint_format.write_model_args(
+        tag_dir, checkpoint_format.model_args(args, args.padded_vocab_size)
+    )
+    checkpoint_format.write_atomically(
+        os.path.join(tag_dir, checkpoint_format.WEIGHTS_ONLY),
+        json.dumps({"iteration": 0}, indent=1, sort_keys=True),
+    )
     checkpoint_format.write_atomically(os.path.join(save_dir, checkpoint_format.LATEST), tag)
 
 

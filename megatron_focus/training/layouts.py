@@ -19,7 +19,6 @@ import argparse
 import contextlib
 import glob
 import io
-import json
 import os
 import re
 import shutil
@@ -35,10 +34,15 @@ from deepspeed.checkpoint.universal_checkpoint import load_hp_checkpoint_state
 from deepspeed.utils.tensor_fragment import fragment_address
 from megatron.core import parallel_state
 
-from megatron_focus.checkpoint.format import current_name, current_names, write_atomically
+from megatron_focus.checkpoint.format import (
+    current_name,
+    model_file,
+    model_state_file,
+    read_layout,
+    read_model_file,
+)
 from megatron_focus.checkpoint.safe_load import load_file
 
-LAYOUT_FILE = "layout.json"
 # The model-args keys that follow the layout rather than the model.
 LAYOUT_KEYS = ("tensor_model_parallel_size", "padded_vocab_size")
 _VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -54,27 +58,14 @@ def current(args: argparse.Namespace) -> dict:
     }
 
 
-def write(args: argparse.Namespace, checkpoint_dir: str) -> None:
-    write_atomically(
-        os.path.join(checkpoint_dir, LAYOUT_FILE),
-        json.dumps(
-            {**current(args), "padded_vocab_size": args.padded_vocab_size}, indent=1, sort_keys=True
-        ),
-    )
-
-
-def saved(checkpoint_dir: str) -> Optional[dict]:
-    """The layout that wrote a checkpoint (None: one saved before layouts were recorded)."""
-    path = os.path.join(checkpoint_dir, LAYOUT_FILE)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+def record(args: argparse.Namespace, padded_vocab_size: int) -> dict:
+    """`layout.json` of this run's checkpoints: its layout and the vocabulary padded for it."""
+    return {**current(args), "padded_vocab_size": padded_vocab_size}
 
 
 def change(args: argparse.Namespace, checkpoint_dir: str) -> Optional[dict]:
     """The checkpoint's layout if it differs from this run's, refused where no path exists."""
-    layout = saved(checkpoint_dir)
+    layout = read_layout(checkpoint_dir)
     ours = current(args)
     if layout is None or all(layout[k] == v for k, v in ours.items()):
         return None
@@ -167,7 +158,7 @@ def to_universal(
         )
         shutil.rmtree(source)
     zero = os.path.join(out, "zero")
-    records = load_file(_first_model_file(checkpoint_dir), allow_unsafe)
+    records = load_file(model_state_file(checkpoint_dir, 0, weights=False), allow_unsafe)
     for folder in glob.glob(os.path.join(zero, "*", "")):
         name = os.path.basename(os.path.dirname(folder))
         if current_name(name) != name:  # a checkpoint of an earlier version
@@ -207,15 +198,6 @@ def _without_empty_entries(checkpoint_dir: str, source: str, allow_unsafe: bool)
     return source
 
 
-def _first_model_file(checkpoint_dir: str) -> str:
-    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
-        if os.path.isfile(os.path.join(checkpoint_dir, name)):
-            return os.path.join(checkpoint_dir, name)
-    raise FileNotFoundError(
-        f"{checkpoint_dir} holds no model-states file of tensor-parallel rank 0"
-    )
-
-
 def _stage0_to_universal(
     checkpoint_dir: str, out: str, tp_size: int, trained: list, allow_unsafe: bool
 ) -> None:
@@ -224,11 +206,9 @@ def _stage0_to_universal(
     slices, shapes, info = os.path.join(out, "tmp"), {}, None
     names = [name for group in trained for name in group]
     for tp in range(tp_size):
-        saved = load_file(
-            os.path.join(checkpoint_dir, f"mp_rank_{tp:02d}_model_states.pt"), allow_unsafe
-        )
+        saved = read_model_file(model_file(checkpoint_dir, tp), allow_unsafe)
         info = saved[uc.UNIVERSAL_CHECKPOINT_INFO]
-        state, module = saved["optimizer"]["state"], current_names(saved["module"])
+        state, module = saved["optimizer"]["state"], saved["module"]
         for index, name in enumerate(names):
             weight = module[name]
             shapes.setdefault(name, []).append(weight.shape)
@@ -240,10 +220,8 @@ def _stage0_to_universal(
     for name in names:
         _quietly(ds_to_universal.merge_tp_slices, info, zero, slices, tp_size, (name, shapes[name]))
     for tp in range(tp_size):  # untrained weights (a retrofit's frozen base): value only
-        module = load_file(
-            os.path.join(checkpoint_dir, f"mp_rank_{tp:02d}_model_states.pt"), allow_unsafe
-        )["module"]
-        for name, weight in current_names(module).items():
+        module = read_model_file(model_file(checkpoint_dir, tp), allow_unsafe)["module"]
+        for name, weight in module.items():
             if name not in shapes and not name.endswith("_extra_state"):
                 _save(os.path.join(slices, name, str(tp), "fp32.00"), weight.float().flatten())
                 shapes.setdefault(name, []).append(weight.shape)
@@ -322,7 +300,12 @@ def _write_optimizer_records(zero: str, records: dict, allow_unsafe: bool) -> No
 
 
 def load(
-    engine, args: argparse.Namespace, checkpoint_dir: str, layout: dict, trained_names: list
+    engine,
+    args: argparse.Namespace,
+    checkpoint_dir: str,
+    layout: dict,
+    trained_names: list,
+    padded_vocab_size: int,
 ) -> dict:
     """Load `checkpoint_dir`, written at `layout`, at this run's; returns the client state."""
     root = os.path.join(
@@ -343,7 +326,7 @@ def load(
             out,
             layout,
             trained_names,
-            args.padded_vocab_size,
+            padded_vocab_size,
             args.allow_unsafe_checkpoints,
         )
         _name_for_engine(engine, out)

@@ -7,6 +7,7 @@ As Megatron-LM's `training_log`, each of its curves is also written against the 
 """
 
 import argparse
+import dataclasses
 import datetime
 import math
 import os
@@ -45,6 +46,25 @@ def memory_now() -> dict:
         return dict([peak_memory_bytes()])
 
 
+@dataclasses.dataclass(frozen=True)
+class LogStep:
+    """What one log line reports, read from the device in one go. `loss`: the mean over every
+    iteration since the previous line; `seconds_per_iter`: their training time alone."""
+
+    iteration: int
+    consumed_samples: int
+    loss: float
+    lr: float
+    seconds_per_iter: float
+    skipped: int
+    nan_iters: int
+    grad_norm: Optional[float] = None
+    loss_scale: float = 1.0
+    params_norm: Optional[float] = None
+    num_zeros: Optional[float] = None
+    focus: dict = dataclasses.field(default_factory=dict)
+
+
 class Reporter:
     def __init__(
         self, args: argparse.Namespace, flops_token: float, world_size: int, is_last_rank: bool
@@ -80,84 +100,72 @@ class Reporter:
         if self.writer is not None:
             self.writer.add_scalar(f"{tag} vs samples", value, samples)
 
-    def train(
-        self,
-        iteration: int,
-        consumed_samples: int,
-        loss: float,
-        lr: float,
-        grad_norm: Optional[float],
-        seconds_per_iter: float,
-        skipped: int,
-        nan_iters: int,
-        focus: dict,
-        loss_scale: float = 1.0,
-        params_norm: Optional[float] = None,
-        num_zeros: Optional[float] = None,
-    ) -> None:
+    def train(self, step: LogStep) -> None:
         if not self.active:
             return
         args = self.args
-        tokens_per_s = args.global_batch_size * args.seq_length / seconds_per_iter
+        tokens_per_s = args.global_batch_size * args.seq_length / step.seconds_per_iter
         tflops = tokens_per_s * self.flops_token / self.world_size / 1e12  # per GPU
         mem_tag, mem = peak_memory_bytes()
-        eta = datetime.timedelta(seconds=int((args.train_iters - iteration) * seconds_per_iter))
+        eta = datetime.timedelta(
+            seconds=int((args.train_iters - step.iteration) * step.seconds_per_iter)
+        )
         throughput = (
             f" | throughput per GPU (TFLOP/s/GPU): {tflops:.1f}" if args.log_throughput else ""
         )
         line = (
-            f" [{datetime.datetime.now():%Y-%m-%d %H:%M:%S}] iteration {iteration:8d}/"
-            f"{args.train_iters:8d} | consumed samples: {consumed_samples:12d}"
-            f" | elapsed time per iteration (ms): {seconds_per_iter * 1000:.1f}{throughput}"
-            f" | learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d}"
-            f" | lm loss: {loss:.6E}"
-            f" | grad norm: {grad_norm if grad_norm is not None else float('nan'):.3f}"
-            + (f" | num zeros: {num_zeros:.1f}" if num_zeros is not None else "")
-            + (f" | params norm: {params_norm:.3f}" if params_norm is not None else "")
-            + f" | number of skipped iterations: {skipped:3d}"
-            + f" | number of nan iterations: {nan_iters:3d}"
+            f" [{datetime.datetime.now():%Y-%m-%d %H:%M:%S}] iteration {step.iteration:8d}/"
+            f"{args.train_iters:8d} | consumed samples: {step.consumed_samples:12d}"
+            f" | elapsed time per iteration (ms): {step.seconds_per_iter * 1000:.1f}{throughput}"
+            f" | learning rate: {step.lr:.6E} | global batch size: {args.global_batch_size:5d}"
+            f" | lm loss: {step.loss:.6E}"
+            f" | grad norm: {step.grad_norm if step.grad_norm is not None else float('nan'):.3f}"
+            + (f" | num zeros: {step.num_zeros:.1f}" if step.num_zeros is not None else "")
+            + (f" | params norm: {step.params_norm:.3f}" if step.params_norm is not None else "")
+            + f" | number of skipped iterations: {step.skipped:3d}"
+            + f" | number of nan iterations: {step.nan_iters:3d}"
             f" | tokens/s: {tokens_per_s:.0f} | TFLOP/s/device: {tflops:.3f} | ETA: {eta}"
         )
-        if focus:  # per-layer values go to TensorBoard; the line shows the worst / the mean
-            largest = max(v for k, v in focus.items() if k.endswith("largest-group"))
-            kept = [v for k, v in focus.items() if k.endswith("pairs-kept")]
+        if step.focus:  # per-layer values go to TensorBoard; the line shows the worst / the mean
+            largest = max(v for k, v in step.focus.items() if k.endswith("largest-group"))
+            kept = [v for k, v in step.focus.items() if k.endswith("pairs-kept")]
             line += (
                 f" | focus largest group: {largest:.3f}"
                 f" | focus pairs kept: {sum(kept) / len(kept):.3f}"
             )
         print(line, flush=True)
-        if iteration % args.tensorboard_log_interval:
+        if step.iteration % args.tensorboard_log_interval:
             return
-        step = iteration
+        at, samples = step.iteration, step.consumed_samples
         for tag, value in (
-            ("lm loss", loss),
-            ("learning-rate", lr),
-            ("grad-norm", grad_norm),
-            ("num-zeros", num_zeros),
-            ("params-norm", params_norm),
+            ("lm loss", step.loss),
+            ("learning-rate", step.lr),
+            ("grad-norm", step.grad_norm),
+            ("num-zeros", step.num_zeros),
+            ("params-norm", step.params_norm),
             ("batch-size", args.global_batch_size),
         ):
             if value is not None:
-                self.megatron_scalar(tag, value, step, consumed_samples)
+                self.megatron_scalar(tag, value, at, samples)
         if args.log_loss_scale_to_tensorboard:
-            self.megatron_scalar("loss-scale", loss_scale, step, consumed_samples)
+            self.megatron_scalar("loss-scale", step.loss_scale, at, samples)
         if args.log_world_size_to_tensorboard:
-            self.megatron_scalar("world-size", self.world_size, step, consumed_samples)
+            self.megatron_scalar("world-size", self.world_size, at, samples)
         if args.log_timers_to_tensorboard:
-            self.scalar("iteration-time", seconds_per_iter, step)
+            self.scalar("iteration-time", step.seconds_per_iter, at)
             if args.log_throughput:
-                self.scalar("throughput", tflops, step)
-        self.scalar("tokens-per-sec", tokens_per_s, step)
-        self.scalar("tflops-per-device", tflops, step)
+                self.scalar("throughput", tflops, at)
+        self.scalar("tokens-per-sec", tokens_per_s, at)
+        self.scalar("tflops-per-device", tflops, at)
         if self.peak:
-            self.scalar("mfu", tflops * 1e12 / self.peak, step)
-        self.scalar(mem_tag, mem, step)
+            self.scalar("mfu", tflops * 1e12 / self.peak, at)
+        self.scalar(mem_tag, mem, at)
         if args.log_memory_to_tensorboard:
             for tag, value in memory_now().items():
-                self.scalar(tag, value, step)
-        self.scalar("skipped-iterations", skipped, step)
-        for tag, value in focus.items():
-            self.scalar(tag, value, step)
+                self.scalar(tag, value, at)
+        self.scalar("skipped-iterations", step.skipped, at)
+        for tag, value in step.focus.items():
+            self.scalar(tag, value, at)
 
     def validation(
         self, iteration: int, consumed_samples: int, loss: float, focus_mode: str = ""

@@ -30,14 +30,14 @@ from megatron_focus.model.focus import (
     set_focus_mode,
     train_routers_only,
 )
-from megatron_focus.model.gpt import build_model, padded_vocab_size
+from megatron_focus.model.gpt import build_model
 from megatron_focus.parallel import (
     install_sequence_parallel_grad_allreduce,
     num_zeros_in_grad,
     params_norm,
 )
-from megatron_focus.training import checkpointing, layouts
-from megatron_focus.training.metrics import Reporter
+from megatron_focus.training import checkpointing, layouts, resume
+from megatron_focus.training.metrics import LogStep, Reporter
 from megatron_focus.training.optimizer import param_groups, schedule
 from megatron_focus.training.profiling import StepProfiler
 from megatron_focus.variants import variant
@@ -53,27 +53,25 @@ def pretrain(args: argparse.Namespace) -> dict:
     )
     platform.manual_seed(args.seed)
     rank0 = dist.get_rank() == 0
-    checkpointing.preflight(args)  # the checkpoint folders, before the data is even built
+    checkpointing.preflight(args)  # the --save folder, before the data is even built
+    plan = resume.plan(args)  # what the run starts from, decided once
 
     # Data first: a wrong path or a tokenizer that does not fit the data fails before any compute.
     tokenizer = tokenizer_for(args, rank0)
-    args.tokenizer_vocab_size = tokenizer.vocab_size  # recorded with checkpoints
-    args.padded_vocab_size = padded_vocab_size(
-        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
-    )
-    checkpointing.check_resume(args)  # a checkpoint --load cannot use, before any compute
+    records = checkpointing.records(args, plan, tokenizer.vocab_size)
+    resume.check(plan, args, records.model_args)  # a checkpoint the plan cannot use
     train_data, valid_data = datasets_for(args, tokenizer)
 
     model = build_model(args, tokenizer.vocab_size)
     if args.retrofit:  # frozen weights stay out of the optimizer
         train_routers_only(model)
     install_sequence_parallel_grad_allreduce(model)
-    engine = _deepspeed_engine(args, model)
+    engine = _deepspeed_engine(args, model, plan)
+    iteration, consumed = checkpointing.load(engine, args, plan, records.padded_vocab_size)
 
-    iteration, consumed = checkpointing.load(engine, args) if args.load else (0, 0)
     reporter = Reporter(
         args,
-        flops_per_token(args, args.padded_vocab_size),
+        flops_per_token(args, records.padded_vocab_size),
         dist.get_world_size(),
         is_last_rank=dist.get_rank() == dist.get_world_size() - 1,
     )
@@ -87,20 +85,17 @@ def pretrain(args: argparse.Namespace) -> dict:
     if args.manual_gc:  # collections at chosen steps, the same on every rank
         gc.disable()
         gc.collect()
-
-    history = {"losses": [], "validation": [], "lr": []}
     if valid_data is not None:  # the same batches at every evaluation, read by workers that stay
         valid_data = data_loader(
             valid_data, 0, args.eval_iters * args.global_batch_size, args, persistent=True
         )
+    progress = _Progress(iteration, engine.skipped_steps, args.max_skipped_steps, rank0)
     if args.retrofit and iteration == 0 and valid_data is not None:
         # A retrofit's starting point (the base model with fresh routers) is what it must beat.
-        _validate(engine, valid_data, args, iteration, consumed, reporter, history)
+        _validate(engine, valid_data, args, iteration, consumed, reporter, progress.history)
     batches = iter(
         data_loader(train_data, consumed, args.train_iters * args.global_batch_size, args)
     )
-    unread = _UnreadLosses(engine.skipped_steps, args.max_skipped_steps)
-    interval = _LogInterval(iteration)
     profiler = StepProfiler(args)
     while iteration < args.train_iters:
         log_now = (iteration + 1) % args.log_interval == 0 or iteration + 1 == args.train_iters
@@ -108,69 +103,32 @@ def pretrain(args: argparse.Namespace) -> dict:
             loss, zeros = train_step(engine, batches, args, log_now and args.log_num_zeros_in_grad)
         iteration += 1
         consumed += args.global_batch_size
-        unread.add(iteration, loss, engine)
+        progress.add(iteration, loss, engine)
         profiler.after_step(iteration)
         if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
             gc.collect()
-
         if log_now:
-            grad_norm = engine.get_global_grad_norm()
-            values = unread.read(
-                history,
-                rank0,
-                {
-                    "grad norm": grad_norm
-                    if torch.is_tensor(grad_norm)
-                    else torch.tensor(float("nan") if grad_norm is None else float(grad_norm)),
-                    # fp16's dynamic loss scale; nothing is scaled in bf16 and fp32
-                    "loss scale": torch.as_tensor(getattr(engine.optimizer, "loss_scale", 1.0)),
-                    **({"params norm": params_norm(engine.module)} if args.log_params_norm else {}),
-                    **({"num zeros": zeros} if zeros is not None else {}),
-                    **focus_statistics(engine.module),
-                },
-            )
-            # the whole interval's losses: a checkpoint save in it has read some of them
-            losses = history["losses"][interval.first - iteration :]
-            grad_norm, loss_scale = values.pop("grad norm"), values.pop("loss scale")
-            norm, num_zeros = values.pop("params norm", None), values.pop("num zeros", None)
-            if num_zeros is not None:
-                history.setdefault("num zeros", []).append(num_zeros)
-            history["lr"].append(engine.get_lr()[0])
-            reporter.train(
-                iteration,
-                consumed,
-                sum(losses) / len(losses),
-                history["lr"][-1],
-                None if math.isnan(grad_norm) else grad_norm,
-                interval.seconds_per_iteration(iteration),
-                engine.skipped_steps,
-                unread.non_finite,
-                values,
-                loss_scale,
-                norm,
-                num_zeros,
-            )
-            interval.restart(iteration)
+            reporter.train(progress.log_step(engine, args, iteration, consumed, zeros))
         if valid_data is not None and (
             iteration % args.eval_interval == 0 or iteration == args.train_iters
         ):
-            with interval.paused():
-                _validate(engine, valid_data, args, iteration, consumed, reporter, history)
+            with progress.paused():
+                _validate(engine, valid_data, args, iteration, consumed, reporter, progress.history)
         saved = args.save and (
             (args.save_interval and iteration % args.save_interval == 0)
             or iteration == args.train_iters
         )
         if saved:
-            unread.read(history, rank0)  # never save after a step trained on a non-finite loss
-            with interval.paused():
-                _save(engine, args, iteration, consumed, rank0)
+            progress.read()  # never save after a step trained on a non-finite loss
+            with progress.paused():
+                _save(engine, args, records, iteration, consumed, rank0)
         exit_now = (args.exit_interval and iteration % args.exit_interval == 0) or (
             stop is not None and stop.any_rank()
         )
         if exit_now:
-            unread.read(history, rank0)
+            progress.read()
             if args.save and not saved:
-                _save(engine, args, iteration, consumed, rank0)
+                _save(engine, args, records, iteration, consumed, rank0)
             if rank0:
                 print(f" exiting at iteration {iteration}", flush=True)
             break
@@ -179,7 +137,7 @@ def pretrain(args: argparse.Namespace) -> dict:
     reporter.close()
     if rank0:
         _print_where(args)
-    return history
+    return progress.history
 
 
 def _validate(
@@ -197,8 +155,8 @@ def _validate(
         reporter.validation(iteration, consumed, loss, other)
 
 
-def _save(engine, args, iteration: int, consumed: int, rank0: bool) -> None:
-    path = checkpointing.save(engine, args, iteration, consumed)
+def _save(engine, args, records, iteration: int, consumed: int, rank0: bool) -> None:
+    path = checkpointing.save(engine, args, records, iteration, consumed)
     if rank0:
         print(f" saved checkpoint {path}", flush=True)
 
@@ -237,16 +195,27 @@ def train_step(
     return _mean_over_data_parallel(total / micro), zeros
 
 
-class _LogInterval:
-    """The iterations since the last log line and their training time, evaluation and checkpoint
-    saves left out as Megatron-LM's interval timer leaves them out: the per-iteration time,
-    tokens/s and ETA measure training alone."""
+class _Progress:
+    """The run's history, and the losses not yet read from the device.
 
-    def __init__(self, iteration: int):
-        self.restart(iteration)
+    Per-iteration losses stay on the device until a log or save step reads them, with whatever
+    else that step reports, in one host read: one synchronisation per log. The log interval's
+    time leaves evaluation and checkpoint saves out, as Megatron-LM's interval timer does: the
+    per-iteration time, tokens/s and ETA measure training alone.
+    """
 
-    def restart(self, iteration: int) -> None:
-        self.first, self.started = iteration, time.time()
+    def __init__(self, iteration: int, skipped: int, max_skipped: int, rank0: bool):
+        self.history = {"losses": [], "validation": [], "lr": []}
+        self.pending = []  # (iteration, loss tensor, whether DeepSpeed skipped the step)
+        self.skipped = skipped  # DeepSpeed's count before the next step
+        self.non_finite = 0
+        self.max_skipped, self.in_a_row = max_skipped, 0
+        self.rank0 = rank0
+        self.first, self.started = iteration, time.time()  # the log interval
+
+    def add(self, iteration: int, loss: torch.Tensor, engine) -> None:
+        before, self.skipped = self.skipped, engine.skipped_steps
+        self.pending.append((iteration, loss, self.skipped > before))
 
     @contextlib.contextmanager
     def paused(self):
@@ -256,25 +225,46 @@ class _LogInterval:
         finally:
             self.started += time.time() - paused
 
-    def seconds_per_iteration(self, iteration: int) -> float:
-        return (time.time() - self.started) / (iteration - self.first)
+    def log_step(self, engine, args, iteration: int, consumed: int, zeros) -> LogStep:
+        """The log line's values (one host read); starts the next log interval."""
+        grad_norm = engine.get_global_grad_norm()
+        values = self.read(
+            {
+                "grad norm": grad_norm
+                if torch.is_tensor(grad_norm)
+                else torch.tensor(float("nan") if grad_norm is None else float(grad_norm)),
+                # fp16's dynamic loss scale; nothing is scaled in bf16 and fp32
+                "loss scale": torch.as_tensor(getattr(engine.optimizer, "loss_scale", 1.0)),
+                **({"params norm": params_norm(engine.module)} if args.log_params_norm else {}),
+                **({"num zeros": zeros} if zeros is not None else {}),
+                **focus_statistics(engine.module),
+            }
+        )
+        # the whole interval's losses: a checkpoint save in it has read some of them
+        losses = self.history["losses"][self.first - iteration :]
+        grad_norm, loss_scale = values.pop("grad norm"), values.pop("loss scale")
+        norm, num_zeros = values.pop("params norm", None), values.pop("num zeros", None)
+        if num_zeros is not None:
+            self.history.setdefault("num zeros", []).append(num_zeros)
+        self.history["lr"].append(engine.get_lr()[0])
+        step = LogStep(
+            iteration,
+            consumed,
+            sum(losses) / len(losses),
+            self.history["lr"][-1],
+            (time.time() - self.started) / (iteration - self.first),
+            engine.skipped_steps,
+            self.non_finite,
+            None if math.isnan(grad_norm) else grad_norm,
+            loss_scale,
+            norm,
+            num_zeros,
+            values,
+        )
+        self.first, self.started = iteration, time.time()
+        return step
 
-
-class _UnreadLosses:
-    """Per-iteration losses kept on the device until a log or save step reads them, together
-    with whatever else that step reports, in one host read: one synchronisation per log."""
-
-    def __init__(self, skipped: int, max_skipped: int):
-        self.pending = []  # (iteration, loss tensor, whether DeepSpeed skipped the step)
-        self.skipped = skipped  # DeepSpeed's count before the next step
-        self.non_finite = 0
-        self.max_skipped, self.in_a_row = max_skipped, 0
-
-    def add(self, iteration: int, loss: torch.Tensor, engine) -> None:
-        before, self.skipped = self.skipped, engine.skipped_steps
-        self.pending.append((iteration, loss, self.skipped > before))
-
-    def read(self, history: dict, rank0: bool, extra: Optional[dict] = None):
+    def read(self, extra: Optional[dict] = None) -> dict:
         """`extra`'s tensors as floats; appends the pending losses to history["losses"].
         Raises if a non-finite loss was trained on."""
         extra = extra or {}
@@ -299,7 +289,7 @@ class _UnreadLosses:
                 )
             self.non_finite += 1
             self.in_a_row += 1
-            if rank0:
+            if self.rank0:
                 print(
                     f" iteration {iteration}: lm loss is {loss}; the step was skipped", flush=True
                 )
@@ -310,7 +300,7 @@ class _UnreadLosses:
                     "without a further checkpoint (--max-skipped-steps); lower --lr or check the "
                     "data"
                 )
-        history["losses"] += losses
+        self.history["losses"] += losses
         self.pending = []
         return dict(zip(extra, values[len(losses) :]))
 
@@ -322,22 +312,24 @@ def evaluate(engine, batches, args: argparse.Namespace, focus_mode: Optional[str
     Always the same samples, so validation curves of different runs and variants compare.
     `focus_mode` evaluates a Focus model in that mode (soft / sparse) instead of its own.
     """
-    engine.eval()
-    if focus_mode is not None:
-        set_focus_mode(engine.module, focus_mode)
     device = platform.setup().device
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = torch.zeros((), dtype=torch.float64, device=device)
-    for batch in batches:
-        if args.calculate_per_token_loss:  # the mean over every loss token of every batch
-            total += lm_loss(engine, batch, torch.ones((), device=device)).double()
-            count += batch["loss_mask"].sum().to(device)
-        else:  # the mean of the micro-batches' means
-            total += lm_loss(engine, batch).double()
-            count += 1
-    if focus_mode is not None:
-        set_focus_mode(engine.module, args.focus_attention_mode)
-    engine.train()
+    engine.eval()
+    try:
+        if focus_mode is not None:
+            set_focus_mode(engine.module, focus_mode)
+        for batch in batches:
+            if args.calculate_per_token_loss:  # the mean over every loss token of every batch
+                total += lm_loss(engine, batch, torch.ones((), device=device)).double()
+                count += batch["loss_mask"].sum().to(device)
+            else:  # the mean of the micro-batches' means
+                total += lm_loss(engine, batch).double()
+                count += 1
+    finally:  # the run's own mode, even when evaluation fails
+        if focus_mode is not None:
+            set_focus_mode(engine.module, args.focus_attention_mode)
+        engine.train()
     return (_mean_over_data_parallel(total) / _mean_over_data_parallel(count)).item()
 
 
@@ -378,7 +370,7 @@ def _mean_over_data_parallel(value: torch.Tensor) -> torch.Tensor:
     return value / parallel_state.get_data_parallel_world_size()
 
 
-def _deepspeed_engine(args: argparse.Namespace, model: torch.nn.Module):
+def _deepspeed_engine(args: argparse.Namespace, model: torch.nn.Module, plan: resume.ResumePlan):
     """AdamW without weight decay on biases and norms, Megatron's LR schedule, in DeepSpeed."""
     optimizer = torch.optim.AdamW(
         [
@@ -398,7 +390,7 @@ def _deepspeed_engine(args: argparse.Namespace, model: torch.nn.Module):
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
     )
     config = deepspeed_config(args, parallel_state.get_data_parallel_world_size())
-    if args.zero_stage > 0 and checkpointing.layout_change(args):  # DeepSpeed loads it
+    if args.zero_stage > 0 and plan.layout:  # DeepSpeed loads it
         config.setdefault("checkpoint", {})["load_universal"] = True
     layouts.describe_model(model)
     engine, _, _, _ = deepspeed.initialize(

@@ -29,9 +29,9 @@ def _universal(ckpt, tag, layout, tmp_path):
 
 
 def _saved_layout(ckpt, tag):
-    from megatron_focus.training import layouts
+    from megatron_focus.checkpoint.format import read_layout
 
-    return layouts.saved(os.path.join(ckpt, tag))
+    return read_layout(os.path.join(ckpt, tag))
 
 
 def _chain(cache, ckpt, legs, iters_per_leg=2):

@@ -673,3 +673,36 @@ def test_profile_writes_a_pytorch_trace_of_the_chosen_steps(embedded_cache, tmp_
     )
     traces = list(tb.glob("*.pt.trace.json"))
     assert len(traces) == 1 and '"ProfilerStep#' in traces[0].read_text()
+
+
+def test_an_evaluation_that_fails_leaves_the_runs_focus_mode_and_training_on(
+    embedded_cache, single_process
+):
+    from megatron_focus.arguments import parse_args
+    from megatron_focus.model.focus import FocusAttention
+    from megatron_focus.model.gpt import build_model
+    from megatron_focus.training.trainer import evaluate
+
+    args = parse_args(tiny_argv(embedded_cache, "--attention", "focus", "--focus-window", "4"))
+    model = build_model(args, 200).train()
+
+    class FailingEngine:  # the forward fails as an out-of-memory would
+        module = model
+
+        def eval(self):
+            model.eval()
+
+        def train(self):
+            model.train()
+
+        def __call__(self, *inputs, **kwargs):
+            assert {
+                m.focus.attention_mode for m in model.modules() if isinstance(m, FocusAttention)
+            } == {"sparse"}
+            raise RuntimeError("out of memory")
+
+    batch = {k: torch.zeros(1, 8, dtype=torch.long) for k in ("tokens", "position_ids", "labels")}
+    with pytest.raises(RuntimeError, match="out of memory"):
+        evaluate(FailingEngine(), [{**batch, "loss_mask": torch.ones(1, 8)}], args, "sparse")
+    modes = {m.focus.attention_mode for m in model.modules() if isinstance(m, FocusAttention)}
+    assert modes == {"soft"} and model.training

@@ -1,0 +1,225 @@
+"""What a run starts from, decided once: `plan(args)` reads the checkpoint folders before the
+data or the model is built and returns a `ResumePlan`; `check` refuses, before any compute, a
+checkpoint the plan cannot use; the DeepSpeed engine reads its layout change; `checkpointing.load`
+executes it; `checkpointing.save` names the retrofit base it holds.
+
+The kinds of start:
+
+- fresh: no `--load`, or `--load` equal to `--save` before the run's first checkpoint (so the same
+  command both starts and resumes a run);
+- resume: model, optimizer, schedule, RNG and data position, at this run's layout or another
+  (`layouts.py`);
+- weights only: an imported model (`weights_only` marker), `--finetune` or Megatron's
+  `--pretrained-checkpoint`; this run's optimizer and schedule start at iteration 0;
+- adding Focus: `--retrofit` from a checkpoint without routers (weights only, routers fresh).
+
+A retrofit's trained-only checkpoint (`base_checkpoint.json`) resumes or fine-tunes with its base
+loaded first (`base`): its frozen weights, then the routers.
+"""
+
+import argparse
+import dataclasses
+import os
+from typing import Optional
+
+from megatron_focus.checkpoint import format as checkpoint_format
+from megatron_focus.checkpoint import integrity
+from megatron_focus.checkpoint.format import (
+    FOCUS_KEYS,
+    LATEST,
+    NO_OPTIMIZER,
+    WEIGHTS_ONLY,
+    base_checkpoint,
+    check_compatible,
+    complete_tags,
+    iteration_of,
+    resume_tag,
+    saved_model_args,
+)
+from megatron_focus.checkpoint.safe_load import check_safe_to_load, load_file
+from megatron_focus.training import layouts
+from megatron_focus.training.optimizer import schedule
+
+FRESH, RESUME, WEIGHTS, ADDING_FOCUS = "fresh", "resume", "weights only", "adding Focus"
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumePlan:
+    """`checkpoint`: the tag folder this run starts from (None: fresh); `saved_args`: its model
+    args; `base`: a retrofit's frozen weights, loaded before it; `layout`: the layout that wrote
+    it, when not this run's; `retrofit_base`: what this run's trained-only checkpoints name as the
+    folder holding their frozen weights (None: its checkpoints are complete)."""
+
+    kind: str = FRESH
+    checkpoint: Optional[str] = None
+    saved_args: Optional[dict] = None
+    base: Optional[str] = None
+    layout: Optional[dict] = None
+    load_optimizer: bool = True
+    load_rng: bool = True
+    retrofit_base: Optional[dict] = None
+
+    def may_miss(self, name: str) -> bool:
+        """A weight the checkpoint need not hold: the routers when adding Focus; every other
+        weight in a trained-only checkpoint (they come from `base`)."""
+        router = ".router." in name
+        return not router if self.base is not None else router and self.kind == ADDING_FOCUS
+
+
+def plan(args: argparse.Namespace) -> ResumePlan:
+    """The start `--load` (or `--pretrained-checkpoint`) asks for, its files verified; refuses a
+    `--load` that holds no checkpoint where one is needed, and pickled code."""
+    # Megatron's --pretrained-checkpoint: weights only, while --load holds no checkpoint.
+    pretrained = bool(args.pretrained_checkpoint) and (not args.load or resume_tag(args) is None)
+    load = args.pretrained_checkpoint if pretrained else args.load
+    finetune = args.finetune or pretrained
+    if load:
+        refuse_lost_latest(load, args.ckpt_step if not pretrained else None)
+    if pretrained:
+        tag = checkpoint_format.latest_tag(load) if os.path.isdir(load) else None
+    else:
+        tag = resume_tag(args) if load else None
+    if tag is None:
+        if load and (not _own_run(args) or args.retrofit or finetune):
+            raise FileNotFoundError(f"--load {load}: no checkpoint there (no '{LATEST}' file)")
+        return ResumePlan()
+    checkpoint = os.path.join(os.path.abspath(load), tag)
+    integrity.verify(checkpoint)
+    base = base_checkpoint(checkpoint)
+    if base is not None:
+        integrity.verify(base)
+    for folder in (base, checkpoint):
+        if folder is not None:
+            check_safe_to_load(folder, args.allow_unsafe_checkpoints)
+    saved = saved_model_args(checkpoint)
+    if args.retrofit and saved["attention"] != args.attention:
+        kind = ADDING_FOCUS
+    elif finetune or os.path.isfile(os.path.join(checkpoint, WEIGHTS_ONLY)):
+        kind = WEIGHTS
+    else:
+        kind = RESUME
+    retrofit_base = None
+    if args.retrofit and not args.save_full:
+        base_load, base_tag = os.path.split(base or checkpoint)
+        retrofit_base = {"load": base_load, "tag": base_tag}
+    layout = layouts.change(args, checkpoint) if kind == RESUME else None
+    return ResumePlan(
+        kind,
+        checkpoint,
+        saved,
+        base,
+        layout,
+        load_optimizer=not args.no_load_optim,
+        load_rng=not args.no_load_rng and layout is None,
+        retrofit_base=retrofit_base,
+    )
+
+
+def refuse_lost_latest(folder: str, ckpt_step: Optional[int]) -> None:
+    """A folder of complete checkpoints whose `latest` is gone, which would otherwise start from
+    scratch (and, as `--save`, overwrite them)."""
+    if not os.path.isdir(folder) or os.path.isfile(os.path.join(folder, LATEST)):
+        return
+    complete = complete_tags(folder)
+    if complete and ckpt_step is None:
+        raise ValueError(
+            f"{folder} holds checkpoints {', '.join(complete)} but no '{LATEST}' file: "
+            f"resume from one with --ckpt-step (e.g. {iteration_of(complete[-1])}), "
+            "or save this run elsewhere"
+        )
+
+
+def _own_run(args: argparse.Namespace) -> bool:
+    return os.path.abspath(args.load) == os.path.abspath(args.save or "")
+
+
+def check(plan: ResumePlan, args: argparse.Namespace, ours: dict) -> None:
+    """Everything loading would refuse, refused before the data, model and engine are built: a
+    model of another shape (`ours`: this run's model args), a layout change the checkpoint or the
+    flags do not allow, a changed schedule."""
+    if plan.base is not None:
+        _check_weights_fit(args, ours, plan.base, saved_model_args(plan.base))
+    if plan.kind in (WEIGHTS, ADDING_FOCUS):
+        _check_weights_fit(args, ours, plan.checkpoint, plan.saved_args)
+    if plan.kind != RESUME:
+        return
+    checkpoint, layout = plan.checkpoint, plan.layout
+    if os.path.isfile(os.path.join(checkpoint, NO_OPTIMIZER)) and (layout or plan.load_optimizer):
+        raise ValueError(
+            f"{checkpoint} was saved with --no-save-optim: it resumes with "
+            "--no-load-optim (or --finetune), at its own layout"
+        )
+    if layout and (args.retrofit or plan.base is not None):
+        raise ValueError(
+            f"{checkpoint} is a retrofit's, written at another layout: resume "
+            "it at its own (" + ", ".join(f"{k} {v}" for k, v in layout.items()) + ")"
+        )
+    if layout and not plan.load_optimizer:
+        raise ValueError(
+            f"{checkpoint} was written at another layout, which resumes with "
+            "its optimizer state: drop --no-load-optim, or resume at its layout"
+        )
+    check_compatible(ours, plan.saved_args, checkpoint, layouts.LAYOUT_KEYS if layout else ())
+    if plan.load_optimizer:  # the schedule comes from the checkpoint with the optimizer
+        saved = load_file(
+            checkpoint_format.model_state_file(checkpoint, tp=0, weights=False),
+            args.allow_unsafe_checkpoints,
+            mmap=True,
+        )
+        _check_schedule(saved["lr_scheduler"], args, checkpoint)
+
+
+def _check_weights_fit(args: argparse.Namespace, ours: dict, folder: str, saved: dict) -> None:
+    ignore = (
+        ("attention",) + FOCUS_KEYS
+        if args.retrofit and saved["attention"] != ours["attention"]
+        else ()
+    )
+    if args.position_embedding_type != "learned_absolute":  # no position table to outgrow
+        # Context extension: fine-tune the weights at a longer --seq-length.
+        ignore += ("max_position_embeddings",)
+    check_compatible(ours, saved, folder, ignore)
+    if args.zero_stage == 3:
+        raise ValueError(
+            "loading weights only (an imported model, --finetune, --retrofit) is not "
+            "supported under ZeRO stage 3: use --zero-stage 2 or lower for this run"
+        )
+
+
+# Megatron's OptimizerParamScheduler state: the flag that sets each value.
+SCHEDULE_FLAGS = {
+    "max_lr": "--lr",
+    "min_lr": "--min-lr",
+    "lr_warmup_steps": "--lr-warmup-iters",
+    "lr_decay_steps": "--lr-decay-iters",
+    "lr_decay_style": "--lr-decay-style",
+    "start_wd": "--weight-decay",
+    "end_wd": "--weight-decay",
+    "wd_incr_steps": "--train-iters",
+}
+
+
+def _shown(value):
+    return f"{value:.6g}" if isinstance(value, float) else value
+
+
+def _check_schedule(saved: dict, args: argparse.Namespace, checkpoint_dir: str) -> None:
+    """Refuse, as Megatron-LM does, a resume whose schedule flags differ from the checkpoint's,
+    unless the user chose whose values win (which Megatron's scheduler then applies)."""
+    if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
+        return
+    ours = schedule(args)
+    differ = sorted(
+        {
+            f"{flag} {_shown(ours[key])} (checkpoint: {_shown(saved[key])})"
+            for key, flag in SCHEDULE_FLAGS.items()
+            if key in saved and saved[key] != ours[key]
+        }
+    )
+    if differ:
+        raise ValueError(
+            f"{checkpoint_dir}: this run's schedule differs from the checkpoint's: "
+            f"{', '.join(differ)}; pass --override-opt_param-scheduler to use this "
+            "run's values, or --use-checkpoint-opt_param-scheduler to keep the "
+            "checkpoint's"
+        )
