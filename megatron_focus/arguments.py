@@ -15,7 +15,7 @@ from megatron_focus import cli
 from megatron_focus.choices import TOKENIZER_TYPES
 from megatron_focus.compat import add_compat_args, check_compat_args
 from megatron_focus.data import reads_data_files
-from megatron_focus.deepspeed_config import deepspeed_config
+from megatron_focus.deepspeed_config import take_json_settings
 from megatron_focus.variants import VARIANTS, FocusConfig, settings_classes, variant
 
 
@@ -913,8 +913,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
             )
     _validate_architecture(args)
     _validate_training(args, world_size)
-    deepspeed_config(args, world_size // tp)  # the JSON checked now, and its ZeRO stage and
-    # precision taken into args, before any data or model
+    take_json_settings(args, world_size // tp)  # before any data or model
     if args.fp16 and not _gpu():
         raise ValueError(
             "--fp16 needs a GPU (DeepSpeed has no fp16 on the CPU): use --bf16 or fp32"

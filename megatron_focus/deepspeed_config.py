@@ -120,21 +120,29 @@ def deepspeed_config(args: argparse.Namespace, data_parallel_size: int) -> dict:
     zero.setdefault("stage", args.zero_stage)
     if args.overlap_grad_reduce or args.overlap_param_gather:  # Megatron's names for it
         zero.setdefault("overlap_comm", True)
-    args.zero_stage = zero["stage"]
-    if args.zero_stage == 3 and args.tensor_model_parallel_size > 1:
+    if zero["stage"] == 3 and args.tensor_model_parallel_size > 1:
         raise ValueError("ZeRO stage 3 is supported with --tensor-model-parallel-size 1 only")
 
-    for flag, key in (("bf16", "bf16"), ("fp16", "fp16")):
+    half = {}
+    for key in ("bf16", "fp16"):
         section = config.setdefault(key, {})
-        section.setdefault("enabled", getattr(args, flag))
-        setattr(args, flag, bool(section["enabled"]))
-    if args.bf16 and args.fp16:
+        section.setdefault("enabled", getattr(args, key))
+        half[key] = bool(section["enabled"])
+    if half["bf16"] and half["fp16"]:
         raise ValueError("--deepspeed_config enables both bf16 and fp16")
-    if args.bf16 or args.fp16:
+    if half["bf16"] or half["fp16"]:
         _gradients_in_fp32(config, args)
     config.setdefault("steps_per_print", 10**9)  # our own log line replaces DeepSpeed's
     config.setdefault("wall_clock_breakdown", False)
     return config
+
+
+def take_json_settings(args: argparse.Namespace, data_parallel_size: int) -> None:
+    """At parsing: the JSON checked, and the ZeRO stage and precision it sets become the run's
+    (the flags' where it sets none)."""
+    config = deepspeed_config(args, data_parallel_size)
+    args.zero_stage = config["zero_optimization"]["stage"]
+    args.bf16, args.fp16 = (config[key]["enabled"] for key in ("bf16", "fp16"))
 
 
 def _gradients_in_fp32(config: dict, args: argparse.Namespace) -> None:

@@ -122,7 +122,7 @@ def parse_plan_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """pretrain_gpt.py's flags + the planner's, validated as a run on the whole cluster would be."""
     from megatron_focus.arguments import build_parser
     from megatron_focus.data import reads_data_files
-    from megatron_focus.deepspeed_config import deepspeed_config
+    from megatron_focus.deepspeed_config import take_json_settings
 
     parser = add_planner_args(build_parser())
     parser.prog = "plan.py"
@@ -138,7 +138,7 @@ def parse_plan_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             f"{world} GPUs do not split into --tensor-model-parallel-size "
             f"{args.tensor_model_parallel_size} groups"
         )
-    deepspeed_config(args, world // args.tensor_model_parallel_size)  # ZeRO stage, bf16 from JSON
+    take_json_settings(args, world // args.tensor_model_parallel_size)  # ZeRO stage, bf16 from JSON
     # The tokenizer's vocabulary: --vocab-size as given (NullTokenizer: and its end-of-document
     # id), else read from the tokenizer files, else GPT-2's.
     reads = args.tokenizer_type == "NullTokenizer" or (

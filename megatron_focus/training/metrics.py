@@ -16,6 +16,7 @@ import time
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron_focus import platform
 from megatron_focus.model.flops import PEAK_BF16_FLOPS
@@ -66,12 +67,11 @@ class LogStep:
 
 
 class Reporter:
-    def __init__(
-        self, args: argparse.Namespace, flops_token: float, world_size: int, is_last_rank: bool
-    ):
+    def __init__(self, args: argparse.Namespace, flops_token: float):
         self.args = args
         self.flops_token = flops_token
-        self.world_size = world_size
+        self.world_size = dist.get_world_size()
+        is_last_rank = dist.get_rank() == self.world_size - 1
         self.active = is_last_rank
         self.writer = None
         if is_last_rank and args.tensorboard_dir:

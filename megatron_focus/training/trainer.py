@@ -6,6 +6,7 @@ laptop (one process, CPU, gloo), `torchrun` and the DeepSpeed launcher across no
 
 import argparse
 import contextlib
+import functools
 import gc
 import math
 import signal
@@ -69,30 +70,20 @@ def pretrain(args: argparse.Namespace) -> dict:
     engine = _deepspeed_engine(args, model, plan)
     iteration, consumed = checkpointing.load(engine, args, plan, records.padded_vocab_size)
 
-    reporter = Reporter(
-        args,
-        flops_per_token(args, records.padded_vocab_size),
-        dist.get_world_size(),
-        is_last_rank=dist.get_rank() == dist.get_world_size() - 1,
-    )
+    reporter = Reporter(args, flops_per_token(args, records.padded_vocab_size))
     if rank0:
         _print_banner(args, model, iteration)
-    stop = (
-        _StopRequest(args, started)
-        if args.exit_signal_handler or args.exit_duration_in_mins
-        else None
-    )
+    stop = _StopRequest(args, started)
     if args.manual_gc:  # collections at chosen steps, the same on every rank
         gc.disable()
         gc.collect()
-    if valid_data is not None:  # the same batches at every evaluation, read by workers that stay
-        valid_data = data_loader(
-            valid_data, 0, args.eval_iters * args.global_batch_size, args, persistent=True
-        )
+    valid_batches = _validation_batches(valid_data, args)
     progress = _Progress(iteration, engine.skipped_steps, args.max_skipped_steps, rank0)
-    if args.retrofit and iteration == 0 and valid_data is not None:
+    validate = functools.partial(_validate, engine, valid_batches, args, reporter, progress)
+    save = functools.partial(_save, engine, args, records, rank0)
+    if args.retrofit and iteration == 0 and valid_batches is not None:
         # A retrofit's starting point (the base model with fresh routers) is what it must beat.
-        _validate(engine, valid_data, args, iteration, consumed, reporter, progress.history)
+        validate(iteration, consumed)
     batches = iter(
         data_loader(train_data, consumed, args.train_iters * args.global_batch_size, args)
     )
@@ -109,26 +100,18 @@ def pretrain(args: argparse.Namespace) -> dict:
             gc.collect()
         if log_now:
             reporter.train(progress.log_step(engine, args, iteration, consumed, zeros))
-        if valid_data is not None and (
-            iteration % args.eval_interval == 0 or iteration == args.train_iters
-        ):
+        if valid_batches is not None and _due(args.eval_interval, iteration, args):
             with progress.paused():
-                _validate(engine, valid_data, args, iteration, consumed, reporter, progress.history)
-        saved = args.save and (
-            (args.save_interval and iteration % args.save_interval == 0)
-            or iteration == args.train_iters
-        )
+                validate(iteration, consumed)
+        saved = args.save and _due(args.save_interval, iteration, args)
         if saved:
             progress.read()  # never save after a step trained on a non-finite loss
             with progress.paused():
-                _save(engine, args, records, iteration, consumed, rank0)
-        exit_now = (args.exit_interval and iteration % args.exit_interval == 0) or (
-            stop is not None and stop.any_rank()
-        )
-        if exit_now:
+                save(iteration, consumed)
+        if (args.exit_interval and iteration % args.exit_interval == 0) or stop.any_rank():
             progress.read()
             if args.save and not saved:
-                _save(engine, args, records, iteration, consumed, rank0)
+                save(iteration, consumed)
             if rank0:
                 print(f" exiting at iteration {iteration}", flush=True)
             break
@@ -140,12 +123,25 @@ def pretrain(args: argparse.Namespace) -> dict:
     return progress.history
 
 
-def _validate(
-    engine, batches, args, iteration: int, consumed: int, reporter, history: dict
-) -> None:
+def _due(interval: Optional[int], iteration: int, args: argparse.Namespace) -> bool:
+    """Every `interval` iterations (never without one), and at the last."""
+    return (bool(interval) and iteration % interval == 0) or iteration == args.train_iters
+
+
+def _validation_batches(valid_data, args: argparse.Namespace):
+    """The same batches at every evaluation, read by workers that stay."""
+    if valid_data is None:
+        return None
+    return data_loader(
+        valid_data, 0, args.eval_iters * args.global_batch_size, args, persistent=True
+    )
+
+
+def _validate(engine, batches, args, reporter, progress, iteration: int, consumed: int) -> None:
     """Validation loss in the run's mode and, for Focus, in the other mode too."""
     if args.manual_gc and args.manual_gc_eval:
         gc.collect()
+    history = progress.history
     history["validation"].append((iteration, evaluate(engine, batches, args)))
     reporter.validation(iteration, consumed, history["validation"][-1][1])
     if variant(args.attention).focus:
@@ -155,7 +151,7 @@ def _validate(
         reporter.validation(iteration, consumed, loss, other)
 
 
-def _save(engine, args, records, iteration: int, consumed: int, rank0: bool) -> None:
+def _save(engine, args, records, rank0: bool, iteration: int, consumed: int) -> None:
     path = checkpointing.save(engine, args, records, iteration, consumed)
     if rank0:
         print(f" saved checkpoint {path}", flush=True)
@@ -432,12 +428,16 @@ class _StopRequest:
     handler (data/loader.py)."""
 
     def __init__(self, args: argparse.Namespace, started: float):
+        self.asked = bool(args.exit_signal_handler or args.exit_duration_in_mins)
         self.received = False
         self.deadline = (
             started + 60 * args.exit_duration_in_mins if args.exit_duration_in_mins else None
         )
         # Asked every iteration: a CPU flag reduced over gloo never waits for the GPU's queue.
-        self.group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        if self.asked and dist.get_backend() != "gloo":
+            self.group = dist.new_group(backend="gloo")
+        else:
+            self.group = None
         if args.exit_signal_handler:
             for stop in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(stop, self._handler)
@@ -446,6 +446,8 @@ class _StopRequest:
         self.received = True
 
     def any_rank(self) -> bool:
+        if not self.asked:  # neither flag given: nothing to reduce
+            return False
         late = self.deadline is not None and time.time() >= self.deadline
         flag = torch.tensor([int(self.received or late)])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
