@@ -1,6 +1,10 @@
-"""The variant registry: a variant registered from outside the package (tests/toy_variant.py,
-loaded through MEGATRON_FOCUS_VARIANTS in every process) trains, resumes from its checkpoint and
-exports, with no other file knowing its name."""
+"""The variant registry: variants registered from outside the package (tests/toy_variant.py,
+tests/toy_temperature.py, loaded through MEGATRON_FOCUS_VARIANTS in every process) train, resume
+from their checkpoints and export, with no other file knowing their names or settings."""
+
+import glob
+import json
+import os
 
 import pytest
 import torch
@@ -40,6 +44,60 @@ def test_a_registered_variant_trains_checkpoints_and_exports(embedded_cache, tmp
     kinds, cls, diff = run_distributed(_export_and_compare, 1, ckpt, hf)
     assert cls == "GPT2LMHeadModel" and kinds is None  # a stock class: its layers are standard
     assert diff < 1e-4
+
+
+def test_a_variant_with_a_setting_and_a_parameter(embedded_cache, tmp_path, monkeypatch):
+    """Its setting is a flag, recorded in model_args.json and compared on resume; its parameter
+    trains and resumes with the rest of the model."""
+    monkeypatch.setenv("MEGATRON_FOCUS_VARIANTS", "toy_temperature")
+    ckpt = str(tmp_path / "ckpt")
+    bound = ["--attention", "temperature", "--temperature-bound", "2"]
+    first = train(
+        1, tiny_argv(embedded_cache, *bound, "--save", ckpt, "--exit-interval", "3", iters=4)
+    )
+    with open(os.path.join(ckpt, "iter_0000003", "model_args.json")) as f:
+        assert json.load(f)["temperature_bound"] == 2.0
+    resumed = train(1, tiny_argv(embedded_cache, *bound, "--save", ckpt, "--load", ckpt, iters=4))
+    straight = train(1, tiny_argv(embedded_cache, *bound, iters=4))
+    assert first["losses"] + resumed["losses"] == pytest.approx(straight["losses"], rel=1e-5)
+    learned = _learned_temperatures(os.path.join(ckpt, "iter_0000004"))
+    assert len(learned) == 2 and 0 not in learned  # one per layer, moved from its start
+
+    with pytest.raises(Exception, match="--attention temperature: the HF model has no layer"):
+        run_distributed(_export_and_compare, 1, ckpt, str(tmp_path / "hf"))
+
+    default_bound = tiny_argv(embedded_cache, "--attention", "temperature", "--load", ckpt)
+    with pytest.raises(Exception, match=r"temperature_bound: checkpoint 2.0, this run 4.0"):
+        train(1, default_bound)
+
+
+def _learned_temperatures(tag_dir):
+    """Each layer's w, from the model state DeepSpeed saved."""
+    [path] = glob.glob(os.path.join(tag_dir, "*model_states.pt"))
+    module = torch.load(path, weights_only=True)["module"]
+    return [w.item() for name, w in module.items() if name.endswith(".core_attention.w")]
+
+
+def test_the_planner_counts_a_variants_parameters(monkeypatch):
+    monkeypatch.setenv("MEGATRON_FOCUS_VARIANTS", "toy_temperature")
+    assert run_distributed(_counted_and_built, 1) == (1, 1)
+
+
+def _counted_and_built():
+    """(parameters per layer the variant adds as counted, as built) over standard attention."""
+    from megatron_focus import platform
+    from megatron_focus.arguments import parse_args
+    from megatron_focus.model.gpt import build_model
+    from megatron_focus.planner import count_parameters
+
+    small = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+    platform.init_distributed(1)
+    counted, built = [], []
+    for attention in ("standard", "temperature"):
+        args = parse_args(small + ["--attention", attention])
+        counted.append(count_parameters(args, 1000).per_layer)
+        built.append(sum(p.numel() for p in build_model(args, 1000).parameters()) // 2)
+    return counted[1] - counted[0], built[1] - built[0]
 
 
 def test_unknown_and_duplicate_variants_are_refused():

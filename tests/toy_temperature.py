@@ -1,0 +1,40 @@
+"""A variant with a setting and a parameter of its own (docs/extending.md): each layer learns a
+temperature for its attention scores, kept within [1/bound, bound] by `--temperature-bound`.
+Loaded by MEGATRON_FOCUS_VARIANTS=toy_temperature."""
+
+import dataclasses
+
+import torch
+
+from megatron_focus.model.core_attention import CoreAttention
+from megatron_focus.parallel import sum_grad_over_tensor_parallel
+from megatron_focus.settings import VariantSettings, setting
+from megatron_focus.variants import AttentionVariant, register
+
+
+@dataclasses.dataclass(frozen=True)
+class TemperatureConfig(VariantSettings, prefix="temperature"):
+    bound: float = setting(4.0, "the learned temperature stays within [1/bound, bound]", at_least=1)
+
+    def layer_params(self, args) -> int:
+        return 1  # the layer's learned temperature
+
+
+class TemperatureAttention(CoreAttention):
+    """Causal softmax attention of the scores divided by the layer's learned temperature."""
+
+    def __init__(self, config, layer_number, attn_mask_type, settings: TemperatureConfig, **kw):
+        super().__init__(config, layer_number, attn_mask_type, **kw)
+        self.bound = settings.bound
+        self.w = torch.nn.Parameter(torch.zeros(1))  # t = bound ** tanh(w): 1 at first
+
+    def attend(self, q, k, v, attention_mask):
+        w = sum_grad_over_tensor_parallel(self.w)  # every rank's heads train the one w
+        return super().attend(q * self.bound ** -torch.tanh(w).to(q.dtype), k, v, attention_mask)
+
+
+register(
+    AttentionVariant(
+        "temperature", "toy_temperature:TemperatureAttention", settings=TemperatureConfig
+    )
+)
