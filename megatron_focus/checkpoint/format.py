@@ -21,7 +21,7 @@ import re
 from typing import Optional
 
 from megatron_focus.checkpoint.safe_load import load_file
-from megatron_focus.variants import MODEL, VARIANTS, FocusConfig, variant
+from megatron_focus.variants import VARIANTS, variant
 
 # What must match for weights to load: the model's shape, what it computes, and how it is split.
 SHAPE_KEYS = (
@@ -53,9 +53,6 @@ SHAPE_KEYS = (
     "use_rope_scaling",
     "rope_scaling_factor",
 )
-# What a Focus model computes: the model settings of FocusConfig (its top-k, mode and kernel are
-# free to change); the routers' shapes are the first two.
-FOCUS_KEYS = tuple(f"focus_{name}" for name in FocusConfig.names(MODEL))
 # Recorded since: what a checkpoint saved before a key was recorded computed.
 BEFORE_RECORDED = {
     "window_size": None,
@@ -159,7 +156,7 @@ def write_atomically(path: str, text: str) -> None:
 def model_args(args: argparse.Namespace, padded_vocab_size: int) -> dict:
     """What decides the model, as `model_args.json` holds it (tuples as lists); the vocabulary
     padded for the run's tensor-parallel size is the tokenizer's, known once it is built."""
-    keys = SHAPE_KEYS + (FOCUS_KEYS if variant(args.attention).focus else ())
+    keys = SHAPE_KEYS + variant(args.attention).recorded_keys()
     values = {key: getattr(args, key) for key in keys if key != "padded_vocab_size"}
     values["padded_vocab_size"] = padded_vocab_size
     return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
@@ -178,8 +175,8 @@ def saved_model_args(checkpoint_dir: str) -> dict:
 def with_unrecorded_defaults(saved: dict) -> dict:
     """A checkpoint's model args, with the settings it predates at what it computed."""
     saved = {**BEFORE_RECORDED, **saved}
-    if saved.get("attention") in VARIANTS and variant(saved["attention"]).focus:
-        saved = {**FocusConfig.before_recorded(), **saved}
+    if saved.get("attention") in VARIANTS:
+        saved = {**variant(saved["attention"]).before_recorded(), **saved}
     return saved
 
 
@@ -214,16 +211,12 @@ class TokenizerRecord:
     special_token_ids: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def of_run(cls, args: argparse.Namespace, vocab_size: int) -> "TokenizerRecord":
-        return cls(
-            vocab_size,
-            args.tokenizer_type,
-            {
-                key: os.path.abspath(getattr(args, key))
-                for key in _TOKENIZER_FILES
-                if getattr(args, key, None)
-            },
-        )
+    def of_run(
+        cls, vocab_size: int, tokenizer_type: Optional[str], flags: dict
+    ) -> "TokenizerRecord":
+        """A training run's: `flags` are `build_tokenizer`'s keyword arguments."""
+        files = {key: os.path.abspath(flags[key]) for key in _TOKENIZER_FILES if flags.get(key)}
+        return cls(vocab_size, tokenizer_type, files)
 
     def write(self, checkpoint_dir: str) -> None:
         record = {

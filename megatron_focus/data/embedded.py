@@ -20,13 +20,19 @@ TOKENIZER_TYPE = "GPTSentencePieceTokenizer"
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "megatron-focus")
 
 
-def ensure_embedded_data(cache_dir: str) -> tuple[str, str]:
-    """Returns `(data_prefix, tokenizer_model_path)`, building them on first use."""
+def embedded_paths(cache_dir: str) -> tuple[str, str]:
+    """`(data_prefix, tokenizer_model_path)` of the embedded data in `cache_dir`, built or not."""
     final = os.path.join(os.path.abspath(cache_dir), NAME)
-    prefix, model = (
+    return (
         output_prefix_for(os.path.join(final, "stdlib"), "text"),
         os.path.join(final, "tokenizer.model"),
     )
+
+
+def ensure_embedded_data(cache_dir: str) -> tuple[str, str]:
+    """Returns `(data_prefix, tokenizer_model_path)`, building them on first use."""
+    final = os.path.join(os.path.abspath(cache_dir), NAME)
+    prefix, model = embedded_paths(cache_dir)
     if os.path.isdir(final):
         return prefix, model
 

@@ -9,28 +9,42 @@ import torch.distributed as dist
 
 from megatron_focus.data import reads_data_files
 from megatron_focus.data.datasets import build_datasets
-from megatron_focus.data.embedded import DEFAULT_CACHE, ensure_embedded_data
+from megatron_focus.data.embedded import DEFAULT_CACHE, embedded_paths, ensure_embedded_data
 from megatron_focus.data.embedded import TOKENIZER_TYPE as EMBEDDED_TOKENIZER_TYPE
 from megatron_focus.data.mqar import MQARDataset, MQARVocabulary
 from megatron_focus.data.tokenizer import build_tokenizer, tokenizer_flags
 
 
+def _embedded(args: argparse.Namespace) -> bool:
+    """The zero-download default: no data files, mock data or MQAR named."""
+    return not reads_data_files(args) and not args.mock_data and not args.mqar
+
+
+def data_prefixes(args: argparse.Namespace) -> list:
+    """`--data-path`, or the embedded corpus's."""
+    if _embedded(args):
+        return [embedded_paths(args.data_cache_path or DEFAULT_CACHE)[0]]
+    return args.data_path
+
+
+def tokenizer_choice(args: argparse.Namespace) -> tuple:
+    """`(tokenizer_type, build_tokenizer's files and sizes)`: the flags', or the embedded
+    corpus's SentencePiece model."""
+    if _embedded(args):
+        model_file = embedded_paths(args.data_cache_path or DEFAULT_CACHE)[1]
+        return EMBEDDED_TOKENIZER_TYPE, {**tokenizer_flags(args), "tokenizer_model": model_file}
+    return args.tokenizer_type, tokenizer_flags(args)
+
+
 def tokenizer_for(args: argparse.Namespace, rank0: bool):
     if args.mqar:
         return MQARVocabulary(args.mqar_vocab_size)
-    if not reads_data_files(args) and not args.mock_data:
-        # The zero-download default: rank 0 builds the cache, the others wait and reuse it.
-        cache = args.data_cache_path or DEFAULT_CACHE
+    if _embedded(args):  # rank 0 builds the cache, the others wait and reuse it
         if rank0:
-            ensure_embedded_data(cache)
+            ensure_embedded_data(args.data_cache_path or DEFAULT_CACHE)
         dist.barrier()
-        prefix, model_file = ensure_embedded_data(cache)
-        args.data_path, args.tokenizer_type, args.tokenizer_model = (
-            [prefix],
-            EMBEDDED_TOKENIZER_TYPE,
-            model_file,
-        )
-    return build_tokenizer(args.tokenizer_type, **tokenizer_flags(args))
+    tokenizer_type, flags = tokenizer_choice(args)
+    return build_tokenizer(tokenizer_type, **flags)
 
 
 def datasets_for(args: argparse.Namespace, tokenizer):
@@ -61,7 +75,7 @@ def datasets_for(args: argparse.Namespace, tokenizer):
         else None
     )
     train, valid, _ = build_datasets(
-        None if args.mock_data or per_split else args.data_path,
+        None if args.mock_data or per_split else data_prefixes(args),
         args.split,
         args.seq_length,
         args.seed,

@@ -50,6 +50,7 @@ from megatron_focus.checkpoint.format import (
     write_layout,
     write_model_args,
 )
+from megatron_focus.data.sources import tokenizer_choice
 from megatron_focus.model.gpt import padded_vocab_size
 from megatron_focus.training import layouts, resume
 from megatron_focus.training.optimizer import param_groups
@@ -116,7 +117,7 @@ def records(args: argparse.Namespace, plan: ResumePlan, vocab_size: int) -> Reco
     )
     return Records(
         model_args(args, padded),
-        TokenizerRecord.of_run(args, vocab_size),
+        TokenizerRecord.of_run(vocab_size, *tokenizer_choice(args)),
         layouts.record(args, padded),
         plan.retrofit_base,
     )

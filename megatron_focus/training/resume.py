@@ -25,7 +25,6 @@ from typing import Optional
 from megatron_focus.checkpoint import format as checkpoint_format
 from megatron_focus.checkpoint import integrity
 from megatron_focus.checkpoint.format import (
-    FOCUS_KEYS,
     LATEST,
     NO_OPTIMIZER,
     WEIGHTS_ONLY,
@@ -39,6 +38,7 @@ from megatron_focus.checkpoint.format import (
 from megatron_focus.checkpoint.safe_load import check_safe_to_load, load_file
 from megatron_focus.training import layouts
 from megatron_focus.training.optimizer import schedule
+from megatron_focus.variants import variant
 
 FRESH, RESUME, WEIGHTS, ADDING_FOCUS = "fresh", "resume", "weights only", "adding Focus"
 
@@ -170,11 +170,9 @@ def check(plan: ResumePlan, args: argparse.Namespace, ours: dict) -> None:
 
 
 def _check_weights_fit(args: argparse.Namespace, ours: dict, folder: str, saved: dict) -> None:
-    ignore = (
-        ("attention",) + FOCUS_KEYS
-        if args.retrofit and saved["attention"] != ours["attention"]
-        else ()
-    )
+    # A retrofit adding Focus: the checkpoint has neither its attention nor its settings.
+    adding = args.retrofit and saved["attention"] != ours["attention"]
+    ignore = ("attention",) + variant(ours["attention"]).recorded_keys() if adding else ()
     if args.position_embedding_type != "learned_absolute":  # no position table to outgrow
         # Context extension: fine-tune the weights at a longer --seq-length.
         ignore += ("max_position_embeddings",)

@@ -21,7 +21,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_focus import platform
 from megatron_focus.data.loader import micro_batches, to_device
-from megatron_focus.data.sources import datasets_for, tokenizer_for
+from megatron_focus.data.sources import data_prefixes, datasets_for, tokenizer_for
 from megatron_focus.deepspeed_config import deepspeed_config
 from megatron_focus.model import kernels
 from megatron_focus.model.flops import flops_per_token
@@ -492,7 +492,7 @@ def _data_name(args: argparse.Namespace) -> str:
             )
             if paths
         )
-    return " ".join(args.data_path)
+    return " ".join(data_prefixes(args))
 
 
 def _print_where(args: argparse.Namespace) -> None:

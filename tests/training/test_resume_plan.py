@@ -18,9 +18,7 @@ def checkpoints(embedded_cache, tmp_path_factory):
     train(1, tiny_argv(embedded_cache, "--save", base, iters=3))
     train(
         1,
-        tiny_argv(
-            embedded_cache, *FOCUS, "--retrofit", "--load", base, "--save", retro, iters=3
-        ),
+        tiny_argv(embedded_cache, *FOCUS, "--retrofit", "--load", base, "--save", retro, iters=3),
     )
     return embedded_cache, base, retro
 
