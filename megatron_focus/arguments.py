@@ -145,6 +145,20 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument(
+        "--context-parallel-size",
+        type=int,
+        default=1,
+        help="ranks that split each sequence (Megatron's rank order: TP, CP, DP); the sequence is "
+        "cut in 2 x CP chunks, rank r holding chunks r and 2 CP - 1 - r",
+    )
+    g.add_argument(
+        "--cp-comm-type",
+        nargs="+",
+        default=["allgather"],
+        help="how context-parallel ranks exchange keys and values: allgather (the only one "
+        "here; Megatron's p2p, a2a and a2a+p2p are refused)",
+    )
+    g.add_argument(
         "--distributed-backend",
         choices=("nccl", "gloo"),
         default=None,
@@ -890,6 +904,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
         )
     if world_size % tp:
         raise ValueError(f"world size {world_size} is not divisible by TP size {tp}")
+    _validate_context_parallel(args, world_size)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if (
@@ -913,7 +928,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
             )
     _validate_architecture(args)
     _validate_training(args, world_size)
-    take_json_settings(args, world_size // tp)  # before any data or model
+    take_json_settings(args, data_parallel_size(args, world_size))  # before any data or model
     if args.fp16 and not _gpu():
         raise ValueError(
             "--fp16 needs a GPU (DeepSpeed has no fp16 on the CPU): use --bf16 or fp32"
@@ -959,15 +974,21 @@ def _validate_focus(args: argparse.Namespace) -> None:
 
     from megatron_focus.model.kernels import soft_gate
 
-    # fused kernels: no dropout; Triton: installed, and interpreted on the CPU
-    soft_gate(focus.kernel, torch.device("cuda" if _gpu() else "cpu"), args.attention_dropout)
+    # fused kernels: no dropout nor context parallelism; Triton: installed, and interpreted on
+    # the CPU
+    soft_gate(
+        focus.kernel,
+        torch.device("cuda" if _gpu() else "cpu"),
+        args.attention_dropout,
+        context_parallel=args.context_parallel_size > 1,
+    )
 
 
 def _schedule_in_iterations(args: argparse.Namespace, world_size: int) -> None:
     """The global batch, and the schedule in iterations: from Megatron-LM's sample-based flags
     (each a multiple of the global batch, so that the iterations are exactly what they imply)
     and --lr-warmup-fraction."""
-    data_parallel = max(world_size // args.tensor_model_parallel_size, 1)
+    data_parallel = max(data_parallel_size(args, world_size), 1)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * data_parallel
     by_samples = {
@@ -1021,8 +1042,41 @@ def _validate_data_paths(args: argparse.Namespace) -> None:
         raise ValueError("--valid-data-path / --test-data-path given without a path")
 
 
+def _validate_context_parallel(args: argparse.Namespace, world_size: int) -> None:
+    cp = args.context_parallel_size
+    if cp == 1:
+        return
+    if args.cp_comm_type != ["allgather"]:
+        raise ValueError(
+            f"--cp-comm-type {' '.join(args.cp_comm_type)}: only allgather (keys and values "
+            "gathered from every context-parallel rank) is implemented"
+        )
+    if world_size % (args.tensor_model_parallel_size * cp):
+        raise ValueError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size "
+            f"{args.tensor_model_parallel_size} x --context-parallel-size {cp}"
+        )
+    if args.seq_length % (2 * cp):
+        raise ValueError(
+            f"--context-parallel-size {cp} cuts --seq-length {args.seq_length} in {2 * cp} "
+            "chunks (two per rank, for balanced causal attention): it must be divisible"
+        )
+    if args.sequence_parallel and (args.seq_length // cp) % args.tensor_model_parallel_size:
+        raise ValueError(
+            f"--sequence-parallel splits each context-parallel rank's {args.seq_length // cp} "
+            f"tokens over {args.tensor_model_parallel_size} tensor-parallel ranks: it must be "
+            "divisible"
+        )
+
+
+def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:
+    """Replicas of the model, each reading its own samples: the ranks not splitting the model
+    (TP) or the sequence (CP)."""
+    return world_size // (args.tensor_model_parallel_size * args.context_parallel_size)
+
+
 def _validate_training(args: argparse.Namespace, world_size: int) -> None:
-    data_parallel = world_size // args.tensor_model_parallel_size
+    data_parallel = data_parallel_size(args, world_size)
     if args.global_batch_size % (args.micro_batch_size * data_parallel):
         raise ValueError(
             f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "

@@ -5,7 +5,7 @@ Three kinds, each listed once here and shown by `pretrain_gpt.py --help`:
 - *no effect here*: they tune fused CUDA kernels, Transformer Engine or Megatron's own
   optimizer and checkpoint plumbing, which this trainer replaces (DeepSpeed, Megatron-Core's
   model on PyTorch kernels); accepted so that the script runs, and said to do nothing;
-- *refused*: what this trainer does not offer (pipeline and context parallelism, mixture of
+- *refused*: what this trainer does not offer (pipeline parallelism, mixture of
   experts, fp8 without Transformer Engine, other checkpoint formats), refused by name before
   any compute, with what to use instead, unless given at the value that means "off";
 - *translated*: Megatron's name for something DeepSpeed does here (`--use-distributed-optimizer`
@@ -93,11 +93,6 @@ REFUSED = {
         {"type": int, "default": None},
         None,
         "pipeline parallelism is not supported",
-    ),
-    "--context-parallel-size": (
-        {"type": int, "default": 1},
-        1,
-        "context parallelism is not supported; use sequence parallelism (--sequence-parallel)",
     ),
     "--num-experts": ({"type": int, "default": None}, None, "mixture of experts is not supported"),
     "--expert-model-parallel-size": (

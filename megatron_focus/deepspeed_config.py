@@ -102,7 +102,9 @@ def deepspeed_config(args: argparse.Namespace, data_parallel_size: int) -> dict:
     config = read_deepspeed_json(args.deepspeed_config) if args.deepspeed_config else {}
 
     from_flags = {
-        "train_batch_size": args.global_batch_size,
+        # DeepSpeed's data-parallel ranks are every rank holding the same weights (platform.py):
+        # each context-parallel rank counts the micro-batch it holds a part of.
+        "train_batch_size": args.global_batch_size * args.context_parallel_size,
         "train_micro_batch_size_per_gpu": args.micro_batch_size,
         "gradient_accumulation_steps": args.global_batch_size
         // (args.micro_batch_size * data_parallel_size),

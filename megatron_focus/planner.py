@@ -133,6 +133,12 @@ def parse_plan_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if (args.tokenizer_model or args.vocab_file) and not reads_data_files(args):
         args.data_path = ["(not read by the planner)"]  # only the vocabulary is read
     _validate(args, world)
+    if args.context_parallel_size > 1:
+        raise PlanError(
+            "--context-parallel-size: the planner does not model context parallelism (each "
+            "rank's activations shrink about C-fold, its keys and values do not); plan at "
+            "--context-parallel-size 1"
+        )
     if world % args.tensor_model_parallel_size:
         raise PlanError(
             f"{world} GPUs do not split into --tensor-model-parallel-size "

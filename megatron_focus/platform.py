@@ -13,6 +13,7 @@ a GPT model touches; `setup()` answers exactly those, with the CPU and gloo:
   way (`manual_seed`), but swaps the CPU generator, so dropout stays different across TP ranks and
   identical across data-parallel replicas, as on a GPU.
 * `get_default_causal_mask`: built on the CPU.
+* Context parallelism's rotary positions: selected without a pinned CUDA index.
 * Activation recompute (`--recompute-*`) saves and restores "the CUDA RNG state" around each
   recomputed forward; on the CPU there is none beyond the CPU generator and the tracker's streams,
   which it saves and restores as well, so that state is empty.
@@ -28,6 +29,7 @@ The `mpu` adapter for DeepSpeed lives here too: DeepSpeed asks for the legacy na
 
 import contextlib
 import dataclasses
+import functools
 import os
 import types
 from typing import Callable, List, Optional
@@ -35,6 +37,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.models.common.embeddings import rotary_pos_embedding as mcore_rotary
 from megatron.core.tensor_parallel import random as mcore_random
 from megatron.core.transformer import utils as mcore_transformer_utils
 
@@ -102,6 +105,17 @@ def _cpu_current_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """Megatron's selection of a context-parallel rank's rotary positions (its chunks r and
+    2C - 1 - r), without its pinned CUDA index."""
+    from megatron_focus.context_parallel import chunk_ids
+
+    size = cp_group.size()
+    chunks = pos_emb.unflatten(seq_dim, (2 * size, -1))
+    mine = chunks.index_select(seq_dim, torch.tensor(chunk_ids(cp_group.rank(), size)))
+    return mine.flatten(seq_dim, seq_dim + 1)
+
+
 def _no_cuda_rng_state(*args, **kwargs) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8)
 
@@ -163,6 +177,12 @@ def planned_patches(cuda_available: Optional[bool] = None) -> List[Patch]:
         ),
         Patch(mcore_random, "_set_cuda_rng_state", _set_no_cuda_rng_state, "... and restores it"),
         Patch(
+            mcore_rotary,
+            "get_pos_emb_on_this_cp_rank",
+            _cpu_pos_emb_on_this_cp_rank,
+            "a context-parallel rank's rotary positions are selected by a pinned CUDA index",
+        ),
+        Patch(
             mcore_random,
             "_CUDA_RNG_STATE_TRACKER",
             CPURNGStatesTracker(),
@@ -216,9 +236,13 @@ def manual_seed(seed: int) -> None:
 
 
 def init_distributed(
-    tensor_model_parallel_size: int = 1, timeout_minutes: int = 10, backend: Optional[str] = None
+    tensor_model_parallel_size: int = 1,
+    timeout_minutes: int = 10,
+    backend: Optional[str] = None,
+    context_parallel_size: int = 1,
 ) -> Platform:
-    """Start torch.distributed (one process needs no launcher) and Megatron's parallel groups."""
+    """Start torch.distributed (one process needs no launcher) and Megatron's parallel groups,
+    in Megatron's rank order (TP, CP, DP)."""
     import datetime
 
     platform = setup()
@@ -234,14 +258,15 @@ def init_distributed(
             backend=backend or platform.backend, timeout=datetime.timedelta(minutes=timeout_minutes)
         )
     world = dist.get_world_size()
-    if world % tensor_model_parallel_size:
+    if world % (tensor_model_parallel_size * context_parallel_size):
         raise ValueError(
             f"world size {world} is not divisible by --tensor-model-parallel-size "
-            f"{tensor_model_parallel_size}"
+            f"{tensor_model_parallel_size} x --context-parallel-size {context_parallel_size}"
         )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_model_parallel_size,
+            context_parallel_size=context_parallel_size,
             create_gloo_process_groups=False,
         )
     return platform
@@ -263,8 +288,19 @@ def _free_port() -> int:
 
 
 def deepspeed_mpu() -> types.SimpleNamespace:
-    """The `mpu` object DeepSpeed's engine queries, answered from Megatron-Core's parallel_state."""
+    """The `mpu` object DeepSpeed's engine queries, answered from Megatron-Core's parallel_state.
+
+    DeepSpeed's data-parallel group is every rank holding the same weights, data-parallel x
+    context-parallel (as Megatron's distributed optimizer's): gradients are averaged over it and
+    ZeRO partitions over it. Each context-parallel rank's loss carries its share of the
+    sequence's mean, times the CP size, so that the average is the data-parallel mean
+    (`training/trainer.py`).
+    """
     ps = parallel_state
+
+    def with_cp(fn):
+        return functools.partial(fn, with_context_parallel=True)
+
     fns: dict[str, Callable] = {
         "get_model_parallel_world_size": ps.get_tensor_model_parallel_world_size,
         "get_model_parallel_rank": ps.get_tensor_model_parallel_rank,
@@ -272,9 +308,9 @@ def deepspeed_mpu() -> types.SimpleNamespace:
         "get_tensor_model_parallel_world_size": ps.get_tensor_model_parallel_world_size,
         "get_tensor_model_parallel_rank": ps.get_tensor_model_parallel_rank,
         "get_tensor_model_parallel_group": ps.get_tensor_model_parallel_group,
-        "get_data_parallel_world_size": ps.get_data_parallel_world_size,
-        "get_data_parallel_rank": ps.get_data_parallel_rank,
-        "get_data_parallel_group": ps.get_data_parallel_group,
+        "get_data_parallel_world_size": with_cp(ps.get_data_parallel_world_size),
+        "get_data_parallel_rank": with_cp(ps.get_data_parallel_rank),
+        "get_data_parallel_group": with_cp(ps.get_data_parallel_group),
         "get_pipeline_model_parallel_world_size": ps.get_pipeline_model_parallel_world_size,
         "get_pipeline_model_parallel_rank": ps.get_pipeline_model_parallel_rank,
         "get_pipeline_model_parallel_group": ps.get_pipeline_model_parallel_group,

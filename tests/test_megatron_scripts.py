@@ -247,7 +247,7 @@ def _llama3(folder, tp):
 LLAMA3_REFUSED = [
     (["--fp8-format", "hybrid"], "fp8 needs Transformer Engine"),
     (["--ckpt-format", "torch_dist"], "checkpoints are DeepSpeed's torch files"),
-    (["--context-parallel-size", "2"], "context parallelism is not supported"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "p2p"], "only allgather"),
 ]
 SCRIPTS = {"gpt3": (_gpt3, GPT3_REFUSED), "llama3": (_llama3, LLAMA3_REFUSED)}
 

@@ -3,7 +3,8 @@
 Contract (what `SelfAttention` gives and expects): query `[sq, b, np, hn]`, key/value
 `[sk, b, ng, hn]` with `np`/`ng` this tensor-parallel rank's heads and query groups, and an output
 `[sq, b, np * hn]` that feeds the row-parallel output projection. Each rank sees the whole sequence
-for its heads, also under sequence parallelism.
+for its heads, also under sequence parallelism; under context parallelism (context_parallel.py)
+it holds two chunks of it, and gathers every rank's keys and values.
 
 The kernel is PyTorch SDPA (flash / memory-efficient kernels on a GPU, a fused CPU kernel here),
 or flash-attn's `flash_attn_func` when it is installed and the inputs are on a GPU in half
@@ -16,13 +17,17 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
-from megatron.core.parallel_state import get_tensor_model_parallel_world_size
+from megatron.core.parallel_state import (
+    get_context_parallel_group,
+    get_tensor_model_parallel_world_size,
+)
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import divide
 
+from megatron_focus.context_parallel import chunk_ids, gather_sequence
 from megatron_focus.model.kernels import flash_attn_func, use_flash_attn
 
 
@@ -46,9 +51,9 @@ class CoreAttention(MegatronModule):
         pg_collection=None,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("context parallelism is not supported by megatron-focus attention")
         tp = get_tensor_model_parallel_world_size()
+        # Context parallelism: this rank holds two chunks of each sequence (context_parallel.py)
+        self.cp_group = get_context_parallel_group() if config.context_parallel_size > 1 else None
         self.layer_number = layer_number
         self.heads = divide(config.num_attention_heads, tp)
         self.groups = divide(config.num_query_groups, tp)
@@ -86,7 +91,10 @@ class CoreAttention(MegatronModule):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
         # Heads differ across TP ranks, so their dropout draws from the per-TP-rank stream.
         with tensor_parallel.get_cuda_rng_tracker().fork():
-            y = self.attend(q, k, v, attention_mask, **attend_inputs)
+            if self.cp_group is None:
+                y = self.attend(q, k, v, attention_mask, **attend_inputs)
+            else:
+                y = self._attend_context_parallel(q, k, v, attention_mask, **attend_inputs)
         y = self.project(y, v)
         return y.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
 
@@ -122,6 +130,37 @@ class CoreAttention(MegatronModule):
 
     def project(self, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return y
+
+    def _attend_context_parallel(self, q, k, v, attention_mask, **attend_inputs):
+        """This rank's two chunks of queries against the keys and values of every rank, gathered
+        in sequence order (`attention_mask`: this rank's rows of it, every key)."""
+        group = self.cp_group
+        k, v = (gather_sequence(t, 2, group) for t in (k, v))
+        attend_inputs = self.gather_inputs(**attend_inputs)
+        chunk = q.shape[2] // 2
+        outputs = []
+        for slot, index in enumerate(chunk_ids(group.rank(), group.size())):
+            start, end = index * chunk, (index + 1) * chunk
+            rows = slice(slot * chunk, (slot + 1) * chunk)
+            mask = None if attention_mask is None else attention_mask[..., rows, :end]
+            outputs.append(
+                self.attend_rows(
+                    q[:, :, rows], k[:, :, :end], v[:, :, :end], mask, start, **attend_inputs
+                )
+            )
+        return torch.cat(outputs, dim=2)
+
+    def gather_inputs(self, **attend_inputs) -> dict:
+        """What else `attend` needs of every token under context parallelism (Focus: the keys'
+        routing)."""
+        return attend_inputs
+
+    def attend_rows(self, q, k, v, attention_mask, offset: int, **attend_inputs):
+        """Queries at positions [offset, offset + nq) against keys [0, offset + nq)."""
+        future = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
+        future = future.triu(offset + 1)  # Megatron's convention: True removes the pair
+        removed = future if attention_mask is None else attention_mask | future
+        return self.attend(q, k, v, removed, **attend_inputs)
 
 
 def causal_window(queries: int, keys: int, left: int, device) -> torch.Tensor:

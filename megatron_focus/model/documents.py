@@ -8,6 +8,7 @@ computes exactly what it computes alone.
 """
 
 import weakref
+from typing import Optional
 
 import torch
 
@@ -17,37 +18,45 @@ import torch
 _last_read = (lambda: None, None, None)
 
 
-def document_starts(mask: torch.Tensor, batch: int) -> torch.Tensor:
+def document_starts(
+    mask: torch.Tensor, batch: int, rows: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """[b, n] position of each token's document start, from Megatron's mask [b or 1, 1, n, n].
 
-    Any other mask (a window, padding, a non-causal pair) is refused: Focus keeps its own rule
-    and the documents' boundaries, nothing else.
+    `rows`: the positions of the mask's rows when they are some of the sequence's (a
+    context-parallel rank's chunks: the mask [.., 1, n_local, n]). Any other mask (a window,
+    padding, a non-causal pair) is refused: Focus keeps its own rule and the documents'
+    boundaries, nothing else.
     """
     global _last_read
     read, seen, start = _last_read
-    if read() is mask and seen == (mask._version, batch):
+    # (a rank's rows are the same for every mask of a length)
+    key = (mask._version, batch, None if rows is None else len(rows))
+    if read() is mask and seen == key:
         return start
-    start = _read(mask, batch)
-    _last_read = (weakref.ref(mask), (mask._version, batch), start)
+    start = _read(mask, batch, rows)
+    _last_read = (weakref.ref(mask), key, start)
     return start
 
 
-def _read(mask: torch.Tensor, batch: int) -> torch.Tensor:
+def _read(mask: torch.Tensor, batch: int, rows: Optional[torch.Tensor]) -> torch.Tensor:
     refusal = ValueError(
         "Focus attention takes no attention mask but Megatron's per-document causal one "
         f"(--reset-attention-mask); got one of shape {tuple(mask.shape)}"
     )
     n = mask.shape[-1]
-    if mask.dim() != 4 or mask.shape[1:3] != (1, n) or mask.shape[0] not in (1, batch):
+    positions = torch.arange(n, device=mask.device)
+    rows = positions if rows is None else rows.to(mask.device)
+    if mask.dim() != 4 or mask.shape[1:3] != (1, len(rows)) or mask.shape[0] not in (1, batch):
         raise refusal
     kept = ~mask[:, 0].expand(batch, -1, -1)
     start = kept.int().argmax(-1)  # the first kept key of each query
-    positions = torch.arange(n, device=mask.device)
     documents = (positions[None, None, :] >= start[..., None]) & (
-        positions[None, None, :] <= positions[None, :, None]
+        positions[None, None, :] <= rows[None, :, None]
     )
-    # a token starts a document, or is in the one of the token before it
-    continues = (start[:, 1:] == start[:, :-1]) | (start[:, 1:] == positions[1:])
+    # a token starts a document, or is in the one of the token before it (where that is a row)
+    next_row = rows[1:] == rows[:-1] + 1
+    continues = (start[:, 1:] == start[:, :-1]) | (start[:, 1:] == rows[1:]) | ~next_row
     if not (torch.equal(kept, documents) and continues.all()):
         raise refusal
     return start

@@ -25,7 +25,10 @@ from typing import Optional, Union
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-from megatron.core.parallel_state import get_tensor_model_parallel_world_size
+from megatron.core.parallel_state import (
+    get_context_parallel_group,
+    get_tensor_model_parallel_world_size,
+)
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.attention import SelfAttention
@@ -34,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_focus import platform
 from megatron_focus.checkpoint.format import current_name
+from megatron_focus.context_parallel import gather_sequence, positions
 from megatron_focus.model import kernels
 from megatron_focus.model.core_attention import CoreAttention
 from megatron_focus.model.documents import document_starts
@@ -60,7 +64,12 @@ class Router(torch.nn.Module):
         self.proj.weight.sequence_parallel = config.sequence_parallel
         self.record_stats = False  # set by `recording_statistics`
         self.stats: Optional[dict] = None
-        self.sinkhorn = kernels.sinkhorn(platform.setup().device)
+        self.cp_group = get_context_parallel_group() if config.context_parallel_size > 1 else None
+        self.sinkhorn = kernels.sinkhorn(platform.setup().device, self.cp_group is not None)
+
+    def positions(self, length: int, device=None) -> torch.Tensor:
+        """The sequence positions of this context-parallel rank's `length` tokens."""
+        return positions(length, self.cp_group.rank(), self.cp_group.size(), device)
 
     def forward(self, hidden_states: torch.Tensor, doc_start=None) -> Routing:
         """`doc_start` [b, s]: each token's document start, with packed documents (documents.py)."""
@@ -70,6 +79,8 @@ class Router(torch.nn.Module):
             r = gather_from_sequence_parallel_region(r, tensor_parallel_output_grad=False)
         scores = (r.float() @ self.centroids.float().t()).transpose(0, 1) / self.focus.tau
         inputs = (scores, self.focus.sinkhorn_iters, doc_start)
+        if self.cp_group is not None:  # the prefixes continue across ranks
+            inputs += ((self.positions(scores.shape[1], scores.device), self.cp_group),)
         if self.sinkhorn.recompute and torch.is_grad_enabled():
             log_g = checkpoint(self.sinkhorn, *inputs, use_reentrant=False)
         else:
@@ -78,11 +89,23 @@ class Router(torch.nn.Module):
         if self.record_stats:
             with torch.no_grad():
                 self.stats = group_stats(
-                    routing, self.focus.top_k, self.focus.window, self.focus.sink_tokens
+                    gather_routing(routing, self.cp_group),
+                    self.focus.top_k,
+                    self.focus.window,
+                    self.focus.sink_tokens,
                 )
         if self.tp > 1:
             routing = routing._replace(log_g=sum_grad_over_tensor_parallel(log_g))
         return routing
+
+
+def gather_routing(routing: Routing, cp_group) -> Routing:
+    """The whole sequence's routing, from every context-parallel rank's (as it is without)."""
+    if cp_group is None:
+        return routing
+    log_g = gather_sequence(routing.log_g, 1, cp_group)
+    docs = None if routing.doc_start is None else gather_sequence(routing.doc_start, 1, cp_group)
+    return Routing.of(log_g, docs)
 
 
 def group_stats(routing: Routing, top_k: int, window: int, sink: int = 0) -> dict:
@@ -207,7 +230,9 @@ class FocusAttention(CoreAttention):
         self.focus = focus
         self.router = build_module(submodules.router, config=config, focus=focus)
         device = platform.setup().device
-        self.soft_gate = kernels.soft_gate(focus.kernel, device, self.dropout_p, focus.chunk_size)
+        self.soft_gate = kernels.soft_gate(
+            focus.kernel, device, self.dropout_p, focus.chunk_size, self.cp_group is not None
+        )
         self.sparse = kernels.lse_attention(device)
 
     @classmethod
@@ -223,13 +248,24 @@ class FocusAttention(CoreAttention):
         rule)."""
         doc_start = None
         if attention_mask is not None:
-            doc_start = document_starts(attention_mask, query.shape[1])
+            rows = None if self.cp_group is None else self.router.positions(query.shape[0])
+            doc_start = document_starts(attention_mask, query.shape[1], rows)
         routing = self.router(hidden_states, doc_start)
         return super().forward(query, key, value, None, routing=routing, **kwargs)
 
-    def attend(self, q, k, v, attention_mask, routing):
+    def gather_inputs(self, routing: Routing) -> dict:
+        return {"routing": gather_routing(routing, self.cp_group)}
+
+    def attend_rows(self, q, k, v, attention_mask, offset: int, routing: Routing):
+        return self.attend(q, k, v, attention_mask, routing, offset)
+
+    def attend(self, q, k, v, attention_mask, routing, offset: int = 0):
+        """`offset`: the queries are positions [offset, offset + nq) of the keys' sequence
+        (context parallelism's chunks, which take the hard rule by masked chunks in sparse
+        mode: the sparse dispatch attends whole sequences)."""
         focus, sparse = self.focus, self.focus.attention_mode == "sparse"
-        if sparse and (self.sparse.backward or not torch.is_grad_enabled()):
+        whole = self.cp_group is None
+        if sparse and whole and (self.sparse.backward or not torch.is_grad_enabled()):
             # kept pairs only; with gradients its kernels must have a backward (else the same
             # rule by masked chunks below)
             return sparse_focus_attention(
@@ -257,6 +293,7 @@ class FocusAttention(CoreAttention):
             kernel=self.soft_gate,
             gate=focus.gate,
             sink=focus.sink_tokens,
+            offset=offset,
         )
 
 

@@ -228,9 +228,12 @@ def focus_attention(
     kernel: Union[str, kernels.Kernel] = "auto",
     gate: str = "log",
     sink: int = 0,
+    offset: int = 0,
 ) -> torch.Tensor:
     """Causal Focus attention. q [b, h, n, d], k/v [b, groups, n, d], routing's tensors [b, n, K]
-    (and its documents) -> [b, h, n, d].
+    (and its documents) -> [b, h, n, d]. With an `offset` (context parallelism's chunks), the
+    queries are positions [offset, offset + nq) of the keys' sequence, k/v [b, groups, offset +
+    nq, d], and the routing covers the keys.
 
     `top_k=None` is the soft (training) rule, with `gate` (FOCUS_GATES) on distant pairs, by
     `kernel` (the layer's kernels.soft_gate, or a name to choose one by); an integer applies the
@@ -261,6 +264,7 @@ def focus_attention(
             sink=sink,
             doc_start=doc_start,
             **dropout,
+            **({"offset": offset} if offset else {}),
         )
     groups_q, top1 = routing.top(top_k), routing.groups[..., 0]
 
@@ -268,7 +272,7 @@ def focus_attention(
         settings = (start, window, sink, scale, dropout_p, q.shape[1] != k.shape[1], docs)
         return _hard_chunk, (groups_q[:, start:end], top1[:, :end]) + settings
 
-    return _by_chunks(q, k, v, rule, chunk_size, doc_start)
+    return _by_chunks(q, k, v, rule, chunk_size, doc_start, offset)
 
 
 def chunked_soft_focus(
@@ -285,6 +289,7 @@ def chunked_soft_focus(
     doc_start=None,
     dropout_p: float = 0.0,
     chunk_size: int = 128,
+    offset: int = 0,
 ):
     """The soft rule by query chunks (the CPU's kernel, and any with dropout): flash-style with
     a recomputing backward for the log gate without dropout; otherwise each chunk's masked SDPA
@@ -292,24 +297,26 @@ def chunked_soft_focus(
     their scores explicitly (an ablation's speed)."""
     if gate == "log" and dropout_p == 0.0 and torch.is_grad_enabled():
         return _SoftFocusAttention.apply(
-            q, k, v, log_g, window, gate_scale, chunk_size, scale, sink, doc_start
+            q, k, v, log_g, window, gate_scale, chunk_size, scale, sink, doc_start, offset
         )
 
     def rule(start, end, docs):
         settings = (window, sink, gate_scale, scale, dropout_p, q.shape[1] != k.shape[1], gate)
         return _soft_chunk, (log_g[:, start:end], log_g[:, :end], start) + settings + (docs,)
 
-    return _by_chunks(q, k, v, rule, chunk_size, doc_start)
+    return _by_chunks(q, k, v, rule, chunk_size, doc_start, offset)
 
 
-def _by_chunks(q, k, v, rule, chunk_size: int, doc_start):
+def _by_chunks(q, k, v, rule, chunk_size: int, doc_start, offset: int = 0):
     """Queries by chunks against the keys up to each chunk's end; `rule(start, end, docs)` gives
-    a chunk's function and its arguments after q, k, v."""
+    a chunk's function and its arguments after q, k, v, for the chunk's positions [start, end)
+    (the queries are positions [offset, offset + nq))."""
     outputs = []
     for start, end in _chunks(q.shape[2], chunk_size):
-        docs = None if doc_start is None else doc_start[:, start:end]
-        attend, args = rule(start, end, docs)
-        args = (q[:, :, start:end], k[:, :, :end], v[:, :, :end]) + args
+        first, last = offset + start, offset + end
+        docs = None if doc_start is None else doc_start[:, first:last]
+        attend, args = rule(first, last, docs)
+        args = (q[:, :, start:end], k[:, :, :last], v[:, :, :last]) + args
         if torch.is_grad_enabled():
             # Recompute in backward: only this chunk's scores ever exist at once.
             outputs.append(checkpoint(attend, *args, use_reentrant=False))
@@ -333,23 +340,26 @@ class _SoftFocusAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, log_g, window, gate_scale, chunk_size, scale, sink, doc_start):
+    def forward(
+        ctx, q, k, v, log_g, window, gate_scale, chunk_size, scale, sink, doc_start, offset
+    ):
         n = q.shape[2]
         outs, lses = [], []
         for start, end in _chunks(n, chunk_size):
+            first, last = offset + start, offset + end  # the chunk's positions
             bias = soft_pair_bias(
-                log_g[:, start:end],
-                log_g[:, :end],
-                start,
+                log_g[:, first:last],
+                log_g[:, :last],
+                first,
                 window,
                 gate_scale,
                 sink,
-                None if doc_start is None else doc_start[:, start:end],
+                None if doc_start is None else doc_start[:, first:last],
             )
             out, lse = attention_with_lse(
                 q[:, :, start:end],
-                k[:, :, :end],
-                v[:, :, :end],
+                k[:, :, :last],
+                v[:, :, :last],
                 scale,
                 causal=False,
                 mask=bias.to(q.dtype).unsqueeze(1),
@@ -358,7 +368,7 @@ class _SoftFocusAttention(torch.autograd.Function):
             lses.append(lse)
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, log_g, out, lse)
-        ctx.settings = (window, gate_scale, chunk_size, scale, sink)
+        ctx.settings = (window, gate_scale, chunk_size, scale, sink, offset)
         ctx.doc_start = doc_start  # not a tensor autograd tracks (integers)
         return out
 
@@ -368,7 +378,7 @@ class _SoftFocusAttention(torch.autograd.Function):
         # Megatron hands q, k, v as permuted views of [s, b, heads, d] (saved as such: no extra
         # memory between forward and backward): one copy each here, not one per chunk and matmul.
         q, k, v, grad_out = (t.contiguous() for t in (q, k, v, grad_out))
-        window, gate_scale, chunk_size, scale, sink = ctx.settings
+        window, gate_scale, chunk_size, scale, sink, offset = ctx.settings
         b, h, n, d = q.shape
         groups = k.shape[1]
         rep = h // groups
@@ -389,32 +399,33 @@ class _SoftFocusAttention(torch.autograd.Function):
         dg = torch.zeros_like(g)
         for start, end in _chunks(n, chunk_size):
             c = end - start
-            docs = None if ctx.doc_start is None else ctx.doc_start[:, start:end]
-            affinity = torch.bmm(g[:, start:end], g[:, :end].transpose(1, 2))  # [b, c, e]
-            bias = log_gate(affinity, start, window, gate_scale, sink, docs)
+            first, last = offset + start, offset + end  # the chunk's positions
+            docs = None if ctx.doc_start is None else ctx.doc_start[:, first:last]
+            affinity = torch.bmm(g[:, first:last], g[:, :last].transpose(1, 2))  # [b, c, e]
+            bias = log_gate(affinity, first, window, gate_scale, sink, docs)
             qc, go = (x[:, :, start:end].flatten(1, 2) for x in (qg, og))  # [b * g, rep * c, d]
-            kc, vc = kf[:, :end], vf[:, :end]
+            kc, vc = kf[:, :last], vf[:, :last]
             # P = exp(scale * Q K^T - lse + bias); dS = P * (dO V^T - delta)
             probs = torch.baddbmm(
                 -lse_g[:, :, start:end].reshape(-1, rep * c, 1), qc, kc.transpose(1, 2), alpha=scale
             )
-            probs.view(b, groups * rep, c, end).add_(bias[:, None]).exp_()
+            probs.view(b, groups * rep, c, last).add_(bias[:, None]).exp_()
             dscores = torch.baddbmm(
                 -delta[:, :, start:end].reshape(-1, rep * c, 1), go, vc.transpose(1, 2)
             ).mul_(probs)
-            dv[:, :end].baddbmm_(probs.transpose(1, 2), go)
+            dv[:, :last].baddbmm_(probs.transpose(1, 2), go)
             del probs
             dq[:, :, start:end] = torch.bmm(dscores, kc).view(-1, rep, c, d)
-            dk[:, :end].baddbmm_(dscores.transpose(1, 2), qc)
+            dk[:, :last].baddbmm_(dscores.transpose(1, 2), qc)
             # d affinity = lambda * d bias / affinity on distant pairs above the clamp, else 0
-            daffinity = dscores.view(b, groups * rep, c, end).sum(1).mul_(gate_scale)
+            daffinity = dscores.view(b, groups * rep, c, last).sum(1).mul_(gate_scale)
             del dscores
             daffinity.div_(affinity).masked_fill_(affinity <= TINY_AFFINITY, 0.0)
-            edge, causal, local = _near_diagonal(start, end, window, q.device, sink, docs)
+            edge, causal, local = _near_diagonal(first, last, window, q.device, sink, docs)
             daffinity[:, :, edge:].masked_fill_(local | ~causal, 0.0)
             daffinity[:, :, : min(sink, edge)] = 0.0
-            dg[:, start:end] += torch.bmm(daffinity, g[:, :end])
-            dg[:, :end] += torch.bmm(daffinity.transpose(1, 2), g[:, start:end])
+            dg[:, first:last] += torch.bmm(daffinity, g[:, :last])
+            dg[:, :last] += torch.bmm(daffinity.transpose(1, 2), g[:, first:last])
         dq = dq.mul_(scale).view(b, h, n, d)
         dk, dv = dk.mul_(scale).view(k.shape), dv.view(v.shape)
         return (
@@ -422,10 +433,5 @@ class _SoftFocusAttention(torch.autograd.Function):
             dk.to(k.dtype),
             dv.to(v.dtype),
             (dg * g).to(log_g.dtype),
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
+            *(None,) * 7,
         )

@@ -67,6 +67,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
         sequence_parallel=args.sequence_parallel,
         use_cpu_initialization=True,
         # Megatron's fused bias-GELU is the tanh approximation: the model would compute another

@@ -100,14 +100,24 @@ class Kernel:
 
 
 def soft_gate(
-    requested: str, device: torch.device, dropout_p: float = 0.0, chunk_size: int = 128
+    requested: str,
+    device: torch.device,
+    dropout_p: float = 0.0,
+    chunk_size: int = 128,
+    context_parallel: bool = False,
 ) -> Kernel:
     """Focus's soft rule: "auto" is the fused Triton kernel (triton_gate.py) on a GPU without
     dropout, FlexAttention's where Triton is missing, the chunked one otherwise (the fused
     kernels have no dropout; on the CPU, Triton only interprets and FlexAttention has no
-    backward). Each is called as flex.flex_soft_focus, plus `dropout_p` where it has dropout."""
+    backward) and under context parallelism (whose query chunks start inside the sequence).
+    Each is called as flex.flex_soft_focus, plus `dropout_p` where it has dropout."""
     if requested not in FOCUS_KERNELS:
         raise ValueError(f"unknown Focus kernel {requested!r}; choose from {FOCUS_KERNELS}")
+    if requested in ("flex", "triton") and context_parallel:
+        raise ValueError(
+            f"--focus-kernel {requested} with --context-parallel-size: under context "
+            "parallelism the soft gate runs the chunked kernel (--focus-kernel auto or chunked)"
+        )
     if requested in ("flex", "triton") and dropout_p > 0:
         raise ValueError(
             f"the {requested} kernel has no attention dropout: --focus-kernel {requested} needs "
@@ -121,7 +131,7 @@ def soft_gate(
             "TRITON_INTERPRET=1, or use auto or chunked"
         )
     if requested == "auto":
-        if device.type != "cuda" or dropout_p > 0:
+        if device.type != "cuda" or dropout_p > 0 or context_parallel:
             requested = "chunked"
         else:
             requested = "triton" if has_triton() else "flex"
@@ -147,12 +157,12 @@ def xsa(device: torch.device) -> Kernel:
     return Kernel("torch", "megatron_focus.model.xsa:exclusive_projection")
 
 
-def sinkhorn(device: torch.device) -> Kernel:
+def sinkhorn(device: torch.device, context_parallel: bool = False) -> Kernel:
     """The causal Sinkhorn: one fused Triton pass each way on a GPU (triton_sinkhorn.py, which
-    keeps its iterations' states), PyTorch's float64 scans elsewhere (recomputed in backward:
-    its iterations would otherwise keep ~6 [b, s, K] tensors each); called as
-    sinkhorn.causal_sinkhorn."""
-    if device.type == "cuda" and has_triton():
+    keeps its iterations' states), PyTorch's float64 scans elsewhere and under context
+    parallelism (recomputed in backward: its iterations would otherwise keep ~6 [b, s, K]
+    tensors each); called as sinkhorn.causal_sinkhorn."""
+    if device.type == "cuda" and has_triton() and not context_parallel:
         return Kernel("triton", "megatron_focus.model.triton_sinkhorn:triton_causal_sinkhorn")
     return Kernel("torch", "megatron_focus.model.sinkhorn:causal_sinkhorn", recompute=True)
 

@@ -30,6 +30,8 @@ from typing import Optional
 
 import torch
 
+from megatron_focus.context_parallel import prefix_carries
+
 _LOG_MASS_FLOOR = -700.0
 
 
@@ -58,15 +60,55 @@ def segmented_cumsum(x: torch.Tensor, doc_start: torch.Tensor) -> torch.Tensor:
 
 
 def causal_sinkhorn(
-    scores: torch.Tensor, iters: int, doc_start: Optional[torch.Tensor] = None
+    scores: torch.Tensor,
+    iters: int,
+    doc_start: Optional[torch.Tensor] = None,
+    context: Optional[tuple] = None,
 ) -> torch.Tensor:
     """Log-assignments [..., n, K] from scores [..., n, K]; rows are log-distributions over
-    groups. `doc_start` [..., n]: each token's document start (None: one document)."""
-    positions = torch.arange(scores.shape[-2], device=scores.device)
+    groups. `doc_start` [..., n]: each token's document start (None: one document). `context`:
+    (the rows' positions [n], the context-parallel group) when the rows are a context-parallel
+    rank's two chunks of the sequence: their prefixes continue across ranks."""
+    if context is None:
+        positions, prefix_sums = (
+            torch.arange(scores.shape[-2], device=scores.device),
+            log_prefix_sums,
+        )
+    else:
+        positions, group = context
+
+        def prefix_sums(log_g, doc_start):
+            return log_prefix_sums_across(log_g, doc_start, positions, group)
+
     prefix_len = positions + 1 if doc_start is None else positions - doc_start + 1
     log_prefix_len = torch.log(prefix_len.to(scores.dtype)).unsqueeze(-1)
     log_g = torch.log_softmax(scores, dim=-1)
     for _ in range(iters):
-        log_g = log_g - (log_prefix_sums(log_g, doc_start) - log_prefix_len)
+        log_g = log_g - (prefix_sums(log_g, doc_start) - log_prefix_len)
         log_g = torch.log_softmax(log_g, dim=-1)
     return log_g
+
+
+def log_prefix_sums_across(
+    log_g: torch.Tensor, doc_start: Optional[torch.Tensor], positions: torch.Tensor, group
+) -> torch.Tensor:
+    """`log_prefix_sums` of a context-parallel rank's rows [b, n, K] (its two chunks, at
+    `positions`): each chunk's own prefix sums, plus the masses of the chunks before it back to
+    each token's document start (context_parallel.prefix_carries)."""
+    b, n, groups = log_g.shape
+    chunk = n // 2
+    masses = log_g.double().clamp_min(_LOG_MASS_FLOOR).exp().view(b, 2, chunk, groups)
+    first = positions.view(2, chunk)[:, :1]  # [2, 1] each chunk's first position
+    if doc_start is None:
+        sums = masses.cumsum(dim=-2)
+        restarts = torch.zeros(2, b, dtype=torch.bool, device=log_g.device)
+        continues = torch.ones(b, 2, chunk, 1, dtype=sums.dtype, device=log_g.device)
+    else:
+        starts = doc_start.view(b, 2, chunk)
+        # inside the chunk, each token's document starts at the later of its start and the chunk's
+        sums = segmented_cumsum(masses, (starts - first).clamp_min(0))
+        restarts = (starts[..., -1] >= first[:, 0]).transpose(0, 1)
+        continues = (starts < first).to(sums.dtype).unsqueeze(-1)
+    carries = prefix_carries(sums[:, :, -1].transpose(0, 1), restarts, group)  # [2, b, K]
+    sums = sums + carries.transpose(0, 1).unsqueeze(2) * continues
+    return sums.view(b, n, groups).log().to(log_g.dtype)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.utils import get_batch_on_this_cp_rank
 
 from megatron_focus import platform
 from megatron_focus.data.loader import micro_batches, to_device
@@ -50,7 +51,10 @@ def pretrain(args: argparse.Namespace) -> dict:
     validation, e.g. "validation sparse")."""
     started = time.time()  # --exit-duration-in-mins counts from here, as Megatron-LM's does
     platform.init_distributed(
-        args.tensor_model_parallel_size, args.distributed_timeout_minutes, args.distributed_backend
+        args.tensor_model_parallel_size,
+        args.distributed_timeout_minutes,
+        args.distributed_backend,
+        args.context_parallel_size,
     )
     platform.manual_seed(args.seed)
     rank0 = dist.get_rank() == 0
@@ -176,7 +180,7 @@ def train_step(
     micro = engine.gradient_accumulation_steps()
     step = [next(batches) for _ in range(micro)]
     per_token = None
-    if args.calculate_per_token_loss:  # DeepSpeed divides by the micro-batches and DP ranks
+    if args.calculate_per_token_loss:  # DeepSpeed divides by the micro-batches and DP x CP ranks
         tokens = sum(batch["loss_mask"].sum() for batch in step).float()
         per_token = _mean_over_data_parallel(tokens.to(platform.setup().device)) / micro
     total = torch.zeros((), dtype=torch.float32, device=platform.setup().device)
@@ -332,15 +336,25 @@ def evaluate(engine, batches, args: argparse.Namespace, focus_mode: Optional[str
 def lm_loss(engine, batch: dict, tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The micro-batch's summed token losses over `tokens`, by default its own loss tokens (the
     mean); `--calculate-per-token-loss` passes the global batch's count per micro-batch and rank,
-    so that every token weighs the same however the batch is cut."""
-    batch = to_device(batch, platform.setup().device)
+    so that every token weighs the same however the batch is cut.
+
+    Under context parallelism each rank holds two chunks of every sequence (Megatron-Core's
+    `get_batch_on_this_cp_rank`): its share of the mean is its tokens' losses over the sequence's
+    loss tokens, times the CP size, as Megatron-LM scales it, since gradients and reported losses
+    are averaged over data-parallel x context-parallel ranks."""
+    batch = get_batch_on_this_cp_rank(to_device(batch, platform.setup().device))
     per_token = engine(
         batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"]
     )
     mask = batch["loss_mask"].float()
-    return (per_token.float() * mask).sum() / (
-        mask.sum().clamp(min=1) if tokens is None else tokens
-    )
+    cp = parallel_state.get_context_parallel_world_size()
+    summed = (per_token.float() * mask).sum() * cp
+    if tokens is not None:
+        return summed / tokens
+    count = mask.sum()
+    if cp > 1:  # the sequences' loss tokens, on every rank of the sequences
+        dist.all_reduce(count, group=parallel_state.get_context_parallel_group())
+    return summed / count.clamp(min=1)
 
 
 def data_loader(
@@ -362,8 +376,11 @@ def data_loader(
 
 
 def _mean_over_data_parallel(value: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
-    return value / parallel_state.get_data_parallel_world_size()
+    """The mean over every rank holding the same weights (data-parallel x context-parallel):
+    with context parallelism, each rank's value is its share times the CP size (`lm_loss`)."""
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    dist.all_reduce(value, group=group)
+    return value / dist.get_world_size(group)
 
 
 def _deepspeed_engine(args: argparse.Namespace, model: torch.nn.Module, plan: resume.ResumePlan):

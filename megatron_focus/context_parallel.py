@@ -1,0 +1,77 @@
+"""Context parallelism: one sequence split over C ranks, in Megatron's layout.
+
+Each sequence is cut in 2C chunks; rank r holds chunks r and 2C - 1 - r, so every rank has as
+much causal attention to compute as any other (Megatron-Core's `get_batch_on_this_cp_rank`
+slices the batch so, and its rotary embedding the positions). What crosses ranks:
+
+* keys and values: all-gathered in sequence order before attention (the Llama-3 scheme); the
+  gather's backward sums each rank's gradient back to the rank that holds the token;
+* Focus's assignments of the keys (K per token), gathered the same way, and the document starts;
+* the causal Sinkhorn's prefix masses: an exclusive scan across chunks. Each iteration every rank
+  all-gathers its two chunks' summaries (their masses since the last document start in them,
+  K numbers per sequence, and whether a document starts there); each chunk then adds the masses
+  of the chunks before it, back to the start of its tokens' document. Its backward is the reverse
+  scan, through the gather's autograd.
+
+Everything here is a pure function of tensors and a process group.
+"""
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+
+
+def chunk_ids(rank: int, size: int) -> tuple:
+    """The two chunks (of 2 x size, in sequence order) that context-parallel rank `rank` holds."""
+    return rank, 2 * size - 1 - rank
+
+
+def positions(local_length: int, rank: int, size: int, device=None) -> torch.Tensor:
+    """[local_length] positions in the sequence of a rank's tokens (its two chunks, in order)."""
+    chunk = local_length // 2
+    return torch.cat(
+        [torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in chunk_ids(rank, size)]
+    )
+
+
+def gather_sequence(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """The whole sequence, in order, from every rank's two chunks of `x` along `dim`. With a
+    gradient, the backward returns each rank the gradient of its own chunks, summed over ranks."""
+    if x.requires_grad:
+        parts = dist_fn.all_gather(x.contiguous(), group=group)
+    else:
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(_in_order([part.chunk(2, dim=dim) for part in parts]), dim=dim)
+
+
+def _in_order(per_rank: list) -> list:
+    """Every rank's (first, second) chunk, as the sequence's chunks in order."""
+    size = len(per_rank)
+    chunks: List[Optional[torch.Tensor]] = [None] * (2 * size)
+    for rank, pair in enumerate(per_rank):
+        for chunk, part in zip(chunk_ids(rank, size), pair):
+            chunks[chunk] = part
+    return chunks
+
+
+def prefix_carries(last: torch.Tensor, restarts: torch.Tensor, group) -> torch.Tensor:
+    """The exclusive scan of the Sinkhorn's prefix masses across chunks.
+
+    `last` [2, b, K]: this rank's two chunks' prefix masses at their last token (counted from
+    the chunk's start, or from its document's start when that is inside the chunk); `restarts`
+    [2, b] (bool): whether the last token's document starts inside the chunk. Returns [2, b, K]:
+    what each of this rank's chunks adds to its tokens whose document started before it.
+    """
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    flags = [torch.empty_like(restarts) for _ in range(size)]
+    dist.all_gather(flags, restarts.contiguous(), group=group)
+    lasts = _in_order(dist_fn.all_gather(last.contiguous(), group=group))
+    flags = _in_order(flags)
+    carries = [torch.zeros_like(last[0])]
+    for chunk in range(2 * size - 1):  # what flows into chunk + 1
+        continues = (~flags[chunk]).to(last.dtype)[..., None]
+        carries.append(lasts[chunk] + carries[-1] * continues)
+    return torch.stack([carries[c] for c in chunk_ids(rank, size)])
