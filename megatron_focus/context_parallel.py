@@ -20,7 +20,6 @@ from typing import List, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 
 
 def chunk_ids(rank: int, size: int) -> tuple:
@@ -39,12 +38,31 @@ def positions(local_length: int, rank: int, size: int, device=None) -> torch.Ten
 def gather_sequence(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """The whole sequence, in order, from every rank's two chunks of `x` along `dim`. With a
     gradient, the backward returns each rank the gradient of its own chunks, summed over ranks."""
-    if x.requires_grad:
-        parts = dist_fn.all_gather(x.contiguous(), group=group)
-    else:
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
+    parts = _AllGather.apply(x, group) if x.requires_grad else _all_gather(x, group)
     return torch.cat(_in_order([part.chunk(2, dim=dim) for part in parts]), dim=dim)
+
+
+def _all_gather(x: torch.Tensor, group) -> list:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return parts
+
+
+class _AllGather(torch.autograd.Function):
+    """Every rank's `x`; the backward sums each part's gradient over the ranks and returns each
+    rank its own part's (an all-reduce: gloo has no reduce-scatter, and torch's differentiable
+    all-gather emulates it with scatters that address group ranks as global ones)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return tuple(_all_gather(x, group))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        stacked = torch.stack(grads)
+        dist.all_reduce(stacked, group=ctx.group)
+        return stacked[dist.get_rank(ctx.group)], None
 
 
 def _in_order(per_rank: list) -> list:
@@ -68,7 +86,7 @@ def prefix_carries(last: torch.Tensor, restarts: torch.Tensor, group) -> torch.T
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     flags = [torch.empty_like(restarts) for _ in range(size)]
     dist.all_gather(flags, restarts.contiguous(), group=group)
-    lasts = _in_order(dist_fn.all_gather(last.contiguous(), group=group))
+    lasts = _in_order(_AllGather.apply(last, group))
     flags = _in_order(flags)
     carries = [torch.zeros_like(last[0])]
     for chunk in range(2 * size - 1):  # what flows into chunk + 1

@@ -187,12 +187,13 @@ def write_layout(checkpoint_dir: str, layout: dict) -> None:
 
 
 def read_layout(checkpoint_dir: str) -> Optional[dict]:
-    """The layout that wrote a checkpoint (None: one saved before layouts were recorded)."""
+    """The layout that wrote a checkpoint (None: one saved before layouts were recorded; one
+    saved before context parallelism was recorded had none)."""
     path = os.path.join(checkpoint_dir, LAYOUT_FILE)
     if not os.path.isfile(path):
         return None
     with open(path) as f:
-        return json.load(f)
+        return {"context_parallel_size": 1, **json.load(f)}
 
 
 _TOKENIZER_FILES = ("tokenizer_model", "vocab_file", "merge_file")

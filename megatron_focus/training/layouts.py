@@ -1,4 +1,5 @@
-"""Resuming at another layout: another tensor-parallel size, data-parallel size or ZeRO stage.
+"""Resuming at another layout: another tensor-parallel, data-parallel or context-parallel size,
+or ZeRO stage.
 
 Every rank saves its own shards, so a checkpoint fits the layout that wrote it, which
 `layout.json` records. A run whose layout differs loads the checkpoint through DeepSpeed's
@@ -53,6 +54,8 @@ def current(args: argparse.Namespace) -> dict:
     return {
         "tensor_model_parallel_size": args.tensor_model_parallel_size,
         "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+        # ZeRO's shards are split over data-parallel x context-parallel ranks
+        "context_parallel_size": args.context_parallel_size,
         "zero_stage": args.zero_stage,
         "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
     }
@@ -84,9 +87,11 @@ def change(args: argparse.Namespace, checkpoint_dir: str) -> Optional[dict]:
 
 
 def _describe(layout: dict) -> str:
+    cp = layout["context_parallel_size"]
     return (
         f"TP {layout['tensor_model_parallel_size']}, DP {layout['data_parallel_size']}, "
-        f"ZeRO stage {layout['zero_stage']}, {layout['precision']}"
+        + (f"CP {cp}, " if cp > 1 else "")
+        + f"ZeRO stage {layout['zero_stage']}, {layout['precision']}"
     )
 
 

@@ -1,0 +1,222 @@
+"""Context parallelism gives one process's loss and every gradient (the routers' included), for
+every variant, both Focus modes, with and without packed documents (CPU, gloo)."""
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from tiny_runs import BATCH, FAMILIES, SEQ, VOCAB, tiny_argv, train
+
+FOCUS = ["--focus-window", "4", "--focus-groups", "4", "--focus-chunk-size", "6"]
+DOCUMENTS = ["--reset-attention-mask", "--reset-position-ids"]
+CASES = {
+    "standard": FAMILIES["gpt2"],
+    "standard-window-documents": FAMILIES["gpt2"] + ["--window-size", "5,0"] + DOCUMENTS,
+    "xsa-rope-gqa": FAMILIES["llama-gqa"] + ["--attention", "xsa"],
+    "focus": FAMILIES["gpt2"] + ["--attention", "focus"] + FOCUS,
+    # the hard rule with gradients (masked chunks), on every rank's chunks
+    "focus-sparse": FAMILIES["gpt2"]
+    + ["--attention", "focus", "--focus-attention-mode", "sparse"]
+    + FOCUS,
+    # the Sinkhorn's scan restarts at each document, sinks count from it
+    "focus-documents-sinks": FAMILIES["gpt2"]
+    + ["--attention", "focus", "--focus-sink-tokens", "2"]
+    + FOCUS
+    + DOCUMENTS,
+    "focus+xsa-rope-gqa": FAMILIES["llama-gqa"] + ["--attention", "focus+xsa"] + FOCUS,
+}
+EOD = 3
+
+
+def _tokens():
+    tokens = torch.randint(EOD + 1, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    tokens[0, 5] = tokens[0, 11] = tokens[1, 9] = EOD  # documents across chunk boundaries
+    return tokens
+
+
+def _loss_and_grads(argv, tokens):
+    """The mean token loss and every gradient (whole, summed over the context-parallel ranks)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from megatron_focus import platform
+    from megatron_focus.arguments import parse_args
+    from megatron_focus.model.gpt import build_model
+    from megatron_focus.parallel import (
+        gather_tensor_parallel,
+        install_sequence_parallel_grad_allreduce,
+    )
+
+    args = parse_args(argv)
+    platform.init_distributed(
+        args.tensor_model_parallel_size, context_parallel_size=args.context_parallel_size
+    )
+    platform.manual_seed(1234)
+    model = build_model(args, VOCAB)
+    install_sequence_parallel_grad_allreduce(model)
+    batch = {
+        "tokens": tokens,
+        "labels": tokens,
+        "position_ids": torch.arange(SEQ).expand_as(tokens),
+    }
+    if args.reset_attention_mask:
+        masks = [_get_ltor_masks_and_position_ids(t, EOD, True, True, False, True) for t in tokens]
+        batch["attention_mask"] = torch.stack([m[0] for m in masks])
+        batch["position_ids"] = torch.stack([m[2] for m in masks])
+    batch = get_batch_on_this_cp_rank(batch)
+    per_token = model(
+        batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"]
+    )
+    loss = per_token.sum() / tokens.numel()  # this rank's share of the mean
+    loss.backward()
+    cp_group = parallel_state.get_context_parallel_group()
+    dist.all_reduce(loss.detach(), group=cp_group)
+    grads = {}
+    for name, param in model.named_parameters():
+        if param.grad is None:  # the routers in sparse mode: a hard choice has no gradient
+            continue
+        grad = gather_tensor_parallel(param, param.grad)
+        dist.all_reduce(grad, group=cp_group)
+        grads[name] = grad
+    parallel_state.destroy_model_parallel()
+    return loss.item(), grads
+
+
+def _layouts(tokens, layouts):
+    return {
+        case: {name: _loss_and_grads(argv + extra, tokens) for name, extra in layouts.items()}
+        for case, argv in CASES.items()
+    }
+
+
+CP2 = {"cp1": [], "cp2": ["--context-parallel-size", "2"]}
+CP4 = {
+    "cp4": ["--context-parallel-size", "4"],
+    "tp2-cp2": ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2"],
+    "tp2-cp2-sp": [
+        "--tensor-model-parallel-size",
+        "2",
+        "--context-parallel-size",
+        "2",
+        "--sequence-parallel",
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def results():
+    tokens = _tokens()
+    two = run_distributed(_layouts, 2, tokens, CP2)
+    four = run_distributed(_layouts, 4, tokens, CP4)
+    return {case: {**two[case], **four[case]} for case in CASES}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("layout", ["cp2", "cp4", "tp2-cp2", "tp2-cp2-sp"])
+def test_context_parallel_matches_one_process(results, case, layout):
+    ref_loss, ref_grads = results[case]["cp1"]
+    loss, grads = results[case][layout]
+    assert abs(loss - ref_loss) < 1e-5
+    assert grads.keys() == ref_grads.keys()
+    routers = [name for name in grads if ".router." in name]
+    assert bool(routers) == ("focus" in case and "sparse" not in case)
+    for name, ref in ref_grads.items():
+        assert grads[name].shape == ref.shape, name
+        torch.testing.assert_close(grads[name], ref, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _sinkhorn_across(scores, doc_start, iters, size):
+    """Each context-parallel rank's rows of the causal Sinkhorn, and the gradient of the scores
+    (summed over ranks) for a fixed cotangent."""
+    import torch.distributed as dist
+
+    from megatron_focus import context_parallel, platform
+    from megatron_focus.model.sinkhorn import causal_sinkhorn
+
+    platform.init_distributed()
+    group, rank = dist.group.WORLD, dist.get_rank()
+    rows = context_parallel.positions(scores.shape[1] // size, rank, size)
+    mine = scores[:, rows].clone().requires_grad_()
+    docs = None if doc_start is None else doc_start[:, rows]
+    log_g = causal_sinkhorn(mine, iters, docs, (rows, group))
+    cotangent = torch.linspace(-1, 1, scores.numel(), dtype=scores.dtype).view(scores.shape)
+    (log_g * cotangent[:, rows]).sum().backward()
+    full = torch.zeros_like(scores)
+    full[:, rows] = mine.grad
+    dist.all_reduce(full)
+    values = torch.zeros_like(scores)
+    values[:, rows] = log_g.detach()
+    dist.all_reduce(values)
+    return values, full
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_the_sinkhorn_scan_across_ranks_is_the_one_process_sinkhorn(documents):
+    """float64: the scan across 4 ranks (8 chunks) gives the whole sequence's assignments and
+    gradient, with documents starting inside, at and across chunk boundaries."""
+    from megatron_focus.model.sinkhorn import causal_sinkhorn
+
+    n, groups = 24, 5
+    scores = torch.randn(
+        2, n, groups, dtype=torch.float64, generator=torch.Generator().manual_seed(3)
+    )
+    doc_start = None
+    if documents:
+        starts = [[0, 4, 9, 18], [0, 3, 6, 7, 15]]  # 3 and 6, 9 and 18: chunk starts (of 3)
+        doc_start = torch.stack(
+            [torch.tensor([max(s for s in row if s <= i) for i in range(n)]) for row in starts]
+        )
+    values, grad = run_distributed(_sinkhorn_across, 4, scores, doc_start, 6, 4)
+    whole = scores.clone().requires_grad_()
+    ref = causal_sinkhorn(whole, 6, doc_start)
+    cotangent = torch.linspace(-1, 1, scores.numel(), dtype=scores.dtype).view(scores.shape)
+    (ref * cotangent).sum().backward()
+    torch.testing.assert_close(values, ref.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, whole.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.slow
+def test_training_under_context_parallelism_resumes_at_another_size(embedded_cache, tmp_path):
+    """pretrain_gpt.py: CP 2 trains as one process does; a run stopped under CP 2 with ZeRO-1
+    resumes at CP 2, and at CP 1 (its optimizer shards through the universal checkpoint), with
+    the uninterrupted run's losses; CP 2 with ZeRO-2 and DP 2 trains as DP 2 does."""
+    focus = ["--attention", "focus", "--zero-stage", "1"] + FOCUS
+    cp2 = ["--context-parallel-size", "2"]
+    ckpt = str(tmp_path / "ckpt")
+    straight = train(1, tiny_argv(embedded_cache, *focus, iters=4))
+    first = train(
+        2, tiny_argv(embedded_cache, *focus, *cp2, "--save", ckpt, "--exit-interval", "2", iters=4)
+    )
+    second = train(1, tiny_argv(embedded_cache, *focus, "--load", ckpt, iters=4))
+    again = train(2, tiny_argv(embedded_cache, *focus, *cp2, "--load", ckpt, iters=4))
+    torch.testing.assert_close(first["losses"], straight["losses"][:2], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(second["losses"], straight["losses"][2:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(again["losses"], straight["losses"][2:], rtol=1e-5, atol=1e-5)
+
+    zero2 = ["--zero-stage", "2"]
+    dp2 = train(2, tiny_argv(embedded_cache, *zero2, iters=3))
+    dp2_cp2 = train(4, tiny_argv(embedded_cache, *zero2, *cp2, iters=3))
+    torch.testing.assert_close(dp2_cp2["losses"], dp2["losses"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--cp-comm-type", "p2p"], "only allgather"),
+        (["--context-parallel-size", "3"], "world size 2 is not divisible"),
+        (["--seq-length", "30"], "cuts --seq-length 30 in 4 chunks"),
+        (
+            ["--attention", "focus", "--focus-kernel", "triton"],
+            "the soft gate runs the chunked kernel",
+        ),
+    ],
+)
+def test_unsupported_context_parallel_combinations_are_refused_by_name(flags, message, monkeypatch):
+    from megatron_focus.arguments import parse_args
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=message):
+        parse_args(tiny_argv("/tmp", "--context-parallel-size", "2", *flags, iters=4))
