@@ -14,7 +14,11 @@ import torch
 
 from megatron_focus.hf import families, native
 from megatron_focus.hf.mapping import native_to_hf
-from megatron_focus.hf.tokenizer import SPECIAL_TOKEN_IDS, save_hf_tokenizer
+from megatron_focus.hf.tokenizer import (
+    SPECIAL_TOKEN_IDS,
+    mismatch_as_loaded,
+    save_hf_tokenizer,
+)
 from megatron_focus.outputs import check_fresh, fresh_folder
 
 
@@ -43,8 +47,6 @@ def export_to_hf(
     vocab_size, tokenizer = native.checkpoint_vocabulary(tag_dir, tokenizer_type, tokenizer_model)
     arch = native.read_architecture(tag_dir, vocab_size, focus_top_k, focus_attention_mode)
     family, why = families.choose_family(arch)
-    if progress:
-        print(f"{tag_dir} -> {families.HF_CLASS[family]}: {why}", flush=True)
 
     with fresh_folder(save_dir, overwrite) as partial:
         if tokenizer is not None:
@@ -56,6 +58,12 @@ def export_to_hf(
                 **native.recorded_special_tokens(tag_dir),
             }
         config = families.hf_config(family, arch, special_tokens)
+        if tokenizer is not None:
+            family, why, config = _family_loading_the_tokenizer(
+                family, why, config, arch, special_tokens, tokenizer, partial
+            )
+        if progress:
+            print(f"{tag_dir} -> {families.HF_CLASS[family]}: {why}", flush=True)
         rules = families.rules(family, arch, families.HFBiases.of(arch))
         weights = native_to_hf(
             native.read_weights(tag_dir, arch, progress, allow_unsafe), rules, progress
@@ -64,6 +72,24 @@ def export_to_hf(
         model.save_pretrained(partial, max_shard_size=max_shard_size)
         _write_rope_for_transformers4(os.path.join(partial, "config.json"))
     return families.HF_CLASS[family]
+
+
+def _family_loading_the_tokenizer(family, why, config, arch, special_tokens, tokenizer, folder):
+    """`(family, why, config)`: the chosen family if `AutoTokenizer` loads the written tokenizer
+    beside it as training encoded, else the custom class, whose folder's tokenizer is taken as
+    written; refused by name if neither encodes as training did."""
+    mismatch = mismatch_as_loaded(tokenizer, folder, config)
+    if mismatch is not None and family != families.CUSTOM:
+        why = (
+            f"not a stock {families.HF_CLASS[family]} (with it, {mismatch}): "
+            "needs trust_remote_code=True"
+        )
+        family = families.CUSTOM
+        config = families.hf_config(family, arch, special_tokens)
+        mismatch = mismatch_as_loaded(tokenizer, folder, config)
+    if mismatch is not None:
+        raise ValueError(f"the exported tokenizer of {tokenizer.path}: {mismatch}; not exported")
+    return family, why, config
 
 
 def _write_rope_for_transformers4(config_path: str) -> None:

@@ -9,8 +9,9 @@ names follow Llama's; a Focus layer adds `self_attn.router.{proj.weight,centroid
 An attention variant is a subclass of `Attention` that overrides `route` (what it computes from the
 layer's input besides q, k, v), `attend` (which pairs a query sees) or `project` (what a head
 outputs from them), as the native `CoreAttention` does; XSA overrides `project`, Focus `route` and
-`attend`. `generate()` keeps keys and values in a `DynamicCache`; XSA needs only the value of each
-new token itself, which is computed in the same step.
+`attend`. `generate()` keeps keys and values in a `DynamicCache` (with `sliding_window`, the
+window's last keys only); XSA needs only the value of each new token itself, which is computed in
+the same step.
 
 Focus (megatron_focus/model/{sinkhorn,focus,focus_gate}.py): the router's causal Sinkhorn makes
 token i's assignment depend on tokens <= i only, through one K-vector per Sinkhorn iteration, the
@@ -141,6 +142,9 @@ class Attention(nn.Module):
         own_v = v  # the values of this step's tokens, before the cached ones are prepended
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
+            # a sliding-window layer (a DynamicCache made from a config with sliding_window)
+            # returns only the last keys: the mask's last columns are theirs
+            mask = mask[..., -k.shape[2] :]
         y = self.project(self.attend(q, k, v, mask, routing), own_v)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
 

@@ -98,10 +98,36 @@ def save_hf_tokenizer(tokenizer, out_dir: str, max_length: int) -> dict:
         if template is not None:
             extra["chat_template"] = template
     PreTrainedTokenizerFast(
-        tokenizer_object=fast, model_max_length=max_length, **specials, **extra
+        tokenizer_object=fast,
+        model_max_length=max_length,
+        # not 4.x's default, which adds token_type_ids: GPT-2 would add their embeddings, and
+        # generate() refuses them
+        model_input_names=["input_ids", "attention_mask"],
+        **specials,
+        **extra,
     ).save_pretrained(out_dir)
     _name_portable_class(os.path.join(out_dir, "tokenizer_config.json"))
     return ids
+
+
+def mismatch_as_loaded(tokenizer, folder: str, config) -> Optional[str]:
+    """How the tokenizer that `AutoTokenizer` loads from `folder` (beside a model of `config`)
+    encodes a probe otherwise than `tokenizer` did in training; None if it encodes them all alike.
+
+    transformers 5 ignores the folder's tokenizer class for some model types (Qwen2's: its own
+    `Qwen2Tokenizer`, whose pre-tokenizer is Qwen's whatever the vocabulary).
+    """
+    from transformers import AutoTokenizer
+
+    loaded = AutoTokenizer.from_pretrained(folder, config=config)
+    for text in PROBES:
+        ours, theirs = tokenizer.tokenize(text), loaded(text)["input_ids"]
+        if ours != theirs:
+            return (
+                f"AutoTokenizer loads {type(loaded).__name__}, which encodes {text!r} as "
+                f"{theirs}, the training tokenizer as {ours}"
+            )
+    return None
 
 
 def _name_portable_class(config_path: str) -> None:

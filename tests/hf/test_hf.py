@@ -562,9 +562,6 @@ TRANSFORMERS4 = os.environ.get("MEGATRON_FOCUS_TRANSFORMERS4")
 def test_exports_load_and_generate_alike_in_transformers4(trained, trained_focus, tmp_path):
     """Each export, with its tokenizer, gives under transformers 4.57 the logits, greedy
     generations (with and without the cache) and token ids it gives under 5.x."""
-    import subprocess
-    import sys
-
     import hf_check
 
     folders = [{**trained, **trained_focus}[name]["hf"] for name in IN_TRANSFORMERS4]
@@ -574,22 +571,7 @@ def test_exports_load_and_generate_alike_in_transformers4(trained, trained_focus
         "new_tokens": 6,
         "text": "Hello world, and a second sentence.",
     }
-    (tmp_path / "request.json").write_text(json.dumps(request))
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([TRANSFORMERS4, os.path.dirname(hf_check.__file__)]),
-    }
-    subprocess.run(
-        [
-            sys.executable,
-            hf_check.__file__,
-            str(tmp_path / "request.json"),
-            str(tmp_path / "result.json"),
-        ],
-        env=env,
-        check=True,
-    )
-    result = json.loads((tmp_path / "result.json").read_text())
+    result = hf_check.run_under(TRANSFORMERS4, request, tmp_path)
     assert result["transformers"].startswith("4.")
     tokens = torch.tensor(request["tokens"])
     for folder in folders:
@@ -597,12 +579,14 @@ def test_exports_load_and_generate_alike_in_transformers4(trained, trained_focus
         ours = hf_check.check(folder, tokens, request["text"], request["new_tokens"])
         assert theirs["class"] == ours["class"] and theirs["ids"] == ours["ids"], folder
         for mode in ours.keys() - {"class", "ids"}:
-            torch.testing.assert_close(
-                torch.tensor(theirs[mode]["logits"]),
-                torch.tensor(ours[mode]["logits"]),
-                rtol=0,
-                atol=1e-5,
-            )
+            for logits in ("logits", "text_logits"):
+                torch.testing.assert_close(
+                    torch.tensor(theirs[mode][logits]),
+                    torch.tensor(ours[mode][logits]),
+                    rtol=0,
+                    atol=1e-5,
+                )
+            assert theirs[mode]["text_generated"] == ours[mode]["text_generated"], folder
             generated = theirs[mode]["generated"]
             assert generated["true"] == generated["false"] == ours[mode]["generated"][True], (
                 folder,
