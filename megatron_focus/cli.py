@@ -3,7 +3,8 @@
 An error this project raises while checking the user's input (a flag, a file, a checkpoint, a
 config) ends the command with `error: <message>` and exit code 2; a run stopped by its own
 safety checks (non-finite losses, a save that could not be written) exits 1. Any error raised
-elsewhere (a library, a bug) keeps its traceback.
+elsewhere (a library, a bug) keeps its traceback. Ctrl-C ends a command with one line (the
+first rank's) and exit code 130.
 """
 
 import argparse
@@ -37,8 +38,8 @@ def _raised_here(error: BaseException) -> bool:
     return where.startswith(_ROOT + os.sep) and "site-packages" not in where
 
 
-def run(main, *args):
-    """`main(*args)`, with the user's errors reported in one line."""
+def run(main, *args, interrupted: str = "interrupted (Ctrl-C)"):
+    """`main(*args)`, with the user's errors, and Ctrl-C (`interrupted`), reported in one line."""
     try:
         return main(*args)
     except USER_ERRORS as e:
@@ -46,6 +47,10 @@ def run(main, *args):
             raise
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(1 if isinstance(e, STOPPED) else 2)
+    except KeyboardInterrupt:
+        if os.environ.get("RANK", "0") == "0":
+            print(interrupted, file=sys.stderr, flush=True)
+        sys.exit(130)  # 128 + SIGINT, as a shell reports an interrupted command
 
 
 class Parser(argparse.ArgumentParser):

@@ -488,6 +488,7 @@ def _print_banner(args: argparse.Namespace, model: torch.nn.Module, iteration: i
         print(f"Focus {args.focus_gate} gate | kernels: {chosen}", flush=True)
     elif chosen:
         print(f"kernels: {chosen}", flush=True)
+    _print_where(args)  # before the first step too: where to look while it trains
 
 
 def _data_name(args: argparse.Namespace) -> str:
@@ -513,6 +514,7 @@ def _data_name(args: argparse.Namespace) -> str:
 
 
 def _print_where(args: argparse.Namespace) -> None:
+    """Where the run's logs and checkpoints go (at its start, and again at its end)."""
     if args.tensorboard_dir:
         print(
             f"TensorBoard logs: {args.tensorboard_dir}  (tensorboard --logdir "
