@@ -77,8 +77,15 @@ def export_to_hf(
 def _family_loading_the_tokenizer(family, why, config, arch, special_tokens, tokenizer, folder):
     """`(family, why, config)`: the chosen family if `AutoTokenizer` loads the written tokenizer
     beside it as training encoded, else the custom class, whose folder's tokenizer is taken as
-    written; refused by name if neither encodes as training did."""
+    written; refused by name if neither encodes as training did.
+
+    Under transformers 4 a Qwen2 folder's own tokenizer is checked, but transformers 5 would load
+    `Qwen2Tokenizer` instead, which 4.x lacks: such an export takes the custom class."""
+    from transformers import __version__
+
     mismatch = mismatch_as_loaded(tokenizer, folder, config)
+    if mismatch is None and family == families.QWEN2 and int(__version__.split(".")[0]) < 5:
+        mismatch = "transformers 5 loads Qwen2Tokenizer, which transformers 4 cannot check"
     if mismatch is not None and family != families.CUSTOM:
         why = (
             f"not a stock {families.HF_CLASS[family]} (with it, {mismatch}): "

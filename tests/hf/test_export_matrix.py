@@ -26,7 +26,7 @@ GQA = ["--group-query-attention", "--num-query-groups", "2"]
 WINDOW = ["--window-size", "5,0"]  # 6 keys: the generation below runs well past them
 FOCUS = ["--focus-window", "4", "--focus-groups", "4", "--focus-chunk-size", "16"]
 QKV_BIAS = ["--add-qkv-bias"]
-# name: (flags, tokenizer kind, the class it exports to under transformers 5, slow)
+# name: (flags, tokenizer kind, the class it exports to, slow)
 CASES = {
     "gpt2": ([], SP, "GPT2LMHeadModel", False),
     "gpt2-hf-json": ([], HF_JSON, "GPT2LMHeadModel", False),
@@ -174,9 +174,8 @@ def _export(name: str, tokenizers_by_kind, tmp_path):
             export_to_hf(ckpt, hf, progress=False)
         return ckpt, None, ours
     hf_class = export_to_hf(ckpt, hf, progress=False)  # no tokenizer flag: the recorded one
-    if _transformers_major() >= 5:
-        custom = "MegatronFocusForCausalLM"
-        assert hf_class == (custom if expected_class == "custom" else expected_class)
+    custom = "MegatronFocusForCausalLM"
+    assert hf_class == (custom if expected_class == "custom" else expected_class)
     return ckpt, hf, ours
 
 
