@@ -26,6 +26,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import divide
+from torch.utils.checkpoint import checkpoint
 
 from megatron_focus.context_parallel import chunk_ids, gather_sequence
 from megatron_focus.model.kernels import flash_attn_func, use_flash_attn
@@ -93,6 +94,18 @@ class CoreAttention(MegatronModule):
         with tensor_parallel.get_cuda_rng_tracker().fork():
             if self.cp_group is None:
                 y = self.attend(q, k, v, attention_mask, **attend_inputs)
+            elif torch.is_grad_enabled():
+                # Recomputed in backward, gather included: the gathered keys and values (and the
+                # standard chunks' causal masks) are never kept, only this rank's tokens.
+                y = checkpoint(
+                    self._attend_context_parallel,
+                    q,
+                    k,
+                    v,
+                    attention_mask,
+                    use_reentrant=False,
+                    **attend_inputs,
+                )
             else:
                 y = self._attend_context_parallel(q, k, v, attention_mask, **attend_inputs)
         y = self.project(y, v)
