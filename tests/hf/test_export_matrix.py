@@ -245,3 +245,18 @@ def test_exports_are_exact_in_transformers4(tokenizers_by_kind, tmp_path):
         logits = torch.tensor(outputs["text_logits"])
         torch.testing.assert_close(logits, native_logits(ckpt, ids), rtol=0, atol=1e-4)
         assert outputs["text_generated"] == _native_greedy(ckpt, ids, NEW_TOKENS).tolist(), name
+
+
+def test_a_tokenizer_no_stock_class_loads_alike_is_refused_by_name(tmp_path, monkeypatch):
+    """If no class's folder gives back the training tokenizer, the export stops and says why,
+    having written nothing."""
+    from megatron_focus.hf import export, export_to_hf
+
+    folder = _bpe_folder(tmp_path / "tok", with_config=False)
+    _random_checkpoint(str(tmp_path / "ckpt"), LLAMA + QKV_BIAS, "HuggingFaceTokenizer", folder)
+    monkeypatch.setattr(
+        export, "mismatch_as_loaded", lambda *args: "AutoTokenizer loads X, which encodes ..."
+    )
+    with pytest.raises(ValueError, match="tokenizer.json: AutoTokenizer loads X.*not exported"):
+        export_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"), progress=False)
+    assert not (tmp_path / "hf").exists()
