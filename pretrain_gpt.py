@@ -23,10 +23,8 @@ def main(argv=None) -> None:
         args.tensorboard_dir = os.path.join(run, "tensorboard")
         args.save = os.path.join(run, "checkpoints")
         args.load = args.load or args.save  # resumable with the same command
-    from megatron_focus.deepspeed_builds import skip_unused_builds
     from megatron_focus.training.trainer import pretrain  # after parsing: --help stays fast
 
-    skip_unused_builds()
     pretrain(args)
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from tiny_runs import BATCH, FAMILIES, SEQ, VOCAB, tiny_argv, train
+from tiny_runs import BATCH, FAMILIES, SEQ, VOCAB, full_weights, tiny_argv, train
 
 FOCUS = ["--focus-window", "4", "--focus-groups", "4", "--focus-chunk-size", "6"]
 DOCUMENTS = ["--reset-attention-mask", "--reset-position-ids"]
@@ -24,6 +24,10 @@ CASES = {
     + FOCUS
     + DOCUMENTS,
     "focus+xsa-rope-gqa": FAMILIES["llama-gqa"] + ["--attention", "focus+xsa"] + FOCUS,
+    "focus+xsa-sparse-documents": FAMILIES["gpt2"]
+    + ["--attention", "focus+xsa", "--focus-attention-mode", "sparse"]
+    + FOCUS
+    + DOCUMENTS,
 }
 EOD = 3
 
@@ -182,7 +186,8 @@ def test_the_sinkhorn_scan_across_ranks_is_the_one_process_sinkhorn(documents):
 def test_training_under_context_parallelism_resumes_at_another_size(embedded_cache, tmp_path):
     """pretrain_gpt.py: CP 2 trains as one process does; a run stopped under CP 2 with ZeRO-1
     resumes at CP 2, and at CP 1 (its optimizer shards through the universal checkpoint), with
-    the uninterrupted run's losses; CP 2 with ZeRO-2 and DP 2 trains as DP 2 does."""
+    the uninterrupted run's losses, and its checkpoint exports the weights a run without CP
+    trains; CP 2 with ZeRO-2 and DP 2 trains as DP 2 does."""
     focus = ["--attention", "focus", "--zero-stage", "1"] + FOCUS
     cp2 = ["--context-parallel-size", "2"]
     ckpt = str(tmp_path / "ckpt")
@@ -192,6 +197,12 @@ def test_training_under_context_parallelism_resumes_at_another_size(embedded_cac
     )
     second = train(1, tiny_argv(embedded_cache, *focus, "--load", ckpt, iters=4))
     again = train(2, tiny_argv(embedded_cache, *focus, *cp2, "--load", ckpt, iters=4))
+    alone = str(tmp_path / "alone")  # the same two iterations without CP
+    train(1, tiny_argv(embedded_cache, *focus, "--save", alone, "--exit-interval", "2", iters=4))
+    exported, reference = full_weights(ckpt), full_weights(alone)
+    assert exported.keys() == reference.keys()
+    for name, weight in exported.items():
+        torch.testing.assert_close(weight, reference[name], rtol=1e-5, atol=1e-6, msg=name)
     torch.testing.assert_close(first["losses"], straight["losses"][:2], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(second["losses"], straight["losses"][2:], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(again["losses"], straight["losses"][2:], rtol=1e-5, atol=1e-5)

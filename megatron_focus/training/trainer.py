@@ -23,6 +23,7 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 from megatron_focus import platform
 from megatron_focus.data.loader import micro_batches, to_device
 from megatron_focus.data.sources import data_prefixes, datasets_for, tokenizer_for
+from megatron_focus.deepspeed_builds import skip_unused_builds
 from megatron_focus.deepspeed_config import deepspeed_config
 from megatron_focus.model import kernels
 from megatron_focus.model.flops import flops_per_token
@@ -406,6 +407,7 @@ def _deepspeed_engine(args: argparse.Namespace, model: torch.nn.Module, plan: re
     if args.zero_stage > 0 and plan.layout:  # DeepSpeed loads it
         config.setdefault("checkpoint", {})["load_universal"] = True
     layouts.describe_model(model)
+    skip_unused_builds()
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
