@@ -187,7 +187,7 @@ def test_training_under_context_parallelism_resumes_at_another_size(embedded_cac
     """pretrain_gpt.py: CP 2 trains as one process does; a run stopped under CP 2 with ZeRO-1
     resumes at CP 2, and at CP 1 (its optimizer shards through the universal checkpoint), with
     the uninterrupted run's losses, and its checkpoint exports the weights a run without CP
-    trains; CP 2 with ZeRO-2 and DP 2 trains as DP 2 does."""
+    trains; CP 2 with ZeRO-2 and DP 2 trains as DP 2 does, CP 2 with ZeRO-3 as one process."""
     focus = ["--attention", "focus", "--zero-stage", "1"] + FOCUS
     cp2 = ["--context-parallel-size", "2"]
     ckpt = str(tmp_path / "ckpt")
@@ -211,6 +211,11 @@ def test_training_under_context_parallelism_resumes_at_another_size(embedded_cac
     dp2 = train(2, tiny_argv(embedded_cache, *zero2, iters=3))
     dp2_cp2 = train(4, tiny_argv(embedded_cache, *zero2, *cp2, iters=3))
     torch.testing.assert_close(dp2_cp2["losses"], dp2["losses"], rtol=1e-5, atol=1e-5)
+    # ZeRO-3 partitions the weights themselves over the CP ranks
+    zero3 = ["--attention", "xsa", "--zero-stage", "3"]
+    alone3 = train(1, tiny_argv(embedded_cache, *zero3, iters=3))
+    cp2_zero3 = train(2, tiny_argv(embedded_cache, *zero3, *cp2, iters=3))
+    torch.testing.assert_close(cp2_zero3["losses"], alone3["losses"], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
