@@ -21,14 +21,19 @@ def gpu_choices(monkeypatch):
     """Layers built from here on choose what a GPU with Triton chooses."""
     monkeypatch.setattr(kernels, "has_triton", lambda: True)
     cuda = torch.device("cuda")
-    for choose in ("xsa", "sinkhorn", "lse_attention"):
-        monkeypatch.setattr(
-            kernels, choose, lambda device, choose=getattr(kernels, choose): choose(cuda)
-        )
+    for name in ("xsa", "sinkhorn", "lse_attention"):
+        monkeypatch.setattr(kernels, name, _on(cuda, getattr(kernels, name)))
     soft_gate = kernels.soft_gate
     monkeypatch.setattr(
-        kernels, "soft_gate", lambda requested, device, *args: soft_gate(requested, cuda, *args)
+        kernels,
+        "soft_gate",
+        lambda requested, device, *args, **kwargs: soft_gate(requested, cuda, *args, **kwargs),
     )
+
+
+def _on(device, choose):
+    """`choose`, asked for `device` whatever device it is given."""
+    return lambda _, *args, **kwargs: choose(device, *args, **kwargs)
 
 
 def model(argv):
