@@ -124,3 +124,26 @@ def full_weights(ckpt):
     return native.read_weights(
         tag_dir, native.read_architecture(tag_dir, vocab_size), progress=False
     )
+
+
+def byte_level_bpe(folder, special_tokens):
+    """A small GPT-2 style byte-level BPE trained on the probe texts, saved as
+    `folder/tokenizer.json` (the folder is created); returns the `tokenizers.Tokenizer`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from megatron_focus.hf.tokenizer import PROBES
+
+    folder.mkdir()
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(
+        PROBES * 10,
+        trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=special_tokens,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    bpe.save(str(folder / "tokenizer.json"))
+    return bpe

@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from tiny_runs import LLAMA
+from tiny_runs import LLAMA, byte_level_bpe
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -65,23 +65,7 @@ def _transformers_major() -> int:
 def _bpe_folder(folder, with_config: bool) -> str:
     """A GPT-2 style byte-level BPE `tokenizer.json` (with Llama-3 style special tokens named in
     a `tokenizer_config.json` if `with_config`); returns what `--tokenizer-model` is given."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from megatron_focus.hf.tokenizer import PROBES
-
-    folder.mkdir()
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(
-        PROBES * 10,
-        trainers.BpeTrainer(
-            vocab_size=400,
-            special_tokens=["<|endoftext|>", "<|begin_of_text|>", "<|end_of_text|>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        ),
-    )
-    bpe.save(str(folder / "tokenizer.json"))
+    byte_level_bpe(folder, ["<|endoftext|>", "<|begin_of_text|>", "<|end_of_text|>"])
     if not with_config:
         return str(folder / "tokenizer.json")
     config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from megatron_focus.hf.families import rope_fields
 
 from distributed import run_distributed
-from tiny_runs import LLAMA, tiny_argv
+from tiny_runs import LLAMA, byte_level_bpe, tiny_argv
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -1189,28 +1189,8 @@ def test_hf_tokenizer_json_is_exported(tmp_path):
 
 def _bpe_with_config(folder, config: dict):
     """A byte-level BPE `tokenizer.json` with Llama-3's special tokens, and `config` beside it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from megatron_focus.hf.tokenizer import PROBES
-
-    folder.mkdir()
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(
-        PROBES * 10,
-        trainers.BpeTrainer(
-            vocab_size=400,
-            special_tokens=[
-                "<|endoftext|>",
-                "<|begin_of_text|>",
-                "<|end_of_text|>",
-                "<|finetune_right_pad_id|>",
-            ],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        ),
-    )
-    bpe.save(str(folder / "tokenizer.json"))
+    special = ["<|endoftext|>", "<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad_id|>"]
+    bpe = byte_level_bpe(folder, special)
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return bpe
 

@@ -113,3 +113,18 @@ def test_one_layers_routing_launches_within_budget(single_process, monkeypatch):
     assert sinkhorn == ["_forward", "_backward"], launches
     assert len(launches) <= 12, " ".join(launches)
     assert len(eager) > 200, len(eager)
+
+
+def test_context_parallelism_takes_the_kernels_that_accept_a_query_offset(monkeypatch):
+    """On a GPU with Triton, a context-parallel layer takes the chunked soft gate and the
+    PyTorch Sinkhorn (whose prefixes continue across ranks); fused kernels asked by name are
+    refused."""
+    monkeypatch.setattr(kernels, "has_triton", lambda: True)
+    cuda = torch.device("cuda")
+    assert kernels.soft_gate("auto", cuda).name == "triton"
+    assert kernels.sinkhorn(cuda).name == "triton"
+    assert kernels.soft_gate("auto", cuda, context_parallel=True).name == "chunked"
+    assert kernels.sinkhorn(cuda, context_parallel=True).name == "torch"
+    for requested in ("triton", "flex"):
+        with pytest.raises(ValueError, match="the soft gate runs the chunked kernel"):
+            kernels.soft_gate(requested, cuda, context_parallel=True)
