@@ -7,7 +7,8 @@ from setuptools import find_packages, setup
 # constraints/cpu.txt (a bare `torch` from PyPI is a multi-GB CUDA build).
 INSTALL_REQUIRES = [
     "torch>=2.11,<2.16",
-    "megatron-core==0.16.1",  # what platform.py is written against
+    # 0.16.1 is the newest for Python 3.10 and 3.11; 0.17+ need Python 3.12 (.ci/run tests 0.19.2)
+    "megatron-core>=0.16.1,<0.20",
     "deepspeed==0.19.8",
     "sentencepiece==0.2.3",
     "tokenizers>=0.21,<0.24",

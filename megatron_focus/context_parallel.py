@@ -13,13 +13,25 @@ slices the batch so, and its rotary embedding the positions). What crosses ranks
   of the chunks before it, back to the start of its tokens' document. Its backward is the reverse
   scan, through the gather's autograd.
 
-Everything here is a pure function of tensors and a process group.
+Everything here is a pure function of tensors and a process group, but `batch_on_this_rank`.
 """
 
+import inspect
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.utils import get_batch_on_this_cp_rank
+
+
+def batch_on_this_rank(batch: dict) -> dict:
+    """This rank's chunks of every sequence of the batch, cut by Megatron-Core (its 0.18 added
+    hybrid context parallelism's `is_hybrid_cp`, and from 0.19 no group means the world's)."""
+    group = parallel_state.get_context_parallel_group()
+    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=group)
+    return get_batch_on_this_cp_rank(batch, cp_group=group)
 
 
 def chunk_ids(rank: int, size: int) -> tuple:

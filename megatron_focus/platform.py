@@ -1,4 +1,5 @@
-"""The one place where megatron-focus adapts Megatron-Core 0.16 to the machine it runs on.
+"""The one place where megatron-focus adapts Megatron-Core (0.16.1 to 0.19) to the machine it
+runs on.
 
 With a GPU, Megatron-Core runs as it is: NCCL, its CUDA RNG tracker, its CUDA causal mask, and
 this module changes nothing. Without one, Megatron-Core still hard-codes CUDA in a few places that

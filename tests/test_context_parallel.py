@@ -43,10 +43,10 @@ def _loss_and_grads(argv, tokens):
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
-    from megatron.core.utils import get_batch_on_this_cp_rank
 
     from megatron_focus import platform
     from megatron_focus.arguments import parse_args
+    from megatron_focus.context_parallel import batch_on_this_rank
     from megatron_focus.model.gpt import build_model
     from megatron_focus.parallel import (
         gather_tensor_parallel,
@@ -69,7 +69,7 @@ def _loss_and_grads(argv, tokens):
         masks = [_get_ltor_masks_and_position_ids(t, EOD, True, True, False, True) for t in tokens]
         batch["attention_mask"] = torch.stack([m[0] for m in masks])
         batch["position_ids"] = torch.stack([m[2] for m in masks])
-    batch = get_batch_on_this_cp_rank(batch)
+    batch = batch_on_this_rank(batch)
     per_token = model(
         batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"]
     )

@@ -147,11 +147,16 @@ class FocusSelfAttention(SelfAttention):
     """Megatron's SelfAttention, handing its core attention the normalised hidden state too (the
     router's input), as an explicit argument, as Megatron's DSA takes it under MLA.
 
-    Megatron-Core 0.16.1's `SelfAttention.forward` passes its core attention only q, k, v and
-    masks, so this is its forward for what megatron-focus runs: Megatron's QKV (with its
-    QK-norms), RoPE and output projection, and its selective recompute of the core attention
-    (`--recompute-activations`). KV-cache inference and Megatron's THD packed sequences
+    Megatron-Core's `SelfAttention.forward` passes its core attention only q, k, v and masks
+    (0.16.1 to 0.19.2), so this is its forward for what megatron-focus runs: Megatron's QKV
+    (with its QK-norms), RoPE and output projection, and its selective recompute of the core
+    attention (`--recompute-activations`). KV-cache inference and Megatron's THD packed sequences
     (`packed_seq_params`) are refused; documents packed in one sequence come as the mask.
+
+    Megatron-Core 0.18 added the hook `_run_core_attention(**extra_kwargs)` and 0.19 the
+    recompute of tensor extra kwargs (`_checkpointed_attention_forward(core_attention_extra_
+    kwargs=)`), but its forward still calls neither with an extra argument; the release whose
+    forward does lets this class go, the router's input passing as such a kwarg.
     """
 
     def __init__(self, *args, **kwargs):

@@ -11,6 +11,8 @@ TP=1 and TP=2 start from the same model.
 """
 
 import argparse
+import dataclasses
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +24,19 @@ from megatron.core.transformer import TransformerConfig
 from megatron_focus import platform
 from megatron_focus.model.specs import block_spec
 from megatron_focus.variants import variant
+
+# megatron-core 0.19 logs at every GPTModel that it takes only bug fixes from now on (its
+# HybridModel builds GPTs from a layer pattern); the layer specs here are GPTModel's.
+logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(
+    lambda record: not record.getMessage().startswith("GPTModel IS DEPRECATED")
+)
+
+
+def _no_cuda_graphs() -> dict:
+    """No CUDA graphs are captured here; megatron-core 0.19 warns at every config that its own
+    default scope ("full") is deprecated unless told so in its new field."""
+    fields = {field.name for field in dataclasses.fields(TransformerConfig)}
+    return {"cuda_graph_modules": []} if "cuda_graph_modules" in fields else {}
 
 
 def openai_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -78,6 +93,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
+        **_no_cuda_graphs(),
     )
 
 

@@ -18,9 +18,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.utils import get_batch_on_this_cp_rank
 
-from megatron_focus import platform
+from megatron_focus import context_parallel, platform
 from megatron_focus.data.loader import micro_batches, to_device
 from megatron_focus.data.sources import data_prefixes, datasets_for, tokenizer_for
 from megatron_focus.deepspeed_builds import skip_unused_builds
@@ -343,7 +342,7 @@ def lm_loss(engine, batch: dict, tokens: Optional[torch.Tensor] = None) -> torch
     `get_batch_on_this_cp_rank`): its share of the mean is its tokens' losses over the sequence's
     loss tokens, times the CP size, as Megatron-LM scales it, since gradients and reported losses
     are averaged over data-parallel x context-parallel ranks."""
-    batch = get_batch_on_this_cp_rank(to_device(batch, platform.setup().device))
+    batch = context_parallel.batch_on_this_rank(to_device(batch, platform.setup().device))
     per_token = engine(
         batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"]
     )
