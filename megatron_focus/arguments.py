@@ -965,6 +965,15 @@ def _validate_architecture(args: argparse.Namespace) -> None:
 
 def _validate_focus(args: argparse.Namespace) -> None:
     focus = FocusConfig.from_args(args)
+    if focus.attention_mode == "sparse" and args.attention_dropout > 0:
+        raise ValueError(
+            "--focus-attention-mode sparse has no attention dropout: add --attention-dropout 0"
+        )
+    if focus.attention_mode == "sparse" and args.retrofit:
+        raise ValueError(
+            "--retrofit trains the routers, which --focus-attention-mode sparse freezes: "
+            "retrofit in soft mode"
+        )
     if focus.kernel == "flex" and not _gpu():
         raise ValueError(
             "--focus-kernel flex needs a GPU: FlexAttention has no CPU backward "

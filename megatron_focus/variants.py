@@ -146,7 +146,9 @@ class FocusConfig(VariantSettings, prefix="focus"):
     top_k: int = setting(2, "groups per query, sparse mode", INFERENCE)
     attention_mode: str = setting(
         "soft",
-        "soft gate (training) or hard top-k rule (sparse inference)",
+        "soft gate, or hard top-k rule computing only the kept pairs (sparse: inference, "
+        "or training at a longer sequence with the routers frozen, as their groups are a hard "
+        "choice; no attention dropout)",
         INFERENCE,
         choices=FOCUS_MODES,
     )

@@ -50,17 +50,21 @@ def reference_focus(q, k, v, log_g, window, gate_scale, top_k, scale, gate="log"
     return (scores.softmax(-1) @ v.double()).to(q.dtype)
 
 
-def dense_hard_rule(q, k, v, log_g, window, top_k, scale, sink=0):
-    """The hard rule as one masked softmax over all pairs (fp64)."""
+def dense_hard_rule(q, k, v, log_g, window, top_k, scale, sink=0, doc_start=None):
+    """The hard rule as one masked softmax over all pairs (fp64). `doc_start` [b, n]: packed
+    documents, each attending as alone (its keys from its start, its own first `sink`)."""
     n = q.shape[2]
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1).double(), v.repeat_interleave(rep, 1).double()
-    ranked = reference_ranking(log_g.cpu()).to(q.device)
+    ranked = reference_ranking(log_g.detach().cpu()).to(q.device)
     tops = ranked[..., :top_k]
     pos = torch.arange(n, device=q.device)
+    first = torch.zeros(1, n, dtype=torch.long) if doc_start is None else doc_start
+    first = first[:, :, None]  # [b, n (query), 1]
     distance = pos[:, None] - pos[None, :]
     same = (tops[:, :, None, :] == ranked[:, None, :, :1]).any(-1)  # key's top-1 in query's top-k
-    keep = (distance >= 0) & ((distance < window) | same | (pos[None, :] < sink))
+    sinks = pos[None, None, :] < first + sink
+    keep = (distance >= 0) & ((distance < window) | same | sinks) & (pos[None, None, :] >= first)
     scores = torch.einsum("bhid,bhjd->bhij", q.double(), k) * scale
     scores = scores.masked_fill(~keep[:, None], float("-inf"))
     return (scores.softmax(-1) @ v).to(q.dtype)

@@ -218,8 +218,8 @@ class FocusAttention(CoreAttention):
     """Causal attention under the Focus pair rule: soft gate (training) or hard top-k (sparse).
 
     Its router turns the layer's hidden state into the routing its heads share. Sparse mode
-    computes only the kept pairs (focus_sparse) when no gradient is needed; with gradients it
-    evaluates the same hard rule by masked chunks.
+    computes only the kept pairs (focus_sparse), forward and backward; under context
+    parallelism it evaluates the same hard rule by masked chunks.
     """
 
     def __init__(
@@ -270,9 +270,7 @@ class FocusAttention(CoreAttention):
         mode: the sparse dispatch attends whole sequences)."""
         focus, sparse = self.focus, self.focus.attention_mode == "sparse"
         whole = self.cp_group is None
-        if sparse and whole and (self.sparse.backward or not torch.is_grad_enabled()):
-            # kept pairs only; with gradients its kernels must have a backward (else the same
-            # rule by masked chunks below)
+        if sparse and whole:  # kept pairs only
             return sparse_focus_attention(
                 q,
                 k,
@@ -310,6 +308,14 @@ def train_routers_only(model: torch.nn.Module) -> None:
     """A retrofit: only the Focus routers learn; every other weight is frozen."""
     for name, param in model.named_parameters():
         param.requires_grad = ".router." in name
+
+
+def freeze_routers(model: torch.nn.Module) -> None:
+    """Sparse-mode training: the routers' groups are a hard choice with no gradient, so they
+    stay out of the optimizer (no weight decay or momentum moves them)."""
+    for name, param in model.named_parameters():
+        if ".router." in name:
+            param.requires_grad = False
 
 
 def set_focus_mode(model: torch.nn.Module, mode: str, top_k: Optional[int] = None) -> None:

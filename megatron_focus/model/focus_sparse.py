@@ -31,10 +31,16 @@ distant pairs plus n w, against n^2 / 2 dense.
 Routing (top-k, sort, counts, offsets) stays on the device: no Python loop over groups; the CPU
 synchronises with the host for the longest bucket and the key ranges' bounds.
 
-This is an inference path (no backward through the log-sum-exp); training uses the soft gate.
+It trains too, the routing frozen (its groups are a hard choice, with no gradient): the parts
+and their merge are one autograd function (`_SparseAttention`) whose backward runs each part's
+attention backward with the merged output and log-sum-exp (lse_merge), the CPU flash kernel's
+backward on the CPU; FlexAttention, which differentiates its log-sum-exp but takes no given
+output, recomputes its calls in backward. The layouts' gathers are differentiated by autograd.
 """
 
-from typing import Optional
+import dataclasses
+import functools
+from typing import Callable, Optional
 
 import torch
 
@@ -43,20 +49,7 @@ from megatron_focus.model.documents import segments
 from megatron_focus.model.flex import flex_local_part, flex_range_attention
 from megatron_focus.model.focus_gate import attention_with_lse
 from megatron_focus.model.groups import Routing
-
-
-def merge_by_lse(outputs, lses):
-    """Exact softmax over the union of disjoint key sets, from each set's output and log-sum-exp.
-
-    outputs: list of [b, h, n, d]; lses: list of [b, h, n] (-inf where a set was empty). One
-    interpolation per set, the running output towards the set's by the set's share of the mass.
-    """
-    out, lse = outputs[0].float(), lses[0]
-    for part_out, part_lse in zip(outputs[1:], lses[1:]):
-        total = torch.logaddexp(lse, part_lse)
-        share = torch.exp(part_lse - total).nan_to_num_(0.0)  # both empty so far: nan -> 0
-        out, lse = torch.lerp(out, part_out.float(), share.unsqueeze(-1)), total
-    return out, lse
+from megatron_focus.model.lse_merge import merge_by_lse, part_gradients
 
 
 def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -94,14 +87,114 @@ def _key_ranges(groups_q, slot: int, starts, before, segment, num_groups: int):
     return lo.reshape(-1), (lo + before.gather(-1, group)[..., 0] + (slot == 0)).reshape(-1)
 
 
-def _causal_buckets(rows, order, bucket, sizes, starts, scale):
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """One attention call of the sparse path, on rows ([b * n, heads, ...], token order): where
+    its queries and keys come from, the call, and the call's backward given the merged output
+    and log-sum-exp (in the call's layout). Parts that lay their keys out alike share the same
+    `keys` function: the keys are laid out once."""
+
+    queries: Callable  # rows -> the call's queries (q; d_out, out and lse in backward)
+    keys: Callable  # rows -> the call's keys (k, v)
+    rows: Callable  # the call's per-query results -> rows
+    attend: Callable  # (q, k, v) -> (out, lse), lse -inf where a query has no key
+    gradients: Callable  # (d_out, q, k, v, out, lse) -> (dq, dk, dv)
+
+
+class _Layouts(dict):
+    """Each layout function's result for a tensor, computed once."""
+
+    def of(self, function, which: int, x):
+        if (function, which) not in self:
+            self[function, which] = function(x)
+        return self[function, which]
+
+
+class _SparseAttention(torch.autograd.Function):
+    """The parts merged by log-sum-exp, as one autograd function: its backward runs each part's
+    attention backward with the merged output and log-sum-exp (lse_merge), so no part's output
+    is kept, and no gradient has to pass through a kernel's log-sum-exp (most give none)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, parts):
+        rows = [_rows(x) for x in (q, k, v)]
+        laid = _Layouts()
+        outs, lses = [], []
+        for part in parts:
+            out, lse = part.attend(
+                laid.of(part.queries, 0, rows[0]),
+                laid.of(part.keys, 1, rows[1]),
+                laid.of(part.keys, 2, rows[2]),
+            )
+            outs.append(part.rows(out))
+            lses.append(part.rows(lse))
+        del laid
+        out, lse = merge_by_lse(outs, lses)
+        out = out.to(q.dtype)
+        ctx.parts = parts
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.view(q.shape[0], q.shape[2], *out.shape[1:]).transpose(1, 2)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [_rows(x).detach().requires_grad_() for x in (q, k, v)]
+            laid = _Layouts()
+            for part in ctx.parts:
+                laid.of(part.queries, 0, leaves[0])
+                for which in (1, 2):
+                    laid.of(part.keys, which, leaves[which])
+        given, grads = _Layouts(), {}
+        for part in ctx.parts:
+            inputs = [laid[part.queries, 0], laid[part.keys, 1], laid[part.keys, 2]]
+            merged = [given.of(part.queries, i, x) for i, x in enumerate((_rows(d_out), out, lse))]
+            part_grads = part.gradients(
+                merged[0], *(x.detach() for x in inputs), merged[1], merged[2]
+            )
+            for key, grad in zip(((part.queries, 0), (part.keys, 1), (part.keys, 2)), part_grads):
+                grads[key] = grads[key] + grad if key in grads else grad
+        keys = list(grads)
+        dq, dk, dv = torch.autograd.grad(
+            [laid[key] for key in keys], leaves, [grads[key] for key in keys]
+        )
+        return (*(_unrows(g, q.shape[0]) for g in (dq, dk, dv)), None)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[b, heads, n, ...] -> [b * n, heads, ...]"""
+    return x.transpose(1, 2).flatten(0, 1)
+
+
+def _unrows(x: torch.Tensor, b: int) -> torch.Tensor:
+    """[b * n, heads, ...] -> [b, heads, n, ...], a view"""
+    return x.unflatten(0, (b, -1)).transpose(1, 2)
+
+
+def _recomputed(attend):
+    """The backward of a call whose kernel differentiates its log-sum-exp but takes no given
+    output (FlexAttention): the call again, given the merge's gradients of its output and
+    log-sum-exp (lse_merge.part_gradients)."""
+
+    def gradients(d_out, q, k, v, out, lse):
+        with torch.enable_grad():
+            inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+            part_out, part_lse = attend(*inputs)
+            return torch.autograd.grad(
+                (part_out, part_lse), inputs, part_gradients(d_out, out, lse, part_out, part_lse)
+            )
+
+    return gradients
+
+
+def _causal_buckets(order, bucket, sizes, starts, scale) -> _Part:
     """Slot 0 on the CPU: causal attention inside each bucket, all buckets in one padded call."""
-    h, d = rows[0].shape[1:]
     num_buckets = sizes.numel()
     longest = int(sizes.max())  # a host synchronisation
     # Token order[i] goes to place `packed_at[i]` of the [buckets * longest] layout; the places
     # after a bucket's tokens (padding) read token 0: as keys they come after every real query
-    # of their bucket (causal), as queries they are never read back.
+    # of their bucket (causal), as queries they are never read back (and get no gradient).
     sorted_bucket = bucket[order]
     packed_at = (
         sorted_bucket * longest
@@ -109,15 +202,25 @@ def _causal_buckets(rows, order, bucket, sizes, starts, scale):
         - starts[sorted_bucket]
     )
     source = order.new_zeros(num_buckets * longest).index_copy_(0, packed_at, order)
-
-    def packed(x):  # [b * n, heads, d] rows -> [buckets, heads, longest, d]
-        return _gather_rows(x, source).view(num_buckets, longest, x.shape[1], d).transpose(1, 2)
-
-    out, lse = attention_with_lse(*(packed(x) for x in rows), scale, causal=True)
     back = torch.empty_like(packed_at).index_copy_(0, order, packed_at)  # token -> its place
-    return (
-        _gather_rows(out.transpose(1, 2).reshape(-1, h, d), back),
-        _gather_rows(lse.transpose(1, 2).reshape(-1, h), back),
+    real = (torch.arange(longest, device=order.device) < sizes[:, None])[:, None, :, None]
+
+    def packed(x):  # rows -> [buckets, heads, longest, ...]
+        return _gather_rows(x, source).view((num_buckets, longest) + x.shape[1:]).transpose(1, 2)
+
+    def rows(x):
+        return _gather_rows(x.transpose(1, 2).flatten(0, 1), back)
+
+    def gradients(d_out, q, k, v, out, lse):
+        d_out = d_out * real.to(d_out.dtype)  # the padding's queries
+        return kernels.cpu_attention_backward(d_out, q, k, v, out, lse, scale, causal=True)
+
+    return _Part(
+        packed,
+        packed,
+        rows,
+        functools.partial(attention_with_lse, scale=scale, causal=True),
+        gradients,
     )
 
 
@@ -127,16 +230,10 @@ def _causal_buckets(rows, order, bucket, sizes, starts, scale):
 _RANGE_BLOCK = 256
 
 
-def _range_attention(q, k, v, lo, hi, scale: float):
-    """Query row e against key rows [lo[e], hi[e]), lo and hi nondecreasing in e, on the CPU.
-
-    q [E, h, d], k/v [M, groups, d] -> (out [E, h, d], lse [E, h], -inf where a range is empty).
-    Blocks of queries, each against the key rows from its first lo to its last hi (a view), the
-    rest of each range masked.
-    """
-    rows = q.shape[0]
-    out = q.new_zeros(q.shape)
-    lse = torch.full(q.shape[:2], float("-inf"), device=q.device)
+def _range_blocks(lo, hi, dtype):
+    """(queries, keys, additive mask) of each block of `_range_attention`: the block's queries
+    against the keys from its first lo to its last hi, the rest of each range masked."""
+    rows = lo.shape[0]
     firsts, lasts = lo.tolist(), hi.tolist()  # a host synchronisation
     for start in range(0, rows, _RANGE_BLOCK):
         end = min(start + _RANGE_BLOCK, rows)
@@ -145,85 +242,102 @@ def _range_attention(q, k, v, lo, hi, scale: float):
             continue
         # Every query of the block keeps the keys from its last lo to its first hi: only the
         # columns outside that span need comparing.
-        mask = torch.zeros(end - start, last - first, dtype=q.dtype, device=q.device)
+        mask = torch.zeros(end - start, last - first, dtype=dtype, device=lo.device)
         inner = (firsts[end - 1] - first, lasts[start] - first)
         for cols in (range(0, inner[0]), range(max(inner), last - first)):
-            keys = torch.arange(first + cols.start, first + cols.stop, device=q.device)
+            keys = torch.arange(first + cols.start, first + cols.stop, device=lo.device)
             kept = (keys >= lo[start:end, None]) & (keys < hi[start:end, None])
             mask[:, cols.start : cols.stop].masked_fill_(~kept, float("-inf"))
+        yield slice(start, end), slice(first, last), mask[None, None]
+
+
+def _heads(x):  # [rows, heads, ...] -> [1, heads, rows, ...], the layout of one kernel call
+    return x.transpose(0, 1)[None]
+
+
+def _range_attention(q, k, v, lo, hi, scale: float):
+    """Query row e against key rows [lo[e], hi[e]), lo and hi nondecreasing in e, on the CPU.
+
+    q [E, h, d], k/v [M, groups, d] -> (out [E, h, d], lse [E, h], -inf where a range is empty),
+    by blocks of queries (`_range_blocks`), each against a view of the key rows.
+    """
+    out = q.new_zeros(q.shape)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=q.dtype, device=q.device)
+    for queries, keys, mask in _range_blocks(lo, hi, q.dtype):
         o, block_lse = attention_with_lse(
-            q[start:end].transpose(0, 1)[None],
-            k[first:last].transpose(0, 1)[None],
-            v[first:last].transpose(0, 1)[None],
-            scale,
-            causal=False,
-            mask=mask[None, None],
+            *(_heads(x) for x in (q[queries], k[keys], v[keys])), scale, causal=False, mask=mask
         )
-        out[start:end] = o[0].transpose(0, 1)
-        lse[start:end] = block_lse[0].transpose(0, 1)
+        out[queries] = o[0].transpose(0, 1)
+        lse[queries] = block_lse[0].transpose(0, 1)
     return out, lse.masked_fill_((hi <= lo)[:, None], float("-inf"))
 
 
-def _bucket_part(
-    q,
-    k,
-    v,
-    groups_q,
-    num_groups: int,
-    doc_start,
-    segment,
-    documents: int,
-    sink: int,
-    window,
-    scale,
-    kernel,
+def _range_gradients(d_out, q, k, v, out, lse, lo, hi, scale: float):
+    """dq, dk, dv of `_range_attention` given the merged output and log-sum-exp."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for queries, keys, mask in _range_blocks(lo, hi, q.dtype):
+        grads = kernels.cpu_attention_backward(
+            *(_heads(x) for x in (d_out[queries], q[queries], k[keys], v[keys], out[queries])),
+            _heads(lse[queries]),
+            scale,
+            causal=False,
+            mask=mask,
+        )
+        for total, place, grad in zip((dq, dk, dv), (queries, keys, keys), grads):
+            total[place] += grad[0].transpose(0, 1)
+    return dq, dk, dv
+
+
+def _bucket_parts(
+    groups_q, num_groups: int, doc_start, segment, documents: int, sink: int, window, scale, kernel
 ):
     """Per top-k slot, each query's attention over its keys of that slot's group, and with sinks
-    the sink part: outputs [parts][b, h, n, d], lses [parts][b, h, n]."""
-    b, h, n, d = q.shape
-    top_k = groups_q.shape[-1]
-    rows = [x.transpose(1, 2).reshape(b * n, x.shape[1], d) for x in (q, k, v)]
+    the sink part."""
+    b, n, top_k = groups_q.shape
     bucket, order, sizes, starts, before = _buckets(
         groups_q, num_groups, doc_start, segment, documents
     )
     ranges = kernel.ranges
-    if ranges or top_k > 1 or sink:
-        members_k, members_v = (_gather_rows(x, order) for x in rows[1:])
+
+    def members(x):  # rows -> the keys in bucket order
+        return _gather_rows(x, order)
 
     def attend_ranges(lo, hi, entries):  # entries: the queries in an order where lo, hi rise
-        attend = flex_range_attention if ranges else _range_attention
-        out_sorted, lse_sorted = attend(
-            _gather_rows(rows[0], entries), members_k, members_v, lo[entries], hi[entries], scale
+        lo, hi = lo[entries], hi[entries]
+        if ranges:
+            attend = functools.partial(flex_range_attention, lo=lo, hi=hi, scale=scale)
+            gradients = _recomputed(attend)
+        else:
+            attend = functools.partial(_range_attention, lo=lo, hi=hi, scale=scale)
+            gradients = functools.partial(_range_gradients, lo=lo, hi=hi, scale=scale)
+        return _Part(
+            functools.partial(_gather_rows, index=entries),
+            members,
+            functools.partial(_scatter_rows, index=entries),
+            attend,
+            gradients,
         )
-        return (_scatter_rows(x, entries) for x in (out_sorted, lse_sorted))
 
     def rising(lo, hi):
         return torch.sort(lo * (b * n + 1) + hi).indices
 
-    outs, lses = [], []
+    parts = []
     for slot in range(top_k):
         if slot == 0 and not ranges:
-            out, lse = _causal_buckets(rows, order, bucket, sizes, starts, scale)
+            parts.append(_causal_buckets(order, bucket, sizes, starts, scale))
         else:
             lo, hi = _key_ranges(groups_q, slot, starts, before, segment, num_groups)
             # (slot 0: the bucket order)
-            out, lse = attend_ranges(lo, hi, rising(lo, hi) if slot else order)
-        outs.append(out)
-        lses.append(lse)
+            parts.append(attend_ranges(lo, hi, rising(lo, hi) if slot else order))
     if sink:
         # Non-sink query i against its document's sinks outside its window (p_i - p_j >= w):
         # the first min(s, p_i - w + 1) members of the document's sink bucket (group K - 1).
-        position = torch.arange(n, device=q.device) - doc_start  # in the document
+        position = torch.arange(n, device=groups_q.device) - doc_start  # in the document
         count = (position - window + 1).clamp(0, sink) * (position >= sink)
         lo = starts[segment * num_groups + num_groups - 1].reshape(-1)
         hi = lo + count.reshape(-1)
-        out, lse = attend_ranges(lo, hi, rising(lo, hi))
-        outs.append(out)
-        lses.append(lse)
-    return (
-        [out.view(b, n, h, d).transpose(1, 2) for out in outs],
-        [lse.view(b, n, h).transpose(1, 2) for lse in lses],
-    )
+        parts.append(attend_ranges(lo, hi, rising(lo, hi)))
+    return parts
 
 
 # Queries per block of the local part: each block meets the w + B keys ending with it, so
@@ -231,7 +345,7 @@ def _bucket_part(
 _LOCAL_BLOCK = 16
 
 
-def _local_part(q, k, v, groups_q, segment, window: int, scale: float):
+def _local_part(groups_q, segment, window: int, scale: float, dtype) -> _Part:
     """Window keys whose top-1 group is not among the query's top-k: O(n (w + B)).
 
     All sequences are laid end to end, each after F >= w zero positions (F and the sequence
@@ -241,7 +355,8 @@ def _local_part(q, k, v, groups_q, segment, window: int, scale: float):
     documents (by `segment`, documents.segments), and keys whose top-1 group is one of the
     query's (the bucket part has those).
     """
-    b, h, n, d = q.shape
+    b, n, _ = groups_q.shape
+    device = groups_q.device
     block = min(_LOCAL_BLOCK, window)
     front = -(-window // block) * block  # F
     length = front + -(-n // block) * block  # L: one sequence with its padding
@@ -263,11 +378,19 @@ def _local_part(q, k, v, groups_q, segment, window: int, scale: float):
             x.storage_offset() + offset * strides[0],
         )
 
-    def heads_first(x, size, offset):  # [b, heads, n, d] -> [M, heads, size, d]
-        return windows(laid_out(x.transpose(1, 2)), size, offset).transpose(1, 2)
+    def heads_first(x, size, offset):  # rows -> [M, heads, size, ...]
+        return windows(laid_out(x.unflatten(0, (b, n))), size, offset).transpose(1, 2)
+
+    def rows(x):  # [M, h, B, ...] -> rows
+        x = x.transpose(1, 2).flatten(0, 1)  # positions F .. b * L of the layout
+        # Sequence s's positions are rows [s L, s L + n) here (n <= L - F: inside the rows).
+        x = x.as_strided(
+            (b, n) + x.shape[1:], (length * x.stride(0),) + x.stride(), x.storage_offset()
+        )
+        return x.flatten(0, 1)
 
     distance = (
-        front + torch.arange(block, device=q.device)[:, None] - torch.arange(keys, device=q.device)
+        front + torch.arange(block, device=device)[:, None] - torch.arange(keys, device=device)
     )  # [B, F + B], the same for every block
     same_document = (  # padding: -1 as a key, -2 as a query
         windows(laid_out(segment, -1), keys, 0)[:, None, :]
@@ -280,31 +403,37 @@ def _local_part(q, k, v, groups_q, segment, window: int, scale: float):
         keep &= query_groups[..., slot, None] != key_top1
     mask = torch.where(
         keep,
-        torch.zeros((), dtype=q.dtype, device=q.device),
-        torch.full((), float("-inf"), dtype=q.dtype, device=q.device),
+        torch.zeros((), dtype=dtype, device=device),
+        torch.full((), float("-inf"), dtype=dtype, device=device),
+    ).unsqueeze(1)
+    empty = ~keep.any(-1).unsqueeze(1)
+
+    def attend(q, k, v):
+        out, lse = attention_with_lse(q, k, v, scale, causal=False, mask=mask)
+        return out, lse.masked_fill(empty, float("-inf"))
+
+    def gradients(d_out, q, k, v, out, lse):
+        return kernels.cpu_attention_backward(d_out, q, k, v, out, lse, scale, False, mask)
+
+    return _Part(
+        functools.partial(heads_first, size=block, offset=front),
+        functools.partial(heads_first, size=keys, offset=0),
+        rows,
+        attend,
+        gradients,
     )
-    out, lse = attention_with_lse(
-        heads_first(q, block, front),
-        heads_first(k, keys, 0),
-        heads_first(v, keys, 0),
-        scale,
-        causal=False,
-        mask=mask.unsqueeze(1),
+
+
+def _flex_local_part(groups_q, segment, window: int, scale: float) -> _Part:
+    """The local part on a GPU: one FlexAttention call over the band (flex.flex_local_part)."""
+    b = groups_q.shape[0]
+    attend = functools.partial(
+        flex_local_part, groups_q=groups_q, segment=segment, window=window, scale=scale
     )
-    lse = lse.masked_fill(~keep.any(-1).unsqueeze(1), float("-inf"))
-
-    def back(x):  # [M, h, B, ...] -> [b, h, n, ...], a view
-        x = x.transpose(1, 2).flatten(0, 1)  # positions F .. b * L of the layout
-        # Sequence s's positions are rows [s L, s L + n) here (n <= L - F: inside the rows).
-        x = x.as_strided(
-            (b, n) + x.shape[1:], (length * x.stride(0),) + x.stride(), x.storage_offset()
-        )
-        return x.transpose(1, 2)
-
-    return back(out), back(lse)
+    heads = functools.partial(_unrows, b=b)
+    return _Part(heads, heads, _rows, attend, _recomputed(attend))
 
 
-@torch.no_grad()
 def sparse_focus_attention(
     q,
     k,
@@ -319,29 +448,34 @@ def sparse_focus_attention(
 ):
     """Hard-rule Focus attention computing only kept pairs. q [b,h,n,d], k/v [b,g,n,d]; the
     routing's documents, if any, each attend as alone. `kernel`: the layer's
-    kernels.lse_attention (by q's device if None)."""
+    kernels.lse_attention (by q's device if None). Gradients reach q, k and v, not the routing
+    (its groups are a hard choice)."""
     kernel = kernel or kernels.lse_attention(q.device)
-    b, _, n, _ = q.shape
+    with torch.no_grad():
+        parts = _parts(routing, q.shape, q.device, q.dtype, window, top_k, scale, sink, kernel)
+    return _SparseAttention.apply(q, k, v, parts)
+
+
+def _parts(routing, shape, device, dtype, window, top_k, scale, sink, kernel) -> list:
+    """The bucket parts and the local part of the hard rule, from the routing."""
+    b, _, n, _ = shape
     groups_q = routing.top(top_k)  # [b, n, top_k], top-1 first
     num_groups = routing.groups.shape[-1]
     doc_start = routing.doc_start
     if doc_start is None:
-        doc_start = torch.zeros(b, n, dtype=torch.long, device=q.device)
+        doc_start = torch.zeros(b, n, dtype=torch.long, device=device)
     sink = min(sink, n)
     if sink:  # the sinks' bucket is group K: their slot 0, and no other query's group
         groups_q = groups_q.clone()
-        position = torch.arange(n, device=q.device) - doc_start
+        position = torch.arange(n, device=device) - doc_start
         groups_q[..., 0].masked_fill_(position < sink, num_groups)
         num_groups += 1
     segment = segments(doc_start)
     # One document per sequence unless packed: then counting them synchronises with the host.
     documents = b if routing.doc_start is None else int(segment[-1, -1]) + 1
-    outs, lses = _bucket_part(
-        q, k, v, groups_q, num_groups, doc_start, segment, documents, sink, window, scale, kernel
+    parts = _bucket_parts(
+        groups_q, num_groups, doc_start, segment, documents, sink, window, scale, kernel
     )
     if kernel.ranges:  # a GPU: one call over the band
-        local_out, local_lse = flex_local_part(q, k, v, groups_q, segment, window, scale)
-    else:
-        local_out, local_lse = _local_part(q, k, v, groups_q, segment, window, scale)
-    out, _ = merge_by_lse(outs + [local_out], [lse.float() for lse in lses + [local_lse]])
-    return out.to(q.dtype)
+        return parts + [_flex_local_part(groups_q, segment, window, scale)]
+    return parts + [_local_part(groups_q, segment, window, scale, dtype)]

@@ -8,8 +8,9 @@ log-sum-exp (the sparse path's).
 setup.py accepts torch 2.11 to 2.15; the suite runs on 2.11 and 2.13 (and its fast part on 2.15).
 What could move between releases lives here too, so a new torch is one file to check:
 
-* the CPU flash kernel's (output, log-sum-exp), a private aten op: the sparse path's CPU kernel;
-  where a torch lacks it, the same result from explicit scores (correct, slower).
+* the CPU flash kernel's (output, log-sum-exp) and its backward, private aten ops: the sparse
+  path's CPU kernel; where a torch lacks them, the same results from explicit scores (correct,
+  slower).
 
 (Dynamo's recompile limit, a process-wide setting, is `platform.setup()`'s.)
 """
@@ -21,6 +22,7 @@ import os
 
 import torch
 
+from megatron_focus.model.lse_merge import attention_backward
 from megatron_focus.variants import FOCUS_KERNELS
 
 try:  # optional GPU extra: pip install megatron-focus[gpu]
@@ -29,6 +31,9 @@ except ImportError:
     flash_attn_func = None
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BACKWARD = getattr(
+    torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None
+)
 
 
 def has_cpu_flash_with_lse() -> bool:
@@ -44,11 +49,33 @@ def cpu_attention_with_lse(q, k, v, scale: float, causal: bool, mask=None):
     return explicit_attention_with_lse(q, k, v, scale, causal, mask)
 
 
+def cpu_attention_backward(d_out, q, k, v, out, lse, scale: float, causal: bool, mask=None):
+    """dq, dk, dv of `cpu_attention_with_lse` given the output and log-sum-exp the call is part
+    of (lse_merge.attention_backward): the CPU flash kernel's backward, which takes both as
+    inputs, or the same by explicit scores where a torch lacks it."""
+    if _CPU_FLASH_BACKWARD is None:
+        return attention_backward(d_out, q, k, v, out, lse, scale, causal, mask)
+    lse = lse.to(torch.promote_types(q.dtype, torch.float32))
+    return _CPU_FLASH_BACKWARD(
+        d_out.to(q.dtype).contiguous(),
+        q,
+        k,
+        v,
+        out.to(q.dtype),
+        lse,
+        0.0,
+        causal,
+        attn_mask=mask,
+        scale=scale,
+    )
+
+
 def explicit_attention_with_lse(q, k, v, scale: float, causal: bool, mask=None):
     """`cpu_attention_with_lse` by explicit scores (an nq x nk tensor per head)."""
     rep = q.shape[1] // k.shape[1]
-    k, v = (x.repeat_interleave(rep, dim=1) for x in (k, v))
-    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    dtype = torch.promote_types(q.dtype, torch.float32)  # float64 stays float64
+    k, v = (x.repeat_interleave(rep, dim=1).to(dtype) for x in (k, v))
+    scores = (q.to(dtype) @ k.transpose(-1, -2)) * scale
     if mask is not None:
         scores = scores + mask
     if causal:
@@ -58,7 +85,7 @@ def explicit_attention_with_lse(q, k, v, scale: float, causal: bool, mask=None):
     lse = torch.logsumexp(scores, dim=-1)
     empty = torch.isneginf(lse)
     probs = torch.exp(scores - lse.masked_fill(empty, 0.0).unsqueeze(-1))
-    out = (probs @ v.float()).to(q.dtype)
+    out = (probs @ v).to(q.dtype)
     return out, lse.masked_fill(empty, 0.0)
 
 
@@ -177,15 +204,11 @@ def chosen(model: torch.nn.Module) -> dict:
     return names
 
 
-# Attention with its log-sum-exp, the sparse path's parts (no backward: an inference path),
-# called as cpu_attention_with_lse: the CPU's fused flash kernel, or FlexAttention (linear
-# memory on a GPU; it also attends per-query key ranges and the local band in one call each).
-CPU_FLASH_LSE = Kernel(
-    "cpu-flash", "megatron_focus.model.kernels:cpu_attention_with_lse", backward=False
-)
-FLEX_LSE = Kernel(
-    "flex", "megatron_focus.model.flex:flex_attention_with_lse", backward=False, ranges=True
-)
+# Attention with its log-sum-exp, the sparse path's parts, called as cpu_attention_with_lse:
+# the CPU's fused flash kernel, or FlexAttention (linear memory on a GPU; it also attends
+# per-query key ranges and the local band in one call each). Both train (focus_sparse).
+CPU_FLASH_LSE = Kernel("cpu-flash", "megatron_focus.model.kernels:cpu_attention_with_lse")
+FLEX_LSE = Kernel("flex", "megatron_focus.model.flex:flex_attention_with_lse", ranges=True)
 
 
 def lse_attention(device: torch.device) -> Kernel:

@@ -28,6 +28,7 @@ from megatron_focus.model import kernels
 from megatron_focus.model.flops import flops_per_token
 from megatron_focus.model.focus import (
     focus_statistics,
+    freeze_routers,
     recording_statistics,
     set_focus_mode,
     train_routers_only,
@@ -70,6 +71,8 @@ def pretrain(args: argparse.Namespace) -> dict:
     model = build_model(args, tokenizer.vocab_size)
     if args.retrofit:  # frozen weights stay out of the optimizer
         train_routers_only(model)
+    elif variant(args.attention).focus and args.focus_attention_mode == "sparse":
+        freeze_routers(model)
     install_sequence_parallel_grad_allreduce(model)
     engine = _deepspeed_engine(args, model, plan)
     iteration, consumed = checkpointing.load(engine, args, plan, records.padded_vocab_size)

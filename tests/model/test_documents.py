@@ -149,7 +149,7 @@ PATHS = {  # name: (attention, with gradients, kernel of the log-sum-exp calls)
     "soft gate": (chunked(), True, None),
     "sigmoid gate": (chunked("sigmoid"), True, None),
     "hard rule, masked": (chunked(top_k=TOP_K), True, None),
-    "sparse dispatch": (sparse, False, kernels.CPU_FLASH_LSE),
+    "sparse dispatch": (sparse, True, kernels.CPU_FLASH_LSE),
     "sparse dispatch, FlexAttention": (sparse, False, kernels.FLEX_LSE),
     "soft gate, FlexAttention": (flex, False, None),
 }

@@ -7,8 +7,9 @@ import torch
 
 from megatron_focus.model import kernels
 from megatron_focus.model.focus_gate import focus_attention
-from megatron_focus.model.focus_sparse import merge_by_lse, sparse_focus_attention
+from megatron_focus.model.focus_sparse import sparse_focus_attention
 from megatron_focus.model.groups import Routing
+from megatron_focus.model.lse_merge import merge_by_lse
 
 from reference import assignments, dense_hard_rule
 
@@ -127,6 +128,8 @@ def test_model_in_sparse_mode_dispatch_equals_masked_rule(single_process, forbid
             "32",
             "--focus-attention-mode",
             "sparse",
+            "--attention-dropout",
+            "0",
             "--group-query-attention",
             "--num-query-groups",
             "2",
@@ -265,3 +268,104 @@ def test_sparse_memory_is_linear_in_sequence_length():
         )
         assert largest[n] < 8 * q.numel()
     assert largest[2048] / largest[512] < 4.5
+
+
+GRADIENT_CASES = {  # b, heads, kv heads, n, K, w, top_k, sink, documents (lengths per row)
+    "top-1": (2, 4, 4, 70, 4, 8, 1, 0, None),
+    "top-2, gqa": (2, 4, 2, 90, 4, 8, 2, 0, None),
+    "top-2, sinks, mqa": (1, 4, 1, 80, 8, 6, 2, 3, None),
+    "top-1, sinks, documents": (2, 4, 2, 64, 4, 5, 1, 2, [[7, 1, 30, 26], [20, 3, 41]]),
+    "top-2, documents": (2, 2, 2, 64, 4, 5, 2, 0, [[64], [33, 31]]),
+}
+SPARSE_KERNELS = ["cpu-flash", "explicit", "flex"]
+
+
+def _flex_with_backward_on_the_cpu(monkeypatch):
+    """The sparse path as it trains on a GPU (FlexAttention, recomputed in backward), on the
+    CPU: eager FlexAttention has a backward there (a dense evaluation) that torch refuses only
+    by a device check."""
+    import torch.nn.attention.flex_attention as flex_attention
+
+    monkeypatch.setattr(flex_attention, "_validate_device", lambda *tensors: None)
+    monkeypatch.setattr(kernels, "lse_attention", lambda device: kernels.FLEX_LSE)
+
+
+@pytest.mark.parametrize("kernel", SPARSE_KERNELS)
+@pytest.mark.parametrize("case", list(GRADIENT_CASES))
+def test_sparse_gradients_equal_the_dense_hard_rule(monkeypatch, kernel, case):
+    """Gradients of q, k and v through the merge (fp64), each part's backward run with the
+    merged output and log-sum-exp: those of one masked softmax over all pairs."""
+    from test_documents import starts_of
+
+    b, heads, kv, n, groups, window, top_k, sink, lengths = GRADIENT_CASES[case]
+    if kernel == "flex":
+        _flex_with_backward_on_the_cpu(monkeypatch)
+    elif kernel == "explicit":
+        monkeypatch.setattr(kernels, "_CPU_FLASH", None)
+        monkeypatch.setattr(kernels, "_CPU_FLASH_BACKWARD", None)
+    gen = torch.Generator().manual_seed(n + top_k)
+    q = torch.randn(b, heads, n, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (
+        torch.randn(b, kv, n, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+        for _ in range(2)
+    )
+    doc_start = None if lengths is None else starts_of(lengths)
+    log_g = assignments(b, n, groups, gen).double().requires_grad_()
+    weights = torch.randn(b, heads, n, 8, generator=gen, dtype=torch.float64)
+    out = sparse_focus_attention(
+        q, k, v, Routing.of(log_g, doc_start), window=window, top_k=top_k, scale=0.3, sink=sink
+    )
+    ref = dense_hard_rule(q, k, v, log_g, window, top_k, 0.3, sink, doc_start)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    ours = torch.autograd.grad((out * weights).sum(), (q, k, v, log_g), allow_unused=True)
+    want = torch.autograd.grad((ref * weights).sum(), (q, k, v))
+    for name, got, reference in zip("qkv", ours, want):
+        torch.testing.assert_close(got, reference, rtol=1e-10, atol=1e-10, msg=name)
+    assert ours[3] is None  # the routing: a hard choice, no gradient
+
+
+def test_the_merges_backward_is_its_chain_rule():
+    """lse_merge.part_gradients: what autograd gives each part's output and log-sum-exp through
+    merge_by_lse, an empty part included."""
+    from megatron_focus.model.lse_merge import part_gradients
+
+    gen = torch.Generator().manual_seed(3)
+    outs = [torch.randn(2, 5, 4, generator=gen, dtype=torch.float64) for _ in range(3)]
+    lses = [torch.randn(2, 5, generator=gen, dtype=torch.float64) for _ in range(3)]
+    lses[1][0, 2] = float("-inf")  # a query with no key in part 1
+    outs[1][0, 2] = 0.0
+    leaves = [x.clone().requires_grad_() for x in outs + lses]
+    out, lse = merge_by_lse(leaves[:3], leaves[3:])
+    d_out = torch.randn(2, 5, 4, generator=gen, dtype=torch.float64)
+    grads = torch.autograd.grad((out * d_out).sum(), leaves)
+    for p in range(3):
+        d_part_out, d_part_lse = part_gradients(d_out, out.detach(), lse.detach(), outs[p], lses[p])
+        torch.testing.assert_close(d_part_out, grads[p], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(d_part_lse, grads[3 + p], rtol=1e-12, atol=1e-12)
+
+
+SPARSE_RUN = ["--attention", "focus", "--focus-window", "4", "--focus-groups", "3"]
+SPARSE_RUN += ["--position-embedding-type", "rope"]
+
+
+@pytest.mark.slow
+def test_sparse_training_continues_soft_at_a_longer_sequence_and_resumes(embedded_cache, tmp_path):
+    """pretrain_gpt: 3 soft steps at 32 tokens, then sparse (top-1) at 64 from those weights:
+    4 sparse steps straight equal 2 and 2 resumed; the routers stay as soft training left them
+    (frozen), every other weight learns."""
+    from tiny_runs import full_weights, tiny_argv, train
+
+    soft, sparse = str(tmp_path / "soft"), str(tmp_path / "sparse")
+    train(1, tiny_argv(embedded_cache, *SPARSE_RUN, "--save", soft, iters=3))
+    continued = SPARSE_RUN + ["--focus-attention-mode", "sparse", "--focus-top-k", "1"]
+    continued += ["--seq-length", "64", "--pretrained-checkpoint", soft]
+    straight = train(1, tiny_argv(embedded_cache, *continued, iters=4))
+    resumable = continued + ["--save", sparse, "--load", sparse]
+    first = train(1, tiny_argv(embedded_cache, *resumable, "--exit-interval", "2", iters=4))
+    second = train(1, tiny_argv(embedded_cache, *resumable, iters=4))
+    assert len(straight["losses"]) == 4 and all(math.isfinite(x) for x in straight["losses"])
+    assert first["losses"] + second["losses"] == straight["losses"]
+    before, after = full_weights(soft), full_weights(sparse)
+    routers = [name for name in before if ".router." in name]
+    assert routers and all(torch.equal(before[name], after[name]) for name in routers)
+    assert all(not torch.equal(before[n], after[n]) for n in before if n not in routers)
