@@ -295,6 +295,22 @@ CASES = [
         TINY + ["--attention", "focus", "--focus-kernel", "triton", "--attention-dropout", "0.1"],
         r"--focus-kernel triton needs --attention-dropout 0",
     ),
+    Case(
+        P,
+        "sparse Focus training with attention dropout",
+        TINY
+        + ["--attention", "focus", "--focus-attention-mode", "sparse"]
+        + ["--attention-dropout", "0.1"],
+        r"--focus-attention-mode sparse has no attention dropout: add --attention-dropout 0",
+    ),
+    Case(
+        P,
+        "a retrofit in sparse Focus mode",
+        TINY
+        + ["--attention", "focus", "--focus-attention-mode", "sparse", "--retrofit"]
+        + ["--attention-dropout", "0", "--load", "{run}"],
+        r"--retrofit trains the routers, which --focus-attention-mode sparse freezes",
+    ),
     # --- DeepSpeed JSON
     Case(
         P,

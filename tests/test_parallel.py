@@ -30,6 +30,10 @@ CASES = {
     "gpt2-focus-documents": FAMILIES["gpt2"]
     + FOCUS
     + ["--reset-attention-mask", "--reset-position-ids"],
+    # sparse mode trains through the kept pairs only, on each rank's heads (routers frozen)
+    "llama-gqa-focus-sparse-documents": FAMILIES["llama-gqa"]
+    + FOCUS
+    + ["--focus-attention-mode", "sparse", "--reset-attention-mask", "--reset-position-ids"],
     # fewer key/value groups than TP ranks: Megatron gives each rank a copy of the one group
     "llama-mqa-xsa": FAMILIES["llama"]
     + ["--group-query-attention", "--num-query-groups", "1"]
@@ -71,14 +75,12 @@ def _loss_and_grads(argv, tokens):
         return loss
 
     backward()  # without the sequence-parallel hooks: norm gradients stay partial
-    unsynced = {
-        n: p.grad.clone()
-        for n, p in model.named_parameters()
-        if getattr(p, "sequence_parallel", False)
-    }
+    # (no gradient: the routers in sparse mode, whose groups are a hard choice)
+    trained = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+    unsynced = {n: p.grad.clone() for n, p in trained if getattr(p, "sequence_parallel", False)}
     install_sequence_parallel_grad_allreduce(model)
     loss = backward()
-    grads = {n: gather_tensor_parallel(p, p.grad) for n, p in model.named_parameters()}
+    grads = {n: gather_tensor_parallel(p, p.grad) for n, p in trained}
     parallel_state.destroy_model_parallel()
     return loss.item(), grads, unsynced
 
