@@ -1,4 +1,5 @@
-"""Sparse Focus attention (forward, inference) against dense causal attention, side by side.
+"""Sparse Focus attention (forward, inference) against dense causal attention, side by side;
+with --train, a training step of each (forward + backward of q, k, v) and of the soft gate.
 
 Both use the same kernel family: PyTorch's fused CPU attention (`scaled_dot_product_attention`
 with `is_causal=True` for dense; the same flash kernel inside the packed bucket call for Focus).
@@ -6,10 +7,13 @@ Focus's time includes its routing (top-k, the stable sort, packing) and the loca
 Assignments come from the causal Sinkhorn on random scores, so groups are balanced as in a
 trained model. q, k, v are laid out as the model hands them to both (permuted views of Megatron's
 [s, b, heads, d]). "ideal" is dense pairs / kept pairs; "of ideal" is measured speedup / ideal.
+With --train, "over kept" is (sparse step / dense step) / kept share: 1 when a sparse step costs
+what its kept pairs cost; the soft step is the chunked (CPU) or fused (GPU) soft gate, its
+assignments trained too.
 
     python benchmarks/focus_sparse_speed.py [--seq-lengths 1024 4096 16384] [--groups 4 8]
         [--top-k 1 2] [--heads 4 --head-dim 64 --window 128] [--dtype bf16] [--profile]
-        [--json out.json]
+        [--train] [--json out.json]
 """
 
 import argparse
@@ -20,7 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron_focus import platform
+from megatron_focus.model import kernels
 from megatron_focus.model.focus import group_stats
+from megatron_focus.model.focus_gate import focus_attention
 from megatron_focus.model.focus_sparse import sparse_focus_attention
 from megatron_focus.model.groups import Routing
 from megatron_focus.model.sinkhorn import causal_sinkhorn
@@ -50,6 +56,11 @@ def parse() -> argparse.Namespace:
         default="fp32",
         help="bf16 is for GPUs (the CPU's flash kernel is fastest in fp32)",
     )
+    p.add_argument(
+        "--train",
+        action="store_true",
+        help="time training steps (forward + backward): dense, soft gate and sparse",
+    )
     p.add_argument("--json", metavar="PATH")
     return p.parse_args()
 
@@ -63,54 +74,79 @@ def measure(opts, n: int, groups: int, top_k: int) -> dict:
     q, k, v = (
         torch.randn(n, 1, opts.heads, opts.head_dim, generator=gen)
         .to(device, dtype)
+        .requires_grad_(opts.train)
         .permute(1, 2, 0, 3)
         for _ in range(3)
     )
-    routing = Routing.of(
-        causal_sinkhorn(torch.randn(1, n, groups, generator=gen) * 3, 10).to(device)
-    )
+    log_g = causal_sinkhorn(torch.randn(1, n, groups, generator=gen) * 3, 10).to(device)
+    routing = Routing.of(log_g.requires_grad_(opts.train))
     scale = opts.head_dim**-0.5
+    d_out = torch.randn_like(q)
 
-    def dense():
-        F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    def step(attend):  # the call, with its backward when training
+        def run():
+            out = attend()
+            if opts.train:
+                out.backward(d_out)
 
-    def sparse():
-        sparse_focus_attention(q, k, v, routing, window=opts.window, top_k=top_k, scale=scale)
+        return run
 
-    times = {"dense": [], "sparse": []}
-    with torch.no_grad():
-        dense(), sparse()  # warm-up
+    calls = {
+        "dense": step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)),
+        "sparse": step(
+            lambda: sparse_focus_attention(
+                q, k, v, routing, window=opts.window, top_k=top_k, scale=scale
+            )
+        ),
+    }
+    if opts.train:
+        soft_gate = kernels.soft_gate("auto", torch.device(device))
+        calls["soft"] = step(
+            lambda: focus_attention(
+                q,
+                k,
+                v,
+                routing,
+                window=opts.window,
+                gate_scale=1.0,
+                top_k=None,
+                chunk_size=128,
+                scale=scale,
+                kernel=soft_gate,
+            )
+        )
+    times = {name: [] for name in calls}
+    sparse = calls["sparse"]
+    with torch.set_grad_enabled(opts.train):
+        for fn in calls.values():  # warm-up
+            fn()
         for rep in range(opts.repeats):  # alternate the order against drift
-            for name, fn in (
-                (("dense", dense), ("sparse", sparse))
-                if rep % 2 == 0
-                else (("sparse", sparse), ("dense", dense))
-            ):
+            order = list(calls.items())
+            for name, fn in order if rep % 2 == 0 else order[::-1]:
                 times[name].append(seconds(fn))
         if opts.profile:
             with torch.profiler.profile() as prof:
                 for _ in range(3):
                     sparse()
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
-    kept = float(group_stats(routing, top_k, opts.window)["pairs-kept"])
-    dense_s, sparse_s = statistics.median(times["dense"]), statistics.median(times["sparse"])
+    with torch.no_grad():
+        kept = float(group_stats(routing, top_k, opts.window)["pairs-kept"])
     speedup = statistics.median(d / s for d, s in zip(times["dense"], times["sparse"]))
     return {
         "n": n,
         "groups": groups,
         "top_k": top_k,
-        "dense_ms": dense_s * 1e3,
-        "sparse_ms": sparse_s * 1e3,
+        **{f"{name}_ms": statistics.median(t) * 1e3 for name, t in times.items()},
         "pairs_kept": kept,
         "speedup": speedup,
         "ideal_speedup": 1 / kept,
         "of_ideal": speedup * kept,
+        "over_kept": 1 / (speedup * kept),
     }
 
 
 def main() -> None:
     opts = parse()
-    torch.set_grad_enabled(False)
     where = (
         torch.cuda.get_device_name()
         if platform.has_cuda()
@@ -118,11 +154,13 @@ def main() -> None:
     )
     print(
         f"{where}; {opts.heads} heads of {opts.head_dim}, window {opts.window}, batch 1, "
-        f"{opts.dtype}"
+        f"{opts.dtype}, {'training step' if opts.train else 'forward'}"
     )
+    soft = f"{'soft ms':>10}" if opts.train else ""
+    last = f"{'over kept':>10}" if opts.train else f"{'of ideal':>9}"
     print(
-        f"{'n':>7}{'K':>3}{'top-k':>6}{'dense ms':>10}{'focus ms':>10}{'kept':>7}"
-        f"{'speedup':>9}{'ideal':>7}{'of ideal':>9}"
+        f"{'n':>7}{'K':>3}{'top-k':>6}{'dense ms':>10}{soft}{'focus ms':>10}{'kept':>7}"
+        f"{'speedup':>9}{'ideal':>7}{last}"
     )
     rows = []
     for n in opts.seq_lengths:
@@ -130,10 +168,12 @@ def main() -> None:
             for top_k in opts.top_k:
                 r = measure(opts, n, groups, top_k)
                 rows.append(r)
+                soft = f"{r['soft_ms']:>10.1f}" if opts.train else ""
+                last = f"{r['over_kept']:>9.2f}x" if opts.train else f"{r['of_ideal']:>8.0%}"
                 print(
-                    f"{n:>7}{groups:>3}{top_k:>6}{r['dense_ms']:>10.1f}{r['sparse_ms']:>10.1f}"
-                    f"{r['pairs_kept']:>7.3f}{r['speedup']:>8.2f}x{r['ideal_speedup']:>6.1f}x"
-                    f"{r['of_ideal']:>8.0%}",
+                    f"{n:>7}{groups:>3}{top_k:>6}{r['dense_ms']:>10.1f}{soft}"
+                    f"{r['sparse_ms']:>10.1f}{r['pairs_kept']:>7.3f}{r['speedup']:>8.2f}x"
+                    f"{r['ideal_speedup']:>6.1f}x{last}",
                     flush=True,
                 )
                 if opts.json:  # after every row: a run cut short keeps what it measured

@@ -345,6 +345,33 @@ def _bucket_parts(
 _LOCAL_BLOCK = 16
 
 
+class _Windows(torch.autograd.Function):
+    """[rows, ...] -> [windows, size, ...]: window m is rows [m B + offset, m B + offset + size),
+    a strided view (windows overlap when size > B). Its backward adds each of the size / B
+    row blocks of every window back in one shifted slice each, where autograd's as_strided
+    backward would scatter element by element."""
+
+    @staticmethod
+    def forward(ctx, x, windows: int, block: int, size: int, offset: int):
+        ctx.rows, ctx.block, ctx.offset = x.shape[0], block, offset
+        strides = x.stride()
+        return x.as_strided(
+            (windows, size) + x.shape[1:],
+            (block * strides[0],) + strides,
+            x.storage_offset() + offset * strides[0],
+        )
+
+    @staticmethod
+    def backward(ctx, grad):
+        windows, size = grad.shape[:2]
+        block, start = ctx.block, ctx.offset
+        out = grad.new_zeros((ctx.rows,) + grad.shape[2:])
+        for shift in range(0, size, block):  # the rows `shift` into every window
+            rows = out[start + shift : start + shift + windows * block]
+            rows.view((windows, block) + rows.shape[1:]).add_(grad[:, shift : shift + block])
+        return out, None, None, None, None
+
+
 def _local_part(groups_q, segment, window: int, scale: float, dtype) -> _Part:
     """Window keys whose top-1 group is not among the query's top-k: O(n (w + B)).
 
@@ -371,12 +398,7 @@ def _local_part(groups_q, segment, window: int, scale: float, dtype) -> _Part:
         return out.flatten(0, 1)
 
     def windows(x, size, offset):  # [b * L, ...] -> [M, size, ...], block m from mB + offset
-        strides = x.stride()
-        return x.as_strided(
-            (blocks, size) + x.shape[1:],
-            (block * strides[0],) + strides,
-            x.storage_offset() + offset * strides[0],
-        )
+        return _Windows.apply(x, blocks, block, size, offset)
 
     def heads_first(x, size, offset):  # rows -> [M, heads, size, ...]
         return windows(laid_out(x.unflatten(0, (b, n))), size, offset).transpose(1, 2)
