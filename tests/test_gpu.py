@@ -134,6 +134,32 @@ def test_sparse_dispatch_on_gpu_equals_dense(n, top_k, how, dtype, sink):
     torch.testing.assert_close(out.float().cpu(), ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("top_k, sink", [(1, 0), (2, 4)])
+def test_sparse_training_on_gpu_equals_the_dense_hard_rule(top_k, sink):
+    """Gradients of q, k, v through the compiled FlexAttention parts (recomputed in backward,
+    given the merge's gradients) against the dense masked hard rule, with packed documents."""
+    n = 1500
+    gen = torch.Generator().manual_seed(n)
+    q = torch.randn(2, 4, n, 64, generator=gen)
+    k, v = (torch.randn(2, 2, n, 64, generator=gen) for _ in range(2))
+    log_g = assignments(2, n, 8, gen)
+    doc_start = torch.zeros(2, n, dtype=torch.long)
+    doc_start[1, 600:] = 600
+    leaves = [t.cuda().requires_grad_() for t in (q, k, v)]
+    out = sparse_focus_attention(
+        *leaves, Routing.of(log_g.cuda(), doc_start.cuda()), window=128, top_k=top_k,
+        scale=0.125, sink=sink,
+    )  # fmt: skip
+    references = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = dense_hard_rule(*references, log_g, 128, top_k, 0.125, sink, doc_start)
+    cotangent = torch.randn(ref.shape, generator=gen)
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+    grads = torch.autograd.grad(out, leaves, cotangent.cuda())
+    want = torch.autograd.grad(ref, references, cotangent)
+    for name, got, reference in zip("qkv", grads, want):
+        torch.testing.assert_close(got.cpu(), reference, rtol=1e-4, atol=1e-4, msg=name)
+
+
 def test_packed_documents_on_gpu_equal_the_chunked_path():
     """--reset-attention-mask: FlexAttention's soft gate (values, gradients) and the sparse
     dispatch on the GPU against the chunked paths (checked per document on the CPU,

@@ -76,6 +76,26 @@ def test_a_training_step_on_the_gpu_kernels_equals_the_cpu_ones(single_process, 
         torch.testing.assert_close(grad, cpu_grads[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_a_sparse_training_step_on_the_gpu_kernels_equals_the_cpu_ones(single_process, monkeypatch):
+    """Sparse mode trains through FlexAttention's parts on a GPU (recomputed in backward); here
+    eager FlexAttention's CPU backward, let through its device check, stands in for the
+    compiled one. The routers get no gradient in either."""
+    import torch.nn.attention.flex_attention as flex_attention
+
+    argv = ["--attention", "focus", "--focus-attention-mode", "sparse"] + FOCUS + GQA
+    tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    cpu_loss, cpu_grads = loss_and_grads(model(argv), tokens)
+    gpu_choices(monkeypatch)
+    monkeypatch.setattr(flex_attention, "_validate_device", lambda *tensors: None)
+    net = model(argv)
+    assert kernels.chosen(net)["sparse"] == "flex"
+    gpu_loss, gpu_grads = loss_and_grads(net, tokens)
+    torch.testing.assert_close(gpu_loss, cpu_loss, rtol=1e-5, atol=1e-5)
+    assert gpu_grads.keys() == cpu_grads.keys() and not any(".router." in n for n in gpu_grads)
+    for name, grad in gpu_grads.items():
+        torch.testing.assert_close(grad, cpu_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_later_tokens_change_no_earlier_logit_on_the_gpu_kernels(single_process, monkeypatch):
     gpu_choices(monkeypatch)
     net = model(["--attention", "focus+xsa"] + FOCUS).eval()
