@@ -255,17 +255,25 @@ def _largest_intermediate(fn, *args, **kwargs) -> int:
     return Largest.most
 
 
-def test_sparse_memory_is_linear_in_sequence_length():
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "training"])
+def test_sparse_memory_is_linear_in_sequence_length(backward):
     """No n x n tensor: 4x the tokens make every intermediate at most ~4x larger (16x if any
-    tensor held all pairs), and the largest stays a few times q's own size."""
+    tensor held all pairs), and the largest stays a few times q's own size; in training too
+    (forward and backward)."""
     gen = torch.Generator().manual_seed(0)
     largest = {}
+
+    def step(q, k, v, routing):
+        out = sparse_focus_attention(q, k, v, routing, window=32, top_k=2, scale=0.25)
+        if backward:
+            out.backward(torch.ones_like(out))
+
     for n in (512, 2048):
-        q, k, v = (torch.randn(1, 2, n, 16, generator=gen) for _ in range(3))
-        routing = Routing.of(assignments(1, n, 4, gen))
-        largest[n] = _largest_intermediate(
-            sparse_focus_attention, q, k, v, routing, window=32, top_k=2, scale=0.25
+        q, k, v = (
+            torch.randn(1, 2, n, 16, generator=gen).requires_grad_(backward) for _ in range(3)
         )
+        routing = Routing.of(assignments(1, n, 4, gen))
+        largest[n] = _largest_intermediate(step, q, k, v, routing)
         assert largest[n] < 8 * q.numel()
     assert largest[2048] / largest[512] < 4.5
 
