@@ -184,16 +184,26 @@ def test_packed_documents_on_gpu_equal_the_chunked_path():
     torch.testing.assert_close(sparse, masked, rtol=1e-4, atol=1e-4)
 
 
-def test_sparse_dispatch_on_gpu_does_not_wait_for_the_host():
-    """Without packed documents, the GPU sparse path queues its kernels without a host
-    synchronisation (any would stall the GPU once per layer)."""
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("documents", [False, True], ids=["one-document", "documents"])
+def test_sparse_dispatch_on_gpu_does_not_wait_for_the_host(training, documents):
+    """The GPU sparse path queues its kernels without a host synchronisation (any would stall
+    the GPU once per layer), with packed documents too, forward and backward."""
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 4, 1000, 64, generator=gen).cuda()
-    k, v = (torch.randn(2, 2, 1000, 64, generator=gen).cuda() for _ in range(2))
-    routing = Routing.of(assignments(2, 1000, 8, gen, "random").cuda())
+    q = torch.randn(2, 4, 1000, 64, generator=gen).cuda().requires_grad_(training)
+    k, v = (
+        torch.randn(2, 2, 1000, 64, generator=gen).cuda().requires_grad_(training) for _ in range(2)
+    )
+    doc_start = torch.zeros(2, 1000, dtype=torch.long)
+    doc_start[0, 300:] = 300
+    routing = Routing.of(
+        assignments(2, 1000, 8, gen, "random").cuda(), doc_start.cuda() if documents else None
+    )
 
     def attend():
-        return sparse_focus_attention(q, k, v, routing, window=128, top_k=2, scale=0.125)
+        out = sparse_focus_attention(q, k, v, routing, window=128, top_k=2, scale=0.125)
+        if training:
+            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
 
     attend()  # compiles FlexAttention first
     torch.cuda.synchronize()

@@ -29,7 +29,7 @@ Each key is in exactly one bucket and the local part excludes bucket pairs, so n
 twice and nothing is subtracted. No part reaches outside the query's document. Cost: the kept
 distant pairs plus n w, against n^2 / 2 dense.
 Routing (top-k, sort, counts, offsets) stays on the device: no Python loop over groups; the CPU
-synchronises with the host for the longest bucket and the key ranges' bounds.
+synchronises with the host for the longest bucket and the key ranges' bounds, a GPU not at all.
 
 It trains too, the routing frozen (its groups are a hard choice, with no gradient): the parts
 and their merge are one autograd function (`_SparseAttention`) whose backward runs each part's
@@ -493,8 +493,13 @@ def _parts(routing, shape, device, dtype, window, top_k, scale, sink, kernel) ->
         groups_q[..., 0].masked_fill_(position < sink, num_groups)
         num_groups += 1
     segment = segments(doc_start)
-    # One document per sequence unless packed: then counting them synchronises with the host.
-    documents = b if routing.doc_start is None else int(segment[-1, -1]) + 1
+    # One document per sequence unless packed. Then a GPU takes a bound (every token its own
+    # document: empty buckets cost a few integers each), where counting them would synchronise
+    # with the host; the CPU's padded slot-0 call needs the count.
+    if routing.doc_start is None:
+        documents = b
+    else:
+        documents = b * n if kernel.ranges else int(segment[-1, -1]) + 1
     parts = _bucket_parts(
         groups_q, num_groups, doc_start, segment, documents, sink, window, scale, kernel
     )
