@@ -8,7 +8,7 @@ Pair rule, for query i and key j <= i (positions), window w, sink s, log-assignm
   of 0 removes the pair exactly, as the hard rule does. The paper's gate, `q.k * sigmoid(lambda
   g_i . g_j)`, is an option for ablations (`gate="sigmoid"`): it gives a removed pair logit 0,
   which still takes softmax weight, and an unrelated pair half its logit;
-* hard (sparse inference): a distant pair is kept iff j's top-1 group is among i's top-k groups
+* hard (sparse mode): a distant pair is kept iff j's top-1 group is among i's top-k groups
   (ranked by groups.rank_groups, ties to the lowest index), so every key sits in exactly one
   group bucket and no pair is counted twice.
 
@@ -20,7 +20,8 @@ alone (its assignments restart too, sinkhorn.py).
 no n x n tensor outlives one chunk: memory is linear in n at a fixed chunk size. The soft rule
 without dropout runs as `_SoftFocusAttention`, flash-attention style: the fused kernel and its
 log-sum-exp forward, each chunk's probabilities rebuilt from them in backward. Otherwise (dropout,
-or the hard rule with gradients) each chunk is a masked SDPA call recomputed in backward. On a GPU
+or the hard rule, which sparse mode computes by its kept pairs (focus_sparse.py) except under
+context parallelism) each chunk is a masked SDPA call recomputed in backward. On a GPU
 the soft rule runs fused instead: a Triton kernel (triton_gate.py), or a FlexAttention
 `score_mod` (flex.py).
 """
