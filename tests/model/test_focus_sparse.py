@@ -377,3 +377,15 @@ def test_sparse_training_continues_soft_at_a_longer_sequence_and_resumes(embedde
     routers = [name for name in before if ".router." in name]
     assert routers and all(torch.equal(before[name], after[name]) for name in routers)
     assert all(not torch.equal(before[n], after[n]) for n in before if n not in routers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sparse_training_runs_under_zero_with_frozen_routers(embedded_cache, stage):
+    """ZeRO partitions and steps only the trained weights: the frozen routers of sparse mode
+    are left out without complaint, over two ranks."""
+    from tiny_runs import tiny_argv, train
+
+    argv = SPARSE_RUN + ["--focus-attention-mode", "sparse", "--zero-stage", str(stage)]
+    history = train(2, tiny_argv(embedded_cache, *argv, iters=3))
+    assert len(history["losses"]) == 3 and all(math.isfinite(x) for x in history["losses"])
