@@ -16,6 +16,7 @@ from megatron_focus.choices import TOKENIZER_TYPES
 from megatron_focus.compat import add_compat_args, check_compat_args
 from megatron_focus.data import reads_data_files
 from megatron_focus.deepspeed_config import take_json_settings
+from megatron_focus.training.global_batch import GlobalBatch
 from megatron_focus.variants import VARIANTS, FocusConfig, settings_classes, variant
 
 
@@ -222,6 +223,22 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
         help="default micro batch x data-parallel size (no accumulation)",
     )
     g.add_argument(
+        "--rampup-batch-size",
+        nargs=3,
+        type=int,
+        default=None,
+        metavar=("START", "INCREMENT", "SAMPLES"),
+        help="grow the global batch from START to --global-batch-size by INCREMENT, evenly over "
+        "the first SAMPLES consumed samples (Megatron-LM's; needs --train-samples); the LR "
+        "schedule and the logs count samples",
+    )
+    g.add_argument(
+        "--decrease-batch-size-if-needed",
+        action="store_true",
+        help="train a global batch that is not a multiple of micro batch x data-parallel size "
+        "rounded down to one, instead of refusing it (Megatron-LM's)",
+    )
+    g.add_argument(
         "--train-iters",
         type=int,
         default=None,
@@ -231,16 +248,20 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
         "--train-samples",
         type=int,
         default=None,
-        help="instead of --train-iters: samples to train on (a multiple of the global batch)",
+        help="instead of --train-iters: samples to train on; the run takes whole global "
+        "batches (a last partial one is dropped) and counts the LR schedule in samples",
     )
     g.add_argument(
         "--lr-warmup-samples",
         type=int,
         default=None,
-        help="with --train-samples: warmup in samples",
+        help="with --train-samples: warmup in samples (default 0)",
     )
     g.add_argument(
-        "--lr-decay-samples", type=int, default=None, help="with --train-samples: decay in samples"
+        "--lr-decay-samples",
+        type=int,
+        default=None,
+        help="with --train-samples: decay in samples (default --train-samples)",
     )
     g.add_argument(
         "--lr-warmup-fraction",
@@ -793,7 +814,15 @@ WITHIN = {
 DEFAULTS = {  # dest: (Megatron-LM's, the demo's)
     "min_lr": (lambda a: 0.0, lambda a: a.lr / 10),
     "lr_decay_style": (lambda a: "linear", lambda a: "cosine"),
-    "lr_warmup_iters": (lambda a: 0, lambda a: a.train_iters // 10),
+    # a run in samples (--train-samples) gives its warmup in samples
+    "lr_warmup_iters": (
+        lambda a: None if a.train_samples else 0,
+        lambda a: None if a.train_samples else a.train_iters // 10,
+    ),
+    "lr_warmup_samples": (
+        lambda a: 0 if a.train_samples else None,
+        lambda a: a.train_samples // 10 if a.train_samples else None,
+    ),
     "log_interval": (lambda a: 100, lambda a: 10),
     "eval_interval": (lambda a: 1000, lambda a: 100),
     "eval_iters": (lambda a: 100, lambda a: 10),
@@ -850,7 +879,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     if world_size is None:  # as a launcher (torchrun, deepspeed) tells it
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     _check_ranges(args)
-    _schedule_in_iterations(args, world_size)
+    _schedule(args, world_size)
     _fill_defaults(args)
     check_compat_args(args)
     tp = args.tensor_model_parallel_size
@@ -993,37 +1022,53 @@ def _validate_focus(args: argparse.Namespace) -> None:
     )
 
 
-def _schedule_in_iterations(args: argparse.Namespace, world_size: int) -> None:
-    """The global batch, and the schedule in iterations: from Megatron-LM's sample-based flags
-    (each a multiple of the global batch, so that the iterations are exactly what they imply)
-    and --lr-warmup-fraction."""
+def _schedule(args: argparse.Namespace, world_size: int) -> None:
+    """The global batch and the run's length in iterations; the LR schedule is in the unit the
+    run counts, as in Megatron-LM: iterations with --train-iters, samples with --train-samples
+    (where --train-samples need not be a multiple of the batch: the last partial batch is
+    dropped, and --lr-warmup-samples / --lr-decay-samples count samples exactly)."""
     data_parallel = max(data_parallel_size(args, world_size), 1)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * data_parallel
-    by_samples = {
-        "train_iters": "train_samples",
-        "lr_warmup_iters": "lr_warmup_samples",
-        "lr_decay_iters": "lr_decay_samples",
-    }
-    for iters, samples in by_samples.items():
-        value, flag = getattr(args, samples), "--" + samples.replace("_", "-")
-        if value is None:
-            continue
-        if getattr(args, iters) is not None:
-            raise ValueError(f"{flag} and --{iters.replace('_', '-')}: give one of them")
-        if value % args.global_batch_size:
+    batch = GlobalBatch.of(args, data_parallel)
+    if args.train_samples is None:
+        in_samples = ("rampup_batch_size", "lr_warmup_samples", "lr_decay_samples")
+        given = [f for f in in_samples if getattr(args, f)]
+        if given:
             raise ValueError(
-                f"{flag} {value} is not a multiple of the global batch {args.global_batch_size}"
+                f"--{given[0].replace('_', '-')} counts samples: it needs --train-samples "
+                "(sample-based training, as in Megatron-LM) instead of --train-iters"
             )
-        setattr(args, iters, value // args.global_batch_size)
-    if args.train_iters is None:
-        args.train_iters = 300
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
+    batch.check()
+    if args.train_samples is None:
+        if args.train_iters is None:
+            args.train_iters = 300
+        if args.lr_decay_iters is None:
+            args.lr_decay_iters = args.train_iters
+        if args.lr_warmup_fraction is not None:
+            if args.lr_warmup_iters is not None:
+                raise ValueError("--lr-warmup-fraction and --lr-warmup-iters: give one of them")
+            args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+        return
+    for flag in ("train_iters", "lr_decay_iters", "lr_warmup_iters"):
+        if getattr(args, flag):  # Megatron-LM's default warmup of 0 is no conflict
+            raise ValueError(
+                f"--train-samples and --{flag.replace('_', '-')}: a sample-based run gives "
+                f"--{flag.replace('_iters', '_samples').replace('_', '-')}"
+            )
+    args.train_iters = batch.train_iters(args.train_samples)
+    if args.train_iters < 1:
+        raise ValueError(
+            f"--train-samples {args.train_samples} is less than one global batch "
+            f"({batch.running(0)})"
+        )
+    args.lr_warmup_iters = args.lr_decay_iters = None
+    if args.lr_decay_samples is None:
+        args.lr_decay_samples = args.train_samples
     if args.lr_warmup_fraction is not None:
-        if args.lr_warmup_iters is not None:
-            raise ValueError("--lr-warmup-fraction and --lr-warmup-iters: give one of them")
-        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+        if args.lr_warmup_samples is not None:
+            raise ValueError("--lr-warmup-fraction and --lr-warmup-samples: give one of them")
+        args.lr_warmup_samples = args.lr_warmup_fraction * args.lr_decay_samples  # as Megatron's
 
 
 def _validate_data_paths(args: argparse.Namespace) -> None:
@@ -1085,18 +1130,17 @@ def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:
 
 
 def _validate_training(args: argparse.Namespace, world_size: int) -> None:
-    data_parallel = data_parallel_size(args, world_size)
-    if args.global_batch_size % (args.micro_batch_size * data_parallel):
-        raise ValueError(
-            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
-            f"{args.micro_batch_size} x data-parallel size {data_parallel}"
-        )
     if args.zero_stage == 3 and args.tensor_model_parallel_size > 1:
         raise ValueError("ZeRO stage 3 is supported with --tensor-model-parallel-size 1 only")
-    if args.lr_warmup_iters >= args.lr_decay_iters:
+    unit = "samples" if args.train_samples else "iters"
+    if args.train_samples:
+        warmup, decay = args.lr_warmup_samples, args.lr_decay_samples
+    else:
+        warmup, decay = args.lr_warmup_iters, args.lr_decay_iters
+    if warmup >= decay:
         raise ValueError(
-            "--lr-warmup-iters must be shorter than the decay (--lr-decay-iters, default "
-            "--train-iters)"
+            f"--lr-warmup-{unit} must be shorter than the decay (--lr-decay-{unit}, default "
+            f"--train-{unit})"
         )
     if args.min_lr > args.lr:
         raise ValueError(f"--min-lr {args.min_lr} is above --lr {args.lr}")

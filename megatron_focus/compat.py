@@ -105,11 +105,6 @@ REFUSED = {
         None,
         "fp8 needs Transformer Engine, which this trainer does not use; use --bf16",
     ),
-    "--rampup-batch-size": (
-        {"nargs": 3, "type": int, "default": None, "metavar": ("START", "INCREMENT", "SAMPLES")},
-        None,
-        "the global batch is constant here (--global-batch-size)",
-    ),
     "--ckpt-format": (
         {"default": "torch"},
         "torch",

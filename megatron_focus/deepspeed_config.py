@@ -12,6 +12,8 @@ import json
 import os
 import warnings
 
+from megatron_focus.training.global_batch import GlobalBatch
+
 # Sections DeepSpeed would honour but this trainer sets itself: (why, what to use instead).
 NOT_HONOURED = {
     "optimizer": "the optimizer is Megatron-Core's AdamW, set by flags: use --lr, --weight-decay, "
@@ -100,14 +102,14 @@ def read_deepspeed_json(path: str) -> dict:
 
 def deepspeed_config(args: argparse.Namespace, data_parallel_size: int) -> dict:
     config = read_deepspeed_json(args.deepspeed_config) if args.deepspeed_config else {}
-
+    batch = GlobalBatch.of(args, data_parallel_size).running_final
     from_flags = {
         # DeepSpeed's data-parallel ranks are every rank holding the same weights (platform.py):
         # each context-parallel rank counts the micro-batch it holds a part of.
-        "train_batch_size": args.global_batch_size * args.context_parallel_size,
+        # once ramped up (--rampup-batch-size): the trainer sets each step's
+        "train_batch_size": batch * args.context_parallel_size,
         "train_micro_batch_size_per_gpu": args.micro_batch_size,
-        "gradient_accumulation_steps": args.global_batch_size
-        // (args.micro_batch_size * data_parallel_size),
+        "gradient_accumulation_steps": batch // (args.micro_batch_size * data_parallel_size),
         "gradient_clipping": args.clip_grad,
     }
     for key, value in from_flags.items():

@@ -186,6 +186,20 @@ CASES = [
     ),
     Case(
         P,
+        "a batch-size ramp-up in a run counted in iterations",
+        TINY + ["--rampup-batch-size", "4", "4", "64"],
+        r"--rampup-batch-size counts samples: it needs --train-samples",
+    ),
+    Case(
+        P,
+        "a batch-size ramp-up whose increment does not reach the global batch",
+        TINY[: TINY.index("--train-iters")]  # the model and batch, then a run in samples
+        + ["--data-cache-path", "{cache}", "--train-samples", "64"]
+        + ["--rampup-batch-size", "4", "3", "64"],
+        r"--global-batch-size 8 must be START plus a whole number",
+    ),
+    Case(
+        P,
         "a hidden size the heads do not divide",
         TINY + ["--num-attention-heads", "3"],
         r"hidden.size.*num.attention.heads|heads",

@@ -1,8 +1,9 @@
 """Megatron-LM's own launch scripts (core_v0.16.1), their flags as written, only the sizes shrunk:
 `examples/gpt3/train_gpt3_175b_distributed.sh` and `examples/llama/train_llama3_8b_h100_fp8.sh`.
 
-What this trainer does not offer (pipeline parallelism, batch-size ramp-up, fp8, Megatron's
-distributed checkpoint format, fp16 without a GPU) is refused by name before any compute; with
+What this trainer does not offer (pipeline parallelism, fp8, Megatron's distributed checkpoint
+format, fp16 without a GPU) is refused by name before any compute, and so is what Megatron-LM
+itself refuses (the GPT-3 script's batch-size ramp-up in a run counted in iterations); with
 those flags at the values that mean "off", each script trains for 2 iterations at TP 1 and 2.
 """
 
@@ -107,7 +108,8 @@ def _gpt3(folder, tp):
 # The refusals of the GPT-3 script: (flags, what the one-line error says)
 GPT3_REFUSED = [
     (["--pipeline-model-parallel-size", "16"], "pipeline parallelism is not supported"),
-    (["--rampup-batch-size", "16", "16", "5859375"], "the global batch is constant here"),
+    # Megatron-LM: "expected no batch-size rampup for iteration-based training"
+    (["--rampup-batch-size", "16", "16", "5859375"], "it needs --train-samples"),
 ]
 
 

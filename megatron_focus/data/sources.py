@@ -48,6 +48,8 @@ def tokenizer_for(args: argparse.Namespace, rank0: bool):
 
 
 def datasets_for(args: argparse.Namespace, tokenizer):
+    # as many training samples as Megatron-LM builds: --train-samples, or whole batches
+    train_samples = args.train_samples or args.train_iters * args.global_batch_size
     valid_samples = args.eval_iters * args.global_batch_size if args.eval_iters else 0
     if args.mqar:
 
@@ -65,7 +67,7 @@ def datasets_for(args: argparse.Namespace, tokenizer):
             )
 
         return (
-            mqar(args.train_iters * args.global_batch_size, "train"),
+            mqar(train_samples, "train"),
             mqar(valid_samples, "valid") if valid_samples else None,
         )
     cache = os.path.join(args.data_cache_path or DEFAULT_CACHE, "indices")
@@ -80,7 +82,7 @@ def datasets_for(args: argparse.Namespace, tokenizer):
         args.seq_length,
         args.seed,
         tokenizer,
-        (args.train_iters * args.global_batch_size, valid_samples, 0),
+        (train_samples, valid_samples, 0),
         cache,
         reset_position_ids=args.reset_position_ids,
         eod_mask_loss=args.eod_mask_loss,

@@ -49,14 +49,17 @@ def memory_now() -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class LogStep:
-    """What one log line reports, read from the device in one go. `loss`: the mean over every
-    iteration since the previous line; `seconds_per_iter`: their training time alone."""
+    """What one log line reports, read from the device in one go. `batch_size`: the last step's
+    global batch; `loss`: the mean over every iteration since the previous line;
+    `seconds_per_iter`: their training time alone; `samples_per_iter`: their mean batch."""
 
     iteration: int
     consumed_samples: int
+    batch_size: int
     loss: float
     lr: float
     seconds_per_iter: float
+    samples_per_iter: float
     skipped: int
     nan_iters: int
     grad_norm: Optional[float] = None
@@ -67,8 +70,9 @@ class LogStep:
 
 
 class Reporter:
-    def __init__(self, args: argparse.Namespace, flops_token: float):
+    def __init__(self, args: argparse.Namespace, flops_token: float, total_samples: int):
         self.args = args
+        self.total_samples = total_samples  # the ETA's: batches grow under --rampup-batch-size
         self.flops_token = flops_token
         self.world_size = dist.get_world_size()
         is_last_rank = dist.get_rank() == self.world_size - 1
@@ -104,11 +108,12 @@ class Reporter:
         if not self.active:
             return
         args = self.args
-        tokens_per_s = args.global_batch_size * args.seq_length / step.seconds_per_iter
+        samples_per_s = step.samples_per_iter / step.seconds_per_iter
+        tokens_per_s = samples_per_s * args.seq_length
         tflops = tokens_per_s * self.flops_token / self.world_size / 1e12  # per GPU
         mem_tag, mem = peak_memory_bytes()
         eta = datetime.timedelta(
-            seconds=int((args.train_iters - step.iteration) * step.seconds_per_iter)
+            seconds=int((self.total_samples - step.consumed_samples) / samples_per_s)
         )
         throughput = (
             f" | throughput per GPU (TFLOP/s/GPU): {tflops:.1f}" if args.log_throughput else ""
@@ -117,7 +122,7 @@ class Reporter:
             f" [{datetime.datetime.now():%Y-%m-%d %H:%M:%S}] iteration {step.iteration:8d}/"
             f"{args.train_iters:8d} | consumed samples: {step.consumed_samples:12d}"
             f" | elapsed time per iteration (ms): {step.seconds_per_iter * 1000:.1f}{throughput}"
-            f" | learning rate: {step.lr:.6E} | global batch size: {args.global_batch_size:5d}"
+            f" | learning rate: {step.lr:.6E} | global batch size: {step.batch_size:5d}"
             f" | lm loss: {step.loss:.6E}"
             f" | grad norm: {step.grad_norm if step.grad_norm is not None else float('nan'):.3f}"
             + (f" | num zeros: {step.num_zeros:.1f}" if step.num_zeros is not None else "")
@@ -143,7 +148,7 @@ class Reporter:
             ("grad-norm", step.grad_norm),
             ("num-zeros", step.num_zeros),
             ("params-norm", step.params_norm),
-            ("batch-size", args.global_batch_size),
+            ("batch-size", step.batch_size),
         ):
             if value is not None:
                 self.megatron_scalar(tag, value, at, samples)

@@ -30,15 +30,40 @@ def param_groups(model: torch.nn.Module, args) -> list:
 
 
 def schedule(args) -> dict:
-    """Megatron-Core `OptimizerParamScheduler`'s settings, named as its state records them."""
+    """Megatron-Core `OptimizerParamScheduler`'s settings, named as its state records them, in
+    the unit the run counts (`steps_in`): iterations, or samples with --train-samples, as
+    Megatron-LM (whose per-sample schedule is the per-iteration one at a constant batch)."""
+    if args.train_samples:
+        warmup, decay, total = args.lr_warmup_samples, args.lr_decay_samples, args.train_samples
+    else:
+        warmup, decay, total = args.lr_warmup_iters, args.lr_decay_iters, args.train_iters
     return {
         "max_lr": args.lr,
         "min_lr": args.min_lr,
-        "lr_warmup_steps": args.lr_warmup_iters,
-        "lr_decay_steps": args.lr_decay_iters,
+        "lr_warmup_steps": warmup,
+        "lr_decay_steps": decay,
         "lr_decay_style": args.lr_decay_style,
         "start_wd": args.weight_decay,
         "end_wd": args.weight_decay,
-        "wd_incr_steps": args.train_iters,
+        "wd_incr_steps": total,
         "wd_incr_style": "constant",
     }
+
+
+# The scheduler state's counts, saved in the unit the run counted (checkpoints without
+# "steps_in" counted iterations).
+COUNTS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
+
+
+def steps_in(args) -> str:
+    return "samples" if args.train_samples else "iters"
+
+
+def in_unit(state: dict, unit: str, global_batch: int) -> dict:
+    """A saved scheduler state counted in `unit`: a run that switches between --train-iters
+    and --train-samples (at a constant --global-batch-size) resumes where it was."""
+    saved = state.get("steps_in", "iters")
+    if saved == unit:
+        return state
+    factor = global_batch if unit == "samples" else 1 / global_batch
+    return {**state, **{k: state[k] * factor for k in COUNTS}, "steps_in": unit}

@@ -37,7 +37,7 @@ from megatron_focus.checkpoint.format import (
 )
 from megatron_focus.checkpoint.safe_load import check_safe_to_load, load_file
 from megatron_focus.training import layouts
-from megatron_focus.training.optimizer import schedule
+from megatron_focus.training.optimizer import in_unit, schedule, steps_in
 from megatron_focus.variants import variant
 
 FRESH, RESUME, WEIGHTS, ADDING_FOCUS = "fresh", "resume", "weights only", "adding Focus"
@@ -188,16 +188,17 @@ def _check_weights_fit(args: argparse.Namespace, ours: dict, folder: str, saved:
         )
 
 
-# Megatron's OptimizerParamScheduler state: the flag that sets each value.
+# Megatron's OptimizerParamScheduler state: the flag that sets each value, "{unit}" the unit the
+# run counts its schedule in (optimizer.steps_in).
 SCHEDULE_FLAGS = {
     "max_lr": "--lr",
     "min_lr": "--min-lr",
-    "lr_warmup_steps": "--lr-warmup-iters",
-    "lr_decay_steps": "--lr-decay-iters",
+    "lr_warmup_steps": "--lr-warmup-{unit}",
+    "lr_decay_steps": "--lr-decay-{unit}",
     "lr_decay_style": "--lr-decay-style",
     "start_wd": "--weight-decay",
     "end_wd": "--weight-decay",
-    "wd_incr_steps": "--train-iters",
+    "wd_incr_steps": "--train-{unit}",
 }
 
 
@@ -210,10 +211,11 @@ def _check_schedule(saved: dict, args: argparse.Namespace, checkpoint_dir: str) 
     unless the user chose whose values win (which Megatron's scheduler then applies)."""
     if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
         return
-    ours = schedule(args)
+    ours, unit = schedule(args), steps_in(args)
+    saved = in_unit(saved, unit, args.global_batch_size)
     differ = sorted(
         {
-            f"{flag} {_shown(ours[key])} (checkpoint: {_shown(saved[key])})"
+            f"{flag.format(unit=unit)} {_shown(ours[key])} (checkpoint: {_shown(saved[key])})"
             for key, flag in SCHEDULE_FLAGS.items()
             if key in saved and saved[key] != ours[key]
         }

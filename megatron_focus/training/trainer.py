@@ -40,8 +40,9 @@ from megatron_focus.parallel import (
     params_norm,
 )
 from megatron_focus.training import checkpointing, layouts, resume
+from megatron_focus.training.global_batch import GlobalBatch
 from megatron_focus.training.metrics import LogStep, Reporter
-from megatron_focus.training.optimizer import param_groups, schedule
+from megatron_focus.training.optimizer import in_unit, param_groups, schedule, steps_in
 from megatron_focus.training.profiling import StepProfiler
 from megatron_focus.variants import variant
 
@@ -77,7 +78,9 @@ def pretrain(args: argparse.Namespace) -> dict:
     engine = _deepspeed_engine(args, model, plan)
     iteration, consumed = checkpointing.load(engine, args, plan, records.padded_vocab_size)
 
-    reporter = Reporter(args, flops_per_token(args, records.padded_vocab_size))
+    global_batch = GlobalBatch.of(args, parallel_state.get_data_parallel_world_size())
+    total = global_batch.consumed_after(args.train_iters)  # the samples the whole run trains on
+    reporter = Reporter(args, flops_per_token(args, records.padded_vocab_size), total)
     if rank0:
         _print_banner(args, model, iteration)
     stop = _StopRequest(args, started)
@@ -85,28 +88,29 @@ def pretrain(args: argparse.Namespace) -> dict:
         gc.disable()
         gc.collect()
     valid_batches = _validation_batches(valid_data, args)
-    progress = _Progress(iteration, engine.skipped_steps, args.max_skipped_steps, rank0)
+    progress = _Progress(iteration, consumed, engine.skipped_steps, args.max_skipped_steps, rank0)
     validate = functools.partial(_validate, engine, valid_batches, args, reporter, progress)
     save = functools.partial(_save, engine, args, records, rank0)
     if args.retrofit and iteration == 0 and valid_batches is not None:
         # A retrofit's starting point (the base model with fresh routers) is what it must beat.
         validate(iteration, consumed)
-    batches = iter(
-        data_loader(train_data, consumed, args.train_iters * args.global_batch_size, args)
-    )
+    batches = iter(data_loader(train_data, consumed, total, args))
     profiler = StepProfiler(args)
     while iteration < args.train_iters:
+        # the batch follows the samples consumed (--rampup-batch-size), as in Megatron-LM
+        batch_size = global_batch.running(consumed)
+        _set_global_batch(engine, batch_size, args)
         log_now = (iteration + 1) % args.log_interval == 0 or iteration + 1 == args.train_iters
         with recording_statistics(engine.module) if log_now else contextlib.nullcontext():
             loss, zeros = train_step(engine, batches, args, log_now and args.log_num_zeros_in_grad)
         iteration += 1
-        consumed += args.global_batch_size
+        consumed += batch_size
         progress.add(iteration, loss, engine)
         profiler.after_step(iteration)
         if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
             gc.collect()
         if log_now:
-            reporter.train(progress.log_step(engine, args, iteration, consumed, zeros))
+            reporter.train(progress.log_step(engine, args, iteration, consumed, zeros, batch_size))
         if valid_batches is not None and _due(args.eval_interval, iteration, args):
             with progress.paused():
                 validate(iteration, consumed)
@@ -133,6 +137,15 @@ def pretrain(args: argparse.Namespace) -> dict:
 def _due(interval: Optional[int], iteration: int, args: argparse.Namespace) -> bool:
     """Every `interval` iterations (never without one), and at the last."""
     return (bool(interval) and iteration % interval == 0) or iteration == args.train_iters
+
+
+def _set_global_batch(engine, batch_size: int, args: argparse.Namespace) -> None:
+    """DeepSpeed's gradient accumulation for a global batch of `batch_size` samples (the micro
+    batch stays), and what the LR schedule advances by after it."""
+    # DeepSpeed's data-parallel ranks include the context-parallel ones (platform.py)
+    if batch_size * args.context_parallel_size != engine.train_batch_size():
+        engine.set_train_batch_size(batch_size * args.context_parallel_size)
+    engine.lr_scheduler.trains(batch_size)
 
 
 def _validation_batches(valid_data, args: argparse.Namespace):
@@ -189,6 +202,8 @@ def train_step(
     total = torch.zeros((), dtype=torch.float32, device=platform.setup().device)
     zeros = None
     for index, batch in enumerate(step):
+        # the step's last micro-batch is the boundary, however many came before the batch grew
+        engine.set_gradient_accumulation_boundary(index == micro - 1)
         loss = lm_loss(engine, batch, per_token)
         engine.backward(loss)
         total += loss.detach()
@@ -207,7 +222,7 @@ class _Progress:
     per-iteration time, tokens/s and ETA measure training alone.
     """
 
-    def __init__(self, iteration: int, skipped: int, max_skipped: int, rank0: bool):
+    def __init__(self, iteration: int, consumed: int, skipped: int, max_skipped: int, rank0: bool):
         self.history = {"losses": [], "validation": [], "lr": []}
         self.pending = []  # (iteration, loss tensor, whether DeepSpeed skipped the step)
         self.skipped = skipped  # DeepSpeed's count before the next step
@@ -215,6 +230,7 @@ class _Progress:
         self.max_skipped, self.in_a_row = max_skipped, 0
         self.rank0 = rank0
         self.first, self.started = iteration, time.time()  # the log interval
+        self.first_consumed = consumed
 
     def add(self, iteration: int, loss: torch.Tensor, engine) -> None:
         before, self.skipped = self.skipped, engine.skipped_steps
@@ -228,7 +244,9 @@ class _Progress:
         finally:
             self.started += time.time() - paused
 
-    def log_step(self, engine, args, iteration: int, consumed: int, zeros) -> LogStep:
+    def log_step(
+        self, engine, args, iteration: int, consumed: int, zeros, batch_size: int
+    ) -> LogStep:
         """The log line's values (one host read); starts the next log interval."""
         grad_norm = engine.get_global_grad_norm()
         values = self.read(
@@ -253,9 +271,11 @@ class _Progress:
         step = LogStep(
             iteration,
             consumed,
+            batch_size,
             sum(losses) / len(losses),
             self.history["lr"][-1],
             (time.time() - self.started) / (iteration - self.first),
+            (consumed - self.first_consumed) / (iteration - self.first),
             engine.skipped_steps,
             self.non_finite,
             None if math.isnan(grad_norm) else grad_norm,
@@ -264,7 +284,7 @@ class _Progress:
             num_zeros,
             values,
         )
-        self.first, self.started = iteration, time.time()
+        self.first, self.started, self.first_consumed = iteration, time.time(), consumed
         return step
 
     def read(self, extra: Optional[dict] = None) -> dict:
@@ -413,7 +433,7 @@ def _deepspeed_engine(args: argparse.Namespace, model: torch.nn.Module, plan: re
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
-        lr_scheduler=_StepByOne(scheduler),
+        lr_scheduler=_StepBySchedule(scheduler, args),
         mpu=platform.deepspeed_mpu(),
         config=config,
         dist_init_required=False,
@@ -421,24 +441,31 @@ def _deepspeed_engine(args: argparse.Namespace, model: torch.nn.Module, plan: re
     return engine
 
 
-class _StepByOne:
-    """Megatron's scheduler counts in steps passed to `step(increment)`; DeepSpeed calls
-    `step()`."""
+class _StepBySchedule:
+    """Megatron's scheduler counts in steps passed to `step(increment)`: a step's iterations (1)
+    or, in a run of --train-samples, its samples, as Megatron-LM counts; DeepSpeed calls
+    `step()` after each optimizer step it applies. The state records the unit (`steps_in`)."""
 
-    def __init__(self, scheduler: OptimizerParamScheduler):
+    def __init__(self, scheduler: OptimizerParamScheduler, args: argparse.Namespace):
         self.scheduler = scheduler
+        self.unit, self.global_batch = steps_in(args), args.global_batch_size
+        self.increment = 1
 
-    def step(self, increment: int = 1) -> None:
-        self.scheduler.step(increment)
+    def trains(self, batch_size: int) -> None:
+        """The next step's global batch."""
+        self.increment = batch_size if self.unit == "samples" else 1
+
+    def step(self, increment: Optional[int] = None) -> None:
+        self.scheduler.step(self.increment if increment is None else increment)
 
     def get_lr(self):
         return [g["lr"] for g in self.scheduler.optimizer.param_groups]
 
     def state_dict(self) -> dict:
-        return self.scheduler.state_dict()
+        return {**self.scheduler.state_dict(), "steps_in": self.unit}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scheduler.load_state_dict(state)
+        self.scheduler.load_state_dict(in_unit(state, self.unit, self.global_batch))
 
 
 class _StopRequest:

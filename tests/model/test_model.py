@@ -359,7 +359,6 @@ def test_deepspeed_json_sets_stage_and_precision_at_parse_time(tmp_path):
         ("--num-experts", "8", "mixture of experts is not supported"),
         ("--fp8-format", "hybrid", "fp8 needs Transformer Engine"),
         ("--ckpt-format", "torch_dist", "checkpoints are DeepSpeed's torch files"),
-        ("--rampup-batch-size", "16 16 5859375", "the global batch is constant here"),
     ],
 )
 def test_what_is_not_offered_is_refused_by_name(flag, value, message):
@@ -396,8 +395,11 @@ def test_megatron_flags_without_effect_or_done_by_deepspeed_are_accepted():
         parse_args(BASE + ["--use-distributed-optimizer", "--zero-stage", "0"])
 
 
-def test_sample_based_schedules_are_the_iterations_they_imply():
-    schedule = ("train_iters", "lr_warmup_iters", "lr_decay_iters", "lr_decay_style", "min_lr")
+def test_sample_based_schedules_are_the_iterations_they_imply_in_samples():
+    """As Megatron-LM: --train-samples counts the schedule in samples, the same schedule as in
+    iterations at a constant batch."""
+    from megatron_focus.training.optimizer import COUNTS, schedule
+
     batch = BASE + ["--micro-batch-size", "4", "--global-batch-size", "32", "--lr", "1e-3"]
     by_iters = parse_args(
         batch + ["--train-iters", "100", "--lr-warmup-iters", "10", "--lr-decay-iters", "90"]
@@ -409,11 +411,11 @@ def test_sample_based_schedules_are_the_iterations_they_imply():
     by_fraction = parse_args(
         batch + ["--train-iters", "100", "--lr-decay-iters", "90", "--lr-warmup-fraction", "0.12"]
     )
-    assert [getattr(by_samples, k) for k in schedule] == [getattr(by_iters, k) for k in schedule]
+    assert by_samples.train_iters == by_iters.train_iters
+    in_samples = {k: v * 32 if k in COUNTS else v for k, v in schedule(by_iters).items()}
+    assert schedule(by_samples) == in_samples
     assert by_fraction.lr_warmup_iters == 10  # int(0.12 x 90)
-    with pytest.raises(ValueError, match="--train-samples 3201 is not a multiple"):
-        parse_args(batch + ["--train-samples", "3201"])
-    with pytest.raises(ValueError, match="--train-samples and --train-iters: give one"):
+    with pytest.raises(ValueError, match="--train-samples and --train-iters"):
         parse_args(batch + ["--train-samples", "3200", "--train-iters", "100"])
 
 

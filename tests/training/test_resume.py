@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from tiny_runs import full_weights, tiny_argv, train
+from tiny_runs import TINY, full_weights, tiny_argv, train
 
 
 def _straight_stopped_resumed(world_size, cache, ckpt, flags, iters, stop):
@@ -164,3 +164,80 @@ def test_checkpoints_with_the_router_beside_core_attention_resume_and_export(
     now, before = full_weights(ckpt), full_weights(legacy)
     assert now.keys() == before.keys()
     assert all(torch.equal(now[k], before[k]) for k in now)
+
+
+def _ramp_argv(cache, *extra):
+    """A run of 40 samples whose batch grows 2, 2, 4, 6, then 8 (micro-batches of 2): a
+    ramp over its first 12 samples, its schedule in samples."""
+    tiny, warmup = list(TINY), TINY.index("--lr-warmup-iters")
+    del tiny[warmup : warmup + 2]
+    tiny[tiny.index("--micro-batch-size") + 1] = "2"
+    ramp = ["--rampup-batch-size", "2", "2", "12", "--train-samples", "40"]
+    return tiny + ramp + ["--lr-warmup-samples", "6", "--data-cache-path", cache, *extra]
+
+
+def _megatron_lrs(args, batches):
+    """The LR after each step as Megatron-LM sets it: its scheduler built from the sample
+    counts (training.py's get_optimizer_param_scheduler), stepped by each step's batch."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.lr)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_samples,
+        lr_decay_steps=args.train_samples,  # --lr-decay-samples' default
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_samples,
+        wd_incr_style="constant",
+    )
+    lrs = []
+    for batch in batches:
+        scheduler.step(batch)
+        lrs.append(optimizer.param_groups[0]["lr"])
+    return lrs
+
+
+@pytest.mark.slow
+def test_a_run_stopped_mid_ramp_resumes_exactly(embedded_cache, tmp_path):
+    """--rampup-batch-size: a run stopped at iteration 3 (batch 4, the next 6) and resumed ends
+    with the losses and weights of the uninterrupted run; the logged batch sizes, consumed
+    samples and LRs are Megatron-LM's (its own calculator and scheduler as reference)."""
+    from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
+
+    from megatron_focus.arguments import parse_args
+
+    straight_ckpt, ckpt, tb = (str(tmp_path / name) for name in ("straight", "ckpt", "tb"))
+    argv = _ramp_argv(embedded_cache)
+    straight = train(1, argv + ["--save", straight_ckpt, "--tensorboard-dir", tb])
+    first = train(1, argv + ["--save", ckpt, "--exit-interval", "3"])
+    second = train(1, argv + ["--save", ckpt, "--load", ckpt])
+    assert first["losses"] + second["losses"] == straight["losses"]
+    assert first["lr"] + second["lr"] == straight["lr"]
+    ours, resumed = full_weights(straight_ckpt), full_weights(ckpt)
+    assert ours.keys() == resumed.keys()
+    assert all(torch.equal(ours[k], resumed[k]) for k in ours)
+
+    calculator = RampupBatchsizeNumMicroBatchesCalculator(8, 2, 1, False, 1, 2, 2, 12)
+    batches, consumed = [], 0
+    for _ in range(len(straight["losses"])):
+        calculator.update(consumed, consistency_check=True)
+        batches.append(calculator.get() * 2)
+        consumed += batches[-1]
+    assert batches[:5] == [2, 2, 4, 6, 8]
+    args = parse_args(argv)
+    assert len(straight["losses"]) == args.train_iters
+    assert straight["lr"] == pytest.approx(_megatron_lrs(args, batches), rel=1e-12)
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(tb)
+    events.Reload()
+    logged = events.Scalars("batch-size vs samples")
+    assert [(e.step, e.value) for e in logged] == [
+        (sum(batches[: i + 1]), b) for i, b in enumerate(batches)
+    ]
