@@ -126,6 +126,13 @@ def deepspeed_config(args: argparse.Namespace, data_parallel_size: int) -> dict:
         zero.setdefault("overlap_comm", True)
     if zero["stage"] == 3 and args.tensor_model_parallel_size > 1:
         raise ValueError("ZeRO stage 3 is supported with --tensor-model-parallel-size 1 only")
+    offloaded = (zero.get("offload_optimizer") or {}).get("device", "none") != "none"
+    if args.rampup_batch_size and zero["stage"] in (1, 2) and offloaded:
+        # ZeRO-1/2's offloaded accumulation keeps the accumulation steps it was built with
+        raise ValueError(
+            "--rampup-batch-size changes the gradient accumulation between steps, which ZeRO "
+            "stage 1/2's offload_optimizer does not follow: use ZeRO stage 3 or no offload"
+        )
 
     half = {}
     for key in ("bf16", "fp16"):

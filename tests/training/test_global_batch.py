@@ -182,3 +182,45 @@ def test_decreasing_is_what_lets_a_batch_micro_batches_do_not_divide_run():
         "--micro-batch-size", "4", "--global-batch-size", "30", "--decrease-batch-size-if-needed"
     )
     assert GlobalBatch.of(args, 1).running(0) == 28
+
+
+def _scheduler(warmup, decay):
+    import torch
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    return OptimizerParamScheduler(
+        optimizer, 0.0, 1e-3, 1e-4, warmup, decay, "cosine", 0.1, 0.1, decay, "constant"
+    )
+
+
+def test_a_schedule_saved_in_iterations_resumes_in_samples_at_the_same_point():
+    """A run of --train-samples saved by a version that counted its schedule in iterations
+    (no "steps_in" in its state) continues at the same LR, in samples."""
+    from megatron_focus.training.optimizer import in_unit
+
+    by_iters, by_samples = _scheduler(10, 100), _scheduler(320, 3200)
+    by_iters.step(7)
+    by_samples.load_state_dict(in_unit(by_iters.state_dict(), "samples", 32))
+    assert by_samples.num_steps == 7 * 32
+    for scheduler in (by_iters, by_samples):
+        scheduler.step(0)  # sets the LR
+    assert by_samples.optimizer.param_groups[0]["lr"] == by_iters.optimizer.param_groups[0]["lr"]
+    saved = {**by_samples.state_dict(), "steps_in": "samples"}
+    assert in_unit(saved, "samples", 32) is saved
+
+
+def test_a_ramp_under_zero2_offload_is_refused(tmp_path):
+    """ZeRO-1/2's CPU offload keeps the accumulation steps it was built with."""
+    import json
+
+    from megatron_focus.deepspeed_config import deepspeed_config
+
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}))
+    ramp = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-samples", "64"]
+    ramp += ["--rampup-batch-size", "2", "2", "12", "--deepspeed_config", str(config)]
+    with pytest.raises(ValueError, match="offload_optimizer does not follow"):
+        _args(*ramp, "--zero-stage", "2")
+    args = _args(*ramp, "--zero-stage", "3")
+    assert deepspeed_config(args, 1)["gradient_accumulation_steps"] == 8 // 2
