@@ -836,6 +836,23 @@ def test_compare_runs_needs_the_sequence_length(tmp_path):
     assert row["validation_loss"] is None and (tmp_path / "x.svg").exists()
 
 
+def test_compare_runs_counts_the_tokens_of_a_growing_batch(tmp_path):
+    """--rampup-batch-size: the token axis is the samples each logged step had consumed, not
+    the step times its batch."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    batches = [2, 2, 4, 6, 8]
+    writer = SummaryWriter(str(tmp_path / "a"))
+    for step, batch in enumerate(batches, 1):
+        writer.add_scalar("lm loss", 9.0 - step, step)
+        writer.add_scalar("batch-size", batch, step)
+        writer.add_scalar("batch-size vs samples", batch, sum(batches[:step]))
+    writer.close()
+    run = _tool("compare_runs").read_run("ramp", str(tmp_path / "a"), 10, None, ["lm loss"])
+    steps = np.arange(1, 6, dtype=np.float64)
+    assert run.tokens(steps).tolist() == [10 * sum(batches[:s]) for s in range(1, 6)]
+
+
 def test_cpu_study_script_trains_every_variant_and_compares_them(tmp_path, embedded_cache):
     """examples/study_cpu.sh itself, shrunk: one seed, 2 iterations, a 1-layer model."""
     shrink = (

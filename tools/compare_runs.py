@@ -40,6 +40,7 @@ from megatron_focus import cli  # noqa: E402
 TRAIN_TAG = "lm loss"
 VALID_TAG = "lm loss validation"
 BATCH_TAG = "batch-size"
+SAMPLES_TAG = "batch-size vs samples"  # its steps: the samples consumed at each logged step
 ATTENTION_RE = re.compile(r"focus\+xsa|focus-xsa|focus|xsa|standard")
 SEED_RE = re.compile(r"[-_.]?seed[-_]?\d+$")
 
@@ -53,7 +54,14 @@ class Run:
     series: Dict[str, tuple] = field(default_factory=dict)  # tag -> (steps, values)
 
     def tokens(self, steps: np.ndarray) -> np.ndarray:
-        """Tokens seen after each step: step x batch size at that step x sequence length."""
+        """Tokens seen after each step: the samples consumed by then (between logged steps,
+        interpolated: a batch growing under --rampup-batch-size is counted as it grew) x
+        sequence length; for logs without them, step x batch size at that step."""
+        if SAMPLES_TAG in self.series and BATCH_TAG in self.series:
+            iterations, samples = self.series[BATCH_TAG][0], self.series[SAMPLES_TAG][0]
+            if len(iterations) == len(samples):
+                consumed = np.interp(steps, np.r_[0.0, iterations], np.r_[0.0, samples])
+                return consumed * self.seq_length
         if BATCH_TAG in self.series:
             b_steps, b_values = self.series[BATCH_TAG]
             at = np.clip(np.searchsorted(b_steps, steps, side="right") - 1, 0, len(b_steps) - 1)
@@ -134,7 +142,7 @@ def read_run(
     events = EventAccumulator(tb_dir, size_guidance={"scalars": 0})  # 0: keep every point
     events.Reload()
     available = set(events.Tags()["scalars"])
-    for tag in tags + [BATCH_TAG]:
+    for tag in tags + [BATCH_TAG, SAMPLES_TAG]:
         if tag not in available:
             continue
         latest = {}

@@ -514,6 +514,14 @@ def _print_banner(args: argparse.Namespace, model: torch.nn.Module, iteration: i
         f"{_data_name(args)} | starting at iteration {iteration}",
         flush=True,
     )
+    if args.rampup_batch_size:
+        start, increment, samples = args.rampup_batch_size
+        print(
+            f"global batch {start} -> {args.global_batch_size} by {increment} over the first "
+            f"{samples:,} samples: {args.train_iters:,} iterations for {args.train_samples:,} "
+            "samples",
+            flush=True,
+        )
     chosen = ", ".join(f"{operation} {name}" for operation, name in kernels.chosen(model).items())
     if variant(args.attention).focus:
         print(f"Focus {args.focus_gate} gate | kernels: {chosen}", flush=True)
