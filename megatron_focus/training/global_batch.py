@@ -2,7 +2,7 @@
 
 `--rampup-batch-size START INCREMENT SAMPLES` grows the batch from START to `--global-batch-size`
 by INCREMENT, one increment every SAMPLES / ((global - START) / INCREMENT) consumed samples
-(Megatron-Core's `RampupBatchsizeNumMicroBatchesCalculator`). A step's batch follows from the
+(Megatron-Core 0.16's `RampupBatchsizeNumMicroBatchesCalculator`). A step's batch follows from the
 samples consumed before it, so a resumed run, which restores that count, continues with the
 batch the uninterrupted run had. `--decrease-batch-size-if-needed` trains each batch rounded
 down to a multiple of micro batch x data-parallel size instead of refusing it.
