@@ -203,14 +203,15 @@ def _megatron_lrs(args, batches):
 
 
 @pytest.mark.slow
-def test_a_run_stopped_mid_ramp_resumes_exactly(embedded_cache, tmp_path):
+@pytest.mark.parametrize("zero_stage", ["1", "3"])
+def test_a_run_stopped_mid_ramp_resumes_exactly(zero_stage, embedded_cache, tmp_path):
     """--rampup-batch-size: a run stopped at iteration 3 (batch 4, the next 6) and resumed ends
     with the losses and weights of the uninterrupted run; the logged batch sizes, consumed
     samples and LRs are Megatron-LM's (its own scheduler as reference)."""
     from megatron_focus.arguments import parse_args
 
     straight_ckpt, ckpt, tb = (str(tmp_path / name) for name in ("straight", "ckpt", "tb"))
-    argv = _ramp_argv(embedded_cache)
+    argv = _ramp_argv(embedded_cache, "--zero-stage", zero_stage)
     straight = train(1, argv + ["--save", straight_ckpt, "--tensorboard-dir", tb])
     first = train(1, argv + ["--save", ckpt, "--exit-interval", "3"])
     second = train(1, argv + ["--save", ckpt, "--load", ckpt])
@@ -235,3 +236,14 @@ def test_a_run_stopped_mid_ramp_resumes_exactly(embedded_cache, tmp_path):
     assert [(e.step, e.value) for e in logged] == [
         (sum(batches[: i + 1]), b) for i, b in enumerate(batches)
     ]
+
+
+@pytest.mark.slow
+def test_a_ramp_over_two_data_parallel_ranks_trains_as_one_process(embedded_cache):
+    """Each rank takes its share of every grown batch: ZeRO-2 over 2 ranks follows one
+    process accumulating the same batches."""
+    argv = _ramp_argv(embedded_cache, "--micro-batch-size", "1")  # the ramp's 2: one per rank
+    one = train(1, argv + ["--zero-stage", "0"])
+    sharded = train(2, argv + ["--zero-stage", "2"])
+    torch.testing.assert_close(sharded["losses"], one["losses"], rtol=1e-5, atol=1e-5)
+    assert sharded["lr"] == one["lr"]
