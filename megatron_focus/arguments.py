@@ -1046,16 +1046,18 @@ def _schedule(args: argparse.Namespace, world_size: int) -> None:
         if args.lr_decay_iters is None:
             args.lr_decay_iters = args.train_iters
         if args.lr_warmup_fraction is not None:
-            if args.lr_warmup_iters is not None:
+            if args.lr_warmup_iters:  # Megatron-LM's default 0 is no conflict
                 raise ValueError("--lr-warmup-fraction and --lr-warmup-iters: give one of them")
             args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
         return
-    for flag in ("train_iters", "lr_decay_iters", "lr_warmup_iters"):
-        if getattr(args, flag):  # Megatron-LM's default warmup of 0 is no conflict
-            raise ValueError(
-                f"--train-samples and --{flag.replace('_', '-')}: a sample-based run gives "
-                f"--{flag.replace('_iters', '_samples').replace('_', '-')}"
-            )
+    in_iterations = {
+        "--train-iters": "give one of them",
+        "--lr-decay-iters": "a run in samples gives --lr-decay-samples",
+        "--lr-warmup-iters": "a run in samples gives --lr-warmup-samples",
+    }
+    for flag, instead in in_iterations.items():
+        if getattr(args, flag[2:].replace("-", "_")):  # Megatron-LM's default warmup 0 is none
+            raise ValueError(f"--train-samples and {flag}: {instead}")
     args.train_iters = batch.train_iters(args.train_samples)
     if args.train_iters < 1:
         raise ValueError(
@@ -1066,7 +1068,7 @@ def _schedule(args: argparse.Namespace, world_size: int) -> None:
     if args.lr_decay_samples is None:
         args.lr_decay_samples = args.train_samples
     if args.lr_warmup_fraction is not None:
-        if args.lr_warmup_samples is not None:
+        if args.lr_warmup_samples:
             raise ValueError("--lr-warmup-fraction and --lr-warmup-samples: give one of them")
         args.lr_warmup_samples = args.lr_warmup_fraction * args.lr_decay_samples  # as Megatron's
 

@@ -167,7 +167,7 @@ def test_rampup_sets_the_run_length_as_megatron_lm():
         (["--train-samples", "640", "--train-iters", "10"], r"--train-samples and --train-iters"),
         (
             ["--train-samples", "640", "--lr-decay-iters", "10"],
-            r"a sample-based run gives --lr-decay-samples",
+            r"--train-samples and --lr-decay-iters: a run in samples gives --lr-decay-samples",
         ),
         (["--lr-warmup-samples", "10"], r"--lr-warmup-samples counts samples"),
         (["--global-batch-size", "30"], r"30 is not divisible by --micro-batch-size"),
