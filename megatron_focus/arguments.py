@@ -521,6 +521,17 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument(
+        "--ckpt-format",
+        choices=("torch", "torch_dist"),
+        default="torch",
+        help="torch: DeepSpeed's files; torch_dist: each checkpoint is also Megatron-Core's "
+        "distributed checkpoint of the model, iteration, args and LR schedule, which "
+        "Megatron-LM loads (at any TP size) and continues with a fresh optimizer; the "
+        "optimizer state stays in DeepSpeed's files beside it, from which a resume here is "
+        "exact. A Megatron-LM torch_dist checkpoint starts a run here with --finetune, "
+        "--pretrained-checkpoint or --retrofit (%(default)s by default)",
+    )
+    g.add_argument(
         "--finetune",
         action="store_true",
         help="load only the model weights from --load; iteration, optimizer and "
@@ -961,6 +972,11 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     if args.fp16 and not _gpu():
         raise ValueError(
             "--fp16 needs a GPU (DeepSpeed has no fp16 on the CPU): use --bf16 or fp32"
+        )
+    if args.zero_stage == 3 and args.ckpt_format == "torch_dist":
+        raise ValueError(
+            "--ckpt-format torch_dist: ZeRO stage 3 partitions the weights; use --zero-stage 2 "
+            "or lower, or save as torch and export the weights (tools/convert_to_hf.py)"
         )
     if args.zero_stage == 3 and args.no_save_optim:
         raise ValueError(

@@ -6,7 +6,7 @@ Three kinds, each listed once here and shown by `pretrain_gpt.py --help`:
   optimizer and checkpoint plumbing, which this trainer replaces (DeepSpeed, Megatron-Core's
   model on PyTorch kernels); accepted so that the script runs, and said to do nothing;
 - *refused*: what this trainer does not offer (pipeline parallelism, mixture of
-  experts, fp8 without Transformer Engine, other checkpoint formats), refused by name before
+  experts, fp8 without Transformer Engine), refused by name before
   any compute, with what to use instead, unless given at the value that means "off";
 - *translated*: Megatron's name for something DeepSpeed does here (`--use-distributed-optimizer`
   is ZeRO-1, `--overlap-grad-reduce` / `--overlap-param-gather` DeepSpeed's overlapped
@@ -104,11 +104,6 @@ REFUSED = {
         {"default": None},
         None,
         "fp8 needs Transformer Engine, which this trainer does not use; use --bf16",
-    ),
-    "--ckpt-format": (
-        {"default": "torch"},
-        "torch",
-        "checkpoints are DeepSpeed's torch files; tools/convert_to_hf.py exports them",
     ),
 }
 

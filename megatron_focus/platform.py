@@ -15,6 +15,9 @@ a GPT model touches; `setup()` answers exactly those, with the CPU and gloo:
   identical across data-parallel replicas, as on a GPU.
 * `get_default_causal_mask`: built on the CPU.
 * Context parallelism's rotary positions: selected without a pinned CUDA index.
+* Saving a `torch_dist` checkpoint (`checkpoint/torch_dist.py`): Megatron copies the tensors to
+  the host without blocking and then waits with `torch.cuda.synchronize()`; on the CPU the copy
+  blocks and there is nothing to wait for.
 * Activation recompute (`--recompute-*`) saves and restores "the CUDA RNG state" around each
   recomputed forward; on the CPU there is none beyond the CPU generator and the tracker's streams,
   which it saves and restores as well, so that state is empty.
@@ -38,6 +41,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 from megatron.core.models.common.embeddings import rotary_pos_embedding as mcore_rotary
 from megatron.core.tensor_parallel import random as mcore_random
 from megatron.core.transformer import utils as mcore_transformer_utils
@@ -125,6 +129,15 @@ def _set_no_cuda_rng_state(*args, **kwargs) -> None:
     return None
 
 
+_preload_tensors = FileSystemWriterAsync.preload_tensors
+
+
+def _preload_tensors_blocking(write_buckets, non_blocking=True):
+    """Megatron's copy of a checkpoint's tensors to the host, done blocking: its non-blocking
+    copy ends with `torch.cuda.synchronize()`."""
+    return _preload_tensors(write_buckets, non_blocking=False)
+
+
 def has_cuda() -> bool:
     """Whether this process has a GPU: the one place that asks (the other modules ask here)."""
     return torch.cuda.is_available()
@@ -182,6 +195,12 @@ def planned_patches(cuda_available: Optional[bool] = None) -> List[Patch]:
             "get_pos_emb_on_this_cp_rank",
             _cpu_pos_emb_on_this_cp_rank,
             "a context-parallel rank's rotary positions are selected by a pinned CUDA index",
+        ),
+        Patch(
+            FileSystemWriterAsync,
+            "preload_tensors",
+            staticmethod(_preload_tensors_blocking),
+            "a torch_dist checkpoint's save waits for the GPU's copies with torch.cuda.synchronize",
         ),
         Patch(
             mcore_random,

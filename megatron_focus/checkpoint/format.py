@@ -6,9 +6,12 @@ Layout (`--save DIR`): `DIR/iter_0000100/` holds DeepSpeed's files (model and op
 rank), `model_args.json` (the model's shape and variant), `tokenizer_args.json`, `layout.json` (the
 TP / DP size, ZeRO stage and precision that wrote it, `training/layouts.py`) and `checksums.json`
 (`integrity.py`); `DIR/latest` names the newest complete tag (DeepSpeed's own pointer, so its tools
-such as `zero_to_fp32.py` work on these checkpoints). Markers: `weights_only` (an imported model: no
-optimizer, no run state), `no_optimizer` (`--no-save-optim`), `base_checkpoint.json` (a retrofit's
-trained-only checkpoint: where its frozen weights are).
+such as `zero_to_fp32.py` work on these checkpoints). With `--ckpt-format torch_dist` the tag
+folder is also Megatron-Core's distributed checkpoint of the model (`torch_dist.py`), and
+`DIR/latest_checkpointed_iteration.txt`, Megatron-LM's pointer, names its iteration.
+Markers: `weights_only` (an imported model: no optimizer, no run state), `no_optimizer`
+(`--no-save-optim`), `base_checkpoint.json` (a retrofit's trained-only checkpoint: where its
+frozen weights are).
 """
 
 import argparse
@@ -64,6 +67,8 @@ BEFORE_RECORDED = {
     "rope_scaling_factor": 8.0,
 }
 LATEST = "latest"
+# Megatron-LM's pointer: the newest checkpoint's iteration (`--ckpt-format torch_dist`).
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 ARGS_FILE = "model_args.json"
 # The tokenizer the model was trained with (for the HF export); not compared on load.
 TOKENIZER_FILE = "tokenizer_args.json"
@@ -79,7 +84,9 @@ BASE_FILE = "base_checkpoint.json"
 
 TAG = re.compile(r"iter_\d{7}")
 # What an interrupted save or layout conversion leaves: never complete, never `latest`.
-DEBRIS = re.compile(r"iter_\d{7}\.(partial|universal)|latest\.tmp")
+DEBRIS = re.compile(
+    r"iter_\d{7}\.(partial|universal)|(latest|latest_checkpointed_iteration\.txt)\.tmp"
+)
 
 
 def tag_for(iteration: int) -> str:
@@ -282,7 +289,7 @@ def latest_tag(load_dir: str, flag: str = "--ckpt-step") -> Optional[str]:
     command's) picks one."""
     pointer = os.path.join(load_dir, LATEST)
     if not os.path.isfile(pointer):
-        return None
+        return megatron_tag(load_dir)
     with open(pointer, "rb") as f:
         tag = f.read().decode(errors="replace").strip()
     complete = complete_tags(load_dir)
@@ -301,6 +308,25 @@ def latest_tag(load_dir: str, flag: str = "--ckpt-step") -> Optional[str]:
         else f"{load_dir} holds no complete checkpoint"
     )
     raise ValueError(f"{pointer} is damaged: {damage}; {offer}")
+
+
+def megatron_tag(load_dir: str) -> Optional[str]:
+    """The tag Megatron-LM's `latest_checkpointed_iteration.txt` names (a folder Megatron-LM
+    saved), or None if there is none."""
+    path = os.path.join(load_dir, MEGATRON_TRACKER)
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        text = f.read().decode(errors="replace").strip()
+    if not text.isdigit():
+        raise ValueError(
+            f"{path} holds {text[:40]!r}, not an iteration"
+            + ("; point --load at a folder of iter_* checkpoints" if text == "release" else "")
+        )
+    tag = tag_for(int(text))
+    if not os.path.isdir(os.path.join(load_dir, tag)):
+        raise FileNotFoundError(f"{path} names {tag}, which is not in {load_dir}")
+    return tag
 
 
 def resume_tag(args: argparse.Namespace) -> Optional[str]:

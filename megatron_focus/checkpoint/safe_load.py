@@ -1,10 +1,12 @@
-"""Reading checkpoint files without running code: tensors, containers and DeepSpeed's records.
+"""Reading checkpoint files without running code: tensors, containers, DeepSpeed's records and
+the argparse record of a Megatron-LM checkpoint's args.
 
 `torch.load` unpickles, and a pickle can run any code as it loads; a checkpoint downloaded or
 shared is read here with `weights_only`, which admits tensors and plain containers, plus the few
 record classes DeepSpeed pickles into its files, allowed by name.
 """
 
+import argparse
 import os
 import pickle
 import re
@@ -14,13 +16,14 @@ import torch
 
 def _deepspeed_records() -> list:
     """The classes DeepSpeed pickles into its checkpoint files besides tensors (loss scalers, the
-    ZeRO stage, fragment addresses): plain records, allowed by name so that nothing else in a
+    ZeRO stage, fragment addresses), and the Namespace of a torch_dist checkpoint's args: plain
+    records, allowed by name so that nothing else in a
     file can run code as it loads."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address, argparse.Namespace]
 
 
 def load_file(path: str, allow_unsafe: bool = False, mmap: bool = False):

@@ -34,15 +34,18 @@ from megatron.core.parallel_state import get_tensor_model_parallel_rank
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megatron_focus import cli, platform
-from megatron_focus.checkpoint import integrity
+from megatron_focus.checkpoint import integrity, torch_dist
 from megatron_focus.checkpoint.format import (
     BASE_FILE,
     DEBRIS,
     LATEST,
+    MEGATRON_TRACKER,
     NO_OPTIMIZER,
     TokenizerRecord,
+    iteration_of,
     latest_tag,
     model_args,
+    model_files,
     model_state_file,
     read_model_file,
     tag_for,
@@ -51,6 +54,7 @@ from megatron_focus.checkpoint.format import (
     write_model_args,
 )
 from megatron_focus.data.sources import tokenizer_choice
+from megatron_focus.model.flops import flops_per_token
 from megatron_focus.model.gpt import padded_vocab_size
 from megatron_focus.training import layouts, resume
 from megatron_focus.training.optimizer import param_groups
@@ -144,6 +148,18 @@ def save(
         "consumed_samples": consumed_samples,
         **({} if args.no_save_rng else {"rng": rng_state()}),
     }
+    if args.ckpt_format == "torch_dist":  # into the empty folder, before DeepSpeed's files
+        if rank0:
+            os.makedirs(partial)
+        _agree(
+            _attempt(
+                lambda: _save_torch_dist(
+                    engine, args, records, iteration, consumed_samples, partial
+                )
+            ),
+            partial,
+            args.save,
+        )
     trained_only = records.retrofit_base is not None
     optimizer = _optimizer_left_out(engine) if args.no_save_optim else contextlib.nullcontext()
     with optimizer, _failures_named(engine):
@@ -171,18 +187,38 @@ def save(
         args.save,
     )
     _agree(
-        _attempt(lambda: _publish(partial, final, args.save)) if rank0 else None,
+        _attempt(lambda: _publish(partial, final, args.save, args.ckpt_format)) if rank0 else None,
         partial,
         args.save,
     )
     return final
 
 
-def _publish(partial: str, final: str, save_dir: str) -> None:
-    """The complete checkpoint under its own name, then `latest` naming it."""
+def _save_torch_dist(engine, args, records: Records, iteration: int, consumed: int, folder: str):
+    """Megatron-LM's part of a `--ckpt-format torch_dist` checkpoint (collective)."""
+    padded = records.padded_vocab_size
+    try:
+        torch_dist.save(
+            engine.module,
+            folder,
+            torch_dist.megatron_args(args, padded, consumed),
+            iteration,
+            torch_dist.megatron_schedule(engine.lr_scheduler.state_dict(), args.global_batch_size),
+            flops=consumed * args.seq_length * flops_per_token(args, padded),
+        )
+    except (OSError, RuntimeError) as e:  # torch's writer wraps the cause
+        raise _write_error(e, os.path.join(folder, "metadata.json")) from e
+
+
+def _publish(partial: str, final: str, save_dir: str, ckpt_format: str) -> None:
+    """The complete checkpoint under its own name, then `latest` (and, for torch_dist,
+    Megatron-LM's pointer) naming it."""
     shutil.rmtree(final, ignore_errors=True)
     os.replace(partial, final)
-    write_atomically(os.path.join(save_dir, LATEST), os.path.basename(final))
+    tag = os.path.basename(final)
+    write_atomically(os.path.join(save_dir, LATEST), tag)
+    if ckpt_format == "torch_dist":
+        write_atomically(os.path.join(save_dir, MEGATRON_TRACKER), str(iteration_of(tag)))
 
 
 @contextlib.contextmanager
@@ -354,8 +390,11 @@ def _load_weights_only(engine, args, checkpoint_dir: str, may_miss) -> None:
     weights from the checkpoint's own list of frozen weights: empty when the checkpoint froze
     nothing, as a retrofit's base did.
     """
-    saved = _checked_file(engine, checkpoint_dir, may_miss, args.allow_unsafe_checkpoints)
-    engine.module.load_state_dict(saved["module"], strict=False)
+    if not model_files(checkpoint_dir) and torch_dist.is_torch_dist(checkpoint_dir):
+        torch_dist.load_model(engine.module, checkpoint_dir, may_miss)  # Megatron-LM's
+    else:
+        saved = _checked_file(engine, checkpoint_dir, may_miss, args.allow_unsafe_checkpoints)
+        engine.module.load_state_dict(saved["module"], strict=False)
     if hasattr(engine.optimizer, "refresh_fp32_params"):  # ZeRO's and bf16's fp32 master copies
         engine.optimizer.refresh_fp32_params()
 

@@ -13,6 +13,9 @@ The kinds of start:
   `--pretrained-checkpoint`; this run's optimizer and schedule start at iteration 0;
 - adding Focus: `--retrofit` from a checkpoint without routers (weights only, routers fresh).
 
+A Megatron-LM `torch_dist` checkpoint (`checkpoint/torch_dist.py`; no DeepSpeed files) starts a
+run as weights only or adding Focus; its model args are read from Megatron-LM's args record.
+
 A retrofit's trained-only checkpoint (`base_checkpoint.json`) resumes or fine-tunes with its base
 loaded first (`base`): its frozen weights, then the routers.
 """
@@ -23,15 +26,19 @@ import os
 from typing import Optional
 
 from megatron_focus.checkpoint import format as checkpoint_format
-from megatron_focus.checkpoint import integrity
+from megatron_focus.checkpoint import integrity, torch_dist
 from megatron_focus.checkpoint.format import (
+    ARGS_FILE,
     LATEST,
+    MEGATRON_TRACKER,
     NO_OPTIMIZER,
+    SHAPE_KEYS,
     WEIGHTS_ONLY,
     base_checkpoint,
     check_compatible,
     complete_tags,
     iteration_of,
+    model_files,
     resume_tag,
     saved_model_args,
 )
@@ -91,7 +98,7 @@ def plan(args: argparse.Namespace) -> ResumePlan:
     for folder in (base, checkpoint):
         if folder is not None:
             check_safe_to_load(folder, args.allow_unsafe_checkpoints)
-    saved = saved_model_args(checkpoint)
+    saved = _saved_args(checkpoint, args.allow_unsafe_checkpoints)
     if args.retrofit and saved["attention"] != args.attention:
         kind = ADDING_FOCUS
     elif finetune or os.path.isfile(os.path.join(checkpoint, WEIGHTS_ONLY)):
@@ -115,10 +122,29 @@ def plan(args: argparse.Namespace) -> ResumePlan:
     )
 
 
+def _saved_args(checkpoint: str, allow_unsafe: bool) -> dict:
+    """The checkpoint's model args: this trainer's record, or a Megatron-LM checkpoint's args."""
+    if megatron_lm_only(checkpoint) and not os.path.isfile(os.path.join(checkpoint, ARGS_FILE)):
+        saved = torch_dist.common_state(checkpoint, allow_unsafe).get("args")
+        if saved is None:
+            raise ValueError(f"{checkpoint} records no args: its model is unknown")
+        return torch_dist.model_args(saved, SHAPE_KEYS)
+    return saved_model_args(checkpoint)
+
+
+def megatron_lm_only(checkpoint: str) -> bool:
+    """A distributed checkpoint without DeepSpeed's files: Megatron-LM's (model, no optimizer
+    state this trainer reads)."""
+    return torch_dist.is_torch_dist(checkpoint) and not (
+        model_files(checkpoint) or checkpoint_format.is_zero3(checkpoint)
+    )
+
+
 def refuse_lost_latest(folder: str, ckpt_step: Optional[int]) -> None:
     """A folder of complete checkpoints whose `latest` is gone, which would otherwise start from
     scratch (and, as `--save`, overwrite them)."""
-    if not os.path.isdir(folder) or os.path.isfile(os.path.join(folder, LATEST)):
+    pointers = (os.path.join(folder, name) for name in (LATEST, MEGATRON_TRACKER))
+    if not os.path.isdir(folder) or any(os.path.isfile(p) for p in pointers):
         return
     complete = complete_tags(folder)
     if complete and ckpt_step is None:
@@ -144,6 +170,12 @@ def check(plan: ResumePlan, args: argparse.Namespace, ours: dict) -> None:
     if plan.kind != RESUME:
         return
     checkpoint, layout = plan.checkpoint, plan.layout
+    if megatron_lm_only(checkpoint):
+        raise ValueError(
+            f"{checkpoint} is Megatron-LM's checkpoint, whose optimizer state does not load "
+            "here: start from its weights with --finetune or --pretrained-checkpoint (or "
+            "--retrofit to add Focus)"
+        )
     if os.path.isfile(os.path.join(checkpoint, NO_OPTIMIZER)) and (layout or plan.load_optimizer):
         raise ValueError(
             f"{checkpoint} was saved with --no-save-optim: it resumes with "
@@ -180,6 +212,8 @@ def _check_weights_fit(args: argparse.Namespace, ours: dict, folder: str, saved:
     if args.position_embedding_type != "learned_absolute":  # no position table to outgrow
         # Context extension: fine-tune the weights at a longer --seq-length.
         ignore += ("max_position_embeddings",)
+    if megatron_lm_only(folder):  # read at any TP size, each weight's shape checked on load
+        ignore += ("tensor_model_parallel_size", "padded_vocab_size")
     check_compatible(ours, saved, folder, ignore)
     if args.zero_stage == 3:
         raise ValueError(

@@ -1,0 +1,243 @@
+"""Megatron-Core's distributed checkpoint format (`--ckpt-format torch_dist`), as Megatron-LM's
+`save_checkpoint` writes it, so that a run continues in Megatron-LM and a Megatron-LM checkpoint
+starts a run here.
+
+A tag folder (`iter_XXXXXXX`) in this format is `dist_checkpointing.save` of Megatron-LM's state:
+'model' (the model's `sharded_state_dict()`: tensor-parallel weights sharded along their split
+axis, the rest replicated, so any TP size reads them), 'args' (Megatron-LM's record of the run),
+'checkpoint_version', 'iteration', 'num_floating_point_operations_so_far', 'opt_param_scheduler'
+(counted in samples, as Megatron-LM counts) and, with a GPU, 'rng_state'; the folder's pointer is
+`latest_checkpointed_iteration.txt`.
+
+The optimizer state is not in that part: this trainer's own checkpoint (DeepSpeed's files, with
+the optimizer, `checkpoint/format.py`) is written into the same folder, and a resume here reads
+it exactly. Megatron-LM, reading the folder, restarts its optimizer from the weights: the args
+record `no_save_optim` (and, from a CPU run, `no_save_rng`), which Megatron-LM honours.
+"""
+
+import argparse
+import json
+import os
+import random
+from typing import Callable
+
+import numpy as np
+import torch
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.core import CONFIG_FNAME
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
+from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
+
+from megatron_focus.checkpoint.safe_load import load_file
+
+# Megatron-LM's version of checkpoints of Megatron-Core models (`generate_state_dict`).
+CHECKPOINT_VERSION = 3.0
+# Megatron-LM's sharded state dict metadata for a model without a distributed optimizer
+# (`_build_sharded_state_dict_metadata`), also saved as the checkpoint's content metadata.
+METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+# Megatron-LM's OptimizerParamScheduler counts samples; this trainer's counts iterations.
+SCHEDULE_STEPS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
+
+
+def is_torch_dist(folder: str) -> bool:
+    """Whether `folder` holds a distributed checkpoint (Megatron-Core's `metadata.json`)."""
+    return os.path.isfile(os.path.join(folder, CONFIG_FNAME))
+
+
+def check_readable(folder: str) -> None:
+    """Refuse, naming the file, a distributed checkpoint whose records cannot be read."""
+    config = os.path.join(folder, CONFIG_FNAME)
+    try:
+        with open(config) as f:
+            backend = json.load(f).get("sharded_backend")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"{config} is not a distributed checkpoint's record ({e})") from None
+    if backend != "torch_dist":
+        raise ValueError(f"{config}: backend {backend!r}; only torch_dist checkpoints load here")
+    for name in (COMMON_STATE_FNAME, ".metadata"):
+        if not os.path.isfile(os.path.join(folder, name)):
+            raise FileNotFoundError(f"{os.path.join(folder, name)} is missing: not complete")
+
+
+def common_state(folder: str, allow_unsafe: bool) -> dict:
+    """The non-tensor part ('args', 'iteration', 'opt_param_scheduler' ...), read without
+    running code unless `allow_unsafe` (Megatron-LM's args may pickle its own classes)."""
+    check_readable(folder)
+    return load_file(os.path.join(folder, COMMON_STATE_FNAME), allow_unsafe)
+
+
+def megatron_args(args: argparse.Namespace, padded_vocab_size: int, consumed: int):
+    """The 'args' record Megatron-LM checks and resumes from: this run's flags (Megatron's
+    names), plus what Megatron-LM derives or counts."""
+    plain = (bool, int, float, str, type(None))
+    record = {
+        k: v
+        for k, v in vars(args).items()
+        if isinstance(v, plain)
+        or (isinstance(v, (list, tuple)) and all(isinstance(x, plain) for x in v))
+    }
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    world = torch.distributed.get_world_size()
+    record.update(
+        ckpt_format="torch_dist",
+        padded_vocab_size=padded_vocab_size,
+        add_position_embedding=args.position_embedding_type == "learned_absolute",
+        consumed_train_samples=consumed,
+        skipped_train_samples=0,
+        consumed_valid_samples=0,
+        world_size=world,
+        pipeline_model_parallel_size=1,
+        data_parallel_size=world // tp,
+        no_save_optim=True,  # the optimizer state is DeepSpeed's, beside this part
+        no_save_rng=not torch.cuda.is_available(),
+    )
+    return argparse.Namespace(**record)
+
+
+def megatron_schedule(state: dict, global_batch_size: int) -> dict:
+    """This trainer's scheduler state (in iterations) as Megatron-LM's (in samples)."""
+    return {k: v * global_batch_size if k in SCHEDULE_STEPS else v for k, v in state.items()}
+
+
+def _rng_state() -> ShardedObject:
+    """Megatron-LM's RNG record: one per tensor-parallel rank, replicated over data parallel."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.cuda.get_rng_state(),
+        "rng_tracker_states": get_cuda_rng_tracker().get_states(),
+    }
+    ps = parallel_state
+    return ShardedObject(
+        "rng_state",
+        [state],
+        (1, ps.get_tensor_model_parallel_world_size()),
+        (0, ps.get_tensor_model_parallel_rank()),
+        replica_id=ps.get_data_parallel_rank(with_context_parallel=True),
+    )
+
+
+def save(
+    model: torch.nn.Module,
+    folder: str,
+    args_record: argparse.Namespace,
+    iteration: int,
+    schedule: dict,
+    flops: float = 0.0,
+) -> None:
+    """Collective: write Megatron-LM's state into the empty `folder` (`metadata.json`, which
+    marks it complete, last); `schedule` is Megatron-LM's (`megatron_schedule`)."""
+    state = {
+        "model": model.sharded_state_dict(metadata=dict(METADATA)),
+        "args": args_record,
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": iteration,
+        "num_floating_point_operations_so_far": flops,
+        "opt_param_scheduler": schedule,
+    }
+    if not args_record.no_save_rng:
+        state["rng_state"] = _rng_state()
+    dist_checkpointing.save(state, folder, content_metadata=dict(METADATA))
+
+
+def _shards(entry) -> list:
+    """The ShardedTensors / ShardedObjects one entry of a sharded state dict stands for."""
+    if isinstance(entry, ShardedTensorFactory):
+        return [s for s in _flat(entry.build())]
+    return [entry]
+
+
+def _flat(tree) -> list:
+    if isinstance(tree, dict):
+        return [s for v in tree.values() for s in _flat(v)]
+    if isinstance(tree, (list, tuple)):
+        return [s for v in tree for s in _flat(v)]
+    return _shards(tree)
+
+
+def _misfits(ours: dict, saved: dict, may_miss: Callable[[str], bool]) -> list:
+    """What of `ours` (a sharded state dict) the checkpoint's tensors `saved` lack or hold at
+    another global shape, by checkpoint key (ShardedObjects, the linears' empty `_extra_state`,
+    are not read)."""
+    found = []
+    for name, entry in ours.items():
+        if may_miss(name):
+            continue
+        for shard in _shards(entry):
+            if not isinstance(shard, ShardedTensor):
+                continue
+            held = saved.get(shard.key)
+            if held is None:
+                found.append(f"{shard.key} is missing")
+            elif tuple(held.global_shape) != tuple(shard.global_shape):
+                found.append(
+                    f"{shard.key}: checkpoint {tuple(held.global_shape)}, "
+                    f"this model {tuple(shard.global_shape)}"
+                )
+    return sorted(set(found))
+
+
+def load_model(
+    model: torch.nn.Module, folder: str, may_miss: Callable[[str], bool] = lambda name: False
+) -> None:
+    """Collective: the model's weights from the distributed checkpoint `folder`, at this run's
+    tensor-parallel size whatever the checkpoint's; refused, naming the weights, before any is
+    read if one is missing or of another shape (bar `may_miss(name)`, e.g. new routers)."""
+    check_readable(folder)
+    try:
+        saved = dist_checkpointing.load_tensors_metadata(folder)
+    except Exception as e:  # torch's reader raises its own types on a damaged .metadata
+        raise ValueError(f"{folder}: the checkpoint's metadata cannot be read ({e})") from None
+    ours = model.sharded_state_dict(metadata=dict(METADATA))
+    misfits = _misfits(ours, saved, may_miss)
+    if misfits:
+        raise ValueError(f"{folder} does not fit this model: " + "; ".join(misfits))
+    wanted = {
+        name: entry
+        for name, entry in ours.items()
+        if not may_miss(name) and all(s.key in saved for s in _shards(entry))
+    }
+    loaded = dist_checkpointing.load({"model": wanted}, folder)["model"]
+    result = model.load_state_dict(loaded, strict=False)
+    left = [k for k in result.missing_keys if not may_miss(k) and not k.endswith("_extra_state")]
+    if left or result.unexpected_keys:
+        raise ValueError(
+            f"{folder} does not fit this model: missing {left}, unexpected {result.unexpected_keys}"
+        )
+
+
+def model_args(saved: argparse.Namespace, shape_keys: tuple) -> dict:
+    """A Megatron-LM checkpoint's model, as `model_args.json` would record it: its args under
+    this trainer's names (standard attention, Megatron-LM's defaults for what it omits)."""
+    defaults = {
+        "attention": "standard",
+        "xsa_layers": None,
+        "window_size": None,
+        "openai_gelu": False,
+        "squared_relu": False,
+        "add_qkv_bias": False,
+        "apply_layernorm_1p": False,
+        "qk_layernorm": False,
+        "use_rope_scaling": False,
+        "rope_scaling_factor": 8.0,
+        "rotary_base": 10000,
+        "rotary_percent": 1.0,
+        "normalization": "LayerNorm",
+        "norm_epsilon": 1e-5,
+        "swiglu": False,
+        "add_bias_linear": True,
+        "untie_embeddings_and_output_weights": False,
+        "position_embedding_type": "learned_absolute",
+    }
+    record = {key: getattr(saved, key, defaults.get(key)) for key in shape_keys}
+    record["attention"] = "standard"
+    if record.get("window_size") is not None:
+        record["window_size"] = list(record["window_size"])
+    return record
