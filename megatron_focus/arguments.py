@@ -525,11 +525,11 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
         choices=("torch", "torch_dist"),
         default="torch",
         help="torch: DeepSpeed's files; torch_dist: each checkpoint is also Megatron-Core's "
-        "distributed checkpoint of the model, iteration, args and LR schedule, which "
-        "Megatron-LM loads (at any TP size) and continues with a fresh optimizer; the "
-        "optimizer state stays in DeepSpeed's files beside it, from which a resume here is "
-        "exact. A Megatron-LM torch_dist checkpoint starts a run here with --finetune, "
-        "--pretrained-checkpoint or --retrofit (%(default)s by default)",
+        "distributed checkpoint (model, iteration, args, LR schedule) as Megatron-LM saves it, "
+        "read by Megatron-LM with --no-load-optim at any TP size (its optimizer and schedule "
+        "restart); the optimizer state stays in DeepSpeed's files beside it, from which a "
+        "resume here is exact. A Megatron-LM torch_dist checkpoint starts a run here with "
+        "--finetune, --pretrained-checkpoint or --retrofit (default %(default)s)",
     )
     g.add_argument(
         "--finetune",

@@ -1,10 +1,11 @@
 """Megatron-LM's own launch scripts (core_v0.16.1), their flags as written, only the sizes shrunk:
 `examples/gpt3/train_gpt3_175b_distributed.sh` and `examples/llama/train_llama3_8b_h100_fp8.sh`.
 
-What this trainer does not offer (pipeline parallelism, fp8, Megatron's distributed checkpoint
-format, fp16 without a GPU) is refused by name before any compute, and so is what Megatron-LM
-itself refuses (the GPT-3 script's batch-size ramp-up in a run counted in iterations); with
-those flags at the values that mean "off", each script trains for 2 iterations at TP 1 and 2.
+What this trainer does not offer (pipeline parallelism, fp8, fp16 without a GPU) is refused by
+name before any compute, and so is what Megatron-LM itself refuses (the GPT-3 script's
+batch-size ramp-up in a run counted in iterations); with those flags at the values that mean
+"off", each script trains for 2 iterations at TP 1 and 2 (the Llama-3 script saving, as written,
+Megatron's distributed checkpoint format).
 """
 
 import json
@@ -234,7 +235,7 @@ def _llama3(folder, tp):
         "--profile-step-end",
         "2",
         "--ckpt-format",
-        "torch",
+        "torch_dist",
         "--distributed-timeout-minutes",
         "60",
         "--save",
@@ -248,7 +249,6 @@ def _llama3(folder, tp):
 
 LLAMA3_REFUSED = [
     (["--fp8-format", "hybrid"], "fp8 needs Transformer Engine"),
-    (["--ckpt-format", "torch_dist"], "checkpoints are DeepSpeed's torch files"),
     (["--context-parallel-size", "2", "--cp-comm-type", "p2p"], "only allgather"),
 ]
 SCRIPTS = {"gpt3": (_gpt3, GPT3_REFUSED), "llama3": (_llama3, LLAMA3_REFUSED)}
@@ -263,6 +263,8 @@ def test_megatron_launch_script_trains_as_written(script, tp, tmp_path):
     assert len(history["losses"]) == 2 and all(map(math.isfinite, history["losses"]))
     run = tmp_path / "run"
     assert (run / "latest").read_text() == "iter_0000002"
+    if script == "llama3":  # --ckpt-format torch_dist: Megatron-LM's pointer too
+        assert (run / "latest_checkpointed_iteration.txt").read_text() == "2"
     with open(run / "iter_0000002" / "model_args.json") as f:
         assert json.load(f)["tensor_model_parallel_size"] == tp
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tb"))

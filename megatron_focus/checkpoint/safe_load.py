@@ -31,8 +31,13 @@ def load_file(path: str, allow_unsafe: bool = False, mmap: bool = False):
     unless `allow_unsafe` (`--allow-unsafe-checkpoints`)."""
     if allow_unsafe:
         return torch.load(path, map_location="cpu", mmap=mmap, weights_only=False)
+    # Only what is not allowed already: leaving the context disallows what it allowed, and
+    # Megatron-Core allows its own records (the Namespace among them) process-wide.
+    allowed = torch.serialization.get_safe_globals()
     try:
-        with torch.serialization.safe_globals(_deepspeed_records()):
+        with torch.serialization.safe_globals(
+            [r for r in _deepspeed_records() if r not in allowed]
+        ):
             return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
     except pickle.UnpicklingError as e:
         named = re.search(r"Unsupported global: GLOBAL ([\w.]+)|got <class '([\w.]+)'>", str(e))

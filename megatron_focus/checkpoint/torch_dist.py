@@ -11,8 +11,9 @@ axis, the rest replicated, so any TP size reads them), 'args' (Megatron-LM's rec
 
 The optimizer state is not in that part: this trainer's own checkpoint (DeepSpeed's files, with
 the optimizer, `checkpoint/format.py`) is written into the same folder, and a resume here reads
-it exactly. Megatron-LM, reading the folder, restarts its optimizer from the weights: the args
-record `no_save_optim` (and, from a CPU run, `no_save_rng`), which Megatron-LM honours.
+it exactly. Megatron-LM reads the folder with `--no-load-optim`, its optimizer and schedule
+starting afresh from the weights; the args record `no_save_optim` (and, from a CPU run, whose
+generator states a GPU cannot take, `no_save_rng`), which Megatron-LM's load honours.
 """
 
 import argparse

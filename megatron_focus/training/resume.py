@@ -11,7 +11,9 @@ The kinds of start:
   (`layouts.py`);
 - weights only: an imported model (`weights_only` marker), `--finetune` or Megatron's
   `--pretrained-checkpoint`; this run's optimizer and schedule start at iteration 0;
-- adding Focus: `--retrofit` from a checkpoint without routers (weights only, routers fresh).
+- adding Focus: `--retrofit` from a checkpoint without routers, or `--finetune` of a standard
+  model's as a Focus run (weights only, routers fresh); a standard model's weights start an XSA
+  run as weights only.
 
 A Megatron-LM `torch_dist` checkpoint (`checkpoint/torch_dist.py`; no DeepSpeed files) starts a
 run as weights only or adding Focus; its model args are read from Megatron-LM's args record.
@@ -99,7 +101,9 @@ def plan(args: argparse.Namespace) -> ResumePlan:
         if folder is not None:
             check_safe_to_load(folder, args.allow_unsafe_checkpoints)
     saved = _saved_args(checkpoint, args.allow_unsafe_checkpoints)
-    if args.retrofit and saved["attention"] != args.attention:
+    # A standard model's weights start a Focus run too (--finetune): its routers fresh.
+    from_standard = finetune and saved["attention"] == "standard" and variant(args.attention).focus
+    if (args.retrofit and saved["attention"] != args.attention) or from_standard:
         kind = ADDING_FOCUS
     elif finetune or os.path.isfile(os.path.join(checkpoint, WEIGHTS_ONLY)):
         kind = WEIGHTS
@@ -206,8 +210,11 @@ def check(plan: ResumePlan, args: argparse.Namespace, ours: dict) -> None:
 
 
 def _check_weights_fit(args: argparse.Namespace, ours: dict, folder: str, saved: dict) -> None:
-    # A retrofit adding Focus: the checkpoint has neither its attention nor its settings.
-    adding = args.retrofit and saved["attention"] != ours["attention"]
+    # A retrofit adding Focus, or a standard model's weights starting a variant's run: the
+    # checkpoint has neither its attention nor its settings.
+    adding = saved["attention"] != ours["attention"] and (
+        args.retrofit or saved["attention"] == "standard"
+    )
     ignore = ("attention",) + variant(ours["attention"]).recorded_keys() if adding else ()
     if args.position_embedding_type != "learned_absolute":  # no position table to outgrow
         # Context extension: fine-tune the weights at a longer --seq-length.

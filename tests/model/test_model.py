@@ -358,7 +358,6 @@ def test_deepspeed_json_sets_stage_and_precision_at_parse_time(tmp_path):
         ),
         ("--num-experts", "8", "mixture of experts is not supported"),
         ("--fp8-format", "hybrid", "fp8 needs Transformer Engine"),
-        ("--ckpt-format", "torch_dist", "checkpoints are DeepSpeed's torch files"),
     ],
 )
 def test_what_is_not_offered_is_refused_by_name(flag, value, message):

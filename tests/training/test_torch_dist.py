@@ -236,6 +236,13 @@ def test_bad_checkpoints_are_refused_by_name_before_any_weight_loads(tmp_path):
     assert "metadata.json is not a distributed checkpoint's record" in damaged
 
 
+def test_torch_dist_under_zero3_is_refused_at_parse_time():
+    from megatron_focus.arguments import parse_args
+
+    with pytest.raises(ValueError, match="--ckpt-format torch_dist: ZeRO stage 3 partitions"):
+        parse_args(MODEL + ["--ckpt-format", "torch_dist", "--zero-stage", "3"])
+
+
 @pytest.mark.slow
 def test_a_run_saved_as_torch_dist_resumes_exactly_and_loads_into_megatron_core(tmp_path):
     """--ckpt-format torch_dist: the run stopped at 2 and resumed equals the straight run; its
@@ -280,14 +287,46 @@ def _read_run(tag_dir: str) -> dict:
 
 
 def test_megatron_lm_checkpoint_starts_a_focus_retrofit_run(tmp_path):
-    """--pretrained-checkpoint of a Megatron-LM folder with --retrofit: the plan reads its
-    tracker and args, trains only the routers; a plain resume of it is refused by name."""
+    """--retrofit from a Megatron-LM folder: the plan reads its tracker and args, the run trains
+    only the routers; a plain resume of it is refused by name."""
     folder = str(tmp_path / "megatron")
     run_distributed(_write_megatron_lm, 1, folder)
     flags = MODEL[:-2] + ["--data-cache-path", str(tmp_path / "cache"), "--train-iters", "3"]
-    history = train(
-        1, flags + ["--attention", "focus", "--retrofit", "--pretrained-checkpoint", folder]
-    )
+    history = train(1, flags + ["--attention", "focus", "--retrofit", "--load", folder])
     assert len(history["losses"]) == 3
     with pytest.raises(Exception, match="is Megatron-LM's checkpoint"):
         train(1, flags + ["--load", folder])
+
+
+def _same_weights(run_dir: str, megatron_dir: str) -> bool:
+    """Whether the run's saved weights (DeepSpeed's file) are the Megatron-LM checkpoint's, as
+    Megatron-Core's GPTModel reads it (the routers aside)."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_focus.checkpoint.format import model_file, read_model_file
+
+    reference = _megatron_core(_args(1), seed=11)
+    loaded = dist_checkpointing.load({"model": reference.sharded_state_dict()}, megatron_dir)
+    reference.load_state_dict(loaded["model"])
+    saved = read_model_file(model_file(run_dir, 0), False)["module"]
+    return all(
+        torch.equal(saved[k], v)
+        for k, v in reference.state_dict().items()
+        if not k.endswith("_extra_state")
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["xsa", "focus"])
+def test_megatron_lm_checkpoint_starts_an_xsa_or_focus_run(tmp_path, attention):
+    """--pretrained-checkpoint of a Megatron-LM folder: a run of another attention variant from
+    its weights (Focus's routers fresh), from iteration 0; at LR 0 it saves them unchanged."""
+    folder = str(tmp_path / "megatron")
+    run_distributed(_write_megatron_lm, 1, folder)
+    flags = MODEL[:-2] + ["--data-cache-path", str(tmp_path / "cache"), "--train-iters", "3"]
+    run = str(tmp_path / "run")
+    argv = ["--attention", attention, "--pretrained-checkpoint", folder, "--save", run]
+    history = train(1, flags + argv + ["--lr", "0", "--min-lr", "0"])
+    assert len(history["losses"]) == 3
+    megatron_dir = os.path.join(folder, "iter_0000007")
+    assert run_distributed(_same_weights, 1, os.path.join(run, "iter_0000003"), megatron_dir)
