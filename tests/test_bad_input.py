@@ -86,6 +86,19 @@ def _copy_run(change: Callable[[str], None]):
     return setup
 
 
+def _megatron_lm_folder(tracker: str, files: dict):
+    """{tmp}/mlm as Megatron-LM names a checkpoint folder: its iteration pointer and `files`."""
+
+    def setup(paths):
+        folder = os.path.join(paths["tmp"], "mlm")
+        for name, text in {"latest_checkpointed_iteration.txt": tracker, **files}.items():
+            os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
+            with open(os.path.join(folder, name), "w") as f:
+                f.write(text)
+
+    return setup
+
+
 def _rewrite_latest(tag: str):
     def change(folder):
         with open(os.path.join(os.path.dirname(folder), "latest"), "w") as f:
@@ -510,6 +523,20 @@ CASES = [
         "a changed learning rate on resume",
         TINY + ["--lr", "0.01", "--load", "{run}"],
         r"schedule differs from the checkpoint's: --lr 0.01",
+    ),
+    Case(
+        P,
+        "a Megatron-LM torch_dist checkpoint whose metadata.json is damaged",
+        TINY + ["--finetune", "--load", "{tmp}/mlm"],
+        r"mlm/iter_0000007/metadata.json is not a distributed checkpoint's record",
+        _megatron_lm_folder("7", {"iter_0000007/metadata.json": "{not json"}),
+    ),
+    Case(
+        P,
+        "Megatron-LM's latest_checkpointed_iteration.txt naming a missing checkpoint",
+        TINY + ["--finetune", "--load", "{tmp}/mlm"],
+        r"latest_checkpointed_iteration.txt names iter_0000009, which is not in .*mlm",
+        _megatron_lm_folder("9", {"iter_0000007/metadata.json": "{}"}),
     ),
     Case(
         P,
