@@ -94,7 +94,7 @@ def megatron_args(args: argparse.Namespace, padded_vocab_size: int, consumed: in
         pipeline_model_parallel_size=1,
         data_parallel_size=world // tp,
         no_save_optim=True,  # the optimizer state is DeepSpeed's, beside this part
-        no_save_rng=not torch.cuda.is_available(),
+        no_save_rng=args.no_save_rng or not torch.cuda.is_available(),
     )
     return argparse.Namespace(**record)
 
@@ -151,7 +151,7 @@ def save(
 def _shards(entry) -> list:
     """The ShardedTensors / ShardedObjects one entry of a sharded state dict stands for."""
     if isinstance(entry, ShardedTensorFactory):
-        return [s for s in _flat(entry.build())]
+        return _flat(entry.build())
     return [entry]
 
 

@@ -142,15 +142,15 @@ def save(
     if rank0:
         os.makedirs(args.save, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # debris of an earlier crashed save
+        if args.ckpt_format == "torch_dist":  # Megatron's part first, into the empty folder
+            os.makedirs(partial)
     dist.barrier()
     client_state = {
         "iteration": iteration,
         "consumed_samples": consumed_samples,
         **({} if args.no_save_rng else {"rng": rng_state()}),
     }
-    if args.ckpt_format == "torch_dist":  # into the empty folder, before DeepSpeed's files
-        if rank0:
-            os.makedirs(partial)
+    if args.ckpt_format == "torch_dist":
         _agree(
             _attempt(
                 lambda: _save_torch_dist(

@@ -76,23 +76,18 @@ def _megatron_lm_save(model, folder: str, args, iteration: int = 7) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
+    from megatron_focus.checkpoint.format import SHAPE_KEYS
+
     tag_dir = os.path.join(folder, f"iter_{iteration:07d}")
     if dist.get_rank() == 0:
         os.makedirs(tag_dir)
     dist.barrier()
+    # Megatron-LM's args hold every model flag under the names used here, bar the variant's
     megatron_args = argparse.Namespace(
         **{
             k: getattr(args, k)
-            for k in (
-                "num_layers",
-                "hidden_size",
-                "ffn_hidden_size",
-                "num_attention_heads",
-                "num_query_groups",
-                "kv_channels",
-                "max_position_embeddings",
-                "tensor_model_parallel_size",
-            )
+            for k in SHAPE_KEYS
+            if k not in ("attention", "xsa_layers", "padded_vocab_size")
         },
         padded_vocab_size=256,
     )
