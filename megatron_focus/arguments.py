@@ -529,7 +529,8 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
         "read by Megatron-LM with --no-load-optim at any TP size (its optimizer and schedule "
         "restart); the optimizer state stays in DeepSpeed's files beside it, from which a "
         "resume here is exact. A Megatron-LM torch_dist checkpoint starts a run here with "
-        "--finetune, --pretrained-checkpoint or --retrofit (default %(default)s)",
+        "--finetune, --pretrained-checkpoint or --retrofit, or continues with --no-load-optim "
+        "(default %(default)s)",
     )
     g.add_argument(
         "--finetune",

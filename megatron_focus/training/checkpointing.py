@@ -399,6 +399,17 @@ def _load_weights_only(engine, args, checkpoint_dir: str, may_miss) -> None:
         engine.optimizer.refresh_fp32_params()
 
 
+def _resume_megatron_lm(engine, args: argparse.Namespace, checkpoint: str) -> tuple:
+    """A Megatron-LM run continued (`--no-load-optim`): its weights, iteration and consumed
+    samples; the optimizer and LR schedule start afresh, the random states from the seed."""
+    _load_weights_only(engine, args, checkpoint, may_miss=lambda name: False)
+    state = torch_dist.common_state(checkpoint, args.allow_unsafe_checkpoints)
+    iteration = state["iteration"]
+    consumed = getattr(state.get("args"), "consumed_train_samples", None)
+    platform.manual_seed(args.seed + iteration)
+    return iteration, iteration * args.global_batch_size if consumed is None else consumed
+
+
 def load(engine, args: argparse.Namespace, plan: ResumePlan, padded_vocab_size: int) -> tuple:
     """Execute `plan`: restore model, optimizer, scheduler, RNG and data position; returns
     (iteration, consumed samples), (0, 0) where the run starts at iteration 0. What
@@ -410,6 +421,8 @@ def load(engine, args: argparse.Namespace, plan: ResumePlan, padded_vocab_size: 
     if plan.kind != resume.RESUME:
         _load_weights_only(engine, args, plan.checkpoint, plan.may_miss)
         return 0, 0
+    if resume.megatron_lm_only(plan.checkpoint):
+        return _resume_megatron_lm(engine, args, plan.checkpoint)
     layout = plan.layout
     _checked_file(
         engine,

@@ -16,7 +16,8 @@ The kinds of start:
   run as weights only.
 
 A Megatron-LM `torch_dist` checkpoint (`checkpoint/torch_dist.py`; no DeepSpeed files) starts a
-run as weights only or adding Focus; its model args are read from Megatron-LM's args record.
+run as weights only or adding Focus, or resumes with `--no-load-optim` (weights, iteration, data
+position); its model args are read from Megatron-LM's args record.
 
 A retrofit's trained-only checkpoint (`base_checkpoint.json`) resumes or fine-tunes with its base
 loaded first (`base`): its frozen weights, then the routers.
@@ -136,6 +137,10 @@ def _saved_args(checkpoint: str, allow_unsafe: bool) -> dict:
     return saved_model_args(checkpoint)
 
 
+# A Megatron-LM checkpoint is read at any TP size, each weight's shape checked as it loads.
+MEGATRON_RESHARDS = ("tensor_model_parallel_size", "padded_vocab_size")
+
+
 def megatron_lm_only(checkpoint: str) -> bool:
     """A distributed checkpoint without DeepSpeed's files: Megatron-LM's (model, no optimizer
     state this trainer reads)."""
@@ -175,11 +180,15 @@ def check(plan: ResumePlan, args: argparse.Namespace, ours: dict) -> None:
         return
     checkpoint, layout = plan.checkpoint, plan.layout
     if megatron_lm_only(checkpoint):
-        raise ValueError(
-            f"{checkpoint} is Megatron-LM's checkpoint, whose optimizer state does not load "
-            "here: start from its weights with --finetune or --pretrained-checkpoint (or "
-            "--retrofit to add Focus)"
-        )
+        if plan.load_optimizer:
+            raise ValueError(
+                f"{checkpoint} is Megatron-LM's checkpoint, whose optimizer state does not load "
+                "here: resume it with --no-load-optim (its weights, iteration and data "
+                "position), or start from its weights with --finetune or "
+                "--pretrained-checkpoint (or --retrofit to add Focus)"
+            )
+        check_compatible(ours, plan.saved_args, checkpoint, MEGATRON_RESHARDS)
+        return
     if os.path.isfile(os.path.join(checkpoint, NO_OPTIMIZER)) and (layout or plan.load_optimizer):
         raise ValueError(
             f"{checkpoint} was saved with --no-save-optim: it resumes with "
@@ -219,8 +228,8 @@ def _check_weights_fit(args: argparse.Namespace, ours: dict, folder: str, saved:
     if args.position_embedding_type != "learned_absolute":  # no position table to outgrow
         # Context extension: fine-tune the weights at a longer --seq-length.
         ignore += ("max_position_embeddings",)
-    if megatron_lm_only(folder):  # read at any TP size, each weight's shape checked on load
-        ignore += ("tensor_model_parallel_size", "padded_vocab_size")
+    if megatron_lm_only(folder):
+        ignore += MEGATRON_RESHARDS
     check_compatible(ours, saved, folder, ignore)
     if args.zero_stage == 3:
         raise ValueError(

@@ -283,14 +283,17 @@ def _read_run(tag_dir: str) -> dict:
 
 def test_megatron_lm_checkpoint_starts_a_focus_retrofit_run(tmp_path):
     """--retrofit from a Megatron-LM folder: the plan reads its tracker and args, the run trains
-    only the routers; a plain resume of it is refused by name."""
+    only the routers; it resumes with --no-load-optim only (its optimizer state is Megatron's)."""
     folder = str(tmp_path / "megatron")
     run_distributed(_write_megatron_lm, 1, folder)
     flags = MODEL[:-2] + ["--data-cache-path", str(tmp_path / "cache"), "--train-iters", "3"]
     history = train(1, flags + ["--attention", "focus", "--retrofit", "--load", folder])
     assert len(history["losses"]) == 3
-    with pytest.raises(Exception, match="is Megatron-LM's checkpoint"):
+    with pytest.raises(Exception, match="is Megatron-LM's checkpoint.*--no-load-optim"):
         train(1, flags + ["--load", folder])
+    # continued at its iteration 7: iterations 8 and 9 (as Megatron-LM reads ours)
+    continued = train(1, flags[:-1] + ["9", "--load", folder, "--no-load-optim"])
+    assert len(continued["losses"]) == 2
 
 
 def _same_weights(run_dir: str, megatron_dir: str) -> bool:
