@@ -746,13 +746,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def _use_checkpoint_args(args: argparse.Namespace) -> None:
     """Megatron's --use-checkpoint-args: the model as --load's checkpoint records it."""
     from megatron_focus.checkpoint import format as checkpoint_format
+    from megatron_focus.checkpoint import torch_dist
 
     if not args.load:
         raise ValueError("--use-checkpoint-args needs --load (the checkpoint to read them from)")
     tag = checkpoint_format.resume_tag(args)
     if tag is None:
         raise FileNotFoundError(f"--use-checkpoint-args: --load {args.load} holds no checkpoint")
-    saved = checkpoint_format.saved_model_args(os.path.join(args.load, tag))
+    saved = torch_dist.model_args_of(os.path.join(args.load, tag), args.allow_unsafe_checkpoints)
     for key, value in saved.items():
         if key not in ("tensor_model_parallel_size", "padded_vocab_size"):
             setattr(args, key, value)

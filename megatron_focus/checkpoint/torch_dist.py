@@ -33,6 +33,7 @@ from megatron.core.dist_checkpointing.mapping import (
 )
 from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 
+from megatron_focus.checkpoint import format as checkpoint_format
 from megatron_focus.checkpoint.safe_load import load_file
 
 # Megatron-LM's version of checkpoints of Megatron-Core models (`generate_state_dict`).
@@ -212,6 +213,24 @@ def load_model(
         raise ValueError(
             f"{folder} does not fit this model: missing {left}, unexpected {result.unexpected_keys}"
         )
+
+
+def is_megatron_lm(checkpoint: str) -> bool:
+    """A distributed checkpoint without DeepSpeed's files: Megatron-LM's (its model, and no
+    optimizer state this trainer reads)."""
+    return is_torch_dist(checkpoint) and not (
+        checkpoint_format.model_files(checkpoint) or checkpoint_format.is_zero3(checkpoint)
+    )
+
+
+def model_args_of(checkpoint: str, allow_unsafe: bool) -> dict:
+    """A checkpoint's model args: this trainer's record, or those of Megatron-LM's args."""
+    if not is_megatron_lm(checkpoint):
+        return checkpoint_format.saved_model_args(checkpoint)
+    saved = common_state(checkpoint, allow_unsafe).get("args")
+    if saved is None:
+        raise ValueError(f"{checkpoint} records no args: its model is unknown")
+    return model_args(saved, checkpoint_format.SHAPE_KEYS)
 
 
 def model_args(saved: argparse.Namespace, shape_keys: tuple) -> dict:

@@ -421,7 +421,7 @@ def load(engine, args: argparse.Namespace, plan: ResumePlan, padded_vocab_size: 
     if plan.kind != resume.RESUME:
         _load_weights_only(engine, args, plan.checkpoint, plan.may_miss)
         return 0, 0
-    if resume.megatron_lm_only(plan.checkpoint):
+    if torch_dist.is_megatron_lm(plan.checkpoint):
         return _resume_megatron_lm(engine, args, plan.checkpoint)
     layout = plan.layout
     _checked_file(

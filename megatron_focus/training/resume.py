@@ -31,17 +31,14 @@ from typing import Optional
 from megatron_focus.checkpoint import format as checkpoint_format
 from megatron_focus.checkpoint import integrity, torch_dist
 from megatron_focus.checkpoint.format import (
-    ARGS_FILE,
     LATEST,
     MEGATRON_TRACKER,
     NO_OPTIMIZER,
-    SHAPE_KEYS,
     WEIGHTS_ONLY,
     base_checkpoint,
     check_compatible,
     complete_tags,
     iteration_of,
-    model_files,
     resume_tag,
     saved_model_args,
 )
@@ -101,7 +98,7 @@ def plan(args: argparse.Namespace) -> ResumePlan:
     for folder in (base, checkpoint):
         if folder is not None:
             check_safe_to_load(folder, args.allow_unsafe_checkpoints)
-    saved = _saved_args(checkpoint, args.allow_unsafe_checkpoints)
+    saved = torch_dist.model_args_of(checkpoint, args.allow_unsafe_checkpoints)
     # A standard model's weights start a Focus run too (--finetune): its routers fresh.
     from_standard = finetune and saved["attention"] == "standard" and variant(args.attention).focus
     if (args.retrofit and saved["attention"] != args.attention) or from_standard:
@@ -127,26 +124,8 @@ def plan(args: argparse.Namespace) -> ResumePlan:
     )
 
 
-def _saved_args(checkpoint: str, allow_unsafe: bool) -> dict:
-    """The checkpoint's model args: this trainer's record, or a Megatron-LM checkpoint's args."""
-    if megatron_lm_only(checkpoint) and not os.path.isfile(os.path.join(checkpoint, ARGS_FILE)):
-        saved = torch_dist.common_state(checkpoint, allow_unsafe).get("args")
-        if saved is None:
-            raise ValueError(f"{checkpoint} records no args: its model is unknown")
-        return torch_dist.model_args(saved, SHAPE_KEYS)
-    return saved_model_args(checkpoint)
-
-
 # A Megatron-LM checkpoint is read at any TP size, each weight's shape checked as it loads.
 MEGATRON_RESHARDS = ("tensor_model_parallel_size", "padded_vocab_size")
-
-
-def megatron_lm_only(checkpoint: str) -> bool:
-    """A distributed checkpoint without DeepSpeed's files: Megatron-LM's (model, no optimizer
-    state this trainer reads)."""
-    return torch_dist.is_torch_dist(checkpoint) and not (
-        model_files(checkpoint) or checkpoint_format.is_zero3(checkpoint)
-    )
 
 
 def refuse_lost_latest(folder: str, ckpt_step: Optional[int]) -> None:
@@ -179,7 +158,7 @@ def check(plan: ResumePlan, args: argparse.Namespace, ours: dict) -> None:
     if plan.kind != RESUME:
         return
     checkpoint, layout = plan.checkpoint, plan.layout
-    if megatron_lm_only(checkpoint):
+    if torch_dist.is_megatron_lm(checkpoint):
         if plan.load_optimizer:
             raise ValueError(
                 f"{checkpoint} is Megatron-LM's checkpoint, whose optimizer state does not load "
@@ -228,7 +207,7 @@ def _check_weights_fit(args: argparse.Namespace, ours: dict, folder: str, saved:
     if args.position_embedding_type != "learned_absolute":  # no position table to outgrow
         # Context extension: fine-tune the weights at a longer --seq-length.
         ignore += ("max_position_embeddings",)
-    if megatron_lm_only(folder):
+    if torch_dist.is_megatron_lm(folder):
         ignore += MEGATRON_RESHARDS
     check_compatible(ours, saved, folder, ignore)
     if args.zero_stage == 3:

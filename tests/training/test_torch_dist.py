@@ -294,6 +294,12 @@ def test_megatron_lm_checkpoint_starts_a_focus_retrofit_run(tmp_path):
     # continued at its iteration 7: iterations 8 and 9 (as Megatron-LM reads ours)
     continued = train(1, flags[:-1] + ["9", "--load", folder, "--no-load-optim"])
     assert len(continued["losses"]) == 2
+    from megatron_focus.arguments import parse_args
+
+    deeper = [f if f != "2" or flags[i - 1] != "--num-layers" else "5" for i, f in enumerate(flags)]
+    assert parse_args(deeper + ["--load", folder, "--finetune"]).num_layers == 5
+    read = parse_args(deeper + ["--load", folder, "--finetune", "--use-checkpoint-args"])
+    assert read.num_layers == 2 and read.hidden_size == 64
 
 
 def _same_weights(run_dir: str, megatron_dir: str) -> bool:
