@@ -34,6 +34,7 @@ from megatron.core.dist_checkpointing.mapping import (
 from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 
 from megatron_focus.checkpoint import format as checkpoint_format
+from megatron_focus.checkpoint.format import SHAPE_KEYS
 from megatron_focus.checkpoint.safe_load import load_file
 
 # Megatron-LM's version of checkpoints of Megatron-Core models (`generate_state_dict`).
@@ -230,34 +231,36 @@ def model_args_of(checkpoint: str, allow_unsafe: bool) -> dict:
     saved = common_state(checkpoint, allow_unsafe).get("args")
     if saved is None:
         raise ValueError(f"{checkpoint} records no args: its model is unknown")
-    return model_args(saved, checkpoint_format.SHAPE_KEYS)
+    return _model_args(saved)
 
 
-def model_args(saved: argparse.Namespace, shape_keys: tuple) -> dict:
-    """A Megatron-LM checkpoint's model, as `model_args.json` would record it: its args under
-    this trainer's names (standard attention, Megatron-LM's defaults for what it omits)."""
-    defaults = {
+# Megatron-LM's defaults of the model flags, for an args record that omits one.
+MEGATRON_DEFAULTS = {
+    "xsa_layers": None,
+    "window_size": None,
+    "openai_gelu": False,
+    "squared_relu": False,
+    "add_qkv_bias": False,
+    "apply_layernorm_1p": False,
+    "qk_layernorm": False,
+    "use_rope_scaling": False,
+    "rope_scaling_factor": 8.0,
+    "rotary_base": 10000,
+    "rotary_percent": 1.0,
+    "normalization": "LayerNorm",
+    "norm_epsilon": 1e-5,
+    "swiglu": False,
+    "add_bias_linear": True,
+    "untie_embeddings_and_output_weights": False,
+    "position_embedding_type": "learned_absolute",
+}
+
+
+def _model_args(saved: argparse.Namespace) -> dict:
+    """A Megatron-LM checkpoint's model as `model_args.json` would record it: its args, under
+    the same names, with standard attention."""
+    values = {key: getattr(saved, key, MEGATRON_DEFAULTS.get(key)) for key in SHAPE_KEYS}
+    return {
+        **{k: list(v) if isinstance(v, tuple) else v for k, v in values.items()},
         "attention": "standard",
-        "xsa_layers": None,
-        "window_size": None,
-        "openai_gelu": False,
-        "squared_relu": False,
-        "add_qkv_bias": False,
-        "apply_layernorm_1p": False,
-        "qk_layernorm": False,
-        "use_rope_scaling": False,
-        "rope_scaling_factor": 8.0,
-        "rotary_base": 10000,
-        "rotary_percent": 1.0,
-        "normalization": "LayerNorm",
-        "norm_epsilon": 1e-5,
-        "swiglu": False,
-        "add_bias_linear": True,
-        "untie_embeddings_and_output_weights": False,
-        "position_embedding_type": "learned_absolute",
     }
-    record = {key: getattr(saved, key, defaults.get(key)) for key in shape_keys}
-    record["attention"] = "standard"
-    if record.get("window_size") is not None:
-        record["window_size"] = list(record["window_size"])
-    return record

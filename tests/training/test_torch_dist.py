@@ -294,6 +294,9 @@ def test_megatron_lm_checkpoint_starts_a_focus_retrofit_run(tmp_path):
     # continued at its iteration 7: iterations 8 and 9 (as Megatron-LM reads ours)
     continued = train(1, flags[:-1] + ["9", "--load", folder, "--no-load-optim"])
     assert len(continued["losses"]) == 2
+    # a model its weights would fit but that computes otherwise: refused from its args
+    with pytest.raises(Exception, match="another model: normalization: checkpoint 'LayerNorm'"):
+        train(1, flags + ["--load", folder, "--finetune", "--normalization", "RMSNorm"])
     from megatron_focus.arguments import parse_args
 
     deeper = [f if f != "2" or flags[i - 1] != "--num-layers" else "5" for i, f in enumerate(flags)]
