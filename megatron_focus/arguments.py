@@ -530,7 +530,7 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
         "restart); the optimizer state stays in DeepSpeed's files beside it, from which a "
         "resume here is exact. A Megatron-LM torch_dist checkpoint starts a run here with "
         "--finetune, --pretrained-checkpoint or --retrofit, or continues with --no-load-optim "
-        "(default %(default)s)",
+        "(default: torch)",
     )
     g.add_argument(
         "--finetune",
