@@ -61,16 +61,25 @@ def check_readable(folder: str) -> None:
         raise ValueError(f"{config} is not a distributed checkpoint's record ({e})") from None
     if backend != "torch_dist":
         raise ValueError(f"{config}: backend {backend!r}; only torch_dist checkpoints load here")
-    for name in (COMMON_STATE_FNAME, ".metadata"):
-        if not os.path.isfile(os.path.join(folder, name)):
-            raise FileNotFoundError(f"{os.path.join(folder, name)} is missing: not complete")
+    if not os.path.isfile(os.path.join(folder, ".metadata")):
+        raise FileNotFoundError(f"{os.path.join(folder, '.metadata')} is missing: not complete")
 
 
 def common_state(folder: str, allow_unsafe: bool) -> dict:
     """The non-tensor part ('args', 'iteration', 'opt_param_scheduler' ...), read without
-    running code unless `allow_unsafe` (Megatron-LM's args may pickle its own classes)."""
+    running code unless `allow_unsafe` (Megatron-LM's args may pickle its own classes).
+
+    Megatron-Core up to 0.18 writes it as `common.pt`; 0.19 as one object among the tensors,
+    which its reader unpickles with torch's weights-only loader."""
     check_readable(folder)
-    return load_file(os.path.join(folder, COMMON_STATE_FNAME), allow_unsafe)
+    if os.path.isfile(os.path.join(folder, COMMON_STATE_FNAME)):
+        return load_file(os.path.join(folder, COMMON_STATE_FNAME), allow_unsafe)
+    try:
+        return dist_checkpointing.load_common_state_dict(folder)
+    except Exception as e:  # torch's reader raises its own types on a damaged file
+        raise ValueError(
+            f"{folder}: the checkpoint's common state (args, iteration) cannot be read ({e})"
+        ) from None
 
 
 def megatron_args(args: argparse.Namespace, padded_vocab_size: int, consumed: int):

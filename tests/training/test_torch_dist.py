@@ -252,7 +252,8 @@ def test_a_run_saved_as_torch_dist_resumes_exactly_and_loads_into_megatron_core(
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
         assert f.read() == "4"
     tag_dir = os.path.join(ckpt, "iter_0000004")
-    assert {"metadata.json", "common.pt", ".metadata"} <= set(os.listdir(tag_dir))
+    # megatron-core 0.19 keeps the common state among the tensors, earlier ones in common.pt
+    assert {"metadata.json", ".metadata"} <= set(os.listdir(tag_dir))
     with open(os.path.join(tag_dir, "metadata.json")) as f:
         assert json.load(f)["sharded_backend"] == "torch_dist"
     out = run_distributed(_read_run, 1, tag_dir)
