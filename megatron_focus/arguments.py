@@ -339,6 +339,7 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--no-manual-gc-eval",
+        "--disable-manual-gc-eval",
         dest="manual_gc_eval",
         action="store_false",
         help="with --manual-gc: no collection around evaluations",
@@ -519,7 +520,13 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
         help="resume from --load's checkpoint of this iteration rather than its latest "
         "(e.g. the one before a damaged checkpoint)",
     )
-    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument(
+        "--save-interval",
+        "--persistent-save-interval",
+        type=int,
+        default=None,
+        help="save (with --save) every this many iterations; besides, at the end of the run",
+    )
     g.add_argument(
         "--ckpt-format",
         choices=("torch", "torch_dist"),
@@ -553,12 +560,14 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     schedule = g.add_mutually_exclusive_group()
     schedule.add_argument(
         "--override-opt_param-scheduler",
+        "--override-opt-param-scheduler",
         action="store_true",
         help="on resume, this run's schedule flags (--lr, --min-lr, warmup, "
         "decay, --weight-decay, --train-iters) replace the checkpoint's",
     )
     schedule.add_argument(
         "--use-checkpoint-opt_param-scheduler",
+        "--use-checkpoint-opt-param-scheduler",
         action="store_true",
         help="on resume, keep the checkpoint's schedule whatever the flags say "
         "(default: a difference is an error)",
@@ -605,6 +614,7 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--no-log-loss-scale-to-tensorboard",
+        "--disable-log-loss-scale-to-tensorboard",
         dest="log_loss_scale_to_tensorboard",
         action="store_false",
         help="TensorBoard gets no 'loss-scale' curve",
@@ -727,11 +737,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_args(p)
     _add_checkpoint_args(p)
     _add_logging_args(p)
-    add_compat_args(p)
     p.add_argument(
         "--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher"
     )
     _add_deepspeed_args(p)
+    p.add_argument(
+        "--yaml-cfg",
+        default=None,
+        metavar="PATH",
+        help="all flags from this YAML file instead of the command line, laid out as "
+        "Megatron-LM's (flag names with underscores at the top; language_model: and "
+        "model_parallel: sections in Megatron-Core's config names)",
+    )
+    add_compat_args(p)
     return p
 
 

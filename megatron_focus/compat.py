@@ -1,120 +1,308 @@
-"""Megatron-LM flags that a launch script brings along, beyond the ones this trainer implements.
+"""Every flag of Megatron-LM's `pretrain_gpt.py` that this trainer does not implement itself.
 
-Three kinds, each listed once here and shown by `pretrain_gpt.py --help`:
+A launch script brings Megatron-LM's flags along; each one is known here, with Megatron-LM's
+own argparse keywords (megatron_lm_flags.txt, read from its parser), so that a script that gives
+it a value parses. Beyond the flags this trainer implements (arguments.py), three kinds, each
+shown by `pretrain_gpt.py --help`:
 
-- *no effect here*: they tune fused CUDA kernels, Transformer Engine or Megatron's own
-  optimizer and checkpoint plumbing, which this trainer replaces (DeepSpeed, Megatron-Core's
-  model on PyTorch kernels); accepted so that the script runs, and said to do nothing;
-- *refused*: what this trainer does not offer (pipeline parallelism, mixture of
-  experts, fp8 without Transformer Engine), refused by name before
-  any compute, with what to use instead, unless given at the value that means "off";
+- *no effect here*: they tune what this trainer replaces (fused CUDA kernels, Transformer
+  Engine's communication overlap, CUDA graphs, Megatron's DDP buckets and distributed
+  checkpoints, NVIDIA's logging services): accepted so that the script runs, and said to do
+  nothing;
+- *refused*: what this trainer does not offer (mixture of experts, pipeline parallelism, fp8,
+  multi-latent attention, other models ...), refused by feature name before any compute, with
+  what to use instead, unless given at the value that means "off" (Megatron-LM's default), so
+  that a script spelling out defaults runs;
 - *translated*: Megatron's name for something DeepSpeed does here (`--use-distributed-optimizer`
   is ZeRO-1, `--overlap-grad-reduce` / `--overlap-param-gather` DeepSpeed's overlapped
-  communication).
+  communication), or Megatron's older name for a flag of this trainer.
+
+Flags that share one reason are one family, named by shell-style patterns (`--moe-*`); the first
+family whose pattern matches a flag says what it is.
 """
 
 import argparse
+import ast
+import fnmatch
+import os
+from typing import Dict, List, Optional, Tuple
 
-FP8_TUNING = "tunes fp8 (--fp8-format), which needs Transformer Engine"
-TIKTOKEN = "read by Megatron's TikTokenizer only; tokenizers here are --tokenizer-type's"
-# flag: (argparse keywords, why it has no effect here)
+SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_lm_flags.txt")
+
+TE = "Transformer Engine, which this trainer does not use"
+FP8 = f"fp8 needs {TE}; use --bf16"
+CHECKPOINTS = "checkpoints are DeepSpeed's torch files; tools/convert_to_hf.py exports them"
+OTHER_MODELS = (
+    "for BERT, T5, retrieval (ICT, REALM, biencoder) and vision models: this trainer "
+    "pretrains GPT models"
+)
+
+# patterns: why they do nothing here
 NO_EFFECT = {
-    "--use-mcore-models": (
-        {"action": "store_true"},
-        "the model is always Megatron-Core's GPTModel",
-    ),
-    "--no-masked-softmax-fusion": (
-        {"action": "store_true"},
-        "attention runs in PyTorch's kernels, not Megatron's fused softmax",
-    ),
-    "--no-bias-gelu-fusion": ({"action": "store_true"}, "the bias-GELU fusion is always off"),
-    "--cross-entropy-loss-fusion": (
-        {"action": "store_true"},
-        "the loss is PyTorch's cross entropy",
-    ),
-    "--no-create-attention-mask-in-dataloader": (
-        {"action": "store_true"},
-        "batches never carry an attention mask",
-    ),
-    "--no-mmap-bin-files": ({"action": "store_true"}, "indexed datasets are always memory-mapped"),
-    "--empty-unused-memory-level": (
-        {"type": int, "default": 0},
-        "the CUDA cache is left to PyTorch's allocator",
-    ),
-    "--attention-backend": (
-        {"default": "auto"},
-        "the kernel is chosen per device and variant (model/kernels.py)",
-    ),
-    "--use-flash-attn": (
-        {"action": "store_true"},
-        "flash-attn is used for standard attention whenever it is installed",
-    ),
-    "--no-rope-fusion": ({"action": "store_true"}, "RoPE is never fused here"),
-    "--no-gradient-accumulation-fusion": (
-        {"action": "store_true"},
-        "gradient accumulation is DeepSpeed's",
-    ),
-    "--no-bias-swiglu-fusion": ({"action": "store_true"}, "the bias-SwiGLU fusion is always off"),
-    "--no-bias-dropout-fusion": (
-        {"action": "store_true"},
-        "bias-dropout-add is fused on a GPU, not on the CPU",
-    ),
-    # fp8 itself (--fp8-format) is refused; its tuning flags alone change nothing, as in Megatron
-    **{
-        flag: (kwargs, FP8_TUNING)
-        for flag, kwargs in (
-            ("--fp8-amax-history-len", {"type": int, "default": 1}),
-            (
-                "--fp8-amax-compute-algo",
-                {"choices": ("most_recent", "max"), "default": "most_recent"},
-            ),
-            ("--fp8-margin", {"type": int, "default": 0}),
-            ("--fp8-interval", {"type": int, "default": 1}),
-            ("--fp8-param-gather", {"action": "store_true"}),
-        )
-    },
-    **{
-        flag: (kwargs, TIKTOKEN)
-        for flag, kwargs in (
-            ("--tiktoken-pattern", {"default": None}),
-            ("--tiktoken-num-special-tokens", {"type": int, "default": 1000}),
-        )
-    },
+    "--use-mcore-models": "the model is always Megatron-Core's GPTModel",
+    "--transformer-impl": f"the layers are Megatron-Core's local (PyTorch) modules, without {TE}",
+    "--no-masked-softmax-fusion --attention-softmax-in-fp32 --apply-query-key-layer-scaling": "attention runs in PyTorch's, flash-attn's or this trainer's kernels (softmax in fp32), "
+    "not Megatron's fused softmax",
+    "--no-bias-gelu-fusion --no-bias-swiglu-fusion --no-rope-fusion --no-persist-layer-norm "
+    "--disable-jit-fuser --cross-entropy-fusion-impl --disable-clone-scatter-output-in-embedding "
+    "--no-clone-scatter-output-in-embedding --cross-entropy-loss-fusion "
+    "--no-gradient-accumulation-fusion --no-bias-dropout-fusion": "a fusion of Megatron's CUDA kernels: the layers here run PyTorch's",
+    "--no-create-attention-mask-in-dataloader": "batches never carry an attention mask",
+    "--no-mmap-bin-files --dataloader-defer-npy-index-mmap --dataloader-fast-cache-load "
+    "--num-dataset-builder-threads": "datasets are built once by Megatron-Core's builder and "
+    "read memory-mapped",
+    "--empty-unused-memory-level": "the CUDA cache is left to PyTorch's allocator",
+    "--attention-backend": "the kernel is chosen per device and variant (model/kernels.py)",
+    "--use-flash-attn": "flash-attn is used for standard attention whenever it is installed",
+    "--fp8-amax-history-len --fp8-amax-compute-algo --fp8-margin --fp8-interval "
+    "--fp8-param-gather": "tunes fp8 (--fp8-format), which needs Transformer Engine",
+    "--tiktoken-*": "read by Megatron's TikTokenizer only; tokenizers here are --tokenizer-type's",
+    "--tp-comm-* --no-tp-comm-* --disable-tp-comm-* --te-rng-tracker --use-te-activation-func "
+    "--delay-wgrad-compute": f"tunes {TE} (tensor-parallel communication overlap, its kernels)",
+    "--cuda-graph-* --enable-cuda-graph --external-cuda-graph": "CUDA graphs are not captured here",
+    "--ddp-* --no-align-grad-reduce --no-align-param-gather --overlap-param-gather-with-optimizer-"
+    "step --no-gradient-reduce-div-fusion --create-all-gather-group --use-nccl-ub "
+    "--disable-symmetric-registration --use-sharp --sharp-enabled-group "
+    "--high-priority-stream-groups --nccl-communicator-config-path --disable-gloo-process-groups "
+    "--accumulate-allreduce-grads-in-fp32 --disable-async-tensor-model-parallel-allreduce "
+    "--no-async-tensor-model-parallel-allreduce --distributed-timeout-seconds-after-init": "tunes Megatron's data-parallel buckets and collectives; data parallelism here is "
+    "DeepSpeed's (its gradients are accumulated in fp32, reduced in fp32 unless "
+    "--grad-reduce-in-bf16)",
+    "--ckpt-fully-parallel-* --no-ckpt-fully-parallel-save --disable-ckpt-fully-parallel-save "
+    "--ckpt-assume-constant-structure --dist-ckpt-strictness --dist-ckpt-optim-fully-reshardable "
+    "--distrib-optim-fully-reshardable-mem-efficient --dist-ckpt-save-pre-mcore-014 --async-save "
+    "--use-persistent-ckpt-worker --ckpt-convert-update-legacy-dist-opt-format "
+    "--disable-strict-fsdp-dtensor-load --no-strict-fsdp-dtensor-load": f"tunes Megatron's distributed (torch_dist) checkpoints; {CHECKPOINTS}, saved synchronously",
+    "--use-cpu-initialization --init-model-with-meta-device --no-initialization --lazy-mpu-init "
+    "--onnx-safe": "the model is initialised on its device once (a loaded checkpoint's weights "
+    "replace that)",
+    "--no-check-for-nan-in-loss-and-grad --rerun-mode": "a non-finite loss is always caught: the "
+    "step is skipped and the run stops after --max-skipped-steps in a row",
+    "--timing-log-option --no-barrier-with-level-1-timing --tensorboard-queue-size "
+    "--logging-level": "the one timer here (iteration time) is rank 0's, and TensorBoard is "
+    "written at each log step",
+    "--no-one-logger --one-logger-* --app-tag-*": "NVIDIA's one-logger is not used",
+    "--disable-msc": "Multi-Storage Client is not used: paths are local files",
+    "--enable-experimental": "no experimental Megatron-Core feature is used",
+    "--legacy-tokenizer --tokenizer-hf-use-fast --trust-remote-code": "tokenizers here are "
+    "--tokenizer-type's (HF tokenizers are read from tokenizer.json, fast, running no code)",
+    "--disable-straggler-on-startup --straggler-*": "tunes the straggler detector "
+    "(--log-straggler), which is not used",
+    "--no-data-sharding": "each data-parallel rank reads its own slice of every global batch",
 }
 
-# flag: (argparse keywords, the value that means "off", why refused and what to use instead)
+# patterns: what is not offered, and what to use instead
 REFUSED = {
-    "--pipeline-model-parallel-size": (
-        {"type": int, "default": 1},
-        1,
-        "pipeline parallelism is not supported; use --zero-stage 3 or tensor parallelism",
-    ),
-    "--virtual-pipeline-model-parallel-size": (
-        {"type": int, "default": None},
-        None,
-        "pipeline parallelism is not supported",
-    ),
-    "--num-experts": ({"type": int, "default": None}, None, "mixture of experts is not supported"),
-    "--expert-model-parallel-size": (
-        {"type": int, "default": 1},
-        1,
-        "expert parallelism is not supported",
-    ),
-    "--fp8-format": (
-        {"default": None},
-        None,
-        "fp8 needs Transformer Engine, which this trainer does not use; use --bf16",
+    "--rl-* --no-rl-* --grpo-* --langrl-* --no-langrl-* --perform-rl-step --refit-method": "reinforcement learning (GRPO) is not supported: this trainer pretrains",
+    "--num-experts --expert-* --moe-* --overlap-moe-expert-parallel-comm "
+    "--ep-overlap-early-attn-memory-release --use-fused-weighted-squared-relu": "mixture of experts is not supported (dense MLPs only)",
+    "--pipeline-model-parallel-* --virtual-pipeline-model-parallel-size "
+    "--num-layers-per-virtual-pipeline-stage --num-virtual-stages-per-pipeline-rank "
+    "--account-for-*-in-pipeline-split --decoder-first-pipeline-num-layers "
+    "--decoder-last-pipeline-num-layers --microbatch-group-size-per-virtual-pipeline-stage "
+    "--overlap-p2p-communication-warmup-flush --no-overlap-p2p-communication "
+    "--use-ring-exchange-p2p --no-scatter-gather-tensors-in-pipeline "
+    "--defer-embedding-wgrad-compute --wgrad-deferral-limit --use-tp-pp-dp-mapping": "pipeline parallelism is not supported; use --zero-stage 3 or tensor parallelism",
+    "--fp8-* --no-fp8-wgrad --disable-fp8-wgrad --keep-fp8-transpose-cache "
+    "--first-last-layers-bf16 --num-layers-at-*-in-bf16 --reuse-grad-buf-for-mxfp8-param-ag": FP8,
+    "--fp4-*": f"fp4 needs {TE}; use --bf16",
+    "--use-precision-aware-optimizer --exp-avg-dtype --exp-avg-sq-dtype --main-grads-dtype "
+    "--main-params-dtype --te-precision-config-file": f"lower-precision optimizer states need "
+    f"{TE}; the optimizer state is fp32 here",
+    "--multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim "
+    "--v-head-dim --cache-mla-latents --mscale --mscale-all-dim --rope-type "
+    "--rotary-scaling-factor": "multi-latent attention (and its YaRN RoPE) is not supported; the "
+    "attention here is --attention's (standard, XSA, Focus)",
+    "--mtp-*": "multi-token prediction is not supported: the loss is the next token's",
+    "--experimental-attention-variant --dsa-indexer-* --linear-attention-freq --linear-* "
+    "--attention-output-gate --softmax-type --qk-l2-norm --qk-clip* --window-attn-skip-freq "
+    "--no-rope-freq --use-kitchen-attention --kitchen-attention-backend": "this attention variant "
+    "of Megatron-LM is not supported; the variants here are --attention's (standard, XSA, Focus; "
+    "--window-size for a sliding window)",
+    "--hierarchical-context-parallel-sizes --hybrid-context-parallel --max-seqlen-per-dp-cp-rank": "context parallelism here is one level of ranks gathering keys and values "
+    "(--context-parallel-size)",
+    "--hybrid-* --is-hybrid-model --mamba-* --disable-mamba-mem-eff-path": "hybrid Mamba models "
+    "are not supported: every layer is a transformer layer",
+    "--heterogeneous-layers-config-*": "every layer has the same configuration here",
+    "--bert-* --biencoder-* --ict-* --retriever-* --titles-data-path --evidence-data-path "
+    "--block-data-path --embedding-path --indexer-* --query-in-block-prob --use-one-sent-docs "
+    "--output-bert-embeddings --mask-prob --short-seq-prob --mask-factor --mask-type "
+    "--vocab-extra-ids --relative-attention-* --img-* --patch-dim --num-channels --num-classes "
+    "--classes-fraction --data-per-class-fraction --dino-* --swin-backbone-type --vision-* "
+    "--iter-per-epoch --head-lr-mult --mrope-section --sample-rate": OTHER_MODELS,
+    "--encoder-num-layers --decoder-num-layers": "encoder-decoder models are not supported; "
+    "use --num-layers",
+    "--encoder-seq-length --decoder-seq-length": "encoder-decoder models are not supported; "
+    "use --seq-length",
+    "--inference-* --no-inference-* --flash-decode --enable-chunked-prefill "
+    "--disable-chunked-prefill --decode-only-cuda-graphs --max-tokens-to-oom "
+    "--mlp-chunks-for-prefill --nccl-all-reduce-for-prefill --symmetric-ar-type "
+    "--use-legacy-static-engine": "Megatron's inference engine is not part of this trainer; "
+    "export with tools/convert_to_hf.py and generate with Hugging Face",
+    "--sft --sft-tokenizer-prompt-format": "supervised fine-tuning datasets are not supported "
+    "(--finetune continues pretraining from a checkpoint)",
+    "--fim-*": "fill-in-the-middle samples are not supported",
+    "--enable-ft-package --calc-ft-timeouts --ft-num-warmup-iters --inprocess-* --adlr-autoresume* "
+    "--error-injection-* --result-rejected-tracker-filename --check-for-spiky-loss "
+    "--check-for-large-grads --log-straggler --run-workload-inspector-server --fake-process-group": "NVIDIA's fault-tolerance, in-process restart, straggler and result-checking services are "
+    "not used; resume from checkpoints (--load, --exit-signal-handler, --exit-duration-in-mins)",
+    "--ckpt-format": CHECKPOINTS,
+    "--use-dist-ckpt --dist-ckpt-format --auto-detect-ckpt-format --ckpt-convert-* "
+    "--non-persistent-* --replication* --load-main-params-from-ckpt --save-retain-interval "
+    "--use-mp-args-from-checkpoint-args --no-use-tokenizer-model-from-checkpoint-args "
+    "--disable-use-tokenizer-model-from-checkpoint-args": f"{CHECKPOINTS}; every save is kept",
+    "--use-megatron-fsdp --use-torch-fsdp2 --torch-fsdp2-no-reshard-after-forward "
+    "--data-parallel-sharding-strategy --outer-dp-sharding-strategy --fsdp-* "
+    "--enable-full-sharding-in-hsdp --suggested-communication-unit-size "
+    "--num-distributed-optimizer-instances": "FSDP is not used: ZeRO stage 3 shards the "
+    "parameters (--zero-stage 3)",
+    "--optimizer-cpu-offload --optimizer-offload-fraction --use-torch-optimizer-for-cpu-offload "
+    "--overlap-cpu-optimizer-d2h-h2d --no-pin-cpu-*": "optimizer offload is DeepSpeed's here: "
+    "set zero_optimization.offload_optimizer in --deepspeed_config",
+    "--optimizer --sgd-momentum --muon-*": "the optimizer is Adam with decoupled weight decay "
+    "(--adam-beta1, --adam-beta2, --adam-eps, --weight-decay)",
+    "--lr-warmup-init --lr-wsd-* --start-weight-decay --end-weight-decay "
+    "--weight-decay-incr-style": "this schedule is not offered: the LR warms up from 0 "
+    "(--lr-warmup-iters) and decays by --lr-decay-style; --weight-decay is constant",
+    "--apply-wd-to-qk-layernorm --no-weight-decay-cond-type": "weight decay skips biases and "
+    "norms, as Megatron-LM's default",
+    "--loss-scale --initial-loss-scale --min-loss-scale --loss-scale-window --hysteresis": "fp16 loss scaling is DeepSpeed's here: set fp16.loss_scale, initial_scale_power, "
+    "loss_scale_window, hysteresis, min_loss_scale in --deepspeed_config",
+    "--fp32-residual-connection --fp16-lm-cross-entropy --disable-bf16-reduced-precision-matmul "
+    "--deterministic-mode --batch-invariant-mode": "this precision or determinism mode is not "
+    "offered: the residual stream and the loss follow --bf16 / --fp16 as PyTorch computes them",
+    "--apply-residual-connection-post-layernorm --rotary-interleaved "
+    "--rotary-seq-len-interpolation-factor --quick-geglu --glu-linear-offset "
+    "--activation-func-clamp-value": "this architecture option is not offered: pre-norm layers, "
+    "RoPE on contiguous halves (--use-rope-scaling for Llama 3.1's scaling), GELU, "
+    "--openai-gelu, --squared-relu or --swiglu",
+    "--init-method-xavier-uniform --embedding-init-method-std --data-parallel-random-init": "weights are initialised from --init-method-std and --seed, the same on every "
+    "data-parallel rank",
+    "--recompute-modules --distribute-saved-activations --fine-grained-activation-offloading "
+    "--offload-modules --min-offloaded-tensor-size --cpu-offloading-num-layers": "recompute "
+    "here: --recompute-activations (the core attention) or --recompute-granularity full; "
+    "activations are not offloaded",
+    "--padded-vocab-size": "the vocabulary is padded from the tokenizer's "
+    "(--make-vocab-size-divisible-by)",
+    "--spec": "layer specs come from --attention (variants.py registers them)",
+    "--use-legacy-models": "the model is Megatron-Core's GPTModel",
+    "--batch-size": "replaced in Megatron-LM by --micro-batch-size",
+    "--warmup": "replaced in Megatron-LM by --lr-warmup-iters",
+    "--model-parallel-size": "replaced in Megatron-LM by --tensor-model-parallel-size",
+    "--checkpoint-activations": "replaced in Megatron-LM by --recompute-activations",
+    "--rampup-batch-size": "the global batch is constant here (--global-batch-size)",
+    "--data-args-path --per-split-data-args-path --per-dataset-sequences-path": "give the data "
+    "on the command line (--data-path, or --train-data-path and --valid-data-path)",
+    "--dataloader-type --multiple-validation-sets --full-validation --iterations-to-skip "
+    "--skip-train --phase-transition-iterations --decrease-batch-size-if-needed "
+    "--mid-level-dataset-surplus --allow-ambiguous-pad-tokens --object-storage-cache-path "
+    "--train-sync-interval "
+    "--exit-signal-handler-for-dataloader": "this data or loop option is not offered: one "
+    "validation set, --eval-iters batches per evaluation, every iteration trained",
+    "--tokenizer-hf-include-special-tokens --tokenizer-metadata --tokenizer-sentencepiece-legacy "
+    "--tokenizer-special-tokens": "tokenizers here are --tokenizer-type's, as they come "
+    "(SentencePiece, an HF tokenizer.json, GPT-2's BPE, NullTokenizer)",
+    "--log-progress --log-energy --log-device-memory-used --log-max-attention-logit "
+    "--log-memory-interval --record-memory-history --memory-snapshot-path --config-logger-dir "
+    "--dump-param-to-param-group-map --save-wgrads-interval --save-dgrads-interval "
+    "--check-weight-hash-across-dp-replicas-interval --test-mode": "this diagnostic is not "
+    "written here (the logs: --log-throughput, --log-params-norm, --log-memory-to-tensorboard, "
+    "--profile ...)",
+    "--exit-signal": "the signal handler (--exit-signal-handler) catches SIGTERM and SIGINT",
+    "--exit-on-missing-checkpoint": "a --load folder without a checkpoint starts a new run",
+}
+# Values besides Megatron-LM's default that are "off" (what this trainer does anyway).
+ALSO_OFF = {
+    "--dataloader-type": ("single",),
+    "--inference-max-requests": (8,),  # its own default: the destination's is None
+}
+OFF_ONLY = {"--ckpt-format": ("torch",)}  # Megatron's default itself is refused
+
+# Megatron-LM's other names for flags of this trainer: (this trainer's flag, why)
+TRANSLATED = {
+    "--use-rotary-position-embeddings": (
+        "--position-embedding-type rope",
+        "deprecated in Megatron-LM, which reads it so",
     ),
 }
+# Megatron-LM's types that are functions of its own: the value is kept as text here.
+TYPES = {"int": int, "float": float, "str": str}
+ACTIONS = {"boolean_optional": argparse.BooleanOptionalAction}
+
+
+def megatron_lm_actions(path: str = SPEC) -> List[Tuple[List[str], dict]]:
+    """Megatron-LM's parser, one (flags, argparse keywords) per action, as recorded in `path`."""
+    actions = []
+    with open(path) as f:
+        for line in f:
+            if line.strip() and not line.startswith("#"):
+                flags, keywords = line.rstrip("\n").split("\t")
+                actions.append((flags.split(), ast.literal_eval(keywords)))
+    return actions
+
+
+def megatron_flags(path: str = SPEC) -> list:
+    """Every flag of Megatron-LM's `pretrain_gpt.py`, sorted."""
+    return sorted(
+        flag
+        for flags, keywords in megatron_lm_actions(path)
+        for name in flags
+        for flag in (
+            (name, f"--no-{name[2:]}") if keywords.get("action") == "boolean_optional" else (name,)
+        )
+        if flag.startswith("--")
+    )
+
+
+def classify(flag: str) -> Optional[Tuple[str, str]]:
+    """("no effect" or "refused", why) for a Megatron-LM flag this trainer does not implement;
+    None for one it implements (arguments.py), which no family names."""
+    for kind, table in (("no effect", NO_EFFECT), ("refused", REFUSED)):
+        for patterns, why in table.items():
+            if any(fnmatch.fnmatchcase(flag, p) for p in patterns.split()):
+                return kind, why
+    return None
+
+
+def argparse_keywords(keywords: dict) -> dict:
+    """Megatron-LM's keywords as argparse takes them here: its own type functions read text."""
+    keywords = dict(keywords)
+    if "action" in keywords:
+        keywords["action"] = ACTIONS.get(keywords["action"], keywords["action"])
+        keywords.pop("type", None)
+    elif keywords.get("type") not in TYPES:
+        keywords["type"] = str
+        if keywords.get("default") is not None:
+            keywords["default"] = str(keywords["default"])
+    else:
+        keywords["type"] = TYPES[keywords["type"]]
+    return keywords
+
+
+def _dest(flags: List[str], keywords: dict) -> str:
+    return keywords.get("dest", flags[0][2:].replace("-", "_"))
+
+
+def _defaults() -> Dict[str, object]:
+    """Each destination's value when no flag sets it: the first of its actions' default, as
+    argparse keeps it (Megatron-LM's default; this trainer's for OFF_ONLY's flags)."""
+    defaults: Dict[str, object] = {}
+    for flags, keywords in megatron_lm_actions():
+        unset = keywords.get("action") == "store_false"  # store_true: False
+        default = argparse_keywords(keywords).get("default", unset)
+        defaults.setdefault(_dest(flags, keywords), OFF_ONLY.get(flags[0], (default,))[0])
+    return defaults
+
+
+def off_values(flags: List[str], keywords: dict, defaults: Dict[str, object]) -> tuple:
+    """The values of a refused flag that mean "off": its destination's default, and what
+    ALSO_OFF adds."""
+    return OFF_ONLY.get(flags[0], (defaults[_dest(flags, keywords)], *ALSO_OFF.get(flags[0], ())))
 
 
 def add_compat_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("Megatron-LM flags with no effect here")
-    for flag, (kwargs, why) in NO_EFFECT.items():
-        g.add_argument(flag, help=f"no effect: {why}", **kwargs)
-    g = p.add_argument_group("Megatron-LM flags refused unless off")
-    for flag, (kwargs, off, why) in REFUSED.items():
-        g.add_argument(flag, help=f"only {off}: {why}", **kwargs)
+    """Megatron-LM's flags done by DeepSpeed or named otherwise here, then every other one that
+    `p` does not define, in its group: no effect, refused."""
     g = p.add_argument_group("Megatron-LM flags done by DeepSpeed")
     g.add_argument(
         "--use-distributed-optimizer",
@@ -137,14 +325,65 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
         help="reduce gradients across data-parallel ranks in bf16 (DeepSpeed's "
         "communication_data_type; fp32 otherwise)",
     )
+    g = p.add_argument_group("Megatron-LM's other names for flags here")
+    for flag, (ours, why) in TRANSLATED.items():
+        g.add_argument(flag, action="store_true", help=f"{ours} ({why})")
+    known = {o for action in p._actions for o in action.option_strings}
+    groups = {
+        "no effect": p.add_argument_group("Megatron-LM flags with no effect here"),
+        "refused": p.add_argument_group(
+            "Megatron-LM flags refused unless off (Megatron-LM's default)"
+        ),
+    }
+    defaults = _defaults()
+    for flags, keywords in megatron_lm_actions():
+        if known.intersection(flags):
+            continue
+        if classify(flags[0]) is None:
+            raise KeyError(f"{flags[0]}: a Megatron-LM flag in no family of compat.py")
+        kind, why = classify(flags[0])
+        spec, keywords = keywords, argparse_keywords(keywords)
+        if flags[0] in OFF_ONLY:
+            keywords["default"] = OFF_ONLY[flags[0]][0]
+        if kind == "no effect":
+            words = f"no effect: {why}"
+        elif "action" in keywords:
+            words = f"refused: {why}"
+        else:
+            off = " or ".join(
+                "unset" if v is None else str(v) for v in off_values(flags, spec, defaults)
+            )
+            words = f"refused unless {off}: {why}"
+        groups[kind].add_argument(*flags, help=words, **keywords)
+
+
+def refusals(args: argparse.Namespace) -> Dict[str, List[str]]:
+    """why -> the refused flags `args` gives at a value other than "off", as a user writes them."""
+    given: Dict[str, List[str]] = {}
+    defaults = _defaults()
+    for flags, keywords in megatron_lm_actions():
+        if (classify(flags[0]) or ("",))[0] != "refused":
+            continue
+        value = getattr(args, _dest(flags, keywords))
+        if value in off_values(flags, keywords, defaults):
+            continue
+        shown = flags[0] if isinstance(value, bool) else f"{flags[0]} {_words(value)}"
+        given.setdefault(classify(flags[0])[1], []).append(shown)
+    return given
+
+
+def _words(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
 def check_compat_args(args: argparse.Namespace) -> None:
-    """Refuse what is not offered, by flag name, before anything is built."""
-    for flag, (_, off, why) in REFUSED.items():
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value != off:
-            raise ValueError(f"{flag} {value}: {why}")
+    """Refuse what is not offered, by feature and flag, in one message before anything is built;
+    apply Megatron-LM's other names."""
+    given = refusals(args)
+    if given:
+        raise ValueError("; ".join(f"{', '.join(flags)}: {why}" for why, flags in given.items()))
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
     if args.use_distributed_optimizer and args.zero_stage == 0:
         raise ValueError(
             "--use-distributed-optimizer shards the optimizer state: not with --zero-stage 0"
@@ -154,18 +393,12 @@ def check_compat_args(args: argparse.Namespace) -> None:
 def compat_table(megatron_flags: list, parser: argparse.ArgumentParser) -> str:
     """docs/megatron-compat.md: each of Megatron-LM's flags, as this trainer's parser takes it."""
     actions = {o: a for a in parser._actions for o in a.option_strings}
-    rows, counts = [], {"yes": 0, "no effect": 0, "refused": 0, "not offered": 0}
+    rows, counts = [], {"yes": 0, "no effect": 0, "refused": 0}
     for flag in megatron_flags:
-        if flag in NO_EFFECT:
-            status, note = "no effect", NO_EFFECT[flag][1]
-        elif flag in REFUSED:
-            status, note = "refused", f"unless {REFUSED[flag][1]}: {REFUSED[flag][2]}"
-        elif flag in actions:
-            status, note = "yes", (actions[flag].help or "").replace("%%", "%")
-        else:
-            status, note = "not offered", "refused as an unknown flag, naming the closest one"
+        help = (actions[flag].help or "").replace("%%", "%")
+        status = (classify(flag) or ("yes",))[0]
         counts[status] += 1
-        rows.append(f"| `{flag}` | {status} | {note.replace('|', '/')} |")
+        rows.append(f"| `{flag}` | {status} | {help.replace('|', '/')} |")
     ours = sorted(
         {o for a in parser._actions for o in a.option_strings if o.startswith("--")}
         - set(megatron_flags)
@@ -175,14 +408,13 @@ def compat_table(megatron_flags: list, parser: argparse.ArgumentParser) -> str:
         [
             "# Megatron-LM flags here",
             "",
-            "Generated by `python tools/megatron_compat.py` from this trainer's own parser and the "
-            "flag list of Megatron-LM core_v0.16.1's `pretrain_gpt.py` "
-            "(`docs/megatron-lm-flags.txt`); "
-            "`tests/test_cli.py` checks that it is current. *yes*: does what Megatron-LM does (the "
-            "note is `--help`'s); *no effect*: accepted, tunes something this trainer does not "
-            "use; "
-            "*refused*: stops the run before any compute, with the alternative; *not offered*: an "
-            "unknown flag.",
+            "Generated by `python tools/megatron_compat.py` from this trainer's own parser and "
+            "Megatron-LM core_v0.16.1's `pretrain_gpt.py` parser as "
+            "`megatron_focus/megatron_lm_flags.txt` records it; "
+            "`tests/test_cli.py` checks that it is current. *yes*: does what Megatron-LM does "
+            "(the note is `--help`'s); *no effect*: accepted, tunes something this trainer does "
+            "not use; *refused*: stops the run before any compute, naming the feature and the "
+            "alternative, unless given at the value that means off (Megatron-LM's default).",
             "",
             ", ".join(f"{n} {status}" for status, n in counts.items())
             + f" (of {len(megatron_flags)}).",
@@ -197,8 +429,3 @@ def compat_table(megatron_flags: list, parser: argparse.ArgumentParser) -> str:
             "",
         ]
     )
-
-
-def megatron_flags(path: str) -> list:
-    with open(path) as f:
-        return [line.strip() for line in f if line.strip() and not line.startswith("#")]

@@ -12,10 +12,9 @@ sys.path.insert(0, ROOT)
 from megatron_focus.arguments import build_parser  # noqa: E402
 from megatron_focus.compat import compat_table, megatron_flags  # noqa: E402
 
-FLAGS = os.path.join(ROOT, "docs", "megatron-lm-flags.txt")
 DOC = os.path.join(ROOT, "docs", "megatron-compat.md")
 
 if __name__ == "__main__":
     with open(DOC, "w") as f:
-        f.write(compat_table(megatron_flags(FLAGS), build_parser()))
+        f.write(compat_table(megatron_flags(), build_parser()))
     print(f"wrote {DOC}")
