@@ -45,6 +45,7 @@ setup(
     version="0.1.0",
     description="Focus (learned sparse) and XSA (exclusive self) attention on Megatron-Core",
     packages=find_packages(include=["megatron_focus", "megatron_focus.*"]),
+    package_data={"megatron_focus": ["megatron_lm_flags.txt"]},  # compat.py's record
     python_requires=">=3.10,<3.13",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,

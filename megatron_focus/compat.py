@@ -24,6 +24,7 @@ family whose pattern matches a flag says what it is.
 import argparse
 import ast
 import fnmatch
+import functools
 import os
 from typing import Dict, List, Optional, Tuple
 
@@ -41,149 +42,246 @@ OTHER_MODELS = (
 NO_EFFECT = {
     "--use-mcore-models": "the model is always Megatron-Core's GPTModel",
     "--transformer-impl": f"the layers are Megatron-Core's local (PyTorch) modules, without {TE}",
-    "--no-masked-softmax-fusion --attention-softmax-in-fp32 --apply-query-key-layer-scaling": "attention runs in PyTorch's, flash-attn's or this trainer's kernels (softmax in fp32), "
-    "not Megatron's fused softmax",
-    "--no-bias-gelu-fusion --no-bias-swiglu-fusion --no-rope-fusion --no-persist-layer-norm "
-    "--disable-jit-fuser --cross-entropy-fusion-impl --disable-clone-scatter-output-in-embedding "
-    "--no-clone-scatter-output-in-embedding --cross-entropy-loss-fusion "
-    "--no-gradient-accumulation-fusion --no-bias-dropout-fusion": "a fusion of Megatron's CUDA kernels: the layers here run PyTorch's",
+    "--no-masked-softmax-fusion --attention-softmax-in-fp32 --apply-query-key-layer-scaling": (
+        "attention runs in PyTorch's, flash-attn's or this trainer's kernels (softmax in fp32), "
+        "not Megatron's fused softmax"
+    ),
+    (
+        "--no-bias-gelu-fusion --no-bias-swiglu-fusion --no-rope-fusion --no-persist-layer-norm "
+        "--disable-jit-fuser --cross-entropy-fusion-impl "
+        "--disable-clone-scatter-output-in-embedding --no-clone-scatter-output-in-embedding "
+        "--cross-entropy-loss-fusion --no-gradient-accumulation-fusion --no-bias-dropout-fusion"
+    ): "a fusion of Megatron's CUDA kernels: the layers here run PyTorch's",
     "--no-create-attention-mask-in-dataloader": "batches never carry an attention mask",
-    "--no-mmap-bin-files --dataloader-defer-npy-index-mmap --dataloader-fast-cache-load "
-    "--num-dataset-builder-threads": "datasets are built once by Megatron-Core's builder and "
-    "read memory-mapped",
+    (
+        "--no-mmap-bin-files --dataloader-defer-npy-index-mmap --dataloader-fast-cache-load "
+        "--num-dataset-builder-threads"
+    ): "datasets are built once by Megatron-Core's builder and read memory-mapped",
     "--empty-unused-memory-level": "the CUDA cache is left to PyTorch's allocator",
     "--attention-backend": "the kernel is chosen per device and variant (model/kernels.py)",
     "--use-flash-attn": "flash-attn is used for standard attention whenever it is installed",
-    "--fp8-amax-history-len --fp8-amax-compute-algo --fp8-margin --fp8-interval "
-    "--fp8-param-gather": "tunes fp8 (--fp8-format), which needs Transformer Engine",
+    (
+        "--fp8-amax-history-len --fp8-amax-compute-algo --fp8-margin --fp8-interval "
+        "--fp8-param-gather"
+    ): "tunes fp8 (--fp8-format), which needs Transformer Engine",
     "--tiktoken-*": "read by Megatron's TikTokenizer only; tokenizers here are --tokenizer-type's",
-    "--tp-comm-* --no-tp-comm-* --disable-tp-comm-* --te-rng-tracker --use-te-activation-func "
-    "--delay-wgrad-compute": f"tunes {TE} (tensor-parallel communication overlap, its kernels)",
-    "--cuda-graph-* --enable-cuda-graph --external-cuda-graph": "CUDA graphs are not captured here",
-    "--ddp-* --no-align-grad-reduce --no-align-param-gather --overlap-param-gather-with-optimizer-"
-    "step --no-gradient-reduce-div-fusion --create-all-gather-group --use-nccl-ub "
-    "--disable-symmetric-registration --use-sharp --sharp-enabled-group "
-    "--high-priority-stream-groups --nccl-communicator-config-path --disable-gloo-process-groups "
-    "--accumulate-allreduce-grads-in-fp32 --disable-async-tensor-model-parallel-allreduce "
-    "--no-async-tensor-model-parallel-allreduce --distributed-timeout-seconds-after-init": "tunes Megatron's data-parallel buckets and collectives; data parallelism here is "
-    "DeepSpeed's (its gradients are accumulated in fp32, reduced in fp32 unless "
-    "--grad-reduce-in-bf16)",
-    "--ckpt-fully-parallel-* --no-ckpt-fully-parallel-save --disable-ckpt-fully-parallel-save "
-    "--ckpt-assume-constant-structure --dist-ckpt-strictness --dist-ckpt-optim-fully-reshardable "
-    "--distrib-optim-fully-reshardable-mem-efficient --dist-ckpt-save-pre-mcore-014 --async-save "
-    "--use-persistent-ckpt-worker --ckpt-convert-update-legacy-dist-opt-format "
-    "--disable-strict-fsdp-dtensor-load --no-strict-fsdp-dtensor-load": f"tunes Megatron's distributed (torch_dist) checkpoints; {CHECKPOINTS}, saved synchronously",
-    "--use-cpu-initialization --init-model-with-meta-device --no-initialization --lazy-mpu-init "
-    "--onnx-safe": "the model is initialised on its device once (a loaded checkpoint's weights "
-    "replace that)",
-    "--no-check-for-nan-in-loss-and-grad --rerun-mode": "a non-finite loss is always caught: the "
-    "step is skipped and the run stops after --max-skipped-steps in a row",
-    "--timing-log-option --no-barrier-with-level-1-timing --tensorboard-queue-size "
-    "--logging-level": "the one timer here (iteration time) is rank 0's, and TensorBoard is "
-    "written at each log step",
+    (
+        "--tp-comm-* --no-tp-comm-* --disable-tp-comm-* --te-rng-tracker "
+        "--use-te-activation-func --delay-wgrad-compute"
+    ): f"tunes {TE} (tensor-parallel communication overlap, its kernels)",
+    "--cuda-graph-* --enable-cuda-graph --external-cuda-graph": (
+        "CUDA graphs are not captured here"
+    ),
+    (
+        "--ddp-* --no-align-grad-reduce --no-align-param-gather "
+        "--overlap-param-gather-with-optimizer-step --no-gradient-reduce-div-fusion "
+        "--create-all-gather-group --use-nccl-ub --disable-symmetric-registration --use-sharp "
+        "--sharp-enabled-group --high-priority-stream-groups --nccl-communicator-config-path "
+        "--disable-gloo-process-groups --accumulate-allreduce-grads-in-fp32 "
+        "--disable-async-tensor-model-parallel-allreduce "
+        "--no-async-tensor-model-parallel-allreduce --distributed-timeout-seconds-after-init"
+    ): (
+        "tunes Megatron's data-parallel buckets and collectives; data parallelism here is "
+        "DeepSpeed's (its gradients are accumulated in fp32, reduced in fp32 unless "
+        "--grad-reduce-in-bf16)"
+    ),
+    (
+        "--ckpt-fully-parallel-* --no-ckpt-fully-parallel-save "
+        "--disable-ckpt-fully-parallel-save --ckpt-assume-constant-structure "
+        "--dist-ckpt-strictness --dist-ckpt-optim-fully-reshardable "
+        "--distrib-optim-fully-reshardable-mem-efficient --dist-ckpt-save-pre-mcore-014 "
+        "--async-save --use-persistent-ckpt-worker --ckpt-convert-update-legacy-dist-opt-format "
+        "--disable-strict-fsdp-dtensor-load --no-strict-fsdp-dtensor-load"
+    ): (
+        f"tunes Megatron's distributed (torch_dist) checkpoints; {CHECKPOINTS}, saved synchronously"
+    ),
+    (
+        "--use-cpu-initialization --init-model-with-meta-device --no-initialization "
+        "--lazy-mpu-init --onnx-safe"
+    ): "the model is initialised on its device once (a loaded checkpoint's weights replace that)",
+    "--no-check-for-nan-in-loss-and-grad --rerun-mode": (
+        "a non-finite loss is always caught: the step is skipped and the run stops after "
+        "--max-skipped-steps in a row"
+    ),
+    (
+        "--timing-log-option --no-barrier-with-level-1-timing --tensorboard-queue-size "
+        "--logging-level"
+    ): (
+        "the one timer here (iteration time) is rank 0's, and TensorBoard is written at each log "
+        "step"
+    ),
     "--no-one-logger --one-logger-* --app-tag-*": "NVIDIA's one-logger is not used",
     "--disable-msc": "Multi-Storage Client is not used: paths are local files",
     "--enable-experimental": "no experimental Megatron-Core feature is used",
-    "--legacy-tokenizer --tokenizer-hf-use-fast --trust-remote-code": "tokenizers here are "
-    "--tokenizer-type's (HF tokenizers are read from tokenizer.json, fast, running no code)",
-    "--disable-straggler-on-startup --straggler-*": "tunes the straggler detector "
-    "(--log-straggler), which is not used",
+    "--legacy-tokenizer --tokenizer-hf-use-fast --trust-remote-code": (
+        "tokenizers here are --tokenizer-type's (HF tokenizers are read from tokenizer.json, "
+        "fast, running no code)"
+    ),
+    "--disable-straggler-on-startup --straggler-*": (
+        "tunes the straggler detector (--log-straggler), which is not used"
+    ),
     "--no-data-sharding": "each data-parallel rank reads its own slice of every global batch",
 }
 
 # patterns: what is not offered, and what to use instead
 REFUSED = {
-    "--rl-* --no-rl-* --grpo-* --langrl-* --no-langrl-* --perform-rl-step --refit-method": "reinforcement learning (GRPO) is not supported: this trainer pretrains",
-    "--num-experts --expert-* --moe-* --overlap-moe-expert-parallel-comm "
-    "--ep-overlap-early-attn-memory-release --use-fused-weighted-squared-relu": "mixture of experts is not supported (dense MLPs only)",
-    "--pipeline-model-parallel-* --virtual-pipeline-model-parallel-size "
-    "--num-layers-per-virtual-pipeline-stage --num-virtual-stages-per-pipeline-rank "
-    "--account-for-*-in-pipeline-split --decoder-first-pipeline-num-layers "
-    "--decoder-last-pipeline-num-layers --microbatch-group-size-per-virtual-pipeline-stage "
-    "--overlap-p2p-communication-warmup-flush --no-overlap-p2p-communication "
-    "--use-ring-exchange-p2p --no-scatter-gather-tensors-in-pipeline "
-    "--defer-embedding-wgrad-compute --wgrad-deferral-limit --use-tp-pp-dp-mapping": "pipeline parallelism is not supported; use --zero-stage 3 or tensor parallelism",
-    "--fp8-* --no-fp8-wgrad --disable-fp8-wgrad --keep-fp8-transpose-cache "
-    "--first-last-layers-bf16 --num-layers-at-*-in-bf16 --reuse-grad-buf-for-mxfp8-param-ag": FP8,
+    "--rl-* --no-rl-* --grpo-* --langrl-* --no-langrl-* --perform-rl-step --refit-method": (
+        "reinforcement learning (GRPO) is not supported: this trainer pretrains"
+    ),
+    (
+        "--num-experts --expert-* --moe-* --overlap-moe-expert-parallel-comm "
+        "--ep-overlap-early-attn-memory-release --use-fused-weighted-squared-relu"
+    ): "mixture of experts is not supported (dense MLPs only)",
+    (
+        "--pipeline-model-parallel-* --virtual-pipeline-model-parallel-size "
+        "--num-layers-per-virtual-pipeline-stage --num-virtual-stages-per-pipeline-rank "
+        "--account-for-*-in-pipeline-split --decoder-first-pipeline-num-layers "
+        "--decoder-last-pipeline-num-layers --microbatch-group-size-per-virtual-pipeline-stage "
+        "--overlap-p2p-communication-warmup-flush --no-overlap-p2p-communication "
+        "--use-ring-exchange-p2p --no-scatter-gather-tensors-in-pipeline "
+        "--defer-embedding-wgrad-compute --wgrad-deferral-limit --use-tp-pp-dp-mapping"
+    ): "pipeline parallelism is not supported; use --zero-stage 3 or tensor parallelism",
+    (
+        "--fp8-* --no-fp8-wgrad --disable-fp8-wgrad --keep-fp8-transpose-cache "
+        "--first-last-layers-bf16 --num-layers-at-*-in-bf16 --reuse-grad-buf-for-mxfp8-param-ag"
+    ): FP8,
     "--fp4-*": f"fp4 needs {TE}; use --bf16",
-    "--use-precision-aware-optimizer --exp-avg-dtype --exp-avg-sq-dtype --main-grads-dtype "
-    "--main-params-dtype --te-precision-config-file": f"lower-precision optimizer states need "
-    f"{TE}; the optimizer state is fp32 here",
-    "--multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim "
-    "--v-head-dim --cache-mla-latents --mscale --mscale-all-dim --rope-type "
-    "--rotary-scaling-factor": "multi-latent attention (and its YaRN RoPE) is not supported; the "
-    "attention here is --attention's (standard, XSA, Focus)",
+    (
+        "--use-precision-aware-optimizer --exp-avg-dtype --exp-avg-sq-dtype --main-grads-dtype "
+        "--main-params-dtype --te-precision-config-file"
+    ): f"lower-precision optimizer states need {TE}; the optimizer state is fp32 here",
+    (
+        "--multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim "
+        "--qk-pos-emb-head-dim --v-head-dim --cache-mla-latents --mscale --mscale-all-dim "
+        "--rope-type --rotary-scaling-factor"
+    ): (
+        "multi-latent attention (and its YaRN RoPE) is not supported; the attention here is "
+        "--attention's (standard, XSA, Focus)"
+    ),
     "--mtp-*": "multi-token prediction is not supported: the loss is the next token's",
-    "--experimental-attention-variant --dsa-indexer-* --linear-attention-freq --linear-* "
-    "--attention-output-gate --softmax-type --qk-l2-norm --qk-clip* --window-attn-skip-freq "
-    "--no-rope-freq --use-kitchen-attention --kitchen-attention-backend": "this attention variant "
-    "of Megatron-LM is not supported; the variants here are --attention's (standard, XSA, Focus; "
-    "--window-size for a sliding window)",
-    "--hierarchical-context-parallel-sizes --hybrid-context-parallel --max-seqlen-per-dp-cp-rank": "context parallelism here is one level of ranks gathering keys and values "
-    "(--context-parallel-size)",
-    "--hybrid-* --is-hybrid-model --mamba-* --disable-mamba-mem-eff-path": "hybrid Mamba models "
-    "are not supported: every layer is a transformer layer",
+    (
+        "--experimental-attention-variant --dsa-indexer-* --linear-attention-freq --linear-* "
+        "--attention-output-gate --softmax-type --qk-l2-norm --qk-clip* --window-attn-skip-freq "
+        "--no-rope-freq --use-kitchen-attention --kitchen-attention-backend"
+    ): (
+        "this attention variant of Megatron-LM is not supported; the variants here are "
+        "--attention's (standard, XSA, Focus; --window-size for a sliding window)"
+    ),
+    "--hierarchical-context-parallel-sizes --hybrid-context-parallel --max-seqlen-per-dp-cp-rank": (
+        "context parallelism here is one level of ranks gathering keys and values "
+        "(--context-parallel-size)"
+    ),
+    "--hybrid-* --is-hybrid-model --mamba-* --disable-mamba-mem-eff-path": (
+        "hybrid Mamba models are not supported: every layer is a transformer layer"
+    ),
     "--heterogeneous-layers-config-*": "every layer has the same configuration here",
-    "--bert-* --biencoder-* --ict-* --retriever-* --titles-data-path --evidence-data-path "
-    "--block-data-path --embedding-path --indexer-* --query-in-block-prob --use-one-sent-docs "
-    "--output-bert-embeddings --mask-prob --short-seq-prob --mask-factor --mask-type "
-    "--vocab-extra-ids --relative-attention-* --img-* --patch-dim --num-channels --num-classes "
-    "--classes-fraction --data-per-class-fraction --dino-* --swin-backbone-type --vision-* "
-    "--iter-per-epoch --head-lr-mult --mrope-section --sample-rate": OTHER_MODELS,
-    "--encoder-num-layers --decoder-num-layers": "encoder-decoder models are not supported; "
-    "use --num-layers",
-    "--encoder-seq-length --decoder-seq-length": "encoder-decoder models are not supported; "
-    "use --seq-length",
-    "--inference-* --no-inference-* --flash-decode --enable-chunked-prefill "
-    "--disable-chunked-prefill --decode-only-cuda-graphs --max-tokens-to-oom "
-    "--mlp-chunks-for-prefill --nccl-all-reduce-for-prefill --symmetric-ar-type "
-    "--use-legacy-static-engine": "Megatron's inference engine is not part of this trainer; "
-    "export with tools/convert_to_hf.py and generate with Hugging Face",
-    "--sft --sft-tokenizer-prompt-format": "supervised fine-tuning datasets are not supported "
-    "(--finetune continues pretraining from a checkpoint)",
+    (
+        "--bert-* --biencoder-* --ict-* --retriever-* --titles-data-path --evidence-data-path "
+        "--block-data-path --embedding-path --indexer-* --query-in-block-prob "
+        "--use-one-sent-docs --output-bert-embeddings --mask-prob --short-seq-prob --mask-factor "
+        "--mask-type --vocab-extra-ids --relative-attention-* --img-* --patch-dim --num-channels "
+        "--num-classes --classes-fraction --data-per-class-fraction --dino-* "
+        "--swin-backbone-type --vision-* --iter-per-epoch --head-lr-mult --mrope-section "
+        "--sample-rate"
+    ): OTHER_MODELS,
+    "--encoder-num-layers --decoder-num-layers": (
+        "encoder-decoder models are not supported; use --num-layers"
+    ),
+    "--encoder-seq-length --decoder-seq-length": (
+        "encoder-decoder models are not supported; use --seq-length"
+    ),
+    (
+        "--inference-* --no-inference-* --flash-decode --enable-chunked-prefill "
+        "--disable-chunked-prefill --decode-only-cuda-graphs --max-tokens-to-oom "
+        "--mlp-chunks-for-prefill --nccl-all-reduce-for-prefill --symmetric-ar-type "
+        "--use-legacy-static-engine"
+    ): (
+        "Megatron's inference engine is not part of this trainer; export with "
+        "tools/convert_to_hf.py and generate with Hugging Face"
+    ),
+    "--sft --sft-tokenizer-prompt-format": (
+        "supervised fine-tuning datasets are not supported (--finetune continues pretraining "
+        "from a checkpoint)"
+    ),
     "--fim-*": "fill-in-the-middle samples are not supported",
-    "--enable-ft-package --calc-ft-timeouts --ft-num-warmup-iters --inprocess-* --adlr-autoresume* "
-    "--error-injection-* --result-rejected-tracker-filename --check-for-spiky-loss "
-    "--check-for-large-grads --log-straggler --run-workload-inspector-server --fake-process-group": "NVIDIA's fault-tolerance, in-process restart, straggler and result-checking services are "
-    "not used; resume from checkpoints (--load, --exit-signal-handler, --exit-duration-in-mins)",
+    (
+        "--enable-ft-package --calc-ft-timeouts --ft-num-warmup-iters --inprocess-* "
+        "--adlr-autoresume* --error-injection-* --result-rejected-tracker-filename "
+        "--check-for-spiky-loss --check-for-large-grads --log-straggler "
+        "--run-workload-inspector-server --fake-process-group"
+    ): (
+        "NVIDIA's fault-tolerance, in-process restart, straggler and result-checking services "
+        "are not used; resume from checkpoints (--load, --exit-signal-handler, "
+        "--exit-duration-in-mins)"
+    ),
     "--ckpt-format": CHECKPOINTS,
-    "--use-dist-ckpt --dist-ckpt-format --auto-detect-ckpt-format --ckpt-convert-* "
-    "--non-persistent-* --replication* --load-main-params-from-ckpt --save-retain-interval "
-    "--use-mp-args-from-checkpoint-args --no-use-tokenizer-model-from-checkpoint-args "
-    "--disable-use-tokenizer-model-from-checkpoint-args": f"{CHECKPOINTS}; every save is kept",
-    "--use-megatron-fsdp --use-torch-fsdp2 --torch-fsdp2-no-reshard-after-forward "
-    "--data-parallel-sharding-strategy --outer-dp-sharding-strategy --fsdp-* "
-    "--enable-full-sharding-in-hsdp --suggested-communication-unit-size "
-    "--num-distributed-optimizer-instances": "FSDP is not used: ZeRO stage 3 shards the "
-    "parameters (--zero-stage 3)",
-    "--optimizer-cpu-offload --optimizer-offload-fraction --use-torch-optimizer-for-cpu-offload "
-    "--overlap-cpu-optimizer-d2h-h2d --no-pin-cpu-*": "optimizer offload is DeepSpeed's here: "
-    "set zero_optimization.offload_optimizer in --deepspeed_config",
-    "--optimizer --sgd-momentum --muon-*": "the optimizer is Adam with decoupled weight decay "
-    "(--adam-beta1, --adam-beta2, --adam-eps, --weight-decay)",
-    "--lr-warmup-init --lr-wsd-* --start-weight-decay --end-weight-decay "
-    "--weight-decay-incr-style": "this schedule is not offered: the LR warms up from 0 "
-    "(--lr-warmup-iters) and decays by --lr-decay-style; --weight-decay is constant",
-    "--apply-wd-to-qk-layernorm --no-weight-decay-cond-type": "weight decay skips biases and "
-    "norms, as Megatron-LM's default",
-    "--loss-scale --initial-loss-scale --min-loss-scale --loss-scale-window --hysteresis": "fp16 loss scaling is DeepSpeed's here: set fp16.loss_scale, initial_scale_power, "
-    "loss_scale_window, hysteresis, min_loss_scale in --deepspeed_config",
-    "--fp32-residual-connection --fp16-lm-cross-entropy --disable-bf16-reduced-precision-matmul "
-    "--deterministic-mode --batch-invariant-mode": "this precision or determinism mode is not "
-    "offered: the residual stream and the loss follow --bf16 / --fp16 as PyTorch computes them",
-    "--apply-residual-connection-post-layernorm --rotary-interleaved "
-    "--rotary-seq-len-interpolation-factor --quick-geglu --glu-linear-offset "
-    "--activation-func-clamp-value": "this architecture option is not offered: pre-norm layers, "
-    "RoPE on contiguous halves (--use-rope-scaling for Llama 3.1's scaling), GELU, "
-    "--openai-gelu, --squared-relu or --swiglu",
-    "--init-method-xavier-uniform --embedding-init-method-std --data-parallel-random-init": "weights are initialised from --init-method-std and --seed, the same on every "
-    "data-parallel rank",
-    "--recompute-modules --distribute-saved-activations --fine-grained-activation-offloading "
-    "--offload-modules --min-offloaded-tensor-size --cpu-offloading-num-layers": "recompute "
-    "here: --recompute-activations (the core attention) or --recompute-granularity full; "
-    "activations are not offloaded",
-    "--padded-vocab-size": "the vocabulary is padded from the tokenizer's "
-    "(--make-vocab-size-divisible-by)",
+    (
+        "--use-dist-ckpt --dist-ckpt-format --auto-detect-ckpt-format --ckpt-convert-* "
+        "--non-persistent-* --replication* --load-main-params-from-ckpt --save-retain-interval "
+        "--use-mp-args-from-checkpoint-args --no-use-tokenizer-model-from-checkpoint-args "
+        "--disable-use-tokenizer-model-from-checkpoint-args"
+    ): f"{CHECKPOINTS}; every save is kept",
+    (
+        "--use-megatron-fsdp --use-torch-fsdp2 --torch-fsdp2-no-reshard-after-forward "
+        "--data-parallel-sharding-strategy --outer-dp-sharding-strategy --fsdp-* "
+        "--enable-full-sharding-in-hsdp --suggested-communication-unit-size "
+        "--num-distributed-optimizer-instances"
+    ): "FSDP is not used: ZeRO stage 3 shards the parameters (--zero-stage 3)",
+    (
+        "--optimizer-cpu-offload --optimizer-offload-fraction "
+        "--use-torch-optimizer-for-cpu-offload --overlap-cpu-optimizer-d2h-h2d --no-pin-cpu-*"
+    ): (
+        "optimizer offload is DeepSpeed's here: set zero_optimization.offload_optimizer in "
+        "--deepspeed_config"
+    ),
+    "--optimizer --sgd-momentum --muon-*": (
+        "the optimizer is Adam with decoupled weight decay (--adam-beta1, --adam-beta2, "
+        "--adam-eps, --weight-decay)"
+    ),
+    (
+        "--lr-warmup-init --lr-wsd-* --start-weight-decay --end-weight-decay "
+        "--weight-decay-incr-style"
+    ): (
+        "this schedule is not offered: the LR warms up from 0 (--lr-warmup-iters) and decays by "
+        "--lr-decay-style; --weight-decay is constant"
+    ),
+    "--apply-wd-to-qk-layernorm --no-weight-decay-cond-type": (
+        "weight decay skips biases and norms, as Megatron-LM's default"
+    ),
+    "--loss-scale --initial-loss-scale --min-loss-scale --loss-scale-window --hysteresis": (
+        "fp16 loss scaling is DeepSpeed's here: set fp16.loss_scale, initial_scale_power, "
+        "loss_scale_window, hysteresis, min_loss_scale in --deepspeed_config"
+    ),
+    (
+        "--fp32-residual-connection --fp16-lm-cross-entropy "
+        "--disable-bf16-reduced-precision-matmul --deterministic-mode --batch-invariant-mode"
+    ): (
+        "this precision or determinism mode is not offered: the residual stream and the loss "
+        "follow --bf16 / --fp16 as PyTorch computes them"
+    ),
+    (
+        "--apply-residual-connection-post-layernorm --rotary-interleaved "
+        "--rotary-seq-len-interpolation-factor --quick-geglu --glu-linear-offset "
+        "--activation-func-clamp-value"
+    ): (
+        "this architecture option is not offered: pre-norm layers, RoPE on contiguous halves "
+        "(--use-rope-scaling for Llama 3.1's scaling), GELU, --openai-gelu, --squared-relu or "
+        "--swiglu"
+    ),
+    "--init-method-xavier-uniform --embedding-init-method-std --data-parallel-random-init": (
+        "weights are initialised from --init-method-std and --seed, the same on every "
+        "data-parallel rank"
+    ),
+    (
+        "--recompute-modules --distribute-saved-activations --fine-grained-activation-offloading "
+        "--offload-modules --min-offloaded-tensor-size --cpu-offloading-num-layers"
+    ): (
+        "recompute here: --recompute-activations (the core attention) or --recompute-granularity "
+        "full; activations are not offloaded"
+    ),
+    "--padded-vocab-size": (
+        "the vocabulary is padded from the tokenizer's (--make-vocab-size-divisible-by)"
+    ),
     "--spec": "layer specs come from --attention (variants.py registers them)",
     "--use-legacy-models": "the model is Megatron-Core's GPTModel",
     "--batch-size": "replaced in Megatron-LM by --micro-batch-size",
@@ -191,23 +289,35 @@ REFUSED = {
     "--model-parallel-size": "replaced in Megatron-LM by --tensor-model-parallel-size",
     "--checkpoint-activations": "replaced in Megatron-LM by --recompute-activations",
     "--rampup-batch-size": "the global batch is constant here (--global-batch-size)",
-    "--data-args-path --per-split-data-args-path --per-dataset-sequences-path": "give the data "
-    "on the command line (--data-path, or --train-data-path and --valid-data-path)",
-    "--dataloader-type --multiple-validation-sets --full-validation --iterations-to-skip "
-    "--skip-train --phase-transition-iterations --decrease-batch-size-if-needed "
-    "--mid-level-dataset-surplus --allow-ambiguous-pad-tokens --object-storage-cache-path "
-    "--train-sync-interval "
-    "--exit-signal-handler-for-dataloader": "this data or loop option is not offered: one "
-    "validation set, --eval-iters batches per evaluation, every iteration trained",
-    "--tokenizer-hf-include-special-tokens --tokenizer-metadata --tokenizer-sentencepiece-legacy "
-    "--tokenizer-special-tokens": "tokenizers here are --tokenizer-type's, as they come "
-    "(SentencePiece, an HF tokenizer.json, GPT-2's BPE, NullTokenizer)",
-    "--log-progress --log-energy --log-device-memory-used --log-max-attention-logit "
-    "--log-memory-interval --record-memory-history --memory-snapshot-path --config-logger-dir "
-    "--dump-param-to-param-group-map --save-wgrads-interval --save-dgrads-interval "
-    "--check-weight-hash-across-dp-replicas-interval --test-mode": "this diagnostic is not "
-    "written here (the logs: --log-throughput, --log-params-norm, --log-memory-to-tensorboard, "
-    "--profile ...)",
+    "--data-args-path --per-split-data-args-path --per-dataset-sequences-path": (
+        "give the data on the command line (--data-path, or --train-data-path and "
+        "--valid-data-path)"
+    ),
+    (
+        "--dataloader-type --multiple-validation-sets --full-validation --iterations-to-skip "
+        "--skip-train --phase-transition-iterations --decrease-batch-size-if-needed "
+        "--mid-level-dataset-surplus --allow-ambiguous-pad-tokens --object-storage-cache-path "
+        "--train-sync-interval --exit-signal-handler-for-dataloader"
+    ): (
+        "this data or loop option is not offered: one validation set, --eval-iters batches per "
+        "evaluation, every iteration trained"
+    ),
+    (
+        "--tokenizer-hf-include-special-tokens --tokenizer-metadata "
+        "--tokenizer-sentencepiece-legacy --tokenizer-special-tokens"
+    ): (
+        "tokenizers here are --tokenizer-type's, as they come (SentencePiece, an HF "
+        "tokenizer.json, GPT-2's BPE, NullTokenizer)"
+    ),
+    (
+        "--log-progress --log-energy --log-device-memory-used --log-max-attention-logit "
+        "--log-memory-interval --record-memory-history --memory-snapshot-path "
+        "--config-logger-dir --dump-param-to-param-group-map --save-wgrads-interval "
+        "--save-dgrads-interval --check-weight-hash-across-dp-replicas-interval --test-mode"
+    ): (
+        "this diagnostic is not written here (the logs: --log-throughput, --log-params-norm, "
+        "--log-memory-to-tensorboard, --profile ...)"
+    ),
     "--exit-signal": "the signal handler (--exit-signal-handler) catches SIGTERM and SIGINT",
     "--exit-on-missing-checkpoint": "a --load folder without a checkpoint starts a new run",
 }
@@ -230,6 +340,7 @@ TYPES = {"int": int, "float": float, "str": str}
 ACTIONS = {"boolean_optional": argparse.BooleanOptionalAction}
 
 
+@functools.lru_cache(maxsize=None)
 def megatron_lm_actions(path: str = SPEC) -> List[Tuple[List[str], dict]]:
     """Megatron-LM's parser, one (flags, argparse keywords) per action, as recorded in `path`."""
     actions = []

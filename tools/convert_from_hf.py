@@ -18,7 +18,6 @@ with its routers.
 import argparse
 
 from megatron_focus import cli
-from megatron_focus.hf import import_from_hf
 from megatron_focus.variants import VARIANTS
 
 
@@ -49,6 +48,8 @@ def main() -> None:
         help="replace --save if it holds files (once the import is complete)",
     )
     args = parser.parse_args()
+    from megatron_focus.hf import import_from_hf  # after parsing: --help stays fast
+
     flags = import_from_hf(
         args.hf_dir,
         args.save,

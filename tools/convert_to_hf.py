@@ -18,7 +18,6 @@ import argparse
 from megatron_focus import cli
 from megatron_focus.arguments import add_unsafe_checkpoints_flag
 from megatron_focus.choices import TOKENIZER_TYPES
-from megatron_focus.hf import export_to_hf
 
 
 def main() -> None:
@@ -57,6 +56,8 @@ def main() -> None:
         help="replace --save-dir if it holds files (once the export is complete)",
     )
     args = parser.parse_args()
+    from megatron_focus.hf import export_to_hf  # after parsing: --help stays fast
+
     name = export_to_hf(
         args.load,
         args.save_dir,

@@ -3,6 +3,7 @@
 python tools/megatron_compat.py
 """
 
+import argparse
 import os
 import sys
 
@@ -15,6 +16,7 @@ from megatron_focus.compat import compat_table, megatron_flags  # noqa: E402
 DOC = os.path.join(ROOT, "docs", "megatron-compat.md")
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     with open(DOC, "w") as f:
         f.write(compat_table(megatron_flags(), build_parser()))
     print(f"wrote {DOC}")

@@ -11,7 +11,6 @@ import argparse
 
 from megatron_focus import cli
 from megatron_focus.choices import TOKENIZER_TYPES
-from megatron_focus.data.preprocess import preprocess
 
 
 def main() -> None:
@@ -48,6 +47,7 @@ def main() -> None:
         "--log-interval", type=int, default=1000, help="documents between progress updates"
     )
     args = parser.parse_args()
+    from megatron_focus.data.preprocess import preprocess  # after parsing: --help stays fast
 
     stats = preprocess(
         args.input,
