@@ -30,19 +30,33 @@ def int_tuple(text: str) -> tuple:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=4)
-    g.add_argument("--hidden-size", type=int, default=256)
+    g.add_argument(
+        "--num-layers",
+        type=int,
+        default=4,
+        help="transformer layers (the demo's tiny model unless given)",
+    )
+    g.add_argument("--hidden-size", type=int, default=256, help="width of the residual stream")
     g.add_argument(
         "--ffn-hidden-size",
         type=int,
         default=None,
         help="default 4 x hidden, or the SwiGLU-equivalent 8/3 x hidden rounded to 64",
     )
-    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--num-attention-heads", type=int, default=4, help="query heads per layer")
     g.add_argument("--kv-channels", type=int, default=None, help="head dim; default hidden/heads")
-    g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=int, default=1)
-    g.add_argument("--seq-length", type=int, default=256)
+    g.add_argument(
+        "--group-query-attention",
+        action="store_true",
+        help="share key and value heads between query heads (--num-query-groups)",
+    )
+    g.add_argument(
+        "--num-query-groups",
+        type=int,
+        default=1,
+        help="with --group-query-attention: key and value heads",
+    )
+    g.add_argument("--seq-length", type=int, default=256, help="tokens per sample")
     g.add_argument(
         "--max-position-embeddings",
         type=int,
@@ -62,8 +76,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="deprecated in Megatron-LM: no effect with rope, refused otherwise (use "
         "--position-embedding-type none)",
     )
-    g.add_argument("--rotary-base", type=int, default=10000)
-    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE's base period")
+    g.add_argument(
+        "--rotary-percent",
+        type=float,
+        default=1.0,
+        help="share of each head's dimensions that RoPE rotates",
+    )
     g.add_argument(
         "--use-rope-scaling",
         action="store_true",
@@ -72,8 +91,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling: the factor"
     )
-    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument(
+        "--normalization",
+        choices=("LayerNorm", "RMSNorm"),
+        default="LayerNorm",
+        help="the norm before attention, before the MLP and at the end",
+    )
+    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="epsilon of --normalization")
     g.add_argument(
         "--apply-layernorm-1p",
         action="store_true",
@@ -86,7 +110,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="normalise each query and key head (over the head dimension) before "
         "attention, with --normalization's norm",
     )
-    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated SiLU) instead of GELU")
     g.add_argument(
         "--openai-gelu",
         action="store_true",
@@ -97,17 +121,46 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="relu(x)^2 as the MLP's activation instead of GELU",
     )
-    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+    g.add_argument(
+        "--disable-bias-linear",
+        dest="add_bias_linear",
+        action="store_false",
+        help="no biases in the linear layers (Llama style)",
+    )
     g.add_argument(
         "--add-qkv-bias",
         action="store_true",
         help="a bias on the QKV projection even with --disable-bias-linear (Qwen2)",
     )
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument(
+        "--untie-embeddings-and-output-weights",
+        action="store_true",
+        help="the output layer has its own weights instead of the input embedding's",
+    )
+    g.add_argument(
+        "--hidden-dropout",
+        type=float,
+        default=0.1,
+        help="dropout on each layer's output before the residual add",
+    )
+    g.add_argument(
+        "--attention-dropout",
+        type=float,
+        default=0.1,
+        help="dropout on the attention probabilities",
+    )
+    g.add_argument(
+        "--init-method-std",
+        type=float,
+        default=0.02,
+        help="standard deviation of the normal initialisation of the weights",
+    )
+    g.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="pad the vocabulary to a multiple of this times --tensor-model-parallel-size",
+    )
     g.add_argument(
         "--window-size",
         type=int_tuple,
@@ -143,8 +196,18 @@ def _add_variant_settings_args(p: argparse.ArgumentParser) -> None:
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        help="ranks that split each layer's weights (Megatron-Core's tensor parallelism)",
+    )
+    g.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with tensor parallelism: split the norms' and dropouts' activations along the "
+        "sequence too",
+    )
     g.add_argument(
         "--context-parallel-size",
         type=int,
@@ -165,7 +228,12 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="default: nccl with a GPU, gloo without",
     )
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument(
+        "--distributed-timeout-minutes",
+        type=int,
+        default=10,
+        help="how long a collective waits for the other ranks before failing",
+    )
 
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:
@@ -215,7 +283,9 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
         help="the loss is the mean over every loss token of the global batch (each "
         "token weighs the same), not the mean of the micro-batches' means",
     )
-    g.add_argument("--micro-batch-size", type=int, default=8)
+    g.add_argument(
+        "--micro-batch-size", type=int, default=8, help="samples per rank per forward pass"
+    )
     g.add_argument(
         "--global-batch-size",
         type=int,
@@ -269,7 +339,12 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="warmup as a fraction of the decay (instead of --lr-warmup-iters)",
     )
-    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument(
+        "--lr",
+        type=float,
+        default=3e-3,
+        help="peak learning rate (Megatron-LM's scripts always give one)",
+    )
     g.add_argument(
         "--min-lr",
         type=float,
@@ -289,15 +364,35 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="default linear (Megatron-LM's); the demo's: cosine",
     )
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument(
+        "--weight-decay",
+        type=float,
+        default=0.01,
+        help="AdamW's decoupled weight decay (not on biases and norms)",
+    )
+    g.add_argument(
+        "--clip-grad",
+        type=float,
+        default=1.0,
+        help="clip the global gradient norm to this (0: no clipping)",
+    )
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam's first-moment decay")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam's second-moment decay")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam's epsilon")
+    g.add_argument(
+        "--seed", type=int, default=1234, help="seed of the initialisation, data order and dropout"
+    )
     precision = g.add_mutually_exclusive_group()
-    precision.add_argument("--bf16", action="store_true")
-    precision.add_argument("--fp16", action="store_true")
+    precision.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bf16 weights and compute (DeepSpeed's bf16), fp32 optimizer state",
+    )
+    precision.add_argument(
+        "--fp16",
+        action="store_true",
+        help="fp16 weights and compute with dynamic loss scaling (DeepSpeed's fp16; GPU only)",
+    )
     g.add_argument(
         "--zero-stage",
         type=int,
@@ -476,8 +571,16 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
 
 def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpointing")
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
+    g.add_argument(
+        "--save",
+        default=None,
+        help="checkpoint folder to write (none: nothing saved, except the demo's runs/ folder)",
+    )
+    g.add_argument(
+        "--load",
+        default=None,
+        help="checkpoint folder to resume from (its latest checkpoint, or --ckpt-step's)",
+    )
     g.add_argument(
         "--pretrained-checkpoint",
         default=None,
@@ -600,7 +703,11 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--eval-iters", type=int, default=None, help="default 100 (Megatron-LM's); the demo's: 10"
     )
-    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument(
+        "--tensorboard-dir",
+        default=None,
+        help="write TensorBoard curves here (none: no TensorBoard)",
+    )
     g.add_argument(
         "--log-throughput",
         action="store_true",
@@ -678,9 +785,25 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
         help="with --profile: the PyTorch profiler's trace in --tensorboard-dir (always "
         "so without a GPU); otherwise cudaProfilerStart/Stop for nsys",
     )
-    g.add_argument("--profile-step-start", type=int, default=10)
-    g.add_argument("--profile-step-end", type=int, default=12)
-    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0])
+    g.add_argument(
+        "--profile-step-start",
+        type=int,
+        default=10,
+        help="with --profile: the first traced iteration",
+    )
+    g.add_argument(
+        "--profile-step-end",
+        type=int,
+        default=12,
+        help="with --profile: the iteration the trace stops at",
+    )
+    g.add_argument(
+        "--profile-ranks",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="with --profile: the global ranks that trace",
+    )
     g.add_argument(
         "--timing-log-level",
         type=int,
@@ -728,6 +851,7 @@ def _add_deepspeed_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = cli.Parser(
         description="megatron-focus: GPT pretraining with Focus and XSA attention",
+        usage="%(prog)s [--flag [value ...] ...]",
         allow_abbrev=False,
     )
     _add_model_args(p)

@@ -53,8 +53,35 @@ def run(main, *args, interrupted: str = "interrupted (Ctrl-C)"):
         sys.exit(130)  # 128 + SIGINT, as a shell reports an interrupted command
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Each option's help ends with its default (a switch's: off), unless it names it already;
+    descriptions keep their lines (the tools' usage examples)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        return f"{text} (default: {shown_default(action)})".lstrip()
+
+
+def shown_default(action: argparse.Action) -> str:
+    """A flag's default as a user would write it: "off" for a switch, "none" when unset."""
+    if action.nargs == 0:
+        return "off"
+    if action.default is None:
+        return "none"
+    if isinstance(action.default, (list, tuple)):
+        return " ".join(map(str, action.default))
+    return str(action.default).replace("%", "%%")
+
+
 class Parser(argparse.ArgumentParser):
-    """A refusal in one line, naming the closest known flag, instead of the whole usage."""
+    """A refusal in one line, naming the closest known flag, instead of the whole usage; --help
+    with each option's default."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         if message.startswith("unrecognized arguments: "):

@@ -125,7 +125,7 @@ NO_EFFECT = {
 
 # patterns: what is not offered, and what to use instead
 REFUSED = {
-    "--rl-* --no-rl-* --grpo-* --langrl-* --no-langrl-* --perform-rl-step --refit-method": (
+    "--rl-* --grpo-* --langrl-* --perform-rl-step --refit-method": (
         "reinforcement learning (GRPO) is not supported: this trainer pretrains"
     ),
     (
@@ -133,7 +133,7 @@ REFUSED = {
         "--ep-overlap-early-attn-memory-release --use-fused-weighted-squared-relu"
     ): "mixture of experts is not supported (dense MLPs only)",
     (
-        "--pipeline-model-parallel-* --virtual-pipeline-model-parallel-size "
+        "--pipeline-model-parallel-* "
         "--num-layers-per-virtual-pipeline-stage --num-virtual-stages-per-pipeline-rank "
         "--account-for-*-in-pipeline-split --decoder-first-pipeline-num-layers "
         "--decoder-last-pipeline-num-layers --microbatch-group-size-per-virtual-pipeline-stage "
@@ -191,7 +191,7 @@ REFUSED = {
         "encoder-decoder models are not supported; use --seq-length"
     ),
     (
-        "--inference-* --no-inference-* --flash-decode --enable-chunked-prefill "
+        "--inference-* --flash-decode --enable-chunked-prefill "
         "--disable-chunked-prefill --decode-only-cuda-graphs --max-tokens-to-oom "
         "--mlp-chunks-for-prefill --nccl-all-reduce-for-prefill --symmetric-ar-type "
         "--use-legacy-static-engine"
@@ -408,7 +408,10 @@ def _defaults() -> Dict[str, object]:
 def off_values(flags: List[str], keywords: dict, defaults: Dict[str, object]) -> tuple:
     """The values of a refused flag that mean "off": its destination's default, and what
     ALSO_OFF adds."""
-    return OFF_ONLY.get(flags[0], (defaults[_dest(flags, keywords)], *ALSO_OFF.get(flags[0], ())))
+    off = [defaults[_dest(flags, keywords)], *ALSO_OFF.get(flags[0], ())]
+    if keywords.get("nargs") in ("+", "*") and not isinstance(off[0], (list, type(None))):
+        off.append([off[0]])  # Megatron-LM's scalar default of a list flag, as a script gives it
+    return OFF_ONLY.get(flags[0], tuple(off))
 
 
 def add_compat_args(p: argparse.ArgumentParser) -> None:
@@ -469,17 +472,20 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
 
 
 def refusals(args: argparse.Namespace) -> Dict[str, List[str]]:
-    """why -> the refused flags `args` gives at a value other than "off", as a user writes them."""
+    """why -> the refused flags `args` gives at a value other than "off", as a user writes them.
+    Flags that share a destination (Megatron-LM's old and new names) share their "off" values."""
     given: Dict[str, List[str]] = {}
-    defaults = _defaults()
+    defaults, off, refused = _defaults(), {}, {}
     for flags, keywords in megatron_lm_actions():
-        if (classify(flags[0]) or ("",))[0] != "refused":
-            continue
-        value = getattr(args, _dest(flags, keywords))
-        if value in off_values(flags, keywords, defaults):
-            continue
-        shown = flags[0] if isinstance(value, bool) else f"{flags[0]} {_words(value)}"
-        given.setdefault(classify(flags[0])[1], []).append(shown)
+        if (classify(flags[0]) or ("",))[0] == "refused":
+            dest = _dest(flags, keywords)
+            off.setdefault(dest, []).extend(off_values(flags, keywords, defaults))
+            refused.setdefault(dest, flags[0])
+    for dest, flag in refused.items():
+        value = getattr(args, dest)
+        if value not in off[dest]:
+            shown = flag if isinstance(value, bool) else f"{flag} {_words(value)}"
+            given.setdefault(classify(flag)[1], []).append(shown)
     return given
 
 

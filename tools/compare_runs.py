@@ -412,7 +412,7 @@ def plot(groups: Dict[str, List[Run]], rows: List[dict], args: argparse.Namespac
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(description=__doc__)
     p.add_argument(
         "runs",
         nargs="+",

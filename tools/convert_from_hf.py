@@ -15,14 +15,12 @@ afresh and trains only them (add `--focus-*` settings to it). An exported Focus 
 with its routers.
 """
 
-import argparse
-
 from megatron_focus import cli
 from megatron_focus.variants import VARIANTS
 
 
 def main() -> None:
-    parser = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.Parser(description=__doc__)
     parser.add_argument("--hf-dir", required=True, help="a folder written by save_pretrained")
     parser.add_argument("--save", required=True, help="the checkpoint folder to write")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)

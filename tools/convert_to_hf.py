@@ -13,15 +13,13 @@ settings are not recorded: `--focus-top-k` and `--focus-attention-mode` set them
 `model.config.focus_attention_mode = "sparse"`) changes them on the loaded model.
 """
 
-import argparse
-
 from megatron_focus import cli
 from megatron_focus.arguments import add_unsafe_checkpoints_flag
 from megatron_focus.choices import TOKENIZER_TYPES
 
 
 def main() -> None:
-    parser = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.Parser(description=__doc__)
     parser.add_argument(
         "--load", required=True, help="checkpoint folder (as pretrain_gpt.py --save)"
     )

@@ -50,7 +50,7 @@ from megatron_focus.choices import TOKENIZER_TYPES  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser(description=__doc__)
     p.add_argument(
         "--input",
         nargs="+",

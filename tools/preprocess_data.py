@@ -7,14 +7,12 @@
 writes data/fineweb_text_document.{bin,idx}; pass data/fineweb_text_document as --data-path.
 """
 
-import argparse
-
 from megatron_focus import cli
 from megatron_focus.choices import TOKENIZER_TYPES
 
 
 def main() -> None:
-    parser = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.Parser(description=__doc__)
     parser.add_argument(
         "--input",
         nargs="+",

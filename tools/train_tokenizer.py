@@ -5,14 +5,12 @@
 writes tok.model (use with --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model tok.model).
 """
 
-import argparse
-
 from megatron_focus import cli
 from megatron_focus.data.sentencepiece_trainer import MODEL_TYPES, train_sentencepiece
 
 
 def main() -> None:
-    parser = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.Parser(description=__doc__)
     parser.add_argument(
         "--input",
         nargs="+",
