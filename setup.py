@@ -16,6 +16,7 @@ INSTALL_REQUIRES = [
     "numpy>=1.26,<3",
     "pyarrow>=15",
     "tqdm>=4.66",
+    "pyyaml>=6",  # --yaml-cfg
 ]
 
 EXTRAS = {

@@ -8,6 +8,7 @@ anything is built, with a message that says which flag to change.
 import argparse
 import importlib.util
 import os
+import sys
 import warnings
 from typing import List, Optional
 
@@ -878,10 +879,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.yaml_cfg is not None:
+        args = _from_yaml(args, parser, sys.argv[1:] if argv is None else argv)
     if args.use_checkpoint_args:
         _use_checkpoint_args(args)
     validate_args(args)
+    return args
+
+
+def _from_yaml(
+    given: argparse.Namespace, parser: argparse.ArgumentParser, argv: List[str]
+) -> argparse.Namespace:
+    """Megatron-LM's --yaml-cfg: the flags the file holds, and the launcher's beside them."""
+    from megatron_focus import yaml_config
+
+    yaml_config.check_command_line(argv)
+    args = parser.parse_args(yaml_config.yaml_argv(given.yaml_cfg, parser))
+    for dest in ("local_rank", "deepspeed", "deepspeed_config", "yaml_cfg"):
+        setattr(args, dest, getattr(given, dest))
     return args
 
 

@@ -1,0 +1,92 @@
+"""`--yaml-cfg`: a YAML file laid out as Megatron-LM's stands for the command line it holds."""
+
+import pytest
+
+from megatron_focus.arguments import parse_args
+
+YAML = """\
+language_model:
+  num_layers: 2
+  hidden_size: 64
+  num_attention_heads: 4
+  num_query_groups: null
+  ffn_hidden_size: null
+  hidden_dropout: 0.0
+  attention_dropout: 0.0
+  layernorm_epsilon: 1.e-6
+  layernorm_zero_centered_gamma: true
+  add_bias_linear: false
+  gated_linear_unit: true
+  activation_func: swiglu
+  num_moe_experts: null
+  masked_softmax_fusion: true
+  normalization: RMSNorm
+model_parallel:
+  tensor_model_parallel_size: 1
+  sequence_parallel: false
+  bf16: true
+  perform_initialization: true
+micro_batch_size: 2
+global_batch_size: 4
+lr: 2.5e-4
+min_lr: 2.5e-5
+lr_decay_style: cosine
+train_iters: 20
+position_embedding_type: rope
+seq_length: 128
+save: ${CKPT_ROOT}/run
+save_interval: 10
+split: '99,1,0'
+profile_ranks: [0, 1]
+"""
+SAME = [
+    *("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --hidden-dropout 0.0").split(),
+    *("--attention-dropout 0.0 --norm-epsilon 1e-6 --apply-layernorm-1p").split(),
+    *("--disable-bias-linear --swiglu --normalization RMSNorm --bf16").split(),
+    *("--micro-batch-size 2 --global-batch-size 4 --lr 2.5e-4 --min-lr 2.5e-5").split(),
+    *("--lr-decay-style cosine --train-iters 20 --position-embedding-type rope").split(),
+    *("--seq-length 128 --save-interval 10 --split 99,1,0 --profile-ranks 0 1").split(),
+]
+
+
+def write(tmp_path, text):
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_yaml_file_is_the_command_line_it_holds(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPT_ROOT", str(tmp_path))
+    path = write(tmp_path, YAML)
+    from_yaml = vars(parse_args(["--yaml-cfg", path]))
+    by_flags = vars(parse_args(SAME + ["--save", f"{tmp_path}/run"]))
+    assert from_yaml.pop("yaml_cfg") == path and by_flags.pop("yaml_cfg") is None
+    assert from_yaml == by_flags
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("lr: 1.0e-4\nmicro_batch_sise: 2\n", r"unknown key micro_batch_sise \(did you mean "),
+        ("language_model:\n  activation_func: relu\n", "activation_func relu: one of"),
+        ("language_model:\n  num_moe_experts: 8\n", "mixture of experts is not supported"),
+        ("language_model:\n  lr: 1.0\nlr: 2.0\n", "lr given twice"),
+        ("save: ${NO_SUCH_VARIABLE_HERE}/x\n", "environment variable NO_SUCH_VARIABLE_HERE"),
+        ("- 1\n- 2\n", "expected keys and values"),
+        (
+            "model_parallel:\n  cpu_offloading: true\n",
+            "cpu_offloading True: Megatron-Core's cpu_offloading is set by this trainer, ",
+        ),
+    ],
+)
+def test_a_bad_key_is_refused_before_any_compute(tmp_path, text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_args(["--yaml-cfg", write(tmp_path, text)])
+
+
+def test_flags_beside_the_yaml_file_are_refused_not_ignored(tmp_path):
+    """Megatron-LM ignores the command line beside --yaml-cfg; a flag there would be lost."""
+    path = write(tmp_path, "lr: 1.0e-4\n")
+    with pytest.raises(ValueError, match="--lr, --seed beside --yaml-cfg"):
+        parse_args(["--yaml-cfg", path, "--lr", "1e-3", "--seed=3"])
+    assert parse_args(["--yaml-cfg", path, "--local-rank", "0"]).lr == 1e-4
