@@ -32,7 +32,7 @@ SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_lm_fla
 
 TE = "Transformer Engine, which this trainer does not use"
 FP8 = f"fp8 needs {TE}; use --bf16"
-CHECKPOINTS = "checkpoints are DeepSpeed's torch files; tools/convert_to_hf.py exports them"
+CHECKPOINTS = "checkpoints are --ckpt-format's: torch (DeepSpeed's files) or torch_dist"
 OTHER_MODELS = (
     "for BERT, T5, retrieval (ICT, REALM, biencoder) and vision models: this trainer "
     "pretrains GPT models"
@@ -41,6 +41,18 @@ OTHER_MODELS = (
 # patterns: why they do nothing here
 NO_EFFECT = {
     "--use-mcore-models": "the model is always Megatron-Core's GPTModel",
+    (
+        "--pipeline-model-parallel-comm-backend --microbatch-group-size-per-virtual-pipeline-stage "
+        "--overlap-p2p-communication-warmup-flush --no-overlap-p2p-communication "
+        "--use-ring-exchange-p2p --no-scatter-gather-tensors-in-pipeline "
+        "--defer-embedding-wgrad-compute --wgrad-deferral-limit"
+    ): (
+        "tunes the pipeline's communication and schedule, and there is no pipeline here "
+        "(--pipeline-model-parallel-size 1), as in Megatron-LM without one"
+    ),
+    "--use-dist-ckpt --dist-ckpt-format": (
+        "deprecated in Megatron-LM, where it does nothing either: --ckpt-format chooses"
+    ),
     "--transformer-impl": f"the layers are Megatron-Core's local (PyTorch) modules, without {TE}",
     "--no-masked-softmax-fusion --attention-softmax-in-fp32 --apply-query-key-layer-scaling": (
         "attention runs in PyTorch's, flash-attn's or this trainer's kernels (softmax in fp32), "
@@ -93,7 +105,9 @@ NO_EFFECT = {
         "--async-save --use-persistent-ckpt-worker --ckpt-convert-update-legacy-dist-opt-format "
         "--disable-strict-fsdp-dtensor-load --no-strict-fsdp-dtensor-load"
     ): (
-        f"tunes Megatron's distributed (torch_dist) checkpoints; {CHECKPOINTS}, saved synchronously"
+        "tunes how Megatron-LM saves and loads distributed checkpoints (in parallel, "
+        "asynchronously, reshardable); --ckpt-format torch_dist here saves with Megatron-Core's "
+        "default strategy, synchronously"
     ),
     (
         "--use-cpu-initialization --init-model-with-meta-device --no-initialization "
@@ -133,13 +147,10 @@ REFUSED = {
         "--ep-overlap-early-attn-memory-release --use-fused-weighted-squared-relu"
     ): "mixture of experts is not supported (dense MLPs only)",
     (
-        "--pipeline-model-parallel-* "
+        "--pipeline-model-parallel-size --pipeline-model-parallel-layout "
         "--num-layers-per-virtual-pipeline-stage --num-virtual-stages-per-pipeline-rank "
         "--account-for-*-in-pipeline-split --decoder-first-pipeline-num-layers "
-        "--decoder-last-pipeline-num-layers --microbatch-group-size-per-virtual-pipeline-stage "
-        "--overlap-p2p-communication-warmup-flush --no-overlap-p2p-communication "
-        "--use-ring-exchange-p2p --no-scatter-gather-tensors-in-pipeline "
-        "--defer-embedding-wgrad-compute --wgrad-deferral-limit --use-tp-pp-dp-mapping"
+        "--decoder-last-pipeline-num-layers --use-tp-pp-dp-mapping"
     ): "pipeline parallelism is not supported; use --zero-stage 3 or tensor parallelism",
     (
         "--fp8-* --no-fp8-wgrad --disable-fp8-wgrad --keep-fp8-transpose-cache "
@@ -214,13 +225,12 @@ REFUSED = {
         "are not used; resume from checkpoints (--load, --exit-signal-handler, "
         "--exit-duration-in-mins)"
     ),
-    "--ckpt-format": CHECKPOINTS,
     (
-        "--use-dist-ckpt --dist-ckpt-format --auto-detect-ckpt-format --ckpt-convert-* "
+        "--auto-detect-ckpt-format --ckpt-convert-* "
         "--non-persistent-* --replication* --load-main-params-from-ckpt --save-retain-interval "
         "--use-mp-args-from-checkpoint-args --no-use-tokenizer-model-from-checkpoint-args "
         "--disable-use-tokenizer-model-from-checkpoint-args"
-    ): f"{CHECKPOINTS}; every save is kept",
+    ): f"{CHECKPOINTS}, kept on disk as saved; convert with tools/convert_to_hf.py",
     (
         "--use-megatron-fsdp --use-torch-fsdp2 --torch-fsdp2-no-reshard-after-forward "
         "--data-parallel-sharding-strategy --outer-dp-sharding-strategy --fsdp-* "
@@ -288,14 +298,13 @@ REFUSED = {
     "--warmup": "replaced in Megatron-LM by --lr-warmup-iters",
     "--model-parallel-size": "replaced in Megatron-LM by --tensor-model-parallel-size",
     "--checkpoint-activations": "replaced in Megatron-LM by --recompute-activations",
-    "--rampup-batch-size": "the global batch is constant here (--global-batch-size)",
     "--data-args-path --per-split-data-args-path --per-dataset-sequences-path": (
         "give the data on the command line (--data-path, or --train-data-path and "
         "--valid-data-path)"
     ),
     (
         "--dataloader-type --multiple-validation-sets --full-validation --iterations-to-skip "
-        "--skip-train --phase-transition-iterations --decrease-batch-size-if-needed "
+        "--skip-train --phase-transition-iterations "
         "--mid-level-dataset-surplus --allow-ambiguous-pad-tokens --object-storage-cache-path "
         "--train-sync-interval --exit-signal-handler-for-dataloader"
     ): (
@@ -326,7 +335,6 @@ ALSO_OFF = {
     "--dataloader-type": ("single",),
     "--inference-max-requests": (8,),  # its own default: the destination's is None
 }
-OFF_ONLY = {"--ckpt-format": ("torch",)}  # Megatron's default itself is refused
 
 # Megatron-LM's other names for flags of this trainer: (this trainer's flag, why)
 TRANSLATED = {
@@ -396,12 +404,12 @@ def _dest(flags: List[str], keywords: dict) -> str:
 
 def _defaults() -> Dict[str, object]:
     """Each destination's value when no flag sets it: the first of its actions' default, as
-    argparse keeps it (Megatron-LM's default; this trainer's for OFF_ONLY's flags)."""
+    argparse keeps it (Megatron-LM's default)."""
     defaults: Dict[str, object] = {}
     for flags, keywords in megatron_lm_actions():
         unset = keywords.get("action") == "store_false"  # store_true: False
         default = argparse_keywords(keywords).get("default", unset)
-        defaults.setdefault(_dest(flags, keywords), OFF_ONLY.get(flags[0], (default,))[0])
+        defaults.setdefault(_dest(flags, keywords), default)
     return defaults
 
 
@@ -411,7 +419,7 @@ def off_values(flags: List[str], keywords: dict, defaults: Dict[str, object]) ->
     off = [defaults[_dest(flags, keywords)], *ALSO_OFF.get(flags[0], ())]
     if keywords.get("nargs") in ("+", "*") and not isinstance(off[0], (list, type(None))):
         off.append([off[0]])  # Megatron-LM's scalar default of a list flag, as a script gives it
-    return OFF_ONLY.get(flags[0], tuple(off))
+    return tuple(off)
 
 
 def add_compat_args(p: argparse.ArgumentParser) -> None:
@@ -457,8 +465,6 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
             raise KeyError(f"{flags[0]}: a Megatron-LM flag in no family of compat.py")
         kind, why = classify(flags[0])
         spec, keywords = keywords, argparse_keywords(keywords)
-        if flags[0] in OFF_ONLY:
-            keywords["default"] = OFF_ONLY[flags[0]][0]
         if kind == "no effect":
             words = f"no effect: {why}"
         elif "action" in keywords:
