@@ -373,6 +373,7 @@ def megatron_flags(path: str = SPEC) -> list:
     )
 
 
+@functools.lru_cache(maxsize=None)
 def classify(flag: str) -> Optional[Tuple[str, str]]:
     """("no effect" or "refused", why) for a Megatron-LM flag this trainer does not implement;
     None for one it implements (arguments.py), which no family names."""
