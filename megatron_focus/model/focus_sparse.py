@@ -38,6 +38,7 @@ backward on the CPU; FlexAttention, which differentiates its log-sum-exp but tak
 output, recomputes its calls in backward. The layouts' gathers are differentiated by autograd.
 """
 
+import bisect
 import dataclasses
 import functools
 from typing import Callable, Optional
@@ -230,13 +231,25 @@ def _causal_buckets(order, bucket, sizes, starts, scale) -> _Part:
 _RANGE_BLOCK = 256
 
 
+def _block_bounds(lo, firsts: list):
+    """[start, end) of each block of `_range_attention`: _RANGE_BLOCK queries, ended early where
+    a bucket starts (lo moves) a block's worth of keys or more past the block's first lo, keys
+    that the later queries would compute and discard."""
+    moves = (torch.nonzero(lo[1:] != lo[:-1]).flatten() + 1).tolist()
+    start = 0
+    while start < len(firsts):
+        end = min(start + _RANGE_BLOCK, len(firsts))
+        inside = moves[bisect.bisect_right(moves, start) : bisect.bisect_left(moves, end)]
+        end = next((m for m in inside if firsts[m] - firsts[start] >= _RANGE_BLOCK), end)
+        yield start, end
+        start = end
+
+
 def _range_blocks(lo, hi, dtype):
     """(queries, keys, additive mask) of each block of `_range_attention`: the block's queries
     against the keys from its first lo to its last hi, the rest of each range masked."""
-    rows = lo.shape[0]
     firsts, lasts = lo.tolist(), hi.tolist()  # a host synchronisation
-    for start in range(0, rows, _RANGE_BLOCK):
-        end = min(start + _RANGE_BLOCK, rows)
+    for start, end in _block_bounds(lo, firsts):
         first, last = firsts[start], lasts[end - 1]
         if last <= first:
             continue

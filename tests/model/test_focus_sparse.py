@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from megatron_focus.model import kernels
+from megatron_focus.model import focus_sparse, kernels
 from megatron_focus.model.focus_gate import focus_attention
 from megatron_focus.model.focus_sparse import sparse_focus_attention
 from megatron_focus.model.groups import Routing
@@ -81,6 +81,25 @@ def test_sparse_dispatch_equals_dense_hard_rule(
             q, k, v, is_causal=True, scale=d**-0.5, enable_gqa=heads != kv
         )
         torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sizes", [[600, 5, 3, 700, 1, 260], [3] * 100, [1000]])
+def test_range_blocks_end_at_far_bucket_starts_and_merge_small_buckets(sizes):
+    """Blocks of queries over buckets (lo: the bucket's start, hi: lo + the query's place in it):
+    each query in one block; no block reaches a bucket that starts a block's worth of keys or
+    more past its first query's lo (its later queries would compute those keys in vain); small
+    buckets share blocks."""
+    block = focus_sparse._RANGE_BLOCK
+    starts = torch.tensor([0] + sizes[:-1]).cumsum(0)
+    lo = torch.cat([torch.full((size,), int(start)) for start, size in zip(starts, sizes)])
+    bounds = list(focus_sparse._block_bounds(lo, lo.tolist()))
+    assert [start for start, _ in bounds] == [0] + [end for _, end in bounds[:-1]]
+    assert bounds[-1][1] == lo.numel()
+    for start, end in bounds:
+        assert 0 < end - start <= block
+        assert lo[end - 1] - lo[start] < block, (start, end)
+    if len(sizes) == 100:
+        assert len(bounds) == 2
 
 
 def test_merge_by_lse_is_the_softmax_of_the_union():
