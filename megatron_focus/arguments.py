@@ -1046,8 +1046,11 @@ def _validate_recompute(args: argparse.Namespace) -> None:
         )
 
 
-def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) -> None:
-    """Fill derived defaults and refuse what cannot run, before any model is built."""
+def validate_args(
+    args: argparse.Namespace, world_size: Optional[int] = None, training: bool = True
+) -> None:
+    """Fill derived defaults and refuse what cannot run, before any model is built;
+    `training=False` for a model that only evaluates (what only training refuses passes)."""
     if world_size is None:  # as a launcher (torchrun, deepspeed) tells it
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     _check_ranges(args)
@@ -1057,7 +1060,7 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None) ->
     tp = args.tensor_model_parallel_size
     for settings in settings_classes():  # every variant's flags, whatever the variant
         settings.from_args(args)
-    _validate_focus(args)
+    _validate_focus(args, training)
     _validate_recompute(args)
     if args.xsa_layers is not None:
         if not variant(args.attention).xsa:
@@ -1169,9 +1172,9 @@ def _validate_architecture(args: argparse.Namespace) -> None:
         raise ValueError("--use-rope-scaling scales RoPE: it needs --position-embedding-type rope")
 
 
-def _validate_focus(args: argparse.Namespace) -> None:
+def _validate_focus(args: argparse.Namespace, training: bool) -> None:
     focus = FocusConfig.from_args(args)
-    if focus.attention_mode == "sparse" and args.attention_dropout > 0:
+    if training and focus.attention_mode == "sparse" and args.attention_dropout > 0:
         raise ValueError(
             "--focus-attention-mode sparse has no attention dropout: add --attention-dropout 0"
         )

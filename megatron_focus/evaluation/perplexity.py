@@ -103,7 +103,7 @@ def run(opts: argparse.Namespace, args: argparse.Namespace) -> None:
     batches = {}
     for n in lengths:  # every length's data before the model: bad data fails first
         args.seq_length = args.max_position_embeddings = n  # the model's are checked above
-        validate_args(args, world_size=1)  # the data and evaluation flags
+        validate_args(args, world_size=1, training=False)  # the data and evaluation flags
         _, valid = datasets_for(args, tokenizer)
         if valid is None:
             raise ValueError("--split leaves no validation data, or --eval-iters is 0")

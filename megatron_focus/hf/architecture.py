@@ -176,7 +176,7 @@ class Architecture:
                 str(self.max_position_embeddings),  # any length the model can take
             ]
         )
-        validate_args(args, world_size=tensor_model_parallel_size)
+        validate_args(args, world_size=tensor_model_parallel_size, training=False)
         args.padded_vocab_size = padded_vocab_size(
             self.vocab_size, make_vocab_size_divisible_by, tensor_model_parallel_size
         )
