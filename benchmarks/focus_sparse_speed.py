@@ -9,14 +9,16 @@ trained model. q, k, v are laid out as the model hands them to both (permuted vi
 [s, b, heads, d]). "ideal" is dense pairs / kept pairs; "of ideal" is measured speedup / ideal.
 With --train, "over kept" is (sparse step / dense step) / kept share: 1 when a sparse step costs
 what its kept pairs cost; the soft step is the chunked (CPU) or fused (GPU) soft gate, its
-assignments trained too.
+assignments trained too. Times are device time (CUDA events on a GPU; wall clock on the CPU),
+"host ms" the sparse call's host time apart (until it returns: on a GPU, launching its kernels).
 
     python benchmarks/focus_sparse_speed.py [--seq-lengths 1024 4096 16384] [--groups 4 8]
-        [--top-k 1 2] [--heads 4 --head-dim 64 --window 128] [--dtype bf16] [--profile]
+        [--top-k 1 2] [--shapes 4x64 32x128 6x256] [--window 128] [--dtype bf16] [--profile]
         [--train] [--json out.json]
 """
 
 import argparse
+import itertools
 import json
 import statistics
 
@@ -31,7 +33,7 @@ from megatron_focus.model.focus_sparse import sparse_focus_attention
 from megatron_focus.model.groups import Routing
 from megatron_focus.model.sinkhorn import causal_sinkhorn
 
-from timing import seconds
+from timing import timed
 
 
 def parse() -> argparse.Namespace:
@@ -41,8 +43,14 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument("--groups", type=int, nargs="+", default=[4, 8])
     p.add_argument("--top-k", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument(
+        "--shapes",
+        type=shape,
+        nargs="+",
+        default=[(4, 64)],
+        metavar="HEADSxDIM",
+        help="attention heads x head dim, e.g. 32x128 (Llama 7B) or 6x256 (the 0.7B recipe)",
+    )
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
@@ -65,14 +73,21 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-def measure(opts, n: int, groups: int, top_k: int) -> dict:
+def shape(text: str) -> tuple:
+    heads, _, dim = text.partition("x")
+    if not (heads.isdigit() and dim.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected HEADSxDIM, e.g. 32x128")
+    return int(heads), int(dim)
+
+
+def measure(opts, heads: int, head_dim: int, n: int, groups: int, top_k: int) -> dict:
     device = "cuda" if platform.has_cuda() else "cpu"
     gen = torch.Generator().manual_seed(n + groups)
     dtype = torch.bfloat16 if opts.dtype == "bf16" else torch.float32
     # As the model's core attention hands them: [b, heads, n, d] views of Megatron's
     # [n, b, heads, d].
     q, k, v = (
-        torch.randn(n, 1, opts.heads, opts.head_dim, generator=gen)
+        torch.randn(n, 1, heads, head_dim, generator=gen)
         .to(device, dtype)
         .requires_grad_(opts.train)
         .permute(1, 2, 0, 3)
@@ -80,7 +95,7 @@ def measure(opts, n: int, groups: int, top_k: int) -> dict:
     )
     log_g = causal_sinkhorn(torch.randn(1, n, groups, generator=gen) * 3, 10).to(device)
     routing = Routing.of(log_g.requires_grad_(opts.train))
-    scale = opts.head_dim**-0.5
+    scale = head_dim**-0.5
     d_out = torch.randn_like(q)
 
     def step(attend):  # the call, with its backward when training
@@ -123,7 +138,7 @@ def measure(opts, n: int, groups: int, top_k: int) -> dict:
         for rep in range(opts.repeats):  # alternate the order against drift
             order = list(calls.items())
             for name, fn in order if rep % 2 == 0 else order[::-1]:
-                times[name].append(seconds(fn))
+                times[name].append(timed(fn))
         if opts.profile:
             with torch.profiler.profile() as prof:
                 for _ in range(3):
@@ -131,12 +146,20 @@ def measure(opts, n: int, groups: int, top_k: int) -> dict:
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
     with torch.no_grad():
         kept = float(group_stats(routing, top_k, opts.window)["pairs-kept"])
-    speedup = statistics.median(d / s for d, s in zip(times["dense"], times["sparse"]))
+    speedup = statistics.median(
+        d.device / s.device for d, s in zip(times["dense"], times["sparse"])
+    )
     return {
+        "heads": heads,
+        "head_dim": head_dim,
         "n": n,
         "groups": groups,
         "top_k": top_k,
-        **{f"{name}_ms": statistics.median(t) * 1e3 for name, t in times.items()},
+        **{
+            f"{name}{suffix}_ms": statistics.median(getattr(t, clock) for t in ts) * 1e3
+            for name, ts in times.items()
+            for suffix, clock in (("", "device"), ("_host", "host"))
+        },
         "pairs_kept": kept,
         "speedup": speedup,
         "ideal_speedup": 1 / kept,
@@ -153,36 +176,33 @@ def main() -> None:
         else f"cpu, {torch.get_num_threads()} threads"
     )
     print(
-        f"{where}; {opts.heads} heads of {opts.head_dim}, window {opts.window}, batch 1, "
-        f"{opts.dtype}, {'training step' if opts.train else 'forward'}"
+        f"{where}; window {opts.window}, batch 1, {opts.dtype}, "
+        f"{'training step' if opts.train else 'forward'}"
     )
     soft = f"{'soft ms':>10}" if opts.train else ""
     last = f"{'over kept':>10}" if opts.train else f"{'of ideal':>9}"
     print(
-        f"{'n':>7}{'K':>3}{'top-k':>6}{'dense ms':>10}{soft}{'focus ms':>10}{'kept':>7}"
+        f"{'shape':>7}{'n':>8}{'K':>3}{'top-k':>6}{'dense ms':>10}{soft}{'focus ms':>10}"
+        f"{'host ms':>9}{'kept':>7}"
         f"{'speedup':>9}{'ideal':>7}{last}"
     )
     rows = []
-    for n in opts.seq_lengths:
-        for groups in opts.groups:
-            for top_k in opts.top_k:
-                r = measure(opts, n, groups, top_k)
-                rows.append(r)
-                soft = f"{r['soft_ms']:>10.1f}" if opts.train else ""
-                last = f"{r['over_kept']:>9.2f}x" if opts.train else f"{r['of_ideal']:>8.0%}"
-                print(
-                    f"{n:>7}{groups:>3}{top_k:>6}{r['dense_ms']:>10.1f}{soft}"
-                    f"{r['sparse_ms']:>10.1f}{r['pairs_kept']:>7.3f}{r['speedup']:>8.2f}x"
-                    f"{r['ideal_speedup']:>6.1f}x{last}",
-                    flush=True,
-                )
-                if opts.json:  # after every row: a run cut short keeps what it measured
-                    with open(opts.json, "w") as f:
-                        json.dump(
-                            {"config": {**vars(opts), "device": where}, "results": rows},
-                            f,
-                            indent=2,
-                        )
+    for (heads, head_dim), n, groups, top_k in itertools.product(
+        opts.shapes, opts.seq_lengths, opts.groups, opts.top_k
+    ):
+        r = measure(opts, heads, head_dim, n, groups, top_k)
+        rows.append(r)
+        soft = f"{r['soft_ms']:>10.1f}" if opts.train else ""
+        last = f"{r['over_kept']:>9.2f}x" if opts.train else f"{r['of_ideal']:>8.0%}"
+        print(
+            f"{f'{heads}x{head_dim}':>7}{n:>8}{groups:>3}{top_k:>6}{r['dense_ms']:>10.1f}{soft}"
+            f"{r['sparse_ms']:>10.1f}{r['sparse_host_ms']:>9.1f}{r['pairs_kept']:>7.3f}"
+            f"{r['speedup']:>8.2f}x{r['ideal_speedup']:>6.1f}x{last}",
+            flush=True,
+        )
+        if opts.json:  # after every row: a run cut short keeps what it measured
+            with open(opts.json, "w") as f:
+                json.dump({"config": {**vars(opts), "device": where}, "results": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@
 #              tools/eval_ppl.py (soft and sparse rows), tools/convert_to_hf.py and generate;
 #              focus+xsa, and standard (flash-attn when installed, SDPA otherwise)
 #   sparse     sparse Focus against dense causal attention, bf16, 4K..1M tokens
+#   sparse-train  its training step against dense and the soft gate's, at 4 heads of 64, 32 of
+#              128 and the 0.7B recipe's 6 of 256 (device time by CUDA events, host time apart)
 #   overhead   the training step of each variant against standard, hidden 1024, bf16
 #   recipe     the 0.7B recipe's shape on one GPU, standard and focus+xsa: tokens/s, TFLOP/s,
 #              MFU, peak memory
@@ -63,6 +65,7 @@ if [ "$REHEARSAL" = 1 ]; then  # the same steps, sized for a CPU
     export TRITON_INTERPRET=1  # the GPU branches' Triton kernels, interpreted on the CPU
     E2E=(--tiny --iters 4)
     SPARSE=(--seq-lengths 1024 2048 --groups 4 --top-k 1 2 --repeats 1)
+    SPARSE_TRAIN=(--seq-lengths 1024 --groups 4 --top-k 1 --shapes 2x32 6x16 --repeats 1)
     OVERHEAD=(--seq-lengths 256 --num-layers 1 --hidden-size 64 --num-attention-heads 4
               --micro-batch-size 1 --iters 2 --warmup 1)
     RECIPE=(--smoke --iters 3 --warmup 1)
@@ -71,6 +74,8 @@ else
     E2E=(--iters 30)
     SPARSE=(--dtype bf16 --groups 4 8 --top-k 1 2
             --seq-lengths 1024 4096 16384 32768 65536 262144 1048576)
+    SPARSE_TRAIN=(--dtype bf16 --groups 8 --top-k 1 --shapes 4x64 32x128 6x256
+                  --seq-lengths 4096 32768)
     OVERHEAD=(--seq-lengths 2048 8192 --num-layers 4 --hidden-size 1024
               --num-attention-heads 16 --micro-batch-size 1 --bf16 --iters 10 --warmup 3)
     RECIPE=(--model 0.7b --iters 8 --warmup 3)
@@ -96,6 +101,8 @@ part recipe 80 python3 benchmarks/recipe_speed.py --variants standard focus+xsa 
 part tests 120 python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/test_gpu.py \
     "tests/hf/test_hf.py::test_attention_backends_compute_what_eager_computes"
 part sparse 80 python3 benchmarks/focus_sparse_speed.py "${SPARSE[@]}" --json "$OUT/sparse.json"
+part sparse-train 80 python3 benchmarks/focus_sparse_speed.py --train "${SPARSE_TRAIN[@]}" \
+    --json "$OUT/sparse-train.json"
 part e2e-focus-xsa 100 python3 benchmarks/end_to_end.py --attention focus+xsa "${E2E[@]}" \
     --json "$OUT/e2e-focus-xsa.json"
 part e2e-standard 60 python3 benchmarks/end_to_end.py --attention standard "${E2E[@]}" \

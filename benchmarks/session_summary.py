@@ -32,11 +32,17 @@ def e2e(result: dict) -> str:
 def sparse(result: dict) -> str:
     rows = result["results"]
     longest = max(r["n"] for r in rows)
-    return f"at {longest} tokens: " + ", ".join(
-        f"K={r['groups']} top-{r['top_k']} {r['speedup']:.2f}x ({r['of_ideal']:.0%} of ideal)"
-        for r in rows
-        if r["n"] == longest
-    )
+    train = result["config"].get("train")
+
+    def figures(r: dict) -> str:
+        against = f"{r['over_kept']:.2f}x over kept" if train else f"{r['of_ideal']:.0%} of ideal"
+        return (
+            f"{r.get('heads', 4)}x{r.get('head_dim', 64)} K={r['groups']} top-{r['top_k']} "
+            f"{r['speedup']:.2f}x ({against})"
+        )
+
+    step = "training step " if train else ""
+    return f"{step}at {longest} tokens: " + ", ".join(figures(r) for r in rows if r["n"] == longest)
 
 
 def overhead(result: dict) -> str:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from megatron_focus import platform
 
-from timing import seconds
+from timing import timed
 
 SHAPES = {"0.7b": (6, 256), "32x128": (32, 128)}  # heads, head dim
 
@@ -47,18 +47,7 @@ def parse() -> argparse.Namespace:
 def device_ms(fn, repeats: int) -> float:
     """Median device time of fn() in ms (CUDA events; wall clock on the CPU)."""
     fn()  # warm-up: compilation, autotuning
-    times = []
-    for _ in range(repeats):
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            times.append(seconds(fn) * 1e3)
-    return statistics.median(times)
+    return statistics.median(timed(fn).device for _ in range(repeats)) * 1e3
 
 
 def peak_mib(fn) -> float:

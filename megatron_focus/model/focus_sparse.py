@@ -16,7 +16,7 @@ ordinary attention call, merged exactly by per-query log-sum-exp weights:
   ranges (`_range_attention`). Work is the kept pairs, not the bucket's square: a token that
   only queries a bucket adds no keys to it.
 * local part: the window keys whose top-1 group is *not* among the query's top-k (the others are
-  in a bucket already), by query blocks of B = 16 against the w + B keys ending with them,
+  in a bucket already), by query blocks of B = 64 against the w + B keys ending with them,
   overlapping strided windows of one padded copy: O(n (w + B)). On a GPU, one FlexAttention call
   over the band instead (flex.flex_local_part).
 
@@ -353,9 +353,12 @@ def _bucket_parts(
     return parts
 
 
-# Queries per block of the local part: each block meets the w + B keys ending with it, so
-# w / (w + B) of the computed pairs are window pairs (50% with B = w).
-_LOCAL_BLOCK = 16
+# Queries per block of the local part: each block meets the F + B keys ending with it (F: w
+# rounded up to B), so a larger B computes more pairs outside the window (w / (w + B) of them
+# are window pairs), and a smaller one lays each key out in more blocks' windows: (w + B) / B
+# copies of the keys' gradients in backward. 64 costs least in a training step on the CPU
+# (benchmarks/focus_sparse_speed.py --train, 4K to 16K) and as little as 16 in the forward.
+_LOCAL_BLOCK = 64
 
 
 class _Windows(torch.autograd.Function):

@@ -303,6 +303,8 @@ GRADIENT_CASES = {  # b, heads, kv heads, n, K, w, top_k, sink, documents (lengt
     "top-2, sinks, mqa": (1, 4, 1, 80, 8, 6, 2, 3, None),
     "top-1, sinks, documents": (2, 4, 2, 64, 4, 5, 1, 2, [[7, 1, 30, 26], [20, 3, 41]]),
     "top-2, documents": (2, 2, 2, 64, 4, 5, 2, 0, [[64], [33, 31]]),
+    # a window wider than the local part's query block, not a multiple of it
+    "top-2, wide window, documents": (1, 2, 2, 260, 4, 70, 2, 0, [[90, 170]]),
 }
 SPARSE_KERNELS = ["cpu-flash", "explicit", "flex"]
 
