@@ -47,6 +47,16 @@ def forbid_topk(monkeypatch):
 
 
 @pytest.fixture
+def cpu_varlen(monkeypatch):
+    """torch's CUDA-only varlen flash ops run on CPU tensors (varlen.py) for the test; the
+    fixture's value counts their forward and backward calls."""
+    from varlen import varlen_on_the_cpu
+
+    with varlen_on_the_cpu(monkeypatch) as calls:
+        yield calls
+
+
+@pytest.fixture
 def run_tool():
     """`run_tool("tools/eval_ppl.py", *args)`: a script of this repository in a subprocess, from
     its root, without this test process's torch.distributed rendezvous variables."""

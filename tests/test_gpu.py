@@ -134,30 +134,41 @@ def test_sparse_dispatch_on_gpu_equals_dense(n, top_k, how, dtype, sink):
     torch.testing.assert_close(out.float().cpu(), ref, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("top_k, sink", [(1, 0), (2, 4)])
-def test_sparse_training_on_gpu_equals_the_dense_hard_rule(top_k, sink):
+@pytest.mark.parametrize(
+    "top_k, sink, dtype, documents",
+    [
+        (1, 0, torch.float32, True),
+        (2, 4, torch.float32, True),
+        (1, 0, torch.bfloat16, False),  # slot 0 through torch's varlen flash kernel
+        (2, 4, torch.bfloat16, False),
+    ],
+)
+def test_sparse_training_on_gpu_equals_the_dense_hard_rule(top_k, sink, dtype, documents):
     """Gradients of q, k, v through the compiled FlexAttention parts (recomputed in backward,
-    given the merge's gradients) against the dense masked hard rule, with packed documents."""
+    given the merge's gradients), and in bf16 through the varlen kernel's backward given the
+    merged output and log-sum-exp, against the dense masked hard rule."""
     n = 1500
     gen = torch.Generator().manual_seed(n)
-    q = torch.randn(2, 4, n, 64, generator=gen)
-    k, v = (torch.randn(2, 2, n, 64, generator=gen) for _ in range(2))
+    q = torch.randn(2, 4, n, 64, generator=gen).to(dtype)
+    k, v = (torch.randn(2, 2, n, 64, generator=gen).to(dtype) for _ in range(2))
     log_g = assignments(2, n, 8, gen)
     doc_start = torch.zeros(2, n, dtype=torch.long)
     doc_start[1, 600:] = 600
+    doc_start = doc_start if documents else None
     leaves = [t.cuda().requires_grad_() for t in (q, k, v)]
     out = sparse_focus_attention(
-        *leaves, Routing.of(log_g.cuda(), doc_start.cuda()), window=128, top_k=top_k,
-        scale=0.125, sink=sink,
+        *leaves, Routing.of(log_g.cuda(), None if doc_start is None else doc_start.cuda()),
+        window=128, top_k=top_k, scale=0.125, sink=sink,
     )  # fmt: skip
-    references = [t.clone().requires_grad_() for t in (q, k, v)]
+    references = [t.float().requires_grad_() for t in (q, k, v)]
     ref = dense_hard_rule(*references, log_g, 128, top_k, 0.125, sink, doc_start)
     cotangent = torch.randn(ref.shape, generator=gen)
-    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
-    grads = torch.autograd.grad(out, leaves, cotangent.cuda())
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float().cpu(), ref, rtol=tol, atol=tol)
+    grads = torch.autograd.grad(out, leaves, cotangent.cuda().to(dtype))
     want = torch.autograd.grad(ref, references, cotangent)
     for name, got, reference in zip("qkv", grads, want):
-        torch.testing.assert_close(got.cpu(), reference, rtol=1e-4, atol=1e-4, msg=name)
+        torch.testing.assert_close(got.float().cpu(), reference, rtol=tol, atol=tol, msg=name)
 
 
 def test_packed_documents_on_gpu_equal_the_chunked_path():
@@ -186,13 +197,16 @@ def test_packed_documents_on_gpu_equal_the_chunked_path():
 
 @pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
 @pytest.mark.parametrize("documents", [False, True], ids=["one-document", "documents"])
-def test_sparse_dispatch_on_gpu_does_not_wait_for_the_host(training, documents):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sparse_dispatch_on_gpu_does_not_wait_for_the_host(training, documents, dtype):
     """The GPU sparse path queues its kernels without a host synchronisation (any would stall
-    the GPU once per layer), with packed documents too, forward and backward."""
+    the GPU once per layer), with packed documents too, forward and backward; bf16 with one
+    document runs slot 0 through the varlen kernel."""
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 4, 1000, 64, generator=gen).cuda().requires_grad_(training)
+    q = torch.randn(2, 4, 1000, 64, generator=gen).cuda().to(dtype).requires_grad_(training)
     k, v = (
-        torch.randn(2, 2, 1000, 64, generator=gen).cuda().requires_grad_(training) for _ in range(2)
+        torch.randn(2, 2, 1000, 64, generator=gen).cuda().to(dtype).requires_grad_(training)
+        for _ in range(2)
     )
     doc_start = torch.zeros(2, 1000, dtype=torch.long)
     doc_start[0, 300:] = 300

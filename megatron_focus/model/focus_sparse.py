@@ -9,11 +9,13 @@ ordinary attention call, merged exactly by per-query log-sum-exp weights:
   bucket (a sequence is one document, or several packed ones: documents.py). Query i's keys for
   slot s are then one contiguous range of that layout: the members of i's s-th ranked group
   (groups.py) before it in its document (and i itself for its own top-1 group), `_key_ranges`.
-  Slot 0 on the CPU is plain causal attention over each bucket: all buckets packed into one call,
-  q, k, v each gathered once into the padded [buckets, longest] layout. Other slots, and every
-  slot on a GPU, attend their ranges: FlexAttention in one call with a block mask made from the
-  ranges (flex.flex_range_attention), or on the CPU blocks of queries against their blocks' key
-  ranges (`_range_attention`). Work is the kept pairs, not the bucket's square: a token that
+  Slot 0 is plain causal attention over each bucket: on the CPU all buckets packed into one
+  call, q, k, v each gathered once into the padded [buckets, longest] layout; on CUDA one varlen
+  call over the bucket boundaries (torch's varlen flash kernel, kernels.varlen_causal_attention)
+  where its inputs fit and each sequence is one document. Other slots, and slot 0 elsewhere on a
+  GPU, attend their ranges: FlexAttention in one call with a block mask made from the ranges
+  (flex.flex_range_attention), or on the CPU blocks of queries against their blocks' key ranges
+  (`_range_attention`). Work is the kept pairs, not the bucket's square: a token that
   only queries a bucket adds no keys to it.
 * local part: the window keys whose top-1 group is *not* among the query's top-k (the others are
   in a bucket already), by query blocks of B = 64 against the w + B keys ending with them,
@@ -35,7 +37,8 @@ It trains too, the routing frozen (its groups are a hard choice, with no gradien
 and their merge are one autograd function (`_SparseAttention`) whose backward runs each part's
 attention backward with the merged output and log-sum-exp (lse_merge), the CPU flash kernel's
 backward on the CPU; FlexAttention, which differentiates its log-sum-exp but takes no given
-output, recomputes its calls in backward. The layouts' gathers are differentiated by autograd.
+output, recomputes its calls in backward; the varlen kernel's backward takes the merged output
+and log-sum-exp as the CPU's does. The layouts' gathers are differentiated by autograd.
 """
 
 import bisect
@@ -301,11 +304,37 @@ def _range_gradients(d_out, q, k, v, out, lse, lo, hi, scale: float):
     return dq, dk, dv
 
 
+def _varlen_buckets(order, sizes, longest: int, members, scale) -> _Part:
+    """Slot 0 on CUDA: causal attention inside each bucket, one varlen call over the buckets in
+    bucket order (`longest`: a bound on a bucket's size, so no host synchronisation)."""
+    cu_seqlens = torch.nn.functional.pad(torch.cumsum(sizes, 0), (1, 0)).to(torch.int32)
+    return _Part(
+        members,
+        members,
+        functools.partial(_scatter_rows, index=order),
+        functools.partial(
+            kernels.varlen_causal_attention, cu_seqlens=cu_seqlens, max_len=longest, scale=scale
+        ),
+        functools.partial(
+            kernels.varlen_causal_backward, cu_seqlens=cu_seqlens, max_len=longest, scale=scale
+        ),
+    )
+
+
 def _bucket_parts(
-    groups_q, num_groups: int, doc_start, segment, documents: int, sink: int, window, scale, kernel
+    groups_q,
+    num_groups: int,
+    doc_start,
+    segment,
+    documents: int,
+    sink: int,
+    window,
+    scale,
+    kernel,
+    varlen: bool,
 ):
     """Per top-k slot, each query's attention over its keys of that slot's group, and with sinks
-    the sink part."""
+    the sink part. `varlen`: slot 0 as one varlen call (one document per sequence)."""
     b, n, top_k = groups_q.shape
     bucket, order, sizes, starts, before = _buckets(
         groups_q, num_groups, doc_start, segment, documents
@@ -338,6 +367,8 @@ def _bucket_parts(
     for slot in range(top_k):
         if slot == 0 and not ranges:
             parts.append(_causal_buckets(order, bucket, sizes, starts, scale))
+        elif slot == 0 and varlen:
+            parts.append(_varlen_buckets(order, sizes, n, members, scale))
         else:
             lo, hi = _key_ranges(groups_q, slot, starts, before, segment, num_groups)
             # (slot 0: the bucket order)
@@ -490,13 +521,14 @@ def sparse_focus_attention(
     (its groups are a hard choice)."""
     kernel = kernel or kernels.lse_attention(q.device)
     with torch.no_grad():
-        parts = _parts(routing, q.shape, q.device, q.dtype, window, top_k, scale, sink, kernel)
+        parts = _parts(routing, q, window, top_k, scale, sink, kernel)
     return _SparseAttention.apply(q, k, v, parts)
 
 
-def _parts(routing, shape, device, dtype, window, top_k, scale, sink, kernel) -> list:
+def _parts(routing, q, window, top_k, scale, sink, kernel) -> list:
     """The bucket parts and the local part of the hard rule, from the routing."""
-    b, _, n, _ = shape
+    b, _, n, _ = q.shape
+    device, dtype = q.device, q.dtype
     groups_q = routing.top(top_k)  # [b, n, top_k], top-1 first
     num_groups = routing.groups.shape[-1]
     doc_start = routing.doc_start
@@ -516,8 +548,11 @@ def _parts(routing, shape, device, dtype, window, top_k, scale, sink, kernel) ->
         documents = b
     else:
         documents = b * n if kernel.ranges else int(segment[-1, -1]) + 1
+    # Varlen needs no host synchronisation with one document per sequence (b * K buckets of at
+    # most n tokens); packed documents keep FlexAttention's ranges, which need none either.
+    varlen = kernel.varlen and routing.doc_start is None and kernels.varlen_fits(q)
     parts = _bucket_parts(
-        groups_q, num_groups, doc_start, segment, documents, sink, window, scale, kernel
+        groups_q, num_groups, doc_start, segment, documents, sink, window, scale, kernel, varlen
     )
     if kernel.ranges:  # a GPU: one call over the band
         return parts + [_flex_local_part(groups_q, segment, window, scale)]

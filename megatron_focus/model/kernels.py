@@ -11,6 +11,10 @@ What could move between releases lives here too, so a new torch is one file to c
 * the CPU flash kernel's (output, log-sum-exp) and its backward, private aten ops: the sparse
   path's CPU kernel; where a torch lacks them, the same results from explicit scores (correct,
   slower).
+* torch's varlen flash attention (`torch.nn.attention.varlen`, 2.10+), called through its
+  registered ops `torch_attn::_varlen_attn` and `_varlen_attn_backward`, whose arguments up to
+  `scale` are the same from 2.11 to 2.13: the backward takes a given output and log-sum-exp,
+  which the public `varlen_attn` hides.
 
 (Dynamo's recompile limit, a process-wide setting, is `platform.setup()`'s.)
 """
@@ -89,6 +93,55 @@ def explicit_attention_with_lse(q, k, v, scale: float, causal: bool, mask=None):
     return out, lse.masked_fill(empty, 0.0)
 
 
+def varlen_fits(q: torch.Tensor) -> bool:
+    """Inputs that torch's varlen flash kernel takes: CUDA (not ROCm, whose log-sum-exp layout
+    differs), half precision, a head dim that is a multiple of 8 up to 256."""
+    return (
+        q.is_cuda
+        and torch.version.hip is None
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and q.shape[-1] % 8 == 0
+        and q.shape[-1] <= 256
+    )
+
+
+def _varlen_ops():
+    import torch.nn.attention.varlen  # noqa: F401  (registers the torch_attn ops)
+
+    return torch.ops.torch_attn
+
+
+def varlen_causal_attention(q, k, v, cu_seqlens, max_len: int, scale: float):
+    """(output [T, h, d], log-sum-exp [T, h] float32) of causal attention inside each packed
+    sequence, rows cu_seqlens[i] to cu_seqlens[i + 1] of q [T, h, d] and k/v [T, g, d] (g
+    dividing h); `max_len` at least the longest sequence (a bound needs no host sync)."""
+    out, lse, _ = _varlen_ops()._varlen_attn(
+        q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, True, scale
+    )
+    return out, lse.transpose(0, 1)
+
+
+def varlen_causal_backward(d_out, q, k, v, out, lse, cu_seqlens, max_len: int, scale: float):
+    """dq, dk, dv of `varlen_causal_attention` given the output and log-sum-exp the call is part
+    of (lse_merge.attention_backward)."""
+    no_dropout = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    return _varlen_ops()._varlen_attn_backward(
+        d_out.to(q.dtype).contiguous(),
+        q,
+        k,
+        v,
+        out.to(q.dtype),
+        lse.to(torch.promote_types(q.dtype, torch.float32)).transpose(0, 1).contiguous(),
+        cu_seqlens,
+        cu_seqlens,
+        max_len,
+        max_len,
+        True,
+        no_dropout,
+        scale,
+    )
+
+
 def use_flash_attn(q: torch.Tensor) -> bool:
     """Standard attention runs flash-attn's kernel when it is installed and the inputs are on a
     GPU in half precision; SDPA otherwise."""
@@ -117,6 +170,7 @@ class Kernel:
     backward: bool = True  # gradients
     recompute: bool = False  # its backward keeps much: run it under activation checkpointing
     ranges: bool = False  # attention with log-sum-exp: per-query key ranges in one call
+    varlen: bool = False  # ... and causal attention over packed sequences (cu_seqlens) in one
     options: tuple = ()  # (keyword, value) pairs every call gets
 
     def __call__(self, *args, **kwargs):
@@ -206,13 +260,18 @@ def chosen(model: torch.nn.Module) -> dict:
 
 # Attention with its log-sum-exp, the sparse path's parts, called as cpu_attention_with_lse:
 # the CPU's fused flash kernel, or FlexAttention (linear memory on a GPU; it also attends
-# per-query key ranges and the local band in one call each). Both train (focus_sparse).
+# per-query key ranges and the local band in one call each), on CUDA with torch's varlen flash
+# kernel for causal attention inside each bucket where its inputs fit (varlen_fits). All train
+# (focus_sparse).
 CPU_FLASH_LSE = Kernel("cpu-flash", "megatron_focus.model.kernels:cpu_attention_with_lse")
 FLEX_LSE = Kernel("flex", "megatron_focus.model.flex:flex_attention_with_lse", ranges=True)
+FLEX_VARLEN_LSE = dataclasses.replace(FLEX_LSE, name="flex+varlen", varlen=True)
 
 
 def lse_attention(device: torch.device) -> Kernel:
-    return CPU_FLASH_LSE if device.type == "cpu" else FLEX_LSE
+    if device.type == "cpu":
+        return CPU_FLASH_LSE
+    return FLEX_VARLEN_LSE if device.type == "cuda" else FLEX_LSE
 
 
 def compiled_flex(device: torch.device) -> bool:

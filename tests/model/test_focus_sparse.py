@@ -42,17 +42,27 @@ CASES = [case + (0,) for case in NO_SINK] + [  # ..., the first s tokens kept fo
 ]
 
 
-@pytest.mark.parametrize("kernel", ["cpu-flash", "flex"])
+def _gpu_kernel(kernel, monkeypatch, request):
+    """The sparse path's calls as a GPU makes them: "flex", every call through FlexAttention
+    (here eagerly: a dense evaluation, so only up to a few hundred tokens); "varlen", slot 0
+    through torch's varlen flash ops instead (given a CPU implementation: tests/varlen.py).
+    Returns the varlen ops' call counts for "varlen"."""
+    if kernel == "varlen":
+        monkeypatch.setattr(kernels, "lse_attention", lambda device: kernels.FLEX_VARLEN_LSE)
+        return request.getfixturevalue("cpu_varlen")
+    monkeypatch.setattr(kernels, "lse_attention", lambda device: kernels.FLEX_LSE)
+
+
+@pytest.mark.parametrize("kernel", ["cpu-flash", "flex", "varlen"])
 @pytest.mark.parametrize("b, heads, kv, n, d, groups, window, top_k, how, sink", CASES)
 def test_sparse_dispatch_equals_dense_hard_rule(
-    monkeypatch, kernel, b, heads, kv, n, d, groups, window, top_k, how, sink
+    monkeypatch, request, kernel, b, heads, kv, n, d, groups, window, top_k, how, sink
 ):
-    """kernel "flex": the sparse path as it runs on a GPU, every call through FlexAttention
-    (here eagerly: a dense evaluation, so only up to a few hundred tokens)."""
-    if kernel == "flex":
+    varlen = None
+    if kernel != "cpu-flash":
         if n > 300:
             pytest.skip("eager FlexAttention on the CPU evaluates every pair")
-        monkeypatch.setattr(kernels, "lse_attention", lambda device: kernels.FLEX_LSE)
+        varlen = _gpu_kernel(kernel, monkeypatch, request)
     gen = torch.Generator().manual_seed(n + groups)
     q = torch.randn(b, heads, n, d, generator=gen)
     k, v = (torch.randn(b, kv, n, d, generator=gen) for _ in range(2))
@@ -62,6 +72,8 @@ def test_sparse_dispatch_equals_dense_hard_rule(
     )
     ref = dense_hard_rule(q, k, v, log_g, window, top_k, d**-0.5, sink)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    if varlen is not None:  # slot 0 was the one varlen call
+        assert varlen == {"forward": 1, "backward": 0}
     if n <= 300 and kernel == "cpu-flash":  # the masked path (used with gradients): same rule
         masked = focus_attention(
             q,
@@ -306,29 +318,24 @@ GRADIENT_CASES = {  # b, heads, kv heads, n, K, w, top_k, sink, documents (lengt
     # a window wider than the local part's query block, not a multiple of it
     "top-2, wide window, documents": (1, 2, 2, 260, 4, 70, 2, 0, [[90, 170]]),
 }
-SPARSE_KERNELS = ["cpu-flash", "explicit", "flex"]
-
-
-def _flex_with_backward_on_the_cpu(monkeypatch):
-    """The sparse path as it trains on a GPU (FlexAttention, recomputed in backward), on the
-    CPU: eager FlexAttention has a backward there (a dense evaluation) that torch refuses only
-    by a device check."""
-    import torch.nn.attention.flex_attention as flex_attention
-
-    monkeypatch.setattr(flex_attention, "_validate_device", lambda *tensors: None)
-    monkeypatch.setattr(kernels, "lse_attention", lambda device: kernels.FLEX_LSE)
+SPARSE_KERNELS = ["cpu-flash", "explicit", "flex", "varlen"]
 
 
 @pytest.mark.parametrize("kernel", SPARSE_KERNELS)
 @pytest.mark.parametrize("case", list(GRADIENT_CASES))
-def test_sparse_gradients_equal_the_dense_hard_rule(monkeypatch, kernel, case):
+def test_sparse_gradients_equal_the_dense_hard_rule(monkeypatch, request, kernel, case):
     """Gradients of q, k and v through the merge (fp64), each part's backward run with the
-    merged output and log-sum-exp: those of one masked softmax over all pairs."""
+    merged output and log-sum-exp: those of one masked softmax over all pairs. "flex" and
+    "varlen" train as on a GPU (FlexAttention recomputed in backward; eager FlexAttention has a
+    backward on the CPU, a dense evaluation, that torch refuses only by a device check)."""
+    import torch.nn.attention.flex_attention as flex_attention
     from test_documents import starts_of
 
     b, heads, kv, n, groups, window, top_k, sink, lengths = GRADIENT_CASES[case]
-    if kernel == "flex":
-        _flex_with_backward_on_the_cpu(monkeypatch)
+    varlen = None
+    if kernel in ("flex", "varlen"):
+        monkeypatch.setattr(flex_attention, "_validate_device", lambda *tensors: None)
+        varlen = _gpu_kernel(kernel, monkeypatch, request)
     elif kernel == "explicit":
         monkeypatch.setattr(kernels, "_CPU_FLASH", None)
         monkeypatch.setattr(kernels, "_CPU_FLASH_BACKWARD", None)
@@ -351,6 +358,9 @@ def test_sparse_gradients_equal_the_dense_hard_rule(monkeypatch, kernel, case):
     for name, got, reference in zip("qkv", ours, want):
         torch.testing.assert_close(got, reference, rtol=1e-10, atol=1e-10, msg=name)
     assert ours[3] is None  # the routing: a hard choice, no gradient
+    if varlen is not None:  # packed documents keep FlexAttention's ranges (no host sync)
+        calls = 0 if lengths else 1
+        assert varlen == {"forward": calls, "backward": calls}
 
 
 def test_the_merges_backward_is_its_chain_rule():

@@ -68,7 +68,7 @@ def test_a_training_step_on_the_gpu_kernels_equals_the_cpu_ones(single_process, 
     gpu_choices(monkeypatch)
     net = model(argv)
     chosen = kernels.chosen(net)
-    assert chosen.pop("sparse") == "flex" and set(chosen.values()) == {"triton"}, chosen
+    assert chosen.pop("sparse") == "flex+varlen" and set(chosen.values()) == {"triton"}, chosen
     gpu_loss, gpu_grads = loss_and_grads(net, tokens)
     torch.testing.assert_close(gpu_loss, cpu_loss, rtol=1e-5, atol=1e-5)
     assert gpu_grads.keys() == cpu_grads.keys() and any(".router." in n for n in gpu_grads)
@@ -76,10 +76,15 @@ def test_a_training_step_on_the_gpu_kernels_equals_the_cpu_ones(single_process, 
         torch.testing.assert_close(grad, cpu_grads[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_a_sparse_training_step_on_the_gpu_kernels_equals_the_cpu_ones(single_process, monkeypatch):
-    """Sparse mode trains through FlexAttention's parts on a GPU (recomputed in backward); here
+@pytest.mark.parametrize("varlen", [False, True], ids=["flex", "flex+varlen"])
+def test_a_sparse_training_step_on_the_gpu_kernels_equals_the_cpu_ones(
+    single_process, monkeypatch, request, varlen
+):
+    """Sparse mode trains through FlexAttention's parts on a GPU (recomputed in backward), and
+    with inputs that torch's varlen flash kernel takes (half precision), slot 0 through it; here
     eager FlexAttention's CPU backward, let through its device check, stands in for the
-    compiled one. The routers get no gradient in either."""
+    compiled one, and tests/varlen.py's CPU implementation for the varlen ops. The routers get
+    no gradient in either."""
     import torch.nn.attention.flex_attention as flex_attention
 
     argv = ["--attention", "focus", "--focus-attention-mode", "sparse"] + FOCUS + GQA
@@ -87,9 +92,12 @@ def test_a_sparse_training_step_on_the_gpu_kernels_equals_the_cpu_ones(single_pr
     cpu_loss, cpu_grads = loss_and_grads(model(argv), tokens)
     gpu_choices(monkeypatch)
     monkeypatch.setattr(flex_attention, "_validate_device", lambda *tensors: None)
+    calls = request.getfixturevalue("cpu_varlen") if varlen else None
     net = model(argv)
-    assert kernels.chosen(net)["sparse"] == "flex"
+    assert kernels.chosen(net)["sparse"] == "flex+varlen"
     gpu_loss, gpu_grads = loss_and_grads(net, tokens)
+    if varlen:  # once per layer each way
+        assert calls == {"forward": 2, "backward": 2}
     torch.testing.assert_close(gpu_loss, cpu_loss, rtol=1e-5, atol=1e-5)
     assert gpu_grads.keys() == cpu_grads.keys() and not any(".router." in n for n in gpu_grads)
     for name, grad in gpu_grads.items():
