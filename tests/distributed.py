@@ -47,6 +47,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def on_a_free_port(launch, attempts: int = 3):
+    """launch(port) -> a finished subprocess.CompletedProcess of a multi-process launcher; run
+    again on a new port while it failed to bind the one given (EADDRINUSE: another process on the
+    machine took the free port between its finding and the launcher's binding)."""
+    for attempt in range(attempts):
+        out = launch(_free_port())
+        if out.returncode == 0 or "EADDRINUSE" not in out.stdout + out.stderr:
+            return out
+    return out
+
+
 def _worker(rank, world_size, port, out_path, fn, args, environ, cwd, path, stdio):
     for target, fd in enumerate(stdio, start=1):
         os.dup2(fd.detach(), target)

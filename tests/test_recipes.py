@@ -143,16 +143,26 @@ def test_recipe_commands_and_their_plans(model):
 
 
 def _smoke(model, attention, tmp_path, cache, **settings):
+    """SMOKE=1 run of the recipe; with LAUNCHER set, its ranks meet on a free port."""
+    from distributed import on_a_free_port
+
     run_dir = tmp_path / f"{model}-{attention}"
-    out = _script(
-        SCRIPT,
-        SMOKE=1,
-        MODEL=model,
-        ATTENTION=attention,
-        RUN_DIR=run_dir,
-        DATA_CACHE=cache,
-        **settings,
-    )
+
+    def launch(port=None):
+        shutil.rmtree(run_dir, ignore_errors=True)  # what a run that could not start left
+        ports = {} if port is None else {"MASTER_PORT": port}
+        return _script(
+            SCRIPT,
+            SMOKE=1,
+            MODEL=model,
+            ATTENTION=attention,
+            RUN_DIR=run_dir,
+            DATA_CACHE=cache,
+            **settings,
+            **ports,
+        )
+
+    out = on_a_free_port(launch) if "LAUNCHER" in settings else launch()
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (
         "iteration        3/       3" in out.stdout
@@ -185,9 +195,7 @@ def test_recipe_smoke_runs_on_the_cpu(model, attention, tmp_path, embedded_cache
     """
     settings = {}
     if model == "7b":
-        from distributed import _free_port
-
-        settings = dict(LAUNCHER="deepspeed", GPUS_PER_NODE=2, TP=2, MASTER_PORT=_free_port())
+        settings = dict(LAUNCHER="deepspeed", GPUS_PER_NODE=2, TP=2)
     stdout = _smoke(model, attention, tmp_path, embedded_cache, **settings)
     assert f"attention {attention} | 2 layers, hidden 64" in stdout
     if model == "7b":

@@ -170,7 +170,7 @@ class Kernel:
     backward: bool = True  # gradients
     recompute: bool = False  # its backward keeps much: run it under activation checkpointing
     ranges: bool = False  # attention with log-sum-exp: per-query key ranges in one call
-    varlen: bool = False  # ... and causal attention over packed sequences (cu_seqlens) in one
+    varlen: bool = False  # ... and causal attention over packed sequences (cu_seqlens), one call
     options: tuple = ()  # (keyword, value) pairs every call gets
 
     def __call__(self, *args, **kwargs):
