@@ -35,12 +35,17 @@ class Timing:
     device: float
 
 
+def _sync() -> None:
+    """Waits for a GPU's queued kernels (nothing to wait for on the CPU)."""
+    if platform.has_cuda():
+        torch.cuda.synchronize()
+
+
 def timed(fn, event=None) -> Timing:
     """fn()'s host and device time (`event`: the event class, CUDA's on a GPU)."""
     event = event or (torch.cuda.Event if platform.has_cuda() else HostEvent)
-    sync = torch.cuda.synchronize if platform.has_cuda() else (lambda: None)
     start, end = event(enable_timing=True), event(enable_timing=True)
-    sync()
+    _sync()
     launched = time.perf_counter()
     start.record()
     fn()
@@ -52,9 +57,8 @@ def timed(fn, event=None) -> Timing:
 
 def seconds(fn) -> float:
     """Seconds that fn() takes; on a GPU, its queued kernels included (synchronised around)."""
-    sync = torch.cuda.synchronize if platform.has_cuda() else (lambda: None)
-    sync()
+    _sync()
     start = time.perf_counter()
     fn()
-    sync()
+    _sync()
     return time.perf_counter() - start
