@@ -86,13 +86,18 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         if message.startswith("unrecognized arguments: "):
             known = [o for action in self._actions for o in action.option_strings]
-            words = []
+            words, strays = [], []
             for flag in message.split(": ", 1)[1].split():
                 close = difflib.get_close_matches(flag.split("=")[0], known, n=1, cutoff=0.8)
                 if flag.startswith("-"):
                     words.append(flag + (f" (did you mean {close[0]}?)" if close else ""))
-            message = (
-                f"unknown flag{'s' if len(words) > 1 else ''} {', '.join(words)}; "
-                f"{self.prog} --help lists them"
-            )
+                else:
+                    strays.append(flag)
+            if words:
+                message = (
+                    f"unknown flag{'s' if len(words) > 1 else ''} {', '.join(words)}; "
+                    f"{self.prog} --help lists them"
+                )
+            else:  # values that no flag takes, e.g. a second value of a one-value flag
+                message = f"unexpected value{'s' if len(strays) > 1 else ''} {', '.join(strays)}"
         self.exit(2, f"error: {message}\n")

@@ -114,8 +114,11 @@ def _words(action: argparse.Action, value, key: str) -> List[str]:
         if isinstance(action, argparse.BooleanOptionalAction):
             return [flag if value else f"--no-{flag[2:]}"]
         return [flag] if value == action.const else []
-    values = value if isinstance(value, list) else [value]
-    return [flag, *map(str, values)]
+    if not isinstance(value, list):
+        return [flag, str(value)]
+    if action.nargs in ("+", "*") or isinstance(action.nargs, int):
+        return [flag, *map(str, value)]
+    return [flag, ",".join(map(str, value))]  # one value: Megatron's tuples, as "127,0"
 
 
 def _refuse_unknown(key: str, value, actions: Dict[str, argparse.Action]) -> None:

@@ -38,6 +38,7 @@ save: ${CKPT_ROOT}/run
 save_interval: 10
 split: '99,1,0'
 profile_ranks: [0, 1]
+window_size: [127, 0]
 """
 SAME = [
     *("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --hidden-dropout 0.0").split(),
@@ -46,6 +47,7 @@ SAME = [
     *("--micro-batch-size 2 --global-batch-size 4 --lr 2.5e-4 --min-lr 2.5e-5").split(),
     *("--lr-decay-style cosine --train-iters 20 --position-embedding-type rope").split(),
     *("--seq-length 128 --save-interval 10 --split 99,1,0 --profile-ranks 0 1").split(),
+    *("--window-size 127,0").split(),  # a one-value flag: a YAML list is Megatron's tuple
 ]
 
 
