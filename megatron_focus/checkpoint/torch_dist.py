@@ -33,6 +33,7 @@ from megatron.core.dist_checkpointing.mapping import (
 )
 from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 
+from megatron_focus import platform
 from megatron_focus.checkpoint import format as checkpoint_format
 from megatron_focus.checkpoint.format import SHAPE_KEYS
 from megatron_focus.checkpoint.safe_load import load_file
@@ -42,8 +43,6 @@ CHECKPOINT_VERSION = 3.0
 # Megatron-LM's sharded state dict metadata for a model without a distributed optimizer
 # (`_build_sharded_state_dict_metadata`), also saved as the checkpoint's content metadata.
 METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-# Megatron-LM's OptimizerParamScheduler counts samples; this trainer's counts iterations.
-SCHEDULE_STEPS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
 
 
 def is_torch_dist(folder: str) -> bool:
@@ -105,14 +104,9 @@ def megatron_args(args: argparse.Namespace, padded_vocab_size: int, consumed: in
         pipeline_model_parallel_size=1,
         data_parallel_size=world // tp,
         no_save_optim=True,  # the optimizer state is DeepSpeed's, beside this part
-        no_save_rng=args.no_save_rng or not torch.cuda.is_available(),
+        no_save_rng=args.no_save_rng or not platform.has_cuda(),
     )
     return argparse.Namespace(**record)
-
-
-def megatron_schedule(state: dict, global_batch_size: int) -> dict:
-    """This trainer's scheduler state (in iterations) as Megatron-LM's (in samples)."""
-    return {k: v * global_batch_size if k in SCHEDULE_STEPS else v for k, v in state.items()}
 
 
 def _rng_state() -> ShardedObject:

@@ -45,7 +45,6 @@ from megatron_focus.checkpoint.format import (
     iteration_of,
     latest_tag,
     model_args,
-    model_files,
     model_state_file,
     read_model_file,
     tag_for,
@@ -57,7 +56,7 @@ from megatron_focus.data.sources import tokenizer_choice
 from megatron_focus.model.flops import flops_per_token
 from megatron_focus.model.gpt import padded_vocab_size
 from megatron_focus.training import layouts, resume
-from megatron_focus.training.optimizer import param_groups
+from megatron_focus.training.optimizer import in_unit, param_groups
 from megatron_focus.training.resume import ResumePlan
 
 
@@ -203,11 +202,12 @@ def _save_torch_dist(engine, args, records: Records, iteration: int, consumed: i
             folder,
             torch_dist.megatron_args(args, padded, consumed),
             iteration,
-            torch_dist.megatron_schedule(engine.lr_scheduler.state_dict(), args.global_batch_size),
+            # Megatron-LM counts its schedule in samples (this run's may already)
+            in_unit(engine.lr_scheduler.state_dict(), "samples", args.global_batch_size),
             flops=consumed * args.seq_length * flops_per_token(args, padded),
         )
     except (OSError, RuntimeError) as e:  # torch's writer wraps the cause
-        raise _write_error(e, os.path.join(folder, "metadata.json")) from e
+        raise _write_error(e, os.path.join(folder, torch_dist.CONFIG_FNAME)) from e
 
 
 def _publish(partial: str, final: str, save_dir: str, ckpt_format: str) -> None:
@@ -390,8 +390,8 @@ def _load_weights_only(engine, args, checkpoint_dir: str, may_miss) -> None:
     weights from the checkpoint's own list of frozen weights: empty when the checkpoint froze
     nothing, as a retrofit's base did.
     """
-    if not model_files(checkpoint_dir) and torch_dist.is_torch_dist(checkpoint_dir):
-        torch_dist.load_model(engine.module, checkpoint_dir, may_miss)  # Megatron-LM's
+    if torch_dist.is_megatron_lm(checkpoint_dir):
+        torch_dist.load_model(engine.module, checkpoint_dir, may_miss)
     else:
         saved = _checked_file(engine, checkpoint_dir, may_miss, args.allow_unsafe_checkpoints)
         engine.module.load_state_dict(saved["module"], strict=False)

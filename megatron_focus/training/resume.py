@@ -40,7 +40,6 @@ from megatron_focus.checkpoint.format import (
     complete_tags,
     iteration_of,
     resume_tag,
-    saved_model_args,
 )
 from megatron_focus.checkpoint.safe_load import check_safe_to_load, load_file
 from megatron_focus.training import layouts
@@ -152,7 +151,8 @@ def check(plan: ResumePlan, args: argparse.Namespace, ours: dict) -> None:
     model of another shape (`ours`: this run's model args), a layout change the checkpoint or the
     flags do not allow, a changed schedule."""
     if plan.base is not None:
-        _check_weights_fit(args, ours, plan.base, saved_model_args(plan.base))
+        base = torch_dist.model_args_of(plan.base, args.allow_unsafe_checkpoints)
+        _check_weights_fit(args, ours, plan.base, base)
     if plan.kind in (WEIGHTS, ADDING_FOCUS):
         _check_weights_fit(args, ours, plan.checkpoint, plan.saved_args)
     if plan.kind != RESUME:
@@ -167,6 +167,7 @@ def check(plan: ResumePlan, args: argparse.Namespace, ours: dict) -> None:
                 "--pretrained-checkpoint (or --retrofit to add Focus)"
             )
         check_compatible(ours, plan.saved_args, checkpoint, MEGATRON_RESHARDS)
+        _refuse_weights_only_under_zero3(args)  # its weights load as a fine-tune's do
         return
     if os.path.isfile(os.path.join(checkpoint, NO_OPTIMIZER)) and (layout or plan.load_optimizer):
         raise ValueError(
@@ -210,6 +211,10 @@ def _check_weights_fit(args: argparse.Namespace, ours: dict, folder: str, saved:
     if torch_dist.is_megatron_lm(folder):
         ignore += MEGATRON_RESHARDS
     check_compatible(ours, saved, folder, ignore)
+    _refuse_weights_only_under_zero3(args)
+
+
+def _refuse_weights_only_under_zero3(args: argparse.Namespace) -> None:
     if args.zero_stage == 3:
         raise ValueError(
             "loading weights only (an imported model, --finetune, --retrofit) is not "

@@ -284,12 +284,17 @@ def _read_run(tag_dir: str) -> dict:
 
 def test_megatron_lm_checkpoint_starts_a_focus_retrofit_run(tmp_path):
     """--retrofit from a Megatron-LM folder: the plan reads its tracker and args, the run trains
-    only the routers; it resumes with --no-load-optim only (its optimizer state is Megatron's)."""
-    folder = str(tmp_path / "megatron")
+    only the routers, and its trained-only checkpoints resume on that base; the folder itself
+    resumes with --no-load-optim only (its optimizer state is Megatron's), not under ZeRO-3."""
+    folder, run = str(tmp_path / "megatron"), str(tmp_path / "run")
     run_distributed(_write_megatron_lm, 1, folder)
     flags = MODEL[:-2] + ["--data-cache-path", str(tmp_path / "cache"), "--train-iters", "3"]
-    history = train(1, flags + ["--attention", "focus", "--retrofit", "--load", folder])
-    assert len(history["losses"]) == 3
+    retrofit = flags + ["--attention", "focus", "--retrofit", "--save", run, "--save-interval", "2"]
+    history = train(1, retrofit + ["--load", folder, "--exit-interval", "2"])
+    assert len(history["losses"]) == 2
+    assert len(train(1, retrofit + ["--load", run])["losses"]) == 1  # iteration 3, on the base
+    with pytest.raises(Exception, match="not supported under ZeRO stage 3"):
+        train(1, flags + ["--load", folder, "--no-load-optim", "--zero-stage", "3"])
     with pytest.raises(Exception, match="is Megatron-LM's checkpoint.*--no-load-optim"):
         train(1, flags + ["--load", folder])
     # continued at its iteration 7: iterations 8 and 9 (as Megatron-LM reads ours)
