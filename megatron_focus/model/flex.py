@@ -19,7 +19,7 @@ import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from megatron_focus import platform
-from megatron_focus.model.kernels import compiled_flex
+from megatron_focus.model.kernels import compiled
 
 # g_i . g_j below this is 0 for every purpose (the clamp keeps log() and its gradient finite);
 # the same floor as focus_gate's chunked path.
@@ -76,27 +76,43 @@ def _causal_window(window: int):
     return mask_mod
 
 
-def _block_mask(
-    some: torch.Tensor, every: torch.Tensor, mask_mod, block: int, seq_lengths: tuple
-) -> BlockMask:
-    """BlockMask from [batch, query blocks, key blocks] booleans (batch 1: the same for every
-    sequence): the blocks with some kept pair, and those whose every pair is kept (whole:
-    FlexAttention evaluates no mask there)."""
+def block_indices(some: torch.Tensor, every: torch.Tensor) -> tuple:
+    """A BlockMask's index tensors from [batch, query blocks, key blocks] booleans (batch 1: the
+    same for every sequence): the blocks with some kept pair, and those whose every pair is kept
+    (whole: FlexAttention evaluates no mask there), by key block for the forward and by query
+    block for the backward. Tensors only, so it traces into a compiled region."""
 
     def counts_and_indices(kept):  # kept blocks first, in increasing order, in each row
         order = torch.sort((~kept).to(torch.int8), dim=-1, stable=True).indices
-        return (kept.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None])
+        return kept.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
 
-    kv_num, kv_indices = counts_and_indices(some & ~every)
-    full_num, full_indices = counts_and_indices(every)
-    return BlockMask.from_kv_blocks(
-        kv_num,
-        kv_indices,
-        full_num,
-        full_indices,
-        BLOCK_SIZE=block,
-        mask_mod=mask_mod,
+    partial = some & ~every
+    return (
+        *counts_and_indices(partial),
+        *counts_and_indices(every),
+        *counts_and_indices(partial.transpose(-1, -2)),
+        *counts_and_indices(every.transpose(-1, -2)),
+    )
+
+
+def _block_mask(indices: tuple, mask_mod, block: int, seq_lengths: tuple) -> BlockMask:
+    """The BlockMask of `block_indices`' tensors (no computation: BlockMask.from_kv_blocks would
+    transpose the indices again, eagerly)."""
+    kv_num, kv_indices, full_num, full_indices, q_num, q_indices, full_q_num, full_q_indices = (
+        indices
+    )
+    return BlockMask(
         seq_lengths=seq_lengths,
+        kv_num_blocks=kv_num,
+        kv_indices=kv_indices,
+        full_kv_num_blocks=full_num,
+        full_kv_indices=full_indices,
+        q_num_blocks=q_num,
+        q_indices=q_indices,
+        full_q_num_blocks=full_q_num,
+        full_q_indices=full_q_indices,
+        BLOCK_SIZE=(block, block),
+        mask_mod=mask_mod,
     )
 
 
@@ -119,11 +135,11 @@ def causal_block_mask(
     some = (q_last >= k_first) & (q_first - k_last < window)
     every = (q_first >= k_last) & (q_last - k_first < window)
     mask_mod = _causal if window >= n else _causal_window(window)
-    return _block_mask(some[None], every[None], mask_mod, block, (n, n))
+    return _block_mask(block_indices(some[None], every[None]), mask_mod, block, (n, n))
 
 
 def _kernel(device: torch.device):
-    return _compiled_flex() if compiled_flex(device) else flex_attention
+    return _compiled_flex() if compiled(device) else flex_attention
 
 
 @functools.lru_cache(maxsize=1)
@@ -221,12 +237,11 @@ def flex_local_part(q, k, v, groups_q, segment, window: int, scale: float):
     )
 
 
-def range_block_mask(lo: torch.Tensor, hi: torch.Tensor, keys: int, block: int = 128) -> BlockMask:
-    """BlockMask of query e against keys [lo[e], hi[e]) (lo, hi nondecreasing in e; [rows], or
-    [b, rows] for one mask per sequence): a block of queries reads the key blocks from its first
-    lo to its last hi; those inside every one of its ranges (from its last lo to its first hi)
-    are whole, most of a bucket's blocks."""
-    batched = lo.dim() == 2
+def range_blocks(lo: torch.Tensor, hi: torch.Tensor, keys: int, block: int = 128) -> tuple:
+    """`block_indices` of query e against keys [lo[e], hi[e]) (lo, hi nondecreasing in e; [rows],
+    or [b, rows] for one mask per sequence): a block of queries reads the key blocks from its
+    first lo to its last hi; those inside every one of its ranges (from its last lo to its first
+    hi) are whole, most of a bucket's blocks."""
     lo, hi = lo.reshape(-1, lo.shape[-1]), hi.reshape(-1, hi.shape[-1])
     rows = lo.shape[-1]
     q_blocks, kv_blocks = -(-rows // block), -(-keys // block)
@@ -236,12 +251,23 @@ def range_block_mask(lo: torch.Tensor, hi: torch.Tensor, keys: int, block: int =
     key_first = torch.arange(kv_blocks, device=lo.device) * block
     some = (key_first < hi_last) & (key_first + block > lo_first) & (hi_last > lo_first)
     every = (key_first >= lo_last) & (key_first + block <= hi_first)
+    return block_indices(some, every)
+
+
+def range_block_mask(
+    lo: torch.Tensor, hi: torch.Tensor, keys: int, block: int = 128, indices=None
+) -> BlockMask:
+    """The BlockMask of `range_blocks` (`indices`: theirs, where already made)."""
+    if indices is None:
+        indices = range_blocks(lo, hi, keys, block)
+    batched = lo.dim() == 2
+    lo, hi = lo.reshape(-1, lo.shape[-1]), hi.reshape(-1, hi.shape[-1])
 
     def mask_mod(b, h, q_idx, kv_idx):
         row = b if batched else 0
         return (kv_idx >= lo[row, q_idx]) & (kv_idx < hi[row, q_idx])
 
-    return _block_mask(some, every, mask_mod, block, (rows, keys))
+    return _block_mask(indices, mask_mod, block, (lo.shape[-1], keys))
 
 
 def document_block_mask(doc_start: torch.Tensor) -> BlockMask:
@@ -252,13 +278,14 @@ def document_block_mask(doc_start: torch.Tensor) -> BlockMask:
     return range_block_mask(doc_start, ends, n)
 
 
-def flex_range_attention(q, k, v, lo, hi, scale: float):
+def flex_range_attention(q, k, v, lo, hi, scale: float, blocks=None):
     """Query row e against key rows [lo[e], hi[e]) in one FlexAttention call (the sparse path's
     bucket part on a GPU: no padding, no bucket squares). q [E, h, d], k/v [M, groups, d] ->
-    (out [E, h, d], lse [E, h], -inf where a range is empty)."""
+    (out [E, h, d], lse [E, h], -inf where a range is empty). `blocks`: the ranges'
+    `range_blocks`, where already made."""
     out, lse = _attend_with_lse(
         *(x.transpose(0, 1)[None] for x in (q, k, v)),
         scale,
-        block_mask=range_block_mask(lo, hi, k.shape[0]),
+        block_mask=range_block_mask(lo, hi, k.shape[0], indices=blocks),
     )
     return out[0].transpose(0, 1), lse[0].transpose(0, 1)

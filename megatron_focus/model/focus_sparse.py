@@ -32,6 +32,9 @@ twice and nothing is subtracted. No part reaches outside the query's document. C
 distant pairs plus n w, against n^2 / 2 dense.
 Routing (top-k, sort, counts, offsets) stays on the device: no Python loop over groups; the CPU
 synchronises with the host for the longest bucket and the key ranges' bounds, a GPU not at all.
+Everything taken from the routing (buckets, key ranges, the ranges' block masks) is one pure
+function of tensors (`_route`), which a GPU runs as one compiled region per layer call instead
+of some 20-180 small kernels; the backward reuses it.
 
 It trains too, the routing frozen (its groups are a hard choice, with no gradient): the parts
 and their merge are one autograd function (`_SparseAttention`) whose backward runs each part's
@@ -44,13 +47,13 @@ and log-sum-exp as the CPU's does. The layouts' gathers are differentiated by au
 import bisect
 import dataclasses
 import functools
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from megatron_focus.model import kernels
+from megatron_focus import platform
+from megatron_focus.model import flex, kernels
 from megatron_focus.model.documents import segments
-from megatron_focus.model.flex import flex_local_part, flex_range_attention
 from megatron_focus.model.focus_gate import attention_with_lse
 from megatron_focus.model.groups import Routing
 from megatron_focus.model.lse_merge import merge_by_lse, part_gradients
@@ -70,8 +73,8 @@ def _scatter_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def _buckets(groups_q: torch.Tensor, num_groups: int, doc_start, segment, documents: int):
     """Bucket of each token (document * K + top-1 group), the token rows in bucket order (stable:
-    positions increasing), each bucket's first place in that order, and [b, n, K] how many
-    members each group has in the token's document before it."""
+    positions increasing), the buckets' sizes, where each starts in that order (and the end),
+    and [b, n, K] how many members each group has in the token's document before it."""
     bucket = (segment * num_groups + groups_q[..., 0]).reshape(-1)
     order = torch.sort(bucket, stable=True).indices
     # Counted by a scatter of known size: bincount would synchronise with the host for its size.
@@ -79,7 +82,7 @@ def _buckets(groups_q: torch.Tensor, num_groups: int, doc_start, segment, docume
     onehot = torch.nn.functional.one_hot(groups_q[..., 0], num_groups)
     before = onehot.cumsum(1) - onehot  # in the sequence, then less those before the document
     before -= before.gather(1, doc_start[..., None].expand_as(before))
-    return bucket, order, sizes, torch.cumsum(sizes, 0) - sizes, before
+    return bucket, order, sizes, torch.nn.functional.pad(torch.cumsum(sizes, 0), (1, 0)), before
 
 
 def _key_ranges(groups_q, slot: int, starts, before, segment, num_groups: int):
@@ -89,6 +92,85 @@ def _key_ranges(groups_q, slot: int, starts, before, segment, num_groups: int):
     group = groups_q[..., slot : slot + 1]
     lo = starts[segment * num_groups + group[..., 0]]
     return lo.reshape(-1), (lo + before.gather(-1, group)[..., 0] + (slot == 0)).reshape(-1)
+
+
+class _Range(NamedTuple):
+    """Queries `entries` (token rows, in an order where their key ranges rise) against the keys
+    [lo, hi) of the bucket order; `blocks`: the ranges' block-mask indices (flex.range_blocks)
+    where the kernel attends ranges in one call."""
+
+    entries: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    blocks: Optional[tuple]
+
+
+class _Route(NamedTuple):
+    """What the parts take from the routing (`_route`)."""
+
+    groups_q: torch.Tensor  # [b, n, top_k], top-1 first; the sinks' top-1 is group K
+    segment: torch.Tensor  # [b, n], documents.segments
+    bucket: torch.Tensor  # [b * n], each token's
+    order: torch.Tensor  # the token rows in bucket order
+    sizes: torch.Tensor  # [buckets]
+    bounds: torch.Tensor  # [buckets + 1], where each bucket starts in bucket order, and the end
+    ranges: tuple  # a _Range per top-k slot from `first_slot`, then the sinks' (sink > 0)
+
+
+def _route(
+    groups_q,
+    doc_start,
+    num_groups: int,
+    documents: int,
+    sink: int,
+    window: int,
+    first_slot: int,
+    blocks: bool,
+) -> _Route:
+    """The buckets, and the key ranges of the slots from `first_slot` and of the sinks: tensors
+    only, with no host synchronisation where `documents` is a bound (a GPU: one compiled region,
+    `_compiled_route`). groups_q [b, n, top_k] top-1 first, doc_start [b, n]; `blocks`: with the
+    ranges' block-mask indices (FlexAttention)."""
+    b, n, top_k = groups_q.shape
+    position = torch.arange(n, device=groups_q.device) - doc_start  # in the document
+    if sink:  # the sinks' bucket is group K: their slot 0, and no other query's group
+        top1 = groups_q[..., 0].masked_fill(position < sink, num_groups)
+        groups_q = torch.cat([top1[..., None], groups_q[..., 1:]], -1)
+        num_groups += 1
+    segment = segments(doc_start)
+    bucket, order, sizes, bounds, before = _buckets(
+        groups_q, num_groups, doc_start, segment, documents
+    )
+    starts = bounds[:-1]
+
+    def ranged(lo, hi, entries):
+        lo, hi = lo[entries], hi[entries]
+        return _Range(entries, lo, hi, flex.range_blocks(lo, hi, b * n) if blocks else None)
+
+    def rising(lo, hi):
+        return torch.sort(lo * (b * n + 1) + hi).indices
+
+    ranges = []
+    for slot in range(first_slot, top_k):
+        lo, hi = _key_ranges(groups_q, slot, starts, before, segment, num_groups)
+        ranges.append(ranged(lo, hi, rising(lo, hi) if slot else order))  # slot 0: bucket order
+    if sink:
+        # Non-sink query i against its document's sinks outside its window (p_i - p_j >= w):
+        # the first min(s, p_i - w + 1) members of the document's sink bucket (group K - 1).
+        count = (position - window + 1).clamp(0, sink) * (position >= sink)
+        lo = starts[segment * num_groups + num_groups - 1].reshape(-1)
+        hi = lo + count.reshape(-1)
+        ranges.append(ranged(lo, hi, rising(lo, hi)))
+    return _Route(groups_q, segment, bucket, order, sizes, bounds, tuple(ranges))
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_route():
+    platform.setup()  # raises dynamo's recompile limit (platform.RECOMPILE_LIMIT)
+    # One graph (the tests trace it with fullgraph: a host synchronisation would break it), one
+    # compile per shape. Not fullgraph here: past the recompile limit (an evaluation sweeping
+    # many lengths and top-k), fullgraph would fail where eager routing is merely slower.
+    return torch.compile(_route, dynamic=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,8 +274,9 @@ def _recomputed(attend):
     return gradients
 
 
-def _causal_buckets(order, bucket, sizes, starts, scale) -> _Part:
+def _causal_buckets(route: _Route, scale) -> _Part:
     """Slot 0 on the CPU: causal attention inside each bucket, all buckets in one padded call."""
+    order, bucket, sizes, starts = route.order, route.bucket, route.sizes, route.bounds[:-1]
     num_buckets = sizes.numel()
     longest = int(sizes.max())  # a host synchronisation
     # Token order[i] goes to place `packed_at[i]` of the [buckets * longest] layout; the places
@@ -304,14 +387,14 @@ def _range_gradients(d_out, q, k, v, out, lse, lo, hi, scale: float):
     return dq, dk, dv
 
 
-def _varlen_buckets(order, sizes, longest: int, members, scale) -> _Part:
+def _varlen_buckets(route: _Route, longest: int, members, scale) -> _Part:
     """Slot 0 on CUDA: causal attention inside each bucket, one varlen call over the buckets in
     bucket order (`longest`: a bound on a bucket's size, so no host synchronisation)."""
-    cu_seqlens = torch.nn.functional.pad(torch.cumsum(sizes, 0), (1, 0)).to(torch.int32)
+    cu_seqlens = route.bounds.to(torch.int32)
     return _Part(
         members,
         members,
-        functools.partial(_scatter_rows, index=order),
+        functools.partial(_scatter_rows, index=route.order),
         functools.partial(
             kernels.varlen_causal_attention, cu_seqlens=cu_seqlens, max_len=longest, scale=scale
         ),
@@ -321,67 +404,38 @@ def _varlen_buckets(order, sizes, longest: int, members, scale) -> _Part:
     )
 
 
-def _bucket_parts(
-    groups_q,
-    num_groups: int,
-    doc_start,
-    segment,
-    documents: int,
-    sink: int,
-    window,
-    scale,
-    kernel,
-    varlen: bool,
-):
+def _bucket_parts(route: _Route, n: int, scale, kernel, varlen: bool) -> list:
     """Per top-k slot, each query's attention over its keys of that slot's group, and with sinks
     the sink part. `varlen`: slot 0 as one varlen call (one document per sequence)."""
-    b, n, top_k = groups_q.shape
-    bucket, order, sizes, starts, before = _buckets(
-        groups_q, num_groups, doc_start, segment, documents
-    )
-    ranges = kernel.ranges
 
     def members(x):  # rows -> the keys in bucket order
-        return _gather_rows(x, order)
+        return _gather_rows(x, route.order)
 
-    def attend_ranges(lo, hi, entries):  # entries: the queries in an order where lo, hi rise
-        lo, hi = lo[entries], hi[entries]
-        if ranges:
-            attend = functools.partial(flex_range_attention, lo=lo, hi=hi, scale=scale)
+    def attend(ranged: _Range) -> _Part:
+        lo, hi = ranged.lo, ranged.hi
+        if kernel.ranges:
+            attend = functools.partial(
+                flex.flex_range_attention, lo=lo, hi=hi, scale=scale, blocks=ranged.blocks
+            )
             gradients = _recomputed(attend)
         else:
             attend = functools.partial(_range_attention, lo=lo, hi=hi, scale=scale)
             gradients = functools.partial(_range_gradients, lo=lo, hi=hi, scale=scale)
         return _Part(
-            functools.partial(_gather_rows, index=entries),
+            functools.partial(_gather_rows, index=ranged.entries),
             members,
-            functools.partial(_scatter_rows, index=entries),
+            functools.partial(_scatter_rows, index=ranged.entries),
             attend,
             gradients,
         )
 
-    def rising(lo, hi):
-        return torch.sort(lo * (b * n + 1) + hi).indices
-
-    parts = []
-    for slot in range(top_k):
-        if slot == 0 and not ranges:
-            parts.append(_causal_buckets(order, bucket, sizes, starts, scale))
-        elif slot == 0 and varlen:
-            parts.append(_varlen_buckets(order, sizes, n, members, scale))
-        else:
-            lo, hi = _key_ranges(groups_q, slot, starts, before, segment, num_groups)
-            # (slot 0: the bucket order)
-            parts.append(attend_ranges(lo, hi, rising(lo, hi) if slot else order))
-    if sink:
-        # Non-sink query i against its document's sinks outside its window (p_i - p_j >= w):
-        # the first min(s, p_i - w + 1) members of the document's sink bucket (group K - 1).
-        position = torch.arange(n, device=groups_q.device) - doc_start  # in the document
-        count = (position - window + 1).clamp(0, sink) * (position >= sink)
-        lo = starts[segment * num_groups + num_groups - 1].reshape(-1)
-        hi = lo + count.reshape(-1)
-        parts.append(attend_ranges(lo, hi, rising(lo, hi)))
-    return parts
+    if not kernel.ranges:
+        slot0 = [_causal_buckets(route, scale)]
+    elif varlen:
+        slot0 = [_varlen_buckets(route, n, members, scale)]
+    else:
+        slot0 = []  # the first of route.ranges
+    return slot0 + [attend(ranged) for ranged in route.ranges]
 
 
 # Queries per block of the local part: each block meets the F + B keys ending with it (F: w
@@ -497,7 +551,7 @@ def _flex_local_part(groups_q, segment, window: int, scale: float) -> _Part:
     """The local part on a GPU: one FlexAttention call over the band (flex.flex_local_part)."""
     b = groups_q.shape[0]
     attend = functools.partial(
-        flex_local_part, groups_q=groups_q, segment=segment, window=window, scale=scale
+        flex.flex_local_part, groups_q=groups_q, segment=segment, window=window, scale=scale
     )
     heads = functools.partial(_unrows, b=b)
     return _Part(heads, heads, _rows, attend, _recomputed(attend))
@@ -528,32 +582,30 @@ def sparse_focus_attention(
 def _parts(routing, q, window, top_k, scale, sink, kernel) -> list:
     """The bucket parts and the local part of the hard rule, from the routing."""
     b, _, n, _ = q.shape
-    device, dtype = q.device, q.dtype
-    groups_q = routing.top(top_k)  # [b, n, top_k], top-1 first
-    num_groups = routing.groups.shape[-1]
     doc_start = routing.doc_start
     if doc_start is None:
-        doc_start = torch.zeros(b, n, dtype=torch.long, device=device)
-    sink = min(sink, n)
-    if sink:  # the sinks' bucket is group K: their slot 0, and no other query's group
-        groups_q = groups_q.clone()
-        position = torch.arange(n, device=device) - doc_start
-        groups_q[..., 0].masked_fill_(position < sink, num_groups)
-        num_groups += 1
-    segment = segments(doc_start)
+        doc_start = torch.zeros(b, n, dtype=torch.long, device=q.device)
     # One document per sequence unless packed. Then a GPU takes a bound (every token its own
     # document: empty buckets cost a few integers each), where counting them would synchronise
     # with the host; the CPU's padded slot-0 call needs the count.
     if routing.doc_start is None:
         documents = b
     else:
-        documents = b * n if kernel.ranges else int(segment[-1, -1]) + 1
+        documents = b * n if kernel.ranges else int(segments(doc_start)[-1, -1]) + 1
     # Varlen needs no host synchronisation with one document per sequence (b * K buckets of at
     # most n tokens); packed documents keep FlexAttention's ranges, which need none either.
     varlen = kernel.varlen and routing.doc_start is None and kernels.varlen_fits(q)
-    parts = _bucket_parts(
-        groups_q, num_groups, doc_start, segment, documents, sink, window, scale, kernel, varlen
+    route = (_compiled_route() if kernels.compiled(q.device) else _route)(
+        routing.top(top_k),
+        doc_start,
+        routing.groups.shape[-1],
+        documents,
+        min(sink, n),
+        window,
+        0 if kernel.ranges and not varlen else 1,  # the slots attended as ranges
+        kernel.ranges,
     )
+    parts = _bucket_parts(route, n, scale, kernel, varlen)
     if kernel.ranges:  # a GPU: one call over the band
-        return parts + [_flex_local_part(groups_q, segment, window, scale)]
-    return parts + [_local_part(groups_q, segment, window, scale, dtype)]
+        return parts + [_flex_local_part(route.groups_q, route.segment, window, scale)]
+    return parts + [_local_part(route.groups_q, route.segment, window, scale, q.dtype)]

@@ -274,6 +274,7 @@ def lse_attention(device: torch.device) -> Kernel:
     return FLEX_VARLEN_LSE if device.type == "cuda" else FLEX_LSE
 
 
-def compiled_flex(device: torch.device) -> bool:
-    """FlexAttention compiled on a GPU; eager elsewhere (a dense evaluation, forward only)."""
+def compiled(device: torch.device) -> bool:
+    """FlexAttention and the sparse path's routing compiled on a GPU; eager elsewhere (there
+    FlexAttention is a dense evaluation, forward only)."""
     return device.type == "cuda"

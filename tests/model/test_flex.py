@@ -16,6 +16,7 @@ from megatron_focus import platform
 from megatron_focus.model import kernels
 from megatron_focus.model.documents import segments
 from megatron_focus.model.flex import (
+    block_indices,
     causal_block_mask,
     document_block_mask,
     flex_attention_with_lse,
@@ -24,7 +25,7 @@ from megatron_focus.model.flex import (
     range_block_mask,
 )
 from megatron_focus.model.focus_gate import attention_with_lse
-from megatron_focus.model.focus_sparse import _buckets, _key_ranges
+from megatron_focus.model.focus_sparse import _route
 from megatron_focus.model.groups import Routing
 from megatron_focus.model.sinkhorn import causal_sinkhorn
 
@@ -146,19 +147,17 @@ def test_document_block_mask_is_exact(n, mean_length):
 )
 @pytest.mark.parametrize("packed", [False, True])
 def test_range_block_mask_covers_every_kept_pair(n, groups, top_k, how, packed):
-    """The bucket part's ranges, as the sparse path sorts them: no kept pair in a skipped block,
+    """The bucket part's ranges, as the sparse path makes them: no kept pair in a skipped block,
     only kept pairs in a block marked whole. `packed`: documents of 1-200 tokens."""
     gen = torch.Generator().manual_seed(n)
     groups_q = Routing.of(assignments(2, n, groups, gen, how)).top(top_k)
     doc_start = _packed_starts(2, n, gen, 50) if packed else torch.zeros(2, n, dtype=torch.long)
-    segment = segments(doc_start)
-    documents = int(segment[-1, -1]) + 1
-    _, _, _, starts, before = _buckets(groups_q, groups, doc_start, segment, documents)
-    for slot in range(top_k):
-        lo, hi = _key_ranges(groups_q, slot, starts, before, segment, groups)
-        entries = torch.sort(lo * (2 * n + 1) + hi).indices
-        lo, hi = lo[entries], hi[entries]
-        mask = range_block_mask(lo, hi, 2 * n)
+    documents = int(segments(doc_start)[-1, -1]) + 1
+    route = _route(groups_q, doc_start, groups, documents, 0, 1, 0, blocks=True)
+    assert len(route.ranges) == top_k
+    for slot, ranged in enumerate(route.ranges):
+        lo, hi = ranged.lo, ranged.hi
+        mask = range_block_mask(lo, hi, 2 * n, indices=ranged.blocks)
         keys = torch.arange(2 * n)
         kept = (keys >= lo[:, None]) & (keys < hi[:, None])
         present = mask.to_dense()[0, 0].repeat_interleave(128, 0).repeat_interleave(128, 1)
@@ -171,6 +170,24 @@ def test_range_block_mask_covers_every_kept_pair(n, groups, top_k, how, packed):
                 whole += 1
         # 2000 tokens in one group, one document: most blocks are whole
         assert whole > 0 or n < 1000 or packed
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_block_indices_by_query_block_are_torchs_transposition(batch):
+    """The query-block side of flex.block_indices (FlexAttention's backward reads it) equals what
+    BlockMask.from_kv_blocks transposes from the key-block side."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    gen = torch.Generator().manual_seed(batch)
+    some = torch.rand(batch, 7, 5, generator=gen) < 0.6
+    every = some & (torch.rand(batch, 7, 5, generator=gen) < 0.5)
+    indices = block_indices(some, every)
+    ref = BlockMask.from_kv_blocks(*indices[:4], BLOCK_SIZE=128, seq_lengths=(7 * 128, 5 * 128))
+    for got, name in zip(indices[4:], ("q_num_blocks", "q_indices")):
+        want = getattr(ref, name)
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+    for got, name in zip(indices[6:], ("full_q_num_blocks", "full_q_indices")):
+        assert torch.equal(got, getattr(ref, name)), name
 
 
 @pytest.mark.parametrize(
@@ -323,7 +340,7 @@ def test_soft_gate_compiled_by_cpu_inductor_equals_eager(gate, packed, monkeypat
     if packed:
         kwargs["doc_start"] = _packed_starts(2, 300, gen, 60)
     eager = flex_soft_focus(q, k, v, log_g, **kwargs)
-    monkeypatch.setattr(flex, "compiled_flex", lambda device: True)
+    monkeypatch.setattr(flex, "compiled", lambda device: True)
     torch._dynamo.reset()
     with torch.no_grad():
         compiled = flex_soft_focus(q, k, v, log_g, **kwargs)

@@ -363,6 +363,84 @@ def test_sparse_gradients_equal_the_dense_hard_rule(monkeypatch, request, kernel
         assert varlen == {"forward": calls, "backward": calls}
 
 
+ROUTE_CASES = {  # b, n, K, top_k, sink, documents (lengths per row), first slot attended as ranges
+    "top-1, varlen slot 0": (2, 200, 8, 1, 0, None, 1),
+    "top-2": (1, 300, 4, 2, 0, None, 0),
+    "top-3, sinks": (2, 150, 8, 3, 4, None, 0),
+    "top-2, sinks, documents": (2, 64, 4, 2, 2, [[7, 1, 30, 26], [20, 3, 41]], 0),
+}
+
+
+def _route_inputs(case):
+    from test_documents import starts_of
+
+    b, n, groups, top_k, sink, lengths, first_slot = ROUTE_CASES[case]
+    gen = torch.Generator().manual_seed(n + top_k)
+    groups_q = Routing.of(assignments(b, n, groups, gen)).top(top_k)
+    doc_start = torch.zeros(b, n, dtype=torch.long) if lengths is None else starts_of(lengths)
+    documents = b if lengths is None else b * n  # a GPU's bound with packed documents
+    return groups_q, doc_start, groups, documents, sink, 8, first_slot, True
+
+
+@pytest.mark.parametrize("case", list(ROUTE_CASES))
+def test_gpu_routing_is_one_graph_with_no_host_synchronisation(case):
+    """On a GPU the sparse path's routing (buckets, key ranges, block masks) is one compiled
+    region (focus_sparse._compiled_route): traced here as a GPU traces it, it is one graph (a
+    host synchronisation would break it, and fullgraph refuses a break), and it computes what
+    the eager routing computes, bit for bit."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch.utils._pytree import tree_leaves
+
+    inputs = _route_inputs(case)
+    eager = focus_sparse._route(*inputs)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    traced = torch.compile(focus_sparse._route, fullgraph=True, dynamic=False, backend=counter)
+    got = traced(*inputs)
+    assert counter.frame_count == 1
+    assert type(got) is type(eager) and len(got.ranges) == len(eager.ranges)
+    pairs = list(zip(tree_leaves(got), tree_leaves(eager), strict=True))
+    assert all(torch.equal(ours, want) for ours, want in pairs)
+
+
+@pytest.mark.parametrize("kernel", ["flex", "varlen"])
+@pytest.mark.parametrize("case", ["top-1, sinks, documents", "top-2, gqa"])
+def test_sparse_attention_with_compiled_routing_equals_the_dense_hard_rule(
+    monkeypatch, request, kernel, case
+):
+    """The GPU's sparse path whole, its routing compiled by inductor (for the CPU here): output
+    and gradients equal the dense hard rule's, and the routing compiles once for all calls."""
+    import torch.nn.attention.flex_attention as flex_attention
+    from test_documents import starts_of
+
+    b, heads, kv, n, groups, window, top_k, sink, lengths = GRADIENT_CASES[case]
+    monkeypatch.setattr(flex_attention, "_validate_device", lambda *tensors: None)
+    _gpu_kernel(kernel, monkeypatch, request)
+    monkeypatch.setattr(kernels, "compiled", lambda device: True)
+    torch._dynamo.reset()
+    focus_sparse._compiled_route.cache_clear()
+    gen = torch.Generator().manual_seed(n)
+    doc_start = None if lengths is None else starts_of(lengths)
+    for call in range(2):
+        q = torch.randn(b, heads, n, 8, generator=gen, requires_grad=True)
+        k, v = (torch.randn(b, kv, n, 8, generator=gen, requires_grad=True) for _ in range(2))
+        log_g = assignments(b, n, groups, gen)
+        routing = Routing.of(log_g, doc_start)
+        with torch._dynamo.config.patch(error_on_recompile=call > 0):
+            out = sparse_focus_attention(
+                q, k, v, routing, window=window, top_k=top_k, scale=0.3, sink=sink
+            )
+        ref = dense_hard_rule(q, k, v, log_g, window, top_k, 0.3, sink, doc_start)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        cotangent = torch.randn(out.shape, generator=gen)
+        ours = torch.autograd.grad(out, (q, k, v), cotangent)
+        want = torch.autograd.grad(ref, (q, k, v), cotangent)
+        for name, got, reference in zip("qkv", ours, want):
+            torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-5, msg=name)
+    assert focus_sparse._compiled_route.cache_info().currsize == 1  # it was the compiled one
+    focus_sparse._compiled_route.cache_clear()
+
+
 def test_the_merges_backward_is_its_chain_rule():
     """lse_merge.part_gradients: what autograd gives each part's output and log-sum-exp through
     merge_by_lse, an empty part included."""
