@@ -1,7 +1,9 @@
 """Kernels one layer launches per training step (forward + backward), PyTorch's ops against the
 fused Triton kernels a GPU chooses: XSA's projection and a Focus layer's router (projection,
-scores, causal Sinkhorn, group ranking). A count does not depend on the device: without a GPU
-the Triton kernels run under Triton's interpreter (TRITON_INTERPRET=1) and are counted the same.
+scores, causal Sinkhorn, group ranking); and sparse Focus attention on a GPU's kernels, its
+routing eager against compiled into one region. A count does not depend on the device: without
+a GPU the Triton kernels run under Triton's interpreter (TRITON_INTERPRET=1) and are counted the
+same.
 
     TRITON_INTERPRET=1 python benchmarks/launch_counts.py [--iters 10] [--json out.json]
 """
@@ -14,7 +16,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from launches import count_launches  # noqa: E402  (the tests' counter: tests/launches.py)
+from launches import (  # noqa: E402  (the tests' counter: tests/launches.py)
+    count_launches,
+    gpu_sparse_attention_launches,
+)
 
 from megatron_focus import platform  # noqa: E402
 from megatron_focus.arguments import parse_args  # noqa: E402
@@ -73,11 +78,19 @@ def main() -> None:
             "fused": router_step(opts, kernels.sinkhorn(CUDA)),
         },
     ]
+    rows += [
+        {
+            "operation": f"sparse attention, top-{top_k}",
+            "pytorch": len(gpu_sparse_attention_launches(top_k, compiled_routing=False)),
+            "fused": gpu_sparse_attention_launches(top_k, compiled_routing=True),
+        }
+        for top_k in (1, 2)
+    ]
     print(f"{'one layer, forward + backward':<34}{'PyTorch':>8}{'fused':>7}  fused launches")
     for row in rows:
         row["launches"], row["fused"] = row["fused"], len(row["fused"])
-        print(f"{row['operation']:<34}{row['pytorch']:>8}{row['fused']:>7}  "
-              f"{' '.join(row['launches'])}")  # fmt: skip
+        named = " ".join(row["launches"]) if row["fused"] <= 12 else "(in --json)"
+        print(f"{row['operation']:<34}{row['pytorch']:>8}{row['fused']:>7}  {named}")
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump({"config": vars(opts), "rows": rows}, f, indent=2)

@@ -113,13 +113,14 @@ class _Route(NamedTuple):
     bucket: torch.Tensor  # [b * n], each token's
     order: torch.Tensor  # the token rows in bucket order
     sizes: torch.Tensor  # [buckets]
-    bounds: torch.Tensor  # [buckets + 1], where each bucket starts in bucket order, and the end
+    starts: torch.Tensor  # [buckets], where each bucket starts in bucket order
+    cu_seqlens: torch.Tensor  # [buckets + 1] int32, the starts and the end (varlen's)
     ranges: tuple  # a _Range per top-k slot from `first_slot`, then the sinks' (sink > 0)
 
 
 def _route(
     groups_q,
-    doc_start,
+    doc_start: Optional[torch.Tensor],
     num_groups: int,
     documents: int,
     sink: int,
@@ -129,9 +130,12 @@ def _route(
 ) -> _Route:
     """The buckets, and the key ranges of the slots from `first_slot` and of the sinks: tensors
     only, with no host synchronisation where `documents` is a bound (a GPU: one compiled region,
-    `_compiled_route`). groups_q [b, n, top_k] top-1 first, doc_start [b, n]; `blocks`: with the
+    `_compiled_route`). groups_q [b, n, top_k] top-1 first, doc_start [b, n] or None (one
+    document per sequence); `blocks`: with the
     ranges' block-mask indices (FlexAttention)."""
     b, n, top_k = groups_q.shape
+    if doc_start is None:
+        doc_start = groups_q.new_zeros(b, n)
     position = torch.arange(n, device=groups_q.device) - doc_start  # in the document
     if sink:  # the sinks' bucket is group K: their slot 0, and no other query's group
         top1 = groups_q[..., 0].masked_fill(position < sink, num_groups)
@@ -161,7 +165,8 @@ def _route(
         lo = starts[segment * num_groups + num_groups - 1].reshape(-1)
         hi = lo + count.reshape(-1)
         ranges.append(ranged(lo, hi, rising(lo, hi)))
-    return _Route(groups_q, segment, bucket, order, sizes, bounds, tuple(ranges))
+    cu_seqlens = bounds.to(torch.int32)
+    return _Route(groups_q, segment, bucket, order, sizes, starts, cu_seqlens, tuple(ranges))
 
 
 @functools.lru_cache(maxsize=1)
@@ -276,7 +281,7 @@ def _recomputed(attend):
 
 def _causal_buckets(route: _Route, scale) -> _Part:
     """Slot 0 on the CPU: causal attention inside each bucket, all buckets in one padded call."""
-    order, bucket, sizes, starts = route.order, route.bucket, route.sizes, route.bounds[:-1]
+    order, bucket, sizes, starts = route.order, route.bucket, route.sizes, route.starts
     num_buckets = sizes.numel()
     longest = int(sizes.max())  # a host synchronisation
     # Token order[i] goes to place `packed_at[i]` of the [buckets * longest] layout; the places
@@ -390,7 +395,7 @@ def _range_gradients(d_out, q, k, v, out, lse, lo, hi, scale: float):
 def _varlen_buckets(route: _Route, longest: int, members, scale) -> _Part:
     """Slot 0 on CUDA: causal attention inside each bucket, one varlen call over the buckets in
     bucket order (`longest`: a bound on a bucket's size, so no host synchronisation)."""
-    cu_seqlens = route.bounds.to(torch.int32)
+    cu_seqlens = route.cu_seqlens
     return _Part(
         members,
         members,
@@ -582,22 +587,19 @@ def sparse_focus_attention(
 def _parts(routing, q, window, top_k, scale, sink, kernel) -> list:
     """The bucket parts and the local part of the hard rule, from the routing."""
     b, _, n, _ = q.shape
-    doc_start = routing.doc_start
-    if doc_start is None:
-        doc_start = torch.zeros(b, n, dtype=torch.long, device=q.device)
     # One document per sequence unless packed. Then a GPU takes a bound (every token its own
     # document: empty buckets cost a few integers each), where counting them would synchronise
     # with the host; the CPU's padded slot-0 call needs the count.
     if routing.doc_start is None:
         documents = b
     else:
-        documents = b * n if kernel.ranges else int(segments(doc_start)[-1, -1]) + 1
+        documents = b * n if kernel.ranges else int(segments(routing.doc_start)[-1, -1]) + 1
     # Varlen needs no host synchronisation with one document per sequence (b * K buckets of at
     # most n tokens); packed documents keep FlexAttention's ranges, which need none either.
     varlen = kernel.varlen and routing.doc_start is None and kernels.varlen_fits(q)
     route = (_compiled_route() if kernels.compiled(q.device) else _route)(
         routing.top(top_k),
-        doc_start,
+        routing.doc_start,
         routing.groups.shape[-1],
         documents,
         min(sink, n),

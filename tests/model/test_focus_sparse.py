@@ -441,6 +441,24 @@ def test_sparse_attention_with_compiled_routing_equals_the_dense_hard_rule(
     focus_sparse._compiled_route.cache_clear()
 
 
+@pytest.mark.parametrize("top_k, budget", [(1, 54), (2, 90), (3, 126)])
+def test_gpu_sparse_attention_launches_within_budget(top_k, budget):
+    """One sparse attention call, forward and backward, as a GPU launches it
+    (tests/launches.py): the routing one compiled region, made once (the backward reuses its
+    block masks); each FlexAttention part one launch forward, one recomputed and one backward.
+    Eager, the routing alone is some 25 launches at top-1 and 50 more per further slot."""
+    from launches import gpu_sparse_attention_launches
+
+    launches = gpu_sparse_attention_launches(top_k, compiled_routing=True)
+    assert launches.count("_route") == 1
+    assert launches.count("_attend_with_lse") == 2 * top_k  # the local part's and top_k - 1
+    assert launches.count("flex_attention_backward") == top_k
+    assert launches.count("_varlen_attn") == launches.count("_varlen_attn_backward") == 1
+    assert len(launches) <= budget, " ".join(launches)
+    eager = gpu_sparse_attention_launches(top_k, compiled_routing=False)
+    assert len(eager) - len(launches) >= 20 + 45 * (top_k - 1), (len(eager), len(launches))
+
+
 def test_the_merges_backward_is_its_chain_rule():
     """lse_merge.part_gradients: what autograd gives each part's output and log-sum-exp through
     merge_by_lse, an empty part included."""
