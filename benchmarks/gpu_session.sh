@@ -98,7 +98,7 @@ part overhead 80 python3 benchmarks/variant_overhead.py --variants standard xsa 
 part recipe 80 python3 benchmarks/recipe_speed.py --variants standard focus+xsa "${RECIPE[@]}" \
     --json "$OUT/recipe.json"
 # -o addopts="": in this process, one GPU; pytest-xdist need not be there
-part tests 120 python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/test_gpu.py \
+part tests 180 python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/test_gpu.py \
     "tests/hf/test_hf.py::test_attention_backends_compute_what_eager_computes"
 part sparse 80 python3 benchmarks/focus_sparse_speed.py "${SPARSE[@]}" --json "$OUT/sparse.json"
 part sparse-train 80 python3 benchmarks/focus_sparse_speed.py --train "${SPARSE_TRAIN[@]}" \

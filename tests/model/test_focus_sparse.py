@@ -403,6 +403,29 @@ def test_gpu_routing_is_one_graph_with_no_host_synchronisation(case):
     assert all(torch.equal(ours, want) for ours, want in pairs)
 
 
+def test_gpu_routing_compiles_once_for_every_length():
+    """The compiled routing as a GPU compiles it (a quick backend here), its sizes symbolic: a
+    sweep of lengths compiles it once, and once more with packed documents (their own graph)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch.utils._pytree import tree_leaves
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    focus_sparse._compiled_route.cache_clear()
+    compiled = focus_sparse._compiled_route(counter)
+    for n in (300, 517, 1000, 2000):
+        gen = torch.Generator().manual_seed(n)
+        groups_q = Routing.of(assignments(2, n, 8, gen)).top(2)
+        doc_start = torch.zeros(2, n, dtype=torch.long)
+        doc_start[1, n // 3 :] = n // 3
+        for starts, documents in ((None, 2), (doc_start, 2 * n)):
+            inputs = (groups_q, starts, 8, documents, 3, 16, 0, True)
+            got, want = compiled(*inputs), focus_sparse._route(*inputs)
+            assert all(map(torch.equal, tree_leaves(got), tree_leaves(want)))
+    assert counter.frame_count == 2
+    focus_sparse._compiled_route.cache_clear()
+
+
 @pytest.mark.parametrize("kernel", ["flex", "varlen"])
 @pytest.mark.parametrize("case", ["top-1, sinks, documents", "top-2, gqa"])
 def test_sparse_attention_with_compiled_routing_equals_the_dense_hard_rule(
