@@ -131,8 +131,7 @@ def _route(
     """The buckets, and the key ranges of the slots from `first_slot` and of the sinks: tensors
     only, with no host synchronisation where `documents` is a bound (a GPU: one compiled region,
     `_compiled_route`). groups_q [b, n, top_k] top-1 first, doc_start [b, n] or None (one
-    document per sequence); `blocks`: with the
-    ranges' block-mask indices (FlexAttention)."""
+    document per sequence); `blocks`: with the ranges' block-mask indices (FlexAttention)."""
     b, n, top_k = groups_q.shape
     if doc_start is None:
         doc_start = groups_q.new_zeros(b, n)
@@ -417,7 +416,7 @@ def _bucket_parts(route: _Route, n: int, scale, kernel, varlen: bool) -> list:
     def members(x):  # rows -> the keys in bucket order
         return _gather_rows(x, route.order)
 
-    def attend(ranged: _Range) -> _Part:
+    def ranged_part(ranged: _Range) -> _Part:
         lo, hi = ranged.lo, ranged.hi
         if kernel.ranges:
             attend = functools.partial(
@@ -441,7 +440,7 @@ def _bucket_parts(route: _Route, n: int, scale, kernel, varlen: bool) -> list:
         slot0 = [_varlen_buckets(route, n, members, scale)]
     else:
         slot0 = []  # the first of route.ranges
-    return slot0 + [attend(ranged) for ranged in route.ranges]
+    return slot0 + [ranged_part(ranged) for ranged in route.ranges]
 
 
 # Queries per block of the local part: each block meets the F + B keys ending with it (F: w
