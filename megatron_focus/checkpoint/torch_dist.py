@@ -168,15 +168,13 @@ def _flat(tree) -> list:
     return _shards(tree)
 
 
-def _misfits(ours: dict, saved: dict, may_miss: Callable[[str], bool]) -> list:
-    """What of `ours` (a sharded state dict) the checkpoint's tensors `saved` lack or hold at
-    another global shape, by checkpoint key (ShardedObjects, the linears' empty `_extra_state`,
-    are not read)."""
+def _misfits(shards: dict, saved: dict) -> list:
+    """What of `shards` (each entry's of a sharded state dict) the checkpoint's tensors `saved`
+    lack or hold at another global shape, by checkpoint key (ShardedObjects, the linears' empty
+    `_extra_state`, are not read)."""
     found = []
-    for name, entry in ours.items():
-        if may_miss(name):
-            continue
-        for shard in _shards(entry):
+    for entry_shards in shards.values():
+        for shard in entry_shards:
             if not isinstance(shard, ShardedTensor):
                 continue
             held = saved.get(shard.key)
@@ -202,13 +200,14 @@ def load_model(
     except Exception as e:  # torch's reader raises its own types on a damaged .metadata
         raise ValueError(f"{folder}: the checkpoint's metadata cannot be read ({e})") from None
     ours = model.sharded_state_dict(metadata=dict(METADATA))
-    misfits = _misfits(ours, saved, may_miss)
+    shards = {name: _shards(entry) for name, entry in ours.items() if not may_miss(name)}
+    misfits = _misfits(shards, saved)
     if misfits:
         raise ValueError(f"{folder} does not fit this model: " + "; ".join(misfits))
     wanted = {
-        name: entry
-        for name, entry in ours.items()
-        if not may_miss(name) and all(s.key in saved for s in _shards(entry))
+        name: ours[name]
+        for name, entry_shards in shards.items()
+        if all(shard.key in saved for shard in entry_shards)
     }
     loaded = dist_checkpointing.load({"model": wanted}, folder)["model"]
     result = model.load_state_dict(loaded, strict=False)
