@@ -56,7 +56,8 @@ def parse() -> argparse.Namespace:
     p.add_argument(
         "--profile",
         action="store_true",
-        help="also print where the sparse call's time goes (torch.profiler, 3 calls)",
+        help="also print where the sparse call's time goes (torch.profiler, 3 calls; by input "
+        "shape, so the bucket part's kernel calls and the local part's are apart)",
     )
     p.add_argument(
         "--dtype",
@@ -140,10 +141,13 @@ def measure(opts, heads: int, head_dim: int, n: int, groups: int, top_k: int) ->
             for name, fn in order if rep % 2 == 0 else order[::-1]:
                 times[name].append(timed(fn))
         if opts.profile:
-            with torch.profiler.profile() as prof:
+            with torch.profiler.profile(record_shapes=True) as prof:
                 for _ in range(3):
                     sparse()
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
+            table = prof.key_averages(group_by_input_shape=True).table(
+                sort_by="self_cpu_time_total", row_limit=10, max_shapes_column_width=60
+            )
+            print(table)
     with torch.no_grad():
         kept = float(group_stats(routing, top_k, opts.window)["pairs-kept"])
     speedup = statistics.median(
