@@ -47,6 +47,7 @@ and log-sum-exp as the CPU's does. The layouts' gathers are differentiated by au
 import bisect
 import dataclasses
 import functools
+import warnings
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -176,6 +177,23 @@ def _compiled_route(backend: str = "inductor"):
     # an evaluation or a benchmark sweeping lengths would otherwise pay one compile each. Not
     # fullgraph here: past the recompile limit it falls back to eager.
     return torch.compile(_route, dynamic=True, backend=backend)
+
+
+def _routed(device: torch.device, *inputs) -> _Route:
+    """`_route(*inputs)`, compiled on a GPU. Should the compiler fail there (a torch whose
+    inductor cannot lower one of its ops), the routing runs eagerly from then on, said once: the
+    same results, at some 25-130 more launches per layer."""
+    global _compile_failed
+    if kernels.compiled(device) and not _compile_failed:
+        try:
+            return _compiled_route()(*inputs)
+        except Exception as e:  # the eager call below raises what is not the compiler's
+            _compile_failed = True
+            warnings.warn(f"sparse Focus: compiling the routing failed, running it eagerly ({e})")
+    return _route(*inputs)
+
+
+_compile_failed = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -597,7 +615,8 @@ def _parts(routing, q, window, top_k, scale, sink, kernel) -> list:
     # Varlen needs no host synchronisation with one document per sequence (b * K buckets of at
     # most n tokens); packed documents keep FlexAttention's ranges, which need none either.
     varlen = kernel.varlen and routing.doc_start is None and kernels.varlen_fits(q)
-    route = (_compiled_route() if kernels.compiled(q.device) else _route)(
+    route = _routed(
+        q.device,
         routing.top(top_k),
         routing.doc_start,
         routing.groups.shape[-1],

@@ -1,6 +1,7 @@
 """Sparse Focus dispatch (buckets + local window, merged by log-sum-exp) == the dense hard rule."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -424,6 +425,35 @@ def test_gpu_routing_compiles_once_for_every_length():
             assert all(map(torch.equal, tree_leaves(got), tree_leaves(want)))
     assert counter.frame_count == 2
     focus_sparse._compiled_route.cache_clear()
+
+
+def test_gpu_routing_runs_eagerly_if_its_compile_fails(monkeypatch, request):
+    """A compiler that fails on the routing (a torch whose inductor cannot lower an op) costs
+    launches, not the run: the routing runs eagerly from then on, said once."""
+    import torch.nn.attention.flex_attention as flex_attention
+
+    def broken():
+        def compiled(*inputs):
+            raise RuntimeError("inductor cannot lower this op")
+
+        return compiled
+
+    monkeypatch.setattr(flex_attention, "_validate_device", lambda *tensors: None)
+    _gpu_kernel("flex", monkeypatch, request)
+    monkeypatch.setattr(kernels, "compiled", lambda device: True)
+    monkeypatch.setattr(focus_sparse, "_compiled_route", broken)
+    monkeypatch.setattr(focus_sparse, "_compile_failed", False)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 80, 8, generator=gen) for _ in range(3))
+    log_g = assignments(1, 80, 4, gen)
+    with pytest.warns(UserWarning, match="compiling the routing failed.*cannot lower"):
+        out = sparse_focus_attention(q, k, v, Routing.of(log_g), window=8, top_k=2, scale=0.3)
+    ref = dense_hard_rule(q, k, v, log_g, 8, 2, 0.3)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        sparse_focus_attention(q, k, v, Routing.of(log_g), window=8, top_k=2, scale=0.3)
+    assert not [w for w in said if "compiling the routing" in str(w.message)]  # said once
 
 
 @pytest.mark.parametrize("kernel", ["flex", "varlen"])
