@@ -51,7 +51,7 @@ def on_a_free_port(launch, attempts: int = 3):
     """launch(port) -> a finished subprocess.CompletedProcess of a multi-process launcher; run
     again on a new port while it failed to bind the one given (EADDRINUSE: another process on the
     machine took the free port between its finding and the launcher's binding)."""
-    for attempt in range(attempts):
+    for _ in range(attempts):
         out = launch(_free_port())
         if out.returncode == 0 or "EADDRINUSE" not in out.stdout + out.stderr:
             return out

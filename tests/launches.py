@@ -116,6 +116,7 @@ def gpu_sparse_attention_launches(top_k: int, compiled_routing: bool, n: int = 2
         patch.setattr(flex_attention, "_validate_device", lambda *tensors: None)
         patch.setattr(kernels, "compiled", lambda device: compiled_routing)
         patch.setattr(focus_sparse, "_compiled_route", lambda: focus_sparse._route)
+        # A first call builds what a process builds once (the band's cached block mask).
         out = focus_sparse.sparse_focus_attention(
             q, k, v, routing, window=32, top_k=top_k, scale=0.125, kernel=kernels.FLEX_VARLEN_LSE
         )

@@ -95,24 +95,27 @@ def block_indices(some: torch.Tensor, every: torch.Tensor) -> tuple:
     )
 
 
+# block_indices' tensors, in order, as BlockMask's fields (the same names in torch 2.11 to 2.13)
+_INDEX_FIELDS = (
+    "kv_num_blocks",
+    "kv_indices",
+    "full_kv_num_blocks",
+    "full_kv_indices",
+    "q_num_blocks",
+    "q_indices",
+    "full_q_num_blocks",
+    "full_q_indices",
+)
+
+
 def _block_mask(indices: tuple, mask_mod, block: int, seq_lengths: tuple) -> BlockMask:
     """The BlockMask of `block_indices`' tensors (no computation: BlockMask.from_kv_blocks would
     transpose the indices again, eagerly)."""
-    kv_num, kv_indices, full_num, full_indices, q_num, q_indices, full_q_num, full_q_indices = (
-        indices
-    )
     return BlockMask(
         seq_lengths=seq_lengths,
-        kv_num_blocks=kv_num,
-        kv_indices=kv_indices,
-        full_kv_num_blocks=full_num,
-        full_kv_indices=full_indices,
-        q_num_blocks=q_num,
-        q_indices=q_indices,
-        full_q_num_blocks=full_q_num,
-        full_q_indices=full_q_indices,
         BLOCK_SIZE=(block, block),
         mask_mod=mask_mod,
+        **dict(zip(_INDEX_FIELDS, indices, strict=True)),
     )
 
 
