@@ -10,13 +10,14 @@ ordinary attention call, merged exactly by per-query log-sum-exp weights:
   slot s are then one contiguous range of that layout: the members of i's s-th ranked group
   (groups.py) before it in its document (and i itself for its own top-1 group), `_key_ranges`.
   Slot 0 is plain causal attention over each bucket: on the CPU all buckets packed into one
-  call, q, k, v each gathered once into the padded [buckets, longest] layout; on CUDA one varlen
-  call over the bucket boundaries (torch's varlen flash kernel, kernels.varlen_causal_attention)
-  where its inputs fit and each sequence is one document. Other slots, and slot 0 elsewhere on a
-  GPU, attend their ranges: FlexAttention in one call with a block mask made from the ranges
-  (flex.flex_range_attention), or on the CPU blocks of queries against their blocks' key ranges
-  (`_range_attention`). Work is the kept pairs, not the bucket's square: a token that
-  only queries a bucket adds no keys to it.
+  call, q, k, v each gathered once into the padded [buckets, longest] layout (by strips of
+  queries where buckets are short: there the CPU kernel's causal mode skips little); on CUDA
+  one varlen call over the bucket boundaries (torch's varlen flash kernel,
+  kernels.varlen_causal_attention) where its inputs fit and each sequence is one document.
+  Other slots, and slot 0 elsewhere on a GPU, attend their ranges: FlexAttention in one call
+  with a block mask made from the ranges (flex.flex_range_attention), or on the CPU blocks of
+  queries against their blocks' key ranges (`_range_attention`). Work is the kept pairs, not the
+  bucket's square: a token that only queries a bucket adds no keys to it.
 * local part: the window keys whose top-1 group is *not* among the query's top-k (the others are
   in a bucket already), by query blocks of B = 64 against the w + B keys ending with them,
   overlapping strided windows of one padded copy: O(n (w + B)). On a GPU, one FlexAttention call
@@ -297,8 +298,9 @@ def _recomputed(attend):
     return gradients
 
 
-def _causal_buckets(route: _Route, scale) -> _Part:
-    """Slot 0 on the CPU: causal attention inside each bucket, all buckets in one padded call."""
+def _causal_buckets(route: _Route, scale, dtype) -> _Part:
+    """Slot 0 on the CPU: causal attention inside each bucket, all buckets in one padded layout,
+    one causal call, or by strips where the buckets are short (`_STRIPS_BELOW`)."""
     order, bucket, sizes, starts = route.order, route.bucket, route.sizes, route.starts
     num_buckets = sizes.numel()
     longest = int(sizes.max())  # a host synchronisation
@@ -321,18 +323,28 @@ def _causal_buckets(route: _Route, scale) -> _Part:
     def rows(x):
         return _gather_rows(x.transpose(1, 2).flatten(0, 1), back)
 
+    if longest < _STRIPS_BELOW:  # place r's keys: places [0, r]
+        places = torch.arange(longest, device=order.device)
+        strips = list(_range_blocks(places * 0, places + 1, dtype, _STRIP))
+        attend = functools.partial(_ranges_attention, blocks=strips, scale=scale)
+        backward = functools.partial(_ranges_gradients, blocks=strips, scale=scale)
+    else:
+        attend = functools.partial(attention_with_lse, scale=scale, causal=True)
+        backward = functools.partial(kernels.cpu_attention_backward, scale=scale, causal=True)
+
     def gradients(d_out, q, k, v, out, lse):
-        d_out = d_out * real.to(d_out.dtype)  # the padding's queries
-        return kernels.cpu_attention_backward(d_out, q, k, v, out, lse, scale, causal=True)
+        return backward(d_out * real.to(d_out.dtype), q, k, v, out, lse)  # not the padding's
 
-    return _Part(
-        packed,
-        packed,
-        rows,
-        functools.partial(attention_with_lse, scale=scale, causal=True),
-        gradients,
-    )
+    return _Part(packed, packed, rows, attend, gradients)
 
+
+# Slot 0 on the CPU attends by strips of _STRIP queries against all keys up to their last (the
+# diagonal block masked) where its buckets are shorter than this. The fused kernel's causal mode
+# computes whole blocks of 512 keys, so up to 512 tokens it costs as much as full attention.
+# Strips cost 0.70-0.85x the causal call up to 512 tokens, 0.8-1.0x from 576 to 704 and
+# 1.0-1.1x from 768 on (benchmarks/attention_kernel.py, "strips / causal", 2 runs).
+_STRIPS_BELOW = 768
+_STRIP = 64
 
 # Queries per kernel call of `_range_attention`: each call computes its block's queries against
 # the union of their key ranges, so a larger block wastes more (the ranges' staircase) and a
@@ -340,25 +352,25 @@ def _causal_buckets(route: _Route, scale) -> _Part:
 _RANGE_BLOCK = 256
 
 
-def _block_bounds(lo, firsts: list):
-    """[start, end) of each block of `_range_attention`: _RANGE_BLOCK queries, ended early where
-    a bucket starts (lo moves) a block's worth of keys or more past the block's first lo, keys
+def _block_bounds(lo, firsts: list, block: int):
+    """[start, end) of each block of `_ranges_attention`: `block` queries, ended early where a
+    bucket starts (lo moves) a block's worth of keys or more past the block's first lo, keys
     that the later queries would compute and discard."""
     moves = (torch.nonzero(lo[1:] != lo[:-1]).flatten() + 1).tolist()
     start = 0
     while start < len(firsts):
-        end = min(start + _RANGE_BLOCK, len(firsts))
+        end = min(start + block, len(firsts))
         inside = moves[bisect.bisect_right(moves, start) : bisect.bisect_left(moves, end)]
-        end = next((m for m in inside if firsts[m] - firsts[start] >= _RANGE_BLOCK), end)
+        end = next((m for m in inside if firsts[m] - firsts[start] >= block), end)
         yield start, end
         start = end
 
 
-def _range_blocks(lo, hi, dtype):
-    """(queries, keys, additive mask) of each block of `_range_attention`: the block's queries
+def _range_blocks(lo, hi, dtype, block: int):
+    """(queries, keys, additive mask) of each block of `_ranges_attention`: the block's queries
     against the keys from its first lo to its last hi, the rest of each range masked."""
     firsts, lasts = lo.tolist(), hi.tolist()  # a host synchronisation
-    for start, end in _block_bounds(lo, firsts):
+    for start, end in _block_bounds(lo, firsts, block):
         first, last = firsts[start], lasts[end - 1]
         if last <= first:
             continue
@@ -373,41 +385,59 @@ def _range_blocks(lo, hi, dtype):
         yield slice(start, end), slice(first, last), mask[None, None]
 
 
-def _heads(x):  # [rows, heads, ...] -> [1, heads, rows, ...], the layout of one kernel call
-    return x.transpose(0, 1)[None]
+def _ranges_attention(q, k, v, blocks: list, scale: float):
+    """Queries against key ranges on the CPU, the same for each sequence of a batch, by blocks
+    of queries (`_range_blocks`), each against a view of the keys.
 
-
-def _range_attention(q, k, v, lo, hi, scale: float):
-    """Query row e against key rows [lo[e], hi[e]), lo and hi nondecreasing in e, on the CPU.
-
-    q [E, h, d], k/v [M, groups, d] -> (out [E, h, d], lse [E, h], -inf where a range is empty),
-    by blocks of queries (`_range_blocks`), each against a view of the key rows.
+    q [b, h, E, d], k/v [b, groups, M, d] -> (out [b, h, E, d], lse [b, h, E]). A query in no
+    block gets lse -inf; one whose range is empty inside a block gets the kernel's 0.
     """
     out = q.new_zeros(q.shape)
-    lse = torch.full(q.shape[:2], float("-inf"), dtype=q.dtype, device=q.device)
-    for queries, keys, mask in _range_blocks(lo, hi, q.dtype):
-        o, block_lse = attention_with_lse(
-            *(_heads(x) for x in (q[queries], k[keys], v[keys])), scale, causal=False, mask=mask
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+    for queries, keys, mask in blocks:
+        out[..., queries, :], lse[..., queries] = attention_with_lse(
+            q[..., queries, :], k[..., keys, :], v[..., keys, :], scale, causal=False, mask=mask
         )
-        out[queries] = o[0].transpose(0, 1)
-        lse[queries] = block_lse[0].transpose(0, 1)
-    return out, lse.masked_fill_((hi <= lo)[:, None], float("-inf"))
+    return out, lse
 
 
-def _range_gradients(d_out, q, k, v, out, lse, lo, hi, scale: float):
-    """dq, dk, dv of `_range_attention` given the merged output and log-sum-exp."""
+def _ranges_gradients(d_out, q, k, v, out, lse, blocks: list, scale: float):
+    """dq, dk, dv of `_ranges_attention` given the merged output and log-sum-exp."""
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for queries, keys, mask in _range_blocks(lo, hi, q.dtype):
+    for queries, keys, mask in blocks:
         grads = kernels.cpu_attention_backward(
-            *(_heads(x) for x in (d_out[queries], q[queries], k[keys], v[keys], out[queries])),
-            _heads(lse[queries]),
+            *(x[..., queries, :] for x in (d_out, q)),
+            *(x[..., keys, :] for x in (k, v)),
+            out[..., queries, :],
+            lse[..., queries],
             scale,
             causal=False,
             mask=mask,
         )
         for total, place, grad in zip((dq, dk, dv), (queries, keys, keys), grads):
-            total[place] += grad[0].transpose(0, 1)
+            total[..., place, :] += grad
     return dq, dk, dv
+
+
+def _heads(x):  # [rows, heads, ...] -> [1, heads, rows, ...], the layout of one kernel call
+    return x.transpose(0, 1)[None]
+
+
+def _unheads(x):  # [1, heads, rows, ...] -> [rows, heads, ...]
+    return x[0].transpose(0, 1)
+
+
+def _range_attention(q, k, v, blocks: list, empty, scale: float):
+    """`_ranges_attention` on rows: q [E, h, d], k/v [M, groups, d] -> out [E, h, d], lse [E, h],
+    -inf where `empty` (the queries whose range is empty)."""
+    out, lse = _ranges_attention(*(_heads(x) for x in (q, k, v)), blocks, scale)
+    return _unheads(out), _unheads(lse).masked_fill(empty[:, None], float("-inf"))
+
+
+def _range_gradients(d_out, q, k, v, out, lse, blocks: list, scale: float):
+    """dq, dk, dv of `_range_attention`, on rows."""
+    inputs = (_heads(x) for x in (d_out, q, k, v, out, lse))
+    return tuple(map(_unheads, _ranges_gradients(*inputs, blocks, scale)))
 
 
 def _varlen_buckets(route: _Route, longest: int, members, scale) -> _Part:
@@ -427,7 +457,7 @@ def _varlen_buckets(route: _Route, longest: int, members, scale) -> _Part:
     )
 
 
-def _bucket_parts(route: _Route, n: int, scale, kernel, varlen: bool) -> list:
+def _bucket_parts(route: _Route, n: int, scale, dtype, kernel, varlen: bool) -> list:
     """Per top-k slot, each query's attention over its keys of that slot's group, and with sinks
     the sink part. `varlen`: slot 0 as one varlen call (one document per sequence)."""
 
@@ -442,8 +472,9 @@ def _bucket_parts(route: _Route, n: int, scale, kernel, varlen: bool) -> list:
             )
             gradients = _recomputed(attend)
         else:
-            attend = functools.partial(_range_attention, lo=lo, hi=hi, scale=scale)
-            gradients = functools.partial(_range_gradients, lo=lo, hi=hi, scale=scale)
+            blocks = list(_range_blocks(lo, hi, dtype, _RANGE_BLOCK))
+            attend = functools.partial(_range_attention, blocks=blocks, empty=hi <= lo, scale=scale)
+            gradients = functools.partial(_range_gradients, blocks=blocks, scale=scale)
         return _Part(
             functools.partial(_gather_rows, index=ranged.entries),
             members,
@@ -453,7 +484,7 @@ def _bucket_parts(route: _Route, n: int, scale, kernel, varlen: bool) -> list:
         )
 
     if not kernel.ranges:
-        slot0 = [_causal_buckets(route, scale)]
+        slot0 = [_causal_buckets(route, scale, dtype)]
     elif varlen:
         slot0 = [_varlen_buckets(route, n, members, scale)]
     else:
@@ -626,7 +657,7 @@ def _parts(routing, q, window, top_k, scale, sink, kernel) -> list:
         0 if kernel.ranges and not varlen else 1,  # the slots attended as ranges
         kernel.ranges,
     )
-    parts = _bucket_parts(route, n, scale, kernel, varlen)
+    parts = _bucket_parts(route, n, scale, q.dtype, kernel, varlen)
     if kernel.ranges:  # a GPU: one call over the band
         return parts + [_flex_local_part(route.groups_q, route.segment, window, scale)]
     return parts + [_local_part(route.groups_q, route.segment, window, scale, q.dtype)]

@@ -54,13 +54,24 @@ def _gpu_kernel(kernel, monkeypatch, request):
     monkeypatch.setattr(kernels, "lse_attention", lambda device: kernels.FLEX_LSE)
 
 
-@pytest.mark.parametrize("kernel", ["cpu-flash", "flex", "varlen"])
+def _cpu_kernel(kernel, monkeypatch):
+    """ "cpu-causal": slot 0 as one causal call however short its buckets (not by strips);
+    "explicit": the CPU path where a torch lacks the fused kernel's private ops."""
+    if kernel == "cpu-causal":
+        monkeypatch.setattr(focus_sparse, "_STRIPS_BELOW", 0)
+    elif kernel == "explicit":
+        monkeypatch.setattr(kernels, "_CPU_FLASH", None)
+        monkeypatch.setattr(kernels, "_CPU_FLASH_BACKWARD", None)
+
+
+@pytest.mark.parametrize("kernel", ["cpu-flash", "cpu-causal", "flex", "varlen"])
 @pytest.mark.parametrize("b, heads, kv, n, d, groups, window, top_k, how, sink", CASES)
 def test_sparse_dispatch_equals_dense_hard_rule(
     monkeypatch, request, kernel, b, heads, kv, n, d, groups, window, top_k, how, sink
 ):
     varlen = None
-    if kernel != "cpu-flash":
+    _cpu_kernel(kernel, monkeypatch)
+    if kernel in ("flex", "varlen"):
         if n > 300:
             pytest.skip("eager FlexAttention on the CPU evaluates every pair")
         varlen = _gpu_kernel(kernel, monkeypatch, request)
@@ -105,7 +116,7 @@ def test_range_blocks_end_at_far_bucket_starts_and_merge_small_buckets(sizes):
     block = focus_sparse._RANGE_BLOCK
     starts = torch.tensor([0] + sizes[:-1]).cumsum(0)
     lo = torch.cat([torch.full((size,), int(start)) for start, size in zip(starts, sizes)])
-    bounds = list(focus_sparse._block_bounds(lo, lo.tolist()))
+    bounds = list(focus_sparse._block_bounds(lo, lo.tolist(), block))
     assert [start for start, _ in bounds] == [0] + [end for _, end in bounds[:-1]]
     assert bounds[-1][1] == lo.numel()
     for start, end in bounds:
@@ -319,7 +330,7 @@ GRADIENT_CASES = {  # b, heads, kv heads, n, K, w, top_k, sink, documents (lengt
     # a window wider than the local part's query block, not a multiple of it
     "top-2, wide window, documents": (1, 2, 2, 260, 4, 70, 2, 0, [[90, 170]]),
 }
-SPARSE_KERNELS = ["cpu-flash", "explicit", "flex", "varlen"]
+SPARSE_KERNELS = ["cpu-flash", "cpu-causal", "explicit", "flex", "varlen"]
 
 
 @pytest.mark.parametrize("kernel", SPARSE_KERNELS)
@@ -337,9 +348,7 @@ def test_sparse_gradients_equal_the_dense_hard_rule(monkeypatch, request, kernel
     if kernel in ("flex", "varlen"):
         monkeypatch.setattr(flex_attention, "_validate_device", lambda *tensors: None)
         varlen = _gpu_kernel(kernel, monkeypatch, request)
-    elif kernel == "explicit":
-        monkeypatch.setattr(kernels, "_CPU_FLASH", None)
-        monkeypatch.setattr(kernels, "_CPU_FLASH_BACKWARD", None)
+    _cpu_kernel(kernel, monkeypatch)
     gen = torch.Generator().manual_seed(n + top_k)
     q = torch.randn(b, heads, n, 8, generator=gen, dtype=torch.float64, requires_grad=True)
     k, v = (
