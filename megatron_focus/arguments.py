@@ -897,7 +897,8 @@ def _from_yaml(
 
     yaml_config.check_command_line(argv)
     args = parser.parse_args(yaml_config.yaml_argv(given.yaml_cfg, parser))
-    for dest in ("local_rank", "deepspeed", "deepspeed_config", "yaml_cfg"):
+    beside = {a.dest for a in parser._actions if set(a.option_strings) & set(yaml_config.LAUNCHER)}
+    for dest in beside | {"yaml_cfg"}:
         setattr(args, dest, getattr(given, dest))
     return args
 

@@ -12,6 +12,7 @@ silently ignored, and so is an unknown key, before any compute.
 
 import argparse
 import difflib
+import functools
 import os
 import re
 from typing import Dict, List
@@ -139,6 +140,7 @@ def _refuse_unknown(key: str, value, actions: Dict[str, argparse.Action]) -> Non
 _UNKNOWN = object()
 
 
+@functools.lru_cache(maxsize=None)
 def _core_defaults() -> Dict[str, object]:
     """The fields of Megatron-Core's TransformerConfig and ModelParallelConfig, and defaults."""
     import dataclasses
