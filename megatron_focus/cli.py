@@ -39,9 +39,10 @@ def _raised_here(error: BaseException) -> bool:
 
 
 def run(main, *args, interrupted: str = "interrupted (Ctrl-C)"):
-    """`main(*args)`, with the user's errors, and Ctrl-C (`interrupted`), reported in one line."""
+    """`main(*args)`, with the user's errors, and Ctrl-C (`interrupted`), reported in one line;
+    after a command that succeeds, its process groups destroyed (`_release_process_groups`)."""
     try:
-        return main(*args)
+        result = main(*args)
     except USER_ERRORS as e:
         if not _raised_here(e):
             raise
@@ -51,6 +52,24 @@ def run(main, *args, interrupted: str = "interrupted (Ctrl-C)"):
         if os.environ.get("RANK", "0") == "0":
             print(interrupted, file=sys.stderr, flush=True)
         sys.exit(130)  # 128 + SIGINT, as a shell reports an interrupted command
+    _release_process_groups()
+    return result
+
+
+def _release_process_groups() -> None:
+    """Gloo's worker threads outliving the interpreter's teardown abort the process ("terminate
+    called without an active exception", exit -6) after a run that succeeded. Only on success,
+    as torchtitan does: a rank that failed could block in destroying groups that other ranks
+    still wait on."""
+    torch = sys.modules.get("torch")  # a command that never imported torch made no groups
+    if (
+        torch is not None
+        and torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+    ):
+        from megatron_focus import platform
+
+        platform.destroy_distributed()
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
