@@ -40,9 +40,12 @@ def _raised_here(error: BaseException) -> bool:
 
 def run(main, *args, interrupted: str = "interrupted (Ctrl-C)"):
     """`main(*args)`, with the user's errors, and Ctrl-C (`interrupted`), reported in one line;
-    after a command that succeeds, its process groups destroyed (`_release_process_groups`)."""
+    then the process groups it made destroyed (`_release_process_groups`)."""
+    failed = True
     try:
         result = main(*args)
+        failed = False
+        return result
     except USER_ERRORS as e:
         if not _raised_here(e):
             raise
@@ -52,21 +55,19 @@ def run(main, *args, interrupted: str = "interrupted (Ctrl-C)"):
         if os.environ.get("RANK", "0") == "0":
             print(interrupted, file=sys.stderr, flush=True)
         sys.exit(130)  # 128 + SIGINT, as a shell reports an interrupted command
-    _release_process_groups()
-    return result
+    finally:
+        _release_process_groups(failed)
 
 
-def _release_process_groups() -> None:
-    """Gloo's worker threads outliving the interpreter's teardown abort the process ("terminate
-    called without an active exception", exit -6) after a run that succeeded. Only on success,
-    as torchtitan does: a rank that failed could block in destroying groups that other ranks
-    still wait on."""
-    torch = sys.modules.get("torch")  # a command that never imported torch made no groups
-    if (
-        torch is not None
-        and torch.distributed.is_available()
-        and torch.distributed.is_initialized()
-    ):
+def _release_process_groups(failed: bool) -> None:
+    """Gloo's worker threads left to the interpreter's teardown can abort a process that has
+    finished ("terminate called without an active exception", exit -6 instead of its code).
+    After a failure only in a world of one, as torchtitan does: a failed rank could block in
+    destroying groups that other ranks still wait on."""
+    dist = getattr(sys.modules.get("torch"), "distributed", None)  # no torch, no groups
+    if dist is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    if not failed or dist.get_world_size() == 1:
         from megatron_focus import platform
 
         platform.destroy_distributed()

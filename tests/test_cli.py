@@ -58,21 +58,29 @@ def test_bad_input_is_one_error_line_and_exit_code_2(run_tool, tmp_path, command
     assert os.listdir(tmp_path) == []  # nothing written
 
 
-def test_a_command_that_succeeds_destroys_its_process_groups():
-    """Left to the interpreter's teardown, gloo's threads can abort a finished run (exit -6)."""
+@pytest.mark.parametrize("tensor_parallel, code", [(1, 0), (3, 2)])
+def test_a_command_destroys_its_process_groups(tensor_parallel, code):
+    """Left to the interpreter's teardown, gloo's threads can abort a process that has finished
+    (exit -6): a command's groups are gone when it ends, by success or by the user's error (a
+    tensor-parallel size that does not divide the world, found once the group exists)."""
     import subprocess
     import sys
 
-    code = (
-        "from megatron_focus import cli, platform\n"
-        "import torch.distributed as dist\n"
-        "from megatron.core import parallel_state\n"
-        "cli.run(platform.init_distributed, 1)\n"
-        "assert not dist.is_initialized() and not parallel_state.model_parallel_is_initialized()\n"
-    )
+    script = f"""
+import atexit
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron_focus import cli, platform
+
+atexit.register(
+    lambda: print("left:", dist.is_initialized(), parallel_state.model_parallel_is_initialized())
+)
+cli.run(platform.init_distributed, {tensor_parallel})
+"""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert out.returncode == code, out.stderr[-2000:]
+    assert "left: False False" in out.stdout, out.stdout + out.stderr[-2000:]
 
 
 def test_errors_raised_in_libraries_keep_their_traceback():
