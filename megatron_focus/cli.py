@@ -41,7 +41,7 @@ def _raised_here(error: BaseException) -> bool:
 def run(main, *args, interrupted: str = "interrupted (Ctrl-C)"):
     """`main(*args)`, with the user's errors, and Ctrl-C (`interrupted`), reported in one line;
     then the process groups it made destroyed (`_release_process_groups`)."""
-    failed = True
+    failed, had_groups = True, _distributed() is not None
     try:
         result = main(*args)
         failed = False
@@ -56,7 +56,15 @@ def run(main, *args, interrupted: str = "interrupted (Ctrl-C)"):
             print(interrupted, file=sys.stderr, flush=True)
         sys.exit(130)  # 128 + SIGINT, as a shell reports an interrupted command
     finally:
-        _release_process_groups(failed)
+        if not had_groups:
+            _release_process_groups(failed)
+
+
+def _distributed():
+    """torch.distributed if a process group exists (a process that never imported torch has
+    none), else None."""
+    dist = getattr(sys.modules.get("torch"), "distributed", None)
+    return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
 
 
 def _release_process_groups(failed: bool) -> None:
@@ -64,10 +72,8 @@ def _release_process_groups(failed: bool) -> None:
     finished ("terminate called without an active exception", exit -6 instead of its code).
     After a failure only in a world of one, as torchtitan does: a failed rank could block in
     destroying groups that other ranks still wait on."""
-    dist = getattr(sys.modules.get("torch"), "distributed", None)  # no torch, no groups
-    if dist is None or not (dist.is_available() and dist.is_initialized()):
-        return
-    if not failed or dist.get_world_size() == 1:
+    dist = _distributed()
+    if dist is not None and (not failed or dist.get_world_size() == 1):
         from megatron_focus import platform
 
         platform.destroy_distributed()

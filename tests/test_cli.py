@@ -83,9 +83,13 @@ cli.run(platform.init_distributed, {tensor_parallel})
     assert "left: False False" in out.stdout, out.stdout + out.stderr[-2000:]
 
 
-def test_errors_raised_in_libraries_keep_their_traceback():
+def test_errors_raised_in_libraries_keep_their_traceback(single_process):
+    """(A process group made before the command, here the fixture's, stays.)"""
+    import torch.distributed as dist
+
     with pytest.raises(json.JSONDecodeError):
         cli.run(json.loads, "{")
+    assert dist.is_initialized()
 
 
 def test_megatron_compat_doc_is_generated_from_the_parser():
