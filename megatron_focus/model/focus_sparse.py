@@ -325,7 +325,7 @@ def _causal_buckets(route: _Route, scale, dtype) -> _Part:
 
     if longest < _STRIPS_BELOW:  # place r's keys: places [0, r]
         places = torch.arange(longest, device=order.device)
-        strips = list(_range_blocks(places * 0, places + 1, dtype, _STRIP))
+        strips = functools.partial(_range_blocks, places * 0, places + 1, dtype, _STRIP)
         attend = functools.partial(_ranges_attention, blocks=strips, scale=scale)
         backward = functools.partial(_ranges_gradients, blocks=strips, scale=scale)
     else:
@@ -385,26 +385,27 @@ def _range_blocks(lo, hi, dtype, block: int):
         yield slice(start, end), slice(first, last), mask[None, None]
 
 
-def _ranges_attention(q, k, v, blocks: list, scale: float):
+def _ranges_attention(q, k, v, blocks: Callable, scale: float):
     """Queries against key ranges on the CPU, the same for each sequence of a batch, by blocks
-    of queries (`_range_blocks`), each against a view of the keys.
+    of queries, each against a view of the keys (`blocks()`: the blocks as `_range_blocks`
+    yields them).
 
     q [b, h, E, d], k/v [b, groups, M, d] -> (out [b, h, E, d], lse [b, h, E]). A query in no
     block gets lse -inf; one whose range is empty inside a block gets the kernel's 0.
     """
     out = q.new_zeros(q.shape)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
-    for queries, keys, mask in blocks:
+    for queries, keys, mask in blocks():
         out[..., queries, :], lse[..., queries] = attention_with_lse(
             q[..., queries, :], k[..., keys, :], v[..., keys, :], scale, causal=False, mask=mask
         )
     return out, lse
 
 
-def _ranges_gradients(d_out, q, k, v, out, lse, blocks: list, scale: float):
+def _ranges_gradients(d_out, q, k, v, out, lse, blocks: Callable, scale: float):
     """dq, dk, dv of `_ranges_attention` given the merged output and log-sum-exp."""
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for queries, keys, mask in blocks:
+    for queries, keys, mask in blocks():
         grads = kernels.cpu_attention_backward(
             *(x[..., queries, :] for x in (d_out, q)),
             *(x[..., keys, :] for x in (k, v)),
@@ -427,14 +428,14 @@ def _unheads(x):  # [1, heads, rows, ...] -> [rows, heads, ...]
     return x[0].transpose(0, 1)
 
 
-def _range_attention(q, k, v, blocks: list, empty, scale: float):
+def _range_attention(q, k, v, blocks: Callable, empty, scale: float):
     """`_ranges_attention` on rows: q [E, h, d], k/v [M, groups, d] -> out [E, h, d], lse [E, h],
     -inf where `empty` (the queries whose range is empty)."""
     out, lse = _ranges_attention(*(_heads(x) for x in (q, k, v)), blocks, scale)
     return _unheads(out), _unheads(lse).masked_fill(empty[:, None], float("-inf"))
 
 
-def _range_gradients(d_out, q, k, v, out, lse, blocks: list, scale: float):
+def _range_gradients(d_out, q, k, v, out, lse, blocks: Callable, scale: float):
     """dq, dk, dv of `_range_attention`, on rows."""
     inputs = (_heads(x) for x in (d_out, q, k, v, out, lse))
     return tuple(map(_unheads, _ranges_gradients(*inputs, blocks, scale)))
@@ -472,7 +473,8 @@ def _bucket_parts(route: _Route, n: int, scale, dtype, kernel, varlen: bool) -> 
             )
             gradients = _recomputed(attend)
         else:
-            blocks = list(_range_blocks(lo, hi, dtype, _RANGE_BLOCK))
+            # Made again in backward: kept, the masks of all blocks would be O(n^2 / K) a layer.
+            blocks = functools.partial(_range_blocks, lo, hi, dtype, _RANGE_BLOCK)
             attend = functools.partial(_range_attention, blocks=blocks, empty=hi <= lo, scale=scale)
             gradients = functools.partial(_range_gradients, blocks=blocks, scale=scale)
         return _Part(

@@ -321,6 +321,50 @@ def test_sparse_memory_is_linear_in_sequence_length(backward):
     assert largest[2048] / largest[512] < 4.5
 
 
+def _kept_bytes(fn, *args):
+    """Bytes of the storages that `fn`'s operations made and that are still alive once it
+    returned: its result and what autograd keeps for the backward."""
+    import gc
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    made = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            made.extend(weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+            return out
+
+    with Record():
+        result = fn(*args)
+    gc.collect()
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in (ref() for ref in made)
+        if t is not None
+    }
+    del result
+    return sum(storages.values())
+
+
+def test_sparse_training_keeps_linear_memory_for_backward():
+    """What a training forward keeps for its backward (the parts' layouts, masks and indices)
+    grows linearly in n: each block mask of the range parts is made again in backward, where
+    keeping them all would hold O(n^2 / K) entries a layer."""
+    gen = torch.Generator().manual_seed(0)
+    kept = {}
+    for n in (512, 2048):
+        q, k, v = (torch.randn(1, 2, n, 16, generator=gen).requires_grad_() for _ in range(3))
+        routing = Routing.of(assignments(1, n, 4, gen))
+        kept[n] = _kept_bytes(
+            lambda: sparse_focus_attention(q, k, v, routing, window=32, top_k=2, scale=0.25)
+        )
+    assert kept[2048] / kept[512] < 4.5, kept
+
+
 GRADIENT_CASES = {  # b, heads, kv heads, n, K, w, top_k, sink, documents (lengths per row)
     "top-1": (2, 4, 4, 70, 4, 8, 1, 0, None),
     "top-2, gqa": (2, 4, 2, 90, 4, 8, 2, 0, None),
