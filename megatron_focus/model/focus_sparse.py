@@ -394,7 +394,9 @@ def _ranges_attention(q, k, v, blocks: Callable, scale: float):
     block gets lse -inf; one whose range is empty inside a block gets the kernel's 0.
     """
     out = q.new_zeros(q.shape)
-    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+    # float32 at least, as the kernel gives it: a bf16 log-sum-exp would blur the merge's weights
+    lse_dtype = torch.promote_types(q.dtype, torch.float32)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=lse_dtype, device=q.device)
     for queries, keys, mask in blocks():
         out[..., queries, :], lse[..., queries] = attention_with_lse(
             q[..., queries, :], k[..., keys, :], v[..., keys, :], scale, causal=False, mask=mask

@@ -107,6 +107,23 @@ def test_sparse_dispatch_equals_dense_hard_rule(
         torch.testing.assert_close(out, full, rtol=1e-5, atol=1e-5)
 
 
+def test_bf16_slot_0_by_strips_merges_as_the_causal_call(monkeypatch):
+    """In bf16 the strips' log-sum-exp stays float32, as the causal call's does: rounded to bf16
+    it would shift the merge's weights (by up to 0.34 in this output)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (3 * torch.randn(1, 4, 600, 32, generator=gen) for _ in range(3))
+    routing = Routing.of(assignments(1, 600, 4, gen))
+
+    def sparse():
+        return sparse_focus_attention(
+            *(x.bfloat16() for x in (q, k, v)), routing, window=16, top_k=2, scale=0.2
+        ).float()
+
+    by_strips = sparse()
+    monkeypatch.setattr(focus_sparse, "_STRIPS_BELOW", 0)
+    torch.testing.assert_close(by_strips, sparse(), rtol=0, atol=1e-2)
+
+
 @pytest.mark.parametrize("sizes", [[600, 5, 3, 700, 1, 260], [3] * 100, [1000]])
 def test_range_blocks_end_at_far_bucket_starts_and_merge_small_buckets(sizes):
     """Blocks of queries over buckets (lo: the bucket's start, hi: lo + the query's place in it):
