@@ -52,7 +52,11 @@ def measure(opts, length: int) -> dict:
     if device == "cpu":
         places = torch.arange(length)  # place r's keys: places [0, r], by strips as slot 0's
         blocks = functools.partial(
-            focus_sparse._range_blocks, places * 0, places + 1, x.dtype, focus_sparse._STRIP
+            focus_sparse._range_blocks,
+            torch.zeros_like(places),
+            places + 1,
+            x.dtype,
+            focus_sparse._STRIP,
         )
         strips = median_seconds(
             lambda: focus_sparse._ranges_attention(x, x, x, blocks, opts.head_dim**-0.5),

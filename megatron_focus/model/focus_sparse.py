@@ -325,7 +325,9 @@ def _causal_buckets(route: _Route, scale, dtype) -> _Part:
 
     if longest < _STRIPS_BELOW:  # place r's keys: places [0, r]
         places = torch.arange(longest, device=order.device)
-        strips = functools.partial(_range_blocks, places * 0, places + 1, dtype, _STRIP)
+        strips = functools.partial(
+            _range_blocks, torch.zeros_like(places), places + 1, dtype, _STRIP
+        )
         attend = functools.partial(_ranges_attention, blocks=strips, scale=scale)
         backward = functools.partial(_ranges_gradients, blocks=strips, scale=scale)
     else:

@@ -296,23 +296,30 @@ def test_eval_ppl_refuses_lengths_beyond_learned_positions(embedded_cache, tmp_p
     assert "error: --seq-lengths 64: the model's learned position table has 32" in out.stderr
 
 
-def _largest_intermediate(fn, *args, **kwargs) -> int:
-    """Elements of the largest tensor any operation of `fn` produces."""
+def _produced(fn):
+    """fn()'s result and, for each tensor its operations produced, (its elements, a weak
+    reference to it)."""
+    import weakref
+
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    class Largest(TorchDispatchMode):
-        most = 0
+    made = []
 
+    class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            sizes = [t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-            Largest.most = max([Largest.most] + sizes)
+            tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            made.extend((t.numel(), weakref.ref(t)) for t in tensors)
             return out
 
-    with Largest():
-        fn(*args, **kwargs)
-    return Largest.most
+    with Record():
+        return fn(), made
+
+
+def _largest_intermediate(fn, *args) -> int:
+    """Elements of the largest tensor any operation of `fn` produces."""
+    return max(numel for numel, _ in _produced(lambda: fn(*args))[1])
 
 
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "training"])
@@ -338,30 +345,16 @@ def test_sparse_memory_is_linear_in_sequence_length(backward):
     assert largest[2048] / largest[512] < 4.5
 
 
-def _kept_bytes(fn, *args):
+def _kept_bytes(fn) -> int:
     """Bytes of the storages that `fn`'s operations made and that are still alive once it
     returned: its result and what autograd keeps for the backward."""
     import gc
-    import weakref
 
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
-    made = []
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            made.extend(weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
-            return out
-
-    with Record():
-        result = fn(*args)
+    result, made = _produced(fn)
     gc.collect()
+    alive = (ref() for _, ref in made)
     storages = {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-        for t in (ref() for ref in made)
-        if t is not None
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in alive if t is not None
     }
     del result
     return sum(storages.values())
