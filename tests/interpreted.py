@@ -43,8 +43,21 @@ def skip_unless_kernels_run():
         )
 
 
-def gpu_launch_shapes(monkeypatch, module):
-    """The module's kernels launched with the block sizes and options a GPU gets (its
-    `_launch_shape` with on_gpu true), here under the interpreter."""
-    shape = getattr(module._launch_shape, "__wrapped__", module._launch_shape)
-    monkeypatch.setattr(module, "_launch_shape", lambda *args: shape(*args[:-1], True))
+def gpu_launch_shapes(monkeypatch, module, capability=(9, 0)):
+    """The module's kernels launched with the tiles and options a GPU of `capability` gets
+    (triton_launch.py's table; float32 inputs take half precision's tiles), here under the
+    interpreter."""
+    import torch
+
+    from megatron_focus.model import triton_launch
+
+    gate_tile = triton_launch.gate_tile
+    monkeypatch.setattr(triton_launch, "capability_of", lambda t: capability)
+    monkeypatch.setattr(
+        triton_launch,
+        "gate_tile",
+        lambda pass_, cap, head_dim, dtype: gate_tile(pass_, cap, head_dim, torch.bfloat16),
+    )
+    if hasattr(module, "_launch_shape"):
+        shape = getattr(module._launch_shape, "__wrapped__", module._launch_shape)
+        monkeypatch.setattr(module, "_launch_shape", lambda *args: shape(*args[:-1], True))

@@ -4,34 +4,44 @@ Why not FlexAttention: a score_mod's captured tensor gets its gradient by an ato
 score element (about 1.6e9 per layer backward at the 0.7B recipe's shape), and the affinity
 g_i . g_j is recomputed for every head. Here, in FlashAttention-2's shape:
 
-* a program owns a block of queries of one sequence and one key/value head, with every query head
-  that shares that key/value head stacked along the rows (GQA: keys and values are loaded once
-  for all of them); the affinity of a (query block, key block) tile is one small dot product,
-  shared by those heads;
-* forward: an online softmax over the causal key blocks (those before the query's document are
-  skipped), storing the output and the natural log-sum-exp;
-* backward: one pass per key block for dK, dV and the key side of dg, one pass per query block
-  for dQ and the query side of dg, each accumulated in registers and written once: no atomics.
-  The per-head sums of dg are per key/value head and added up outside (a [b, heads_kv, n, K]
-  tensor, small).
+* forward: a program owns a block of queries of one sequence and one key/value head, with every
+  query head that shares that key/value head stacked along the rows (GQA: keys and values are
+  loaded once for all of them); the affinity of a (query block, key block) tile is one small dot
+  product, shared by those heads; an online softmax over the causal key blocks (those before the
+  query's document are skipped) stores the output and the natural log-sum-exp;
+* backward: `delta` (the rows' dO . O) by a small kernel, then one pass per key block for dK, dV
+  and the key side of dg (each query block's affinity computed once, the heads sharing the key
+  block taken one after another), and one pass per query block for dQ and the query side of dg,
+  each accumulated in registers and written once: no atomics. The per-head sums of dg are per
+  key/value head and added up outside (a [b, heads_kv, n, K] tensor, small). Each pass has tiles
+  of its own (triton_launch.py's table, per GPU architecture).
+
+The affinity and dg are dot products over the K groups (padded to 16) on tensor cores, in split
+precision (tf32x3: fp32 accuracy at three tf32 MMAs), not fp32 dots on CUDA cores.
 
 Scores, for query i and key j (positions), window w, sinks s, the query's document start f:
 causal iff f <= j <= i; distant iff causal and i - j >= w and j >= f + s; on a distant pair the
 log gate adds lambda * log(max(g_i . g_j, tiny)), the paper's gate multiplies the logit by
 sigmoid(lambda g_i . g_j) (focus_gate.py has the rule and its reasons).
 
+Addressing: every tensor is read by its own strides (Megatron hands V as a view of the fused QKV
+output, and K, after RoPE, as a new tensor), from a 64-bit base per tile plus 32-bit offsets
+inside the tile (triton_launch.check_tile_offsets refuses a layout where those would wrap).
+
 Triton compiles these kernels for a GPU. With TRITON_INTERPRET=1 set before Triton is imported (the
 tests do, and the GPU session's CPU rehearsal), they run under Triton's interpreter on CPU tensors
 instead (numpy, one program after another): how the tests check them exactly as written.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from megatron_focus.model import triton_launch
 from megatron_focus.model.flex import TINY_AFFINITY
+from megatron_focus.model.triton_launch import Launch
+
+TINY = tl.constexpr(TINY_AFFINITY)
 
 
 @triton.jit
@@ -47,268 +57,194 @@ def _head_sum(x, REP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _scores(
-    q,
-    k,
-    g_q,
-    g_k,
-    rows,
-    first,
-    cols,
-    n,
-    scale,
-    gate_scale,
-    window,
-    sink,
-    REP: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    LOG_GATE: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """(scores [REP*BM, BN] with -inf off the causal pairs, raw scaled q.k, affinity [BM, BN],
-    distant [BM, BN]) of query positions `rows` (document starts `first`) and keys `cols`."""
-    raw = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-    affinity = tl.dot(g_q, tl.trans(g_k), input_precision="ieee")
-    i = rows[:, None]
-    j = cols[None, :]
-    causal = (j <= i) & (j >= first[:, None]) & (j < n)
-    distant = causal & (i - j >= window) & (j >= first[:, None] + sink)
-    if LOG_GATE:
-        bias = tl.where(distant, gate_scale * tl.log(tl.maximum(affinity, TINY)), 0.0)
-        bias = tl.where(causal, bias, float("-inf"))
-        scores = raw + _heads(bias, REP, BM, BN)
-    else:
-        factor = tl.where(distant, tl.sigmoid(gate_scale * affinity), 1.0)
-        scores = tl.where(
-            _heads(causal, REP, BM, BN), raw * _heads(factor, REP, BM, BN), float("-inf")
-        )
-    return scores, raw, affinity, distant
+def _base(X, b, head, row, s_b, s_h, s_n):
+    """X's element (b, head, row, 0), addressed in 64 bits."""
+    wide = tl.int64
+    return X + tl.cast(b, wide) * s_b + tl.cast(head, wide) * s_h + tl.cast(row, wide) * s_n
 
 
 @triton.jit
-def _query_block(
-    Q,
-    G,
-    DOCS,
-    b,
-    kv_head,
-    m0,
-    n,
-    rep,
-    groups,
-    head_dim,
-    sq_b,
-    sq_h,
-    sq_n,
-    REP: tl.constexpr,
-    BM: tl.constexpr,
-    D: tl.constexpr,
-    KP: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-):
-    """What a program holds of its query block: stacked rows' (head, position, validity), the
-    block's positions, document starts and assignments [BM, KP], and q [REP*BM, D]."""
+def _stacked(m0, rep, n, REP: tl.constexpr, BM: tl.constexpr):
+    """Stacked rows of a query block: each row's head (from the block's first), position in the
+    block, and validity."""
     r = tl.arange(0, REP * BM)
-    head = kv_head * rep + r // BM
-    pos = m0 + r % BM
-    row_ok = (r // BM < rep) & (pos < n)
-    dims = tl.arange(0, D)
-    q = tl.load(
-        Q + b * sq_b + head[:, None] * sq_h + pos[:, None] * sq_n + dims[None, :],
-        mask=row_ok[:, None] & (dims[None, :] < head_dim),
-        other=0.0,
-    )
-    rows = m0 + tl.arange(0, BM)
-    g_q = _assignments(G, b, rows, n, groups, KP)
-    if HAS_DOCS:
-        first = tl.load(DOCS + b * n + rows, mask=rows < n, other=0)
-    else:
-        first = tl.zeros((BM,), dtype=tl.int32)
-    return head, pos, row_ok, rows, first, g_q, q
+    return r // BM, r % BM, (r // BM < rep) & (m0 + r % BM < n)
 
 
 @triton.jit
-def _assignments(G, b, positions, n, groups, KP: tl.constexpr):
-    """g [len(positions), KP] (zero past the K groups and past n) of sequence b."""
+def _stacked_tile(X, b, head0, m0, s_b, s_h, s_n, head, row, ok, head_dim, D: tl.constexpr):
+    """(pointers, mask) of a stacked [REP * BM, D] tile of a [b, heads, n, d] tensor."""
+    dims = tl.arange(0, D)
+    at = _base(X, b, head0, m0, s_b, s_h, s_n) + head[:, None] * s_h + row[:, None] * s_n
+    return at + dims[None, :], ok[:, None] & (dims[None, :] < head_dim)
+
+
+@triton.jit
+def _rows_tile(X, b, head, m0, n, s_b, s_h, s_n, head_dim, BM: tl.constexpr, D: tl.constexpr):
+    """(pointers, mask) of rows m0 .. m0 + BM of one head of a [b, heads, n, d] tensor."""
+    rows = tl.arange(0, BM)
+    dims = tl.arange(0, D)
+    at = _base(X, b, head, m0, s_b, s_h, s_n) + rows[:, None] * s_n + dims[None, :]
+    return at, (m0 + rows[:, None] < n) & (dims[None, :] < head_dim)
+
+
+@triton.jit
+def _row_stats(X, b, head, m0, n, heads, offsets, ok):
+    """Rows of a contiguous [b, heads, n] float32 statistic (log-sum-exp, delta)."""
+    return tl.load(_base(X, b, head, m0, heads * n, n, 1) + offsets, mask=ok, other=0.0)
+
+
+@triton.jit
+def _assignments(G, b, m0, n, groups, BM: tl.constexpr, KP: tl.constexpr):
+    """g [BM, KP] of positions m0 .. m0 + BM (zero past the K groups and past n) of sequence b."""
+    rows = tl.arange(0, BM)
     k = tl.arange(0, KP)
-    return tl.load(
-        G + (b * n + positions[:, None]) * groups + k[None, :],
-        mask=(positions[:, None] < n) & (k[None, :] < groups),
-        other=0.0,
-    )
+    at = _base(G, b, 0, m0, n * groups, 0, groups) + rows[:, None] * groups + k[None, :]
+    return tl.load(at, mask=(m0 + rows[:, None] < n) & (k[None, :] < groups), other=0.0)
 
 
 @triton.jit
-def _key_block(K, V, b, kv_head, cols, n, head_dim, sk_b, sk_h, sk_n, D: tl.constexpr):
-    dims = tl.arange(0, D)
-    offsets = b * sk_b + kv_head * sk_h + cols[:, None] * sk_n + dims[None, :]
-    mask = (cols[:, None] < n) & (dims[None, :] < head_dim)
-    return tl.load(K + offsets, mask=mask, other=0.0), tl.load(V + offsets, mask=mask, other=0.0)
-
-
-@triton.jit
-def _rows_of(X, b, head, pos, row_ok, n, heads):
-    """A [b, heads, n] float32 row statistic (log-sum-exp, delta) for the stacked rows."""
-    return tl.load(X + (b * heads + head) * n + pos, mask=row_ok, other=0.0)
+def _document_starts(DOCS, b, m0, n, BM: tl.constexpr, HAS_DOCS: tl.constexpr):
+    rows = m0 + tl.arange(0, BM)
+    if HAS_DOCS:
+        return tl.load(_base(DOCS, b, 0, m0, n, 0, 1) + tl.arange(0, BM), mask=rows < n, other=0)
+    return tl.zeros((BM,), dtype=tl.int32)
 
 
 @triton.jit
 def _first_key(DOCS, b, m0, n, BN: tl.constexpr, HAS_DOCS: tl.constexpr):
     """The first key block a query block reads: 0, or its first document's."""
     if HAS_DOCS:
-        return (tl.load(DOCS + b * n + m0) // BN) * BN
+        return (tl.load(_base(DOCS, b, 0, m0, n, 0, 1)) // BN) * BN
     return 0
 
 
 @triton.jit
+def _pairs(rows, first, cols, n, window, sink):
+    """(causal, distant) [BM, BN] of query positions `rows` (document starts `first`) and keys
+    `cols`."""
+    i = rows[:, None]
+    j = cols[None, :]
+    causal = (j <= i) & (j >= first[:, None]) & (j < n)
+    return causal, causal & (i - j >= window) & (j >= first[:, None] + sink)
+
+
+@triton.jit
+def _gate(g_q, g_k, distant, gate_scale, LOG_GATE: tl.constexpr):
+    """(affinity [BM, BN], the gate on a tile: the log gate's additive bias, or the paper's
+    factor on the logit)."""
+    affinity = tl.dot(g_q, tl.trans(g_k), input_precision="tf32x3")
+    if LOG_GATE:
+        return affinity, tl.where(distant, gate_scale * tl.log(tl.maximum(affinity, TINY)), 0.0)
+    return affinity, tl.where(distant, tl.sigmoid(gate_scale * affinity), 1.0)
+
+
+@triton.jit
+def _gated(raw, gate, causal, LOG_GATE: tl.constexpr):
+    """Scores from raw scaled q.k and the gate (tiles of one shape), -inf off the causal pairs."""
+    if LOG_GATE:
+        return tl.where(causal, raw + gate, float("-inf"))
+    return tl.where(causal, raw * gate, float("-inf"))
+
+
+@triton.jit
+def _affinity_grad(dgate, affinity, distant, gate_scale, LOG_GATE: tl.constexpr):
+    """d affinity from d gate (summed over heads): the log gate's dbias, or the paper's dfactor."""
+    if LOG_GATE:
+        return tl.where(distant & (affinity > TINY), dgate * gate_scale / affinity, 0.0)
+    factor = tl.sigmoid(gate_scale * affinity)
+    return tl.where(distant, dgate * gate_scale * factor * (1.0 - factor), 0.0)
+
+
+@triton.jit
 def _forward(
-    Q,
-    K,
-    V,
-    G,
-    DOCS,
-    OUT,
-    LSE,
-    n,
-    heads,
-    kv_heads,
-    rep,
-    groups,
-    head_dim,
-    sq_b,
-    sq_h,
-    sq_n,
-    sk_b,
-    sk_h,
-    sk_n,
-    scale,
-    gate_scale,
-    window,
-    sink,
-    REP: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    D: tl.constexpr,
-    KP: tl.constexpr,
-    LOG_GATE: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+    Q, K, V, G, DOCS, OUT, LSE,
+    n, heads, kv_heads, rep, groups, head_dim,
+    sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_n,
+    scale, gate_scale, window, sink,
+    REP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, KP: tl.constexpr,
+    LOG_GATE: tl.constexpr, HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
     m0 = tl.program_id(0) * BM
     b = tl.program_id(1) // kv_heads
     kv_head = tl.program_id(1) % kv_heads
-    head, pos, row_ok, rows, first, g_q, q = _query_block(
-        Q, G, DOCS, b, kv_head, m0, n, rep, groups, head_dim, sq_b, sq_h, sq_n,
-        REP, BM, D, KP, HAS_DOCS,
-    )  # fmt: skip
+    head, row, ok = _stacked(m0, rep, n, REP, BM)
+    q_at, q_ok = _stacked_tile(
+        Q, b, kv_head * rep, m0, sq_b, sq_h, sq_n, head, row, ok, head_dim, D
+    )
+    q = tl.load(q_at, mask=q_ok, other=0.0)
+    rows = m0 + tl.arange(0, BM)
+    first = _document_starts(DOCS, b, m0, n, BM, HAS_DOCS)
+    g_q = _assignments(G, b, m0, n, groups, BM, KP)
     running_max = tl.full((REP * BM,), float("-inf"), tl.float32)
     total = tl.zeros((REP * BM,), tl.float32)
     acc = tl.zeros((REP * BM, D), tl.float32)
     for start in range(_first_key(DOCS, b, m0, n, BN, HAS_DOCS), tl.minimum(m0 + BM, n), BN):
+        k_at, kv_ok = _rows_tile(K, b, kv_head, start, n, sk_b, sk_h, sk_n, head_dim, BN, D)
+        v_at, _ = _rows_tile(V, b, kv_head, start, n, sv_b, sv_h, sv_n, head_dim, BN, D)
+        k = tl.load(k_at, mask=kv_ok, other=0.0)
         cols = start + tl.arange(0, BN)
-        k, v = _key_block(K, V, b, kv_head, cols, n, head_dim, sk_b, sk_h, sk_n, D)
-        g_k = _assignments(G, b, cols, n, groups, KP)
-        scores, _, _, _ = _scores(
-            q, k, g_q, g_k, rows, first, cols, n, scale, gate_scale, window, sink,
-            REP, BM, BN, LOG_GATE, PRECISION,
-        )  # fmt: skip
+        causal, distant = _pairs(rows, first, cols, n, window, sink)
+        _, gate = _gate(
+            g_q, _assignments(G, b, start, n, groups, BN, KP), distant, gate_scale, LOG_GATE
+        )
+        raw = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        scores = _gated(raw, _heads(gate, REP, BM, BN), _heads(causal, REP, BM, BN), LOG_GATE)
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no key yet: all zero
         p = tl.exp(scores - shift[:, None])
         alpha = tl.exp(running_max - shift)
         total = total * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_at, mask=kv_ok, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         running_max = new_max
     total = tl.where(total == 0.0, 1.0, total)
-    dims = tl.arange(0, D)
-    tl.store(
-        OUT + ((b * heads + head[:, None]) * n + pos[:, None]) * head_dim + dims[None, :],
-        (acc / total[:, None]).to(OUT.dtype.element_ty),
-        mask=row_ok[:, None] & (dims[None, :] < head_dim),
+    o_at, o_ok = _stacked_tile(
+        OUT, b, kv_head * rep, m0, so_b, so_h, so_n, head, row, ok, head_dim, D
     )
-    tl.store(LSE + (b * heads + head) * n + pos, running_max + tl.log(total), mask=row_ok)
+    tl.store(o_at, (acc / total[:, None]).to(OUT.dtype.element_ty), mask=o_ok)
+    lse_at = _base(LSE, b, kv_head * rep, m0, heads * n, n, 1) + head * n + row
+    tl.store(lse_at, running_max + tl.log(total), mask=ok)
 
 
 @triton.jit
-def _score_grads(
-    scores,
-    raw,
-    affinity,
-    distant,
-    lse,
-    delta,
-    do,
-    v,
-    gate_scale,
-    REP: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    LOG_GATE: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """(probabilities [REP*BM, BN], d raw score [REP*BM, BN], d affinity [BM, BN] summed over
-    the heads) of a tile: dS = P * (dO V^T - delta), then through the gate."""
-    p = tl.exp(scores - lse[:, None])
-    dscores = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
-    if LOG_GATE:
-        draw = dscores
-        daffinity = _head_sum(dscores, REP, BM, BN) * gate_scale / affinity
-        daffinity = tl.where(distant & (affinity > TINY), daffinity, 0.0)
-    else:
-        factor = tl.sigmoid(gate_scale * affinity)
-        draw = dscores * _heads(tl.where(distant, factor, 1.0), REP, BM, BN)
-        dfactor = _head_sum(dscores * raw, REP, BM, BN)
-        daffinity = tl.where(distant, dfactor * gate_scale * factor * (1.0 - factor), 0.0)
-    return p, draw, daffinity
+def _delta(
+    OUT, DO, DELTA, n, heads, head_dim, so_b, so_h, so_n, sd_b, sd_h, sd_n,
+    BM: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    """delta [b, heads, n] = rowsum(dO * O) in float32, the backward's first step."""
+    m0 = tl.program_id(0) * BM
+    b = tl.program_id(1) // heads
+    head = tl.program_id(1) % heads
+    o_at, ok = _rows_tile(OUT, b, head, m0, n, so_b, so_h, so_n, head_dim, BM, D)
+    do_at, _ = _rows_tile(DO, b, head, m0, n, sd_b, sd_h, sd_n, head_dim, BM, D)
+    products = tl.load(o_at, mask=ok, other=0.0).to(tl.float32)
+    products *= tl.load(do_at, mask=ok, other=0.0).to(tl.float32)
+    rows = tl.arange(0, BM)
+    at = _base(DELTA, b, head, m0, heads * n, n, 1) + rows
+    tl.store(at, tl.sum(products, axis=1), mask=m0 + rows < n)
 
 
 @triton.jit
 def _backward_keys(
-    Q,
-    K,
-    V,
-    G,
-    DOCS,
-    QUERY_END,
-    DO,
-    LSE,
-    DELTA,
-    DK,
-    DV,
-    DG_K,
-    n,
-    heads,
-    kv_heads,
-    rep,
-    groups,
-    head_dim,
-    sq_b,
-    sq_h,
-    sq_n,
-    sk_b,
-    sk_h,
-    sk_n,
-    scale,
-    gate_scale,
-    window,
-    sink,
-    REP: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    D: tl.constexpr,
-    KP: tl.constexpr,
-    LOG_GATE: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """dK, dV and the key side of dg for one key block, over the query blocks that see it."""
+    Q, K, V, G, DOCS, QUERY_END, DO, LSE, DELTA, DK, DV, DG_K,
+    n, heads, kv_heads, rep, groups, head_dim,
+    sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sd_b, sd_h, sd_n, sg_b, sg_h, sg_n,
+    scale, gate_scale, window, sink,
+    BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, KP: tl.constexpr,
+    LOG_GATE: tl.constexpr, HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dK, dV and the key side of dg for one key block, over the query blocks that see it; the
+    heads sharing the key/value head one after another (sg_*: DK's and DV's strides)."""
     n0 = tl.program_id(0) * BN
     b = tl.program_id(1) // kv_heads
     kv_head = tl.program_id(1) % kv_heads
+    k_at, kv_ok = _rows_tile(K, b, kv_head, n0, n, sk_b, sk_h, sk_n, head_dim, BN, D)
+    v_at, _ = _rows_tile(V, b, kv_head, n0, n, sv_b, sv_h, sv_n, head_dim, BN, D)
+    k = tl.load(k_at, mask=kv_ok, other=0.0)
+    v = tl.load(v_at, mask=kv_ok, other=0.0)
+    g_k = _assignments(G, b, n0, n, groups, BN, KP)
     cols = n0 + tl.arange(0, BN)
-    k, v = _key_block(K, V, b, kv_head, cols, n, head_dim, sk_b, sk_h, sk_n, D)
-    g_k = _assignments(G, b, cols, n, groups, KP)
     dk = tl.zeros((BN, D), tl.float32)
     dv = tl.zeros((BN, D), tl.float32)
     dg_k = tl.zeros((BN, KP), tl.float32)
@@ -316,229 +252,301 @@ def _backward_keys(
     if HAS_DOCS:
         end = tl.load(QUERY_END + b * tl.num_programs(0) + tl.program_id(0))
     for m0 in range((n0 // BM) * BM, end, BM):
-        head, pos, row_ok, rows, first, g_q, q = _query_block(
-            Q, G, DOCS, b, kv_head, m0, n, rep, groups, head_dim, sq_b, sq_h, sq_n,
-            REP, BM, D, KP, HAS_DOCS,
-        )  # fmt: skip
-        dims = tl.arange(0, D)
-        do = tl.load(
-            DO + ((b * heads + head[:, None]) * n + pos[:, None]) * head_dim + dims[None, :],
-            mask=row_ok[:, None] & (dims[None, :] < head_dim),
-            other=0.0,
+        rows = m0 + tl.arange(0, BM)
+        row_ok = rows < n
+        causal, distant = _pairs(
+            rows, _document_starts(DOCS, b, m0, n, BM, HAS_DOCS), cols, n, window, sink
         )
-        scores, raw, affinity, distant = _scores(
-            q, k, g_q, g_k, rows, first, cols, n, scale, gate_scale, window, sink,
-            REP, BM, BN, LOG_GATE, PRECISION,
-        )  # fmt: skip
-        scores = tl.where(row_ok[:, None], scores, float("-inf"))
-        lse = _rows_of(LSE, b, head, pos, row_ok, n, heads)
-        delta = _rows_of(DELTA, b, head, pos, row_ok, n, heads)
-        p, draw, daffinity = _score_grads(
-            scores, raw, affinity, distant, lse, delta, do, v, gate_scale,
-            REP, BM, BN, LOG_GATE, PRECISION,
-        )  # fmt: skip
-        dv += tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
-        dk += tl.dot(tl.trans(draw).to(q.dtype), q, input_precision=PRECISION)
-        dg_k += tl.dot(tl.trans(daffinity), g_q, input_precision="ieee")
-    dims = tl.arange(0, D)
-    out = ((b * kv_heads + kv_head) * n + cols[:, None]) * head_dim + dims[None, :]
-    mask = (cols[:, None] < n) & (dims[None, :] < head_dim)
-    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=mask)
-    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=mask)
-    _store_dg(DG_K, dg_k, b, kv_head, kv_heads, cols, n, groups, KP)
+        causal = causal & row_ok[:, None]
+        g_q = _assignments(G, b, m0, n, groups, BM, KP)
+        affinity, gate = _gate(g_q, g_k, distant, gate_scale, LOG_GATE)
+        dgate = tl.zeros((BM, BN), tl.float32)
+        for r in range(rep):
+            head = kv_head * rep + r
+            q_at, q_ok = _rows_tile(Q, b, head, m0, n, sq_b, sq_h, sq_n, head_dim, BM, D)
+            do_at, _ = _rows_tile(DO, b, head, m0, n, sd_b, sd_h, sd_n, head_dim, BM, D)
+            q = tl.load(q_at, mask=q_ok, other=0.0)
+            do = tl.load(do_at, mask=q_ok, other=0.0)
+            offsets = tl.arange(0, BM)
+            lse = _row_stats(LSE, b, head, m0, n, heads, offsets, row_ok)
+            delta = _row_stats(DELTA, b, head, m0, n, heads, offsets, row_ok)
+            raw = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            p = tl.exp(_gated(raw, gate, causal, LOG_GATE) - lse[:, None])
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+            dscores = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
+            if LOG_GATE:
+                dgate += dscores
+                draw = dscores
+            else:
+                dgate += dscores * raw
+                draw = dscores * gate
+            dk += tl.dot(tl.trans(draw.to(q.dtype)), q, input_precision=PRECISION)
+        daffinity = _affinity_grad(dgate, affinity, distant, gate_scale, LOG_GATE)
+        dg_k += tl.dot(tl.trans(daffinity), g_q, input_precision="tf32x3")
+    dk_at, _ = _rows_tile(DK, b, kv_head, n0, n, sg_b, sg_h, sg_n, head_dim, BN, D)
+    dv_at, _ = _rows_tile(DV, b, kv_head, n0, n, sg_b, sg_h, sg_n, head_dim, BN, D)
+    tl.store(dk_at, (dk * scale).to(DK.dtype.element_ty), mask=kv_ok)
+    tl.store(dv_at, dv.to(DV.dtype.element_ty), mask=kv_ok)
+    _store_dg(DG_K, dg_k, b, kv_head, kv_heads, n0, n, groups, BN, KP)
 
 
 @triton.jit
-def _store_dg(DG, dg, b, kv_head, kv_heads, positions, n, groups, KP: tl.constexpr):
+def _store_dg(DG, dg, b, kv_head, kv_heads, m0, n, groups, BM: tl.constexpr, KP: tl.constexpr):
+    """Rows m0 .. m0 + BM of a [b, kv_heads, n, K] float32 dg."""
+    rows = tl.arange(0, BM)
     k = tl.arange(0, KP)
+    at = _base(DG, b, kv_head, m0, kv_heads * n * groups, n * groups, groups)
     tl.store(
-        DG + ((b * kv_heads + kv_head) * n + positions[:, None]) * groups + k[None, :],
+        at + rows[:, None] * groups + k[None, :],
         dg,
-        mask=(positions[:, None] < n) & (k[None, :] < groups),
+        mask=(m0 + rows[:, None] < n) & (k[None, :] < groups),
     )
 
 
 @triton.jit
 def _backward_queries(
-    Q,
-    K,
-    V,
-    G,
-    DOCS,
-    DO,
-    LSE,
-    DELTA,
-    DQ,
-    DG_Q,
-    n,
-    heads,
-    kv_heads,
-    rep,
-    groups,
-    head_dim,
-    sq_b,
-    sq_h,
-    sq_n,
-    sk_b,
-    sk_h,
-    sk_n,
-    scale,
-    gate_scale,
-    window,
-    sink,
-    REP: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    D: tl.constexpr,
-    KP: tl.constexpr,
-    LOG_GATE: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """dQ and the query side of dg for one query block, over its causal key blocks."""
+    Q, K, V, G, DOCS, DO, LSE, DELTA, DQ, DG_Q,
+    n, heads, kv_heads, rep, groups, head_dim,
+    sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sd_b, sd_h, sd_n, so_b, so_h, so_n,
+    scale, gate_scale, window, sink,
+    REP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, KP: tl.constexpr,
+    LOG_GATE: tl.constexpr, HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dQ and the query side of dg for one query block, over its causal key blocks (so_*: DQ's
+    strides)."""
     m0 = tl.program_id(0) * BM
     b = tl.program_id(1) // kv_heads
     kv_head = tl.program_id(1) % kv_heads
-    head, pos, row_ok, rows, first, g_q, q = _query_block(
-        Q, G, DOCS, b, kv_head, m0, n, rep, groups, head_dim, sq_b, sq_h, sq_n,
-        REP, BM, D, KP, HAS_DOCS,
-    )  # fmt: skip
-    dims = tl.arange(0, D)
-    rows_out = ((b * heads + head[:, None]) * n + pos[:, None]) * head_dim + dims[None, :]
-    rows_mask = row_ok[:, None] & (dims[None, :] < head_dim)
-    do = tl.load(DO + rows_out, mask=rows_mask, other=0.0)
-    lse = _rows_of(LSE, b, head, pos, row_ok, n, heads)
-    delta = _rows_of(DELTA, b, head, pos, row_ok, n, heads)
+    head, row, ok = _stacked(m0, rep, n, REP, BM)
+    q_at, q_ok = _stacked_tile(
+        Q, b, kv_head * rep, m0, sq_b, sq_h, sq_n, head, row, ok, head_dim, D
+    )
+    do_at, _ = _stacked_tile(DO, b, kv_head * rep, m0, sd_b, sd_h, sd_n, head, row, ok, head_dim, D)
+    q = tl.load(q_at, mask=q_ok, other=0.0)
+    do = tl.load(do_at, mask=q_ok, other=0.0)
+    offsets = head * n + row
+    lse = _row_stats(LSE, b, kv_head * rep, m0, n, heads, offsets, ok)
+    delta = _row_stats(DELTA, b, kv_head * rep, m0, n, heads, offsets, ok)
+    rows = m0 + tl.arange(0, BM)
+    first = _document_starts(DOCS, b, m0, n, BM, HAS_DOCS)
+    g_q = _assignments(G, b, m0, n, groups, BM, KP)
     dq = tl.zeros((REP * BM, D), tl.float32)
     dg_q = tl.zeros((BM, KP), tl.float32)
     for start in range(_first_key(DOCS, b, m0, n, BN, HAS_DOCS), tl.minimum(m0 + BM, n), BN):
+        k_at, kv_ok = _rows_tile(K, b, kv_head, start, n, sk_b, sk_h, sk_n, head_dim, BN, D)
+        v_at, _ = _rows_tile(V, b, kv_head, start, n, sv_b, sv_h, sv_n, head_dim, BN, D)
+        k = tl.load(k_at, mask=kv_ok, other=0.0)
+        v = tl.load(v_at, mask=kv_ok, other=0.0)
         cols = start + tl.arange(0, BN)
-        k, v = _key_block(K, V, b, kv_head, cols, n, head_dim, sk_b, sk_h, sk_n, D)
-        g_k = _assignments(G, b, cols, n, groups, KP)
-        scores, raw, affinity, distant = _scores(
-            q, k, g_q, g_k, rows, first, cols, n, scale, gate_scale, window, sink,
-            REP, BM, BN, LOG_GATE, PRECISION,
-        )  # fmt: skip
-        scores = tl.where(row_ok[:, None], scores, float("-inf"))
-        _, draw, daffinity = _score_grads(
-            scores, raw, affinity, distant, lse, delta, do, v, gate_scale,
-            REP, BM, BN, LOG_GATE, PRECISION,
-        )  # fmt: skip
+        g_k = _assignments(G, b, start, n, groups, BN, KP)
+        causal, distant = _pairs(rows, first, cols, n, window, sink)
+        affinity, gate = _gate(g_q, g_k, distant, gate_scale, LOG_GATE)
+        raw = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        stacked_gate = _heads(gate, REP, BM, BN)
+        scores = _gated(raw, stacked_gate, _heads(causal, REP, BM, BN) & ok[:, None], LOG_GATE)
+        p = tl.exp(scores - lse[:, None])
+        dscores = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
+        if LOG_GATE:
+            dgate = _head_sum(dscores, REP, BM, BN)
+            draw = dscores
+        else:
+            dgate = _head_sum(dscores * raw, REP, BM, BN)
+            draw = dscores * stacked_gate
         dq += tl.dot(draw.to(k.dtype), k, input_precision=PRECISION)
-        dg_q += tl.dot(daffinity, g_k, input_precision="ieee")
-    tl.store(DQ + rows_out, (dq * scale).to(DQ.dtype.element_ty), mask=rows_mask)
-    _store_dg(DG_Q, dg_q, b, kv_head, kv_heads, rows, n, groups, KP)
+        daffinity = _affinity_grad(dgate, affinity, distant, gate_scale, LOG_GATE)
+        dg_q += tl.dot(daffinity, g_k, input_precision="tf32x3")
+    dq_at, _ = _stacked_tile(DQ, b, kv_head * rep, m0, so_b, so_h, so_n, head, row, ok, head_dim, D)
+    tl.store(dq_at, (dq * scale).to(DQ.dtype.element_ty), mask=q_ok)
+    _store_dg(DG_Q, dg_q, b, kv_head, kv_heads, m0, n, groups, BM, KP)
 
 
-TINY = tl.constexpr(TINY_AFFINITY)
-
-
-def _pow2(x: int, floor: int = 16) -> int:
-    return max(floor, triton.next_power_of_2(x))
-
-
-@functools.lru_cache(maxsize=None)
-def _launch_shape(head_dim: int, rep: int, groups: int, on_gpu: bool):
-    """Block sizes and launch options. Stacked rows (heads sharing a key/value head x queries)
-    stay within what one program's registers hold; the interpreter takes small blocks, so that
-    small test inputs still cross block edges."""
-    d, rep_p, kp = _pow2(head_dim), triton.next_power_of_2(rep), _pow2(groups)
-    if not on_gpu:
-        return dict(REP=rep_p, BM=16, BN=16, D=d, KP=kp), {}
-    rows = 128 if d <= 128 else 64
-    block_m = max(16, rows // rep_p)
-    block_n = 64 if d <= 128 else 32
-    return dict(REP=rep_p, BM=block_m, BN=block_n, D=d, KP=kp), dict(
-        num_warps=4 if d <= 64 else 8, num_stages=2
-    )
+def _strides(t: torch.Tensor) -> tuple:
+    return t.stride(0), t.stride(1), t.stride(2)
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+class Plan:
+    """The launches of one soft-gate call, forward and backward, from its inputs' shapes,
+    strides and dtypes and the GPU's compute capability (None: Triton's interpreter); the fit
+    test builds it on meta tensors for each architecture."""
+
+    def __init__(self, q, k, v, g, doc_start, *, window, gate_scale, scale, sink, gate,
+                 capability):  # fmt: skip
+        b, heads, n, head_dim = q.shape
+        self.b, self.n, self.kv_heads = b, n, k.shape[1]
+        self.rep = heads // self.kv_heads
+        self.groups = g.shape[-1]
+        self.tiles = {
+            p: triton_launch.gate_tile(p, capability, head_dim, q.dtype)
+            for p in ("forward", "keys", "queries")
+        }
+        missing = [p for p, tile in self.tiles.items() if tile is None]
+        if missing:
+            raise ValueError(
+                f"the fused soft gate has no tile for {q.dtype} at head dim {head_dim} on a GPU "
+                f"of compute capability {capability} (triton_launch.py); use --focus-kernel "
+                "flex or chunked"
+            )
+        self.sizes = (n, heads, self.kv_heads, self.rep, self.groups, head_dim)
+        self.scalars = (float(scale), float(gate_scale), int(window), int(sink))
+        self.dims = dict(D=triton_launch.padded(head_dim), KP=triton_launch.padded(self.groups))
+        self.flags = dict(
+            LOG_GATE=gate == "log",
+            HAS_DOCS=doc_start is not None,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        )
+        self.docs = doc_start
+
+    def _stacking(self, tile):
+        """REP, BM: the query heads sharing a key/value head stacked on `tile.rows` rows."""
+        rep = triton.next_power_of_2(self.rep)
+        return dict(REP=rep, BM=max(16, tile.rows // rep))
+
+    def _launch(self, kernel, pass_, grid_rows, tensors, strides, constants):
+        tile = self.tiles[pass_]
+        extents = (constants.get("REP", 1), max(constants["BM"], constants["BN"]))
+        for name, t in strides:  # a tile spans heads and rows
+            triton_launch.check_tile_offsets(name, _strides(t)[1:], extents)
+        return Launch(
+            kernel,
+            (triton.cdiv(self.n, grid_rows), self.b * self.kv_heads),
+            (*tensors, *self.sizes, *(s for _, t in strides for s in _strides(t)), *self.scalars),
+            dict(**constants, **self.dims, **self.flags),
+            dict(num_warps=tile.warps, num_stages=tile.stages),
+        )
+
+    def forward(self, q, k, v, g, docs, out, lse) -> Launch:
+        tile = self.tiles["forward"]
+        constants = dict(**self._stacking(tile), BN=tile.keys)
+        strides = (("q", q), ("k", k), ("v", v), ("out", out))
+        return self._launch(
+            _forward, "forward", constants["BM"], (q, k, v, g, docs, out, lse), strides, constants
+        )
+
+    def delta(self, out, grad_out, delta) -> Launch:
+        tile = self.tiles["queries"]
+        heads, head_dim = self.sizes[1], self.sizes[5]
+        return Launch(
+            _delta,
+            (triton.cdiv(self.n, tile.rows), self.b * heads),
+            (out, grad_out, delta, self.n, heads, head_dim, *_strides(out), *_strides(grad_out)),
+            dict(BM=tile.rows, D=self.dims["D"]),
+            dict(num_warps=tile.warps),
+        )
+
+    def keys(self, q, k, v, g, docs, query_end, grad_out, lse, delta, dk, dv, dg_k) -> Launch:
+        tile = self.tiles["keys"]
+        constants = dict(BM=tile.rows, BN=tile.keys)
+        strides = (("q", q), ("k", k), ("v", v), ("grad", grad_out), ("dk", dk))
+        return self._launch(
+            _backward_keys,
+            "keys",
+            tile.keys,
+            (q, k, v, g, docs, query_end, grad_out, lse, delta, dk, dv, dg_k),
+            strides,
+            constants,
+        )
+
+    def queries(self, q, k, v, g, docs, grad_out, lse, delta, dq, dg_q) -> Launch:
+        tile = self.tiles["queries"]
+        constants = dict(**self._stacking(tile), BN=tile.keys)
+        strides = (("q", q), ("k", k), ("v", v), ("grad", grad_out), ("dq", dq))
+        return self._launch(
+            _backward_queries,
+            "queries",
+            constants["BM"],
+            (q, k, v, g, docs, grad_out, lse, delta, dq, dg_q),
+            strides,
+            constants,
+        )
+
+    def query_ends(self, doc_start: torch.Tensor) -> torch.Tensor:
+        """Per sequence and key block of the keys pass, one past the last query that reads a
+        key of the block: the queries whose document starts at or before the block's last key
+        (starts are nondecreasing)."""
+        block = self.tiles["keys"].keys
+        ends = torch.arange(1, triton.cdiv(self.n, block) + 1, device=doc_start.device) * block
+        last_key = torch.clamp(ends, max=self.n) - 1
+        return torch.searchsorted(
+            doc_start.contiguous(), last_key.expand(self.b, -1).contiguous(), right=True
+        ).to(torch.int32)
+
+    def launches(self, q, k, v, g, docs):
+        """Every launch of a forward and backward, on fresh outputs (the fit test's list)."""
+        out, lse, dq, dk, dv, dg_q, dg_k, delta = _outputs(q, k, g)
+        query_end = self.query_ends(self.docs) if self.docs is not None else g
+        return [
+            self.forward(q, k, v, g, docs, out, lse),
+            self.delta(out, out, delta),
+            self.keys(q, k, v, g, docs, query_end, out, lse, delta, dk, dv, dg_k),
+            self.queries(q, k, v, g, docs, out, lse, delta, dq, dg_q),
+        ]
+
+
+def _outputs(q, k, g):
+    """out, lse, dq, dk, dv, dg_q, dg_k, delta for inputs q, k and assignments g."""
+    b, heads, n, _ = q.shape
+    rows = torch.empty(b, heads, n, device=q.device, dtype=torch.float32)
+    dg = torch.empty(b, k.shape[1], n, g.shape[-1], device=g.device, dtype=torch.float32)
+    return (
+        torch.empty(q.shape, device=q.device, dtype=q.dtype),
+        rows,
+        torch.empty(q.shape, device=q.device, dtype=q.dtype),
+        torch.empty(k.shape, device=k.device, dtype=k.dtype),
+        torch.empty(k.shape, device=k.device, dtype=k.dtype),
+        dg,
+        torch.empty_like(dg),
+        torch.empty_like(rows),
+    )
+
+
 class TritonSoftFocus(torch.autograd.Function):
     """Soft-gate causal Focus attention (dropout 0) by the kernels above.
 
-    q [b, h, n, d], k/v [b, h_kv, n, d] (any strides), log_g [b, n, K], doc_start [b, n] or None
-    -> [b, h, n, d]; gradients for q, k, v and log_g.
+    q [b, h, n, d], k/v [b, h_kv, n, d] (any strides, each its own), log_g [b, n, K],
+    doc_start [b, n] or None -> [b, h, n, d]; gradients for q, k, v and log_g.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, log_g, window, gate_scale, scale, sink, doc_start, gate):
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
         g = log_g.float().exp().contiguous()
-        b, heads, n, head_dim = q.shape
-        kv_heads = k.shape[1]
-        meta, options = _launch_shape(head_dim, heads // kv_heads, g.shape[-1], q.is_cuda)
-        docs = doc_start.to(torch.int32).contiguous() if doc_start is not None else g
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        lse = torch.empty(b, heads, n, device=q.device, dtype=torch.float32)
-        # what every launch, forward and backward, takes after its tensors
-        scalars = _sizes(q, k, g) + _strides(q, k)
-        scalars += (float(scale), float(gate_scale), int(window), int(sink))
-        settings = dict(**meta, **options, **_flags(q, gate, doc_start))
-        _forward[(triton.cdiv(n, meta["BM"]), b * kv_heads)](
-            q, k, v, g, docs, out, lse, *scalars, **settings
+        plan = Plan(
+            q,
+            k,
+            v,
+            g,
+            doc_start,
+            window=window,
+            gate_scale=gate_scale,
+            scale=scale,
+            sink=sink,
+            gate=gate,
+            capability=triton_launch.capability_of(q),
         )
-        ctx.save_for_backward(q, k, v, g, out, lse)
-        ctx.launch = (docs, doc_start, scalars, settings)
+        docs = doc_start.to(torch.int32).contiguous() if doc_start is not None else g
+        out, lse = _outputs(q, k, g)[:2]
+        plan.forward(q, k, v, g, docs, out, lse)()
+        ctx.save_for_backward(q, k, v, g, docs, out, lse)
+        ctx.plan = plan
         ctx.log_g_dtype = log_g.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, g, out, lse = ctx.saved_tensors
-        docs, doc_start, scalars, settings = ctx.launch
-        b, _, n, _ = q.shape
-        kv_heads = k.shape[1]
-        grad_out = grad_out.contiguous()
-        delta = (grad_out.float() * out.float()).sum(-1)
-        query_end = _query_ends(doc_start, n, settings["BN"]) if doc_start is not None else g
-        dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-        dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
-        dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
-        dg_q = torch.empty(b, kv_heads, n, g.shape[-1], device=g.device, dtype=torch.float32)
-        dg_k = torch.empty_like(dg_q)
-        _backward_keys[(triton.cdiv(n, settings["BN"]), b * kv_heads)](
-            q, k, v, g, docs, query_end, grad_out, lse, delta, dk, dv, dg_k, *scalars, **settings
-        )
-        _backward_queries[(triton.cdiv(n, settings["BM"]), b * kv_heads)](
-            q, k, v, g, docs, grad_out, lse, delta, dq, dg_q, *scalars, **settings
-        )
+        q, k, v, g, docs, out, lse = ctx.saved_tensors
+        plan = ctx.plan
+        grad_out = _last_dim_contiguous(grad_out)
+        _, _, dq, dk, dv, dg_q, dg_k, delta = _outputs(q, k, g)
+        plan.delta(out, grad_out, delta)()
+        query_end = plan.query_ends(plan.docs) if plan.docs is not None else g
+        plan.keys(q, k, v, g, docs, query_end, grad_out, lse, delta, dk, dv, dg_k)()
+        plan.queries(q, k, v, g, docs, grad_out, lse, delta, dq, dg_q)()
         dlog_g = (dg_q.sum(1) + dg_k.sum(1)) * g
         return dq, dk, dv, dlog_g.to(ctx.log_g_dtype), None, None, None, None, None, None
-
-
-def _sizes(q, k, g):
-    b, heads, n, head_dim = q.shape
-    return n, heads, k.shape[1], heads // k.shape[1], g.shape[-1], head_dim
-
-
-def _strides(q, k):
-    return q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2)
-
-
-def _flags(q, gate: str, doc_start) -> dict:
-    return dict(
-        LOG_GATE=gate == "log",
-        HAS_DOCS=doc_start is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-    )
-
-
-def _query_ends(doc_start: torch.Tensor, n: int, block_n: int) -> torch.Tensor:
-    """Per sequence and key block, one past the last query that reads a key of the block: the
-    queries whose document starts at or before the block's last key (starts are nondecreasing)."""
-    last_key = (
-        torch.clamp(
-            torch.arange(1, triton.cdiv(n, block_n) + 1, device=doc_start.device) * block_n, max=n
-        )
-        - 1
-    )
-    return torch.searchsorted(
-        doc_start.contiguous(), last_key.expand(doc_start.shape[0], -1).contiguous(), right=True
-    ).to(torch.int32)
 
 
 def triton_soft_focus(q, k, v, log_g, *, window, gate_scale, scale, gate="log", sink=0,

@@ -28,6 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from megatron_focus.model import triton_launch
+from megatron_focus.model.triton_launch import Launch
+
 LOG_MASS_FLOOR = tl.constexpr(-700.0)  # sinkhorn._LOG_MASS_FLOOR
 
 
@@ -85,8 +88,8 @@ def _forward(
 ):
     """LOG_G [iters + 1, b, n, K]: the log-assignments before each iteration and the result;
     LOG_P [iters, b, n, K]: each iteration's log prefix masses."""
-    b = tl.program_id(0)
-    plane = batch * n * groups
+    b = tl.program_id(0).to(tl.int64)  # offsets in 64 bits: iters x b x n x K can pass 2^31
+    plane = tl.cast(batch, tl.int64) * n * groups
     carry = tl.zeros((TP, KP), tl.float64)  # each iteration's prefix masses so far
     rows = tl.arange(0, TP)[:, None]
     for start in range(0, n, BT):
@@ -127,8 +130,8 @@ def _backward(
     TP: tl.constexpr,
     HAS_DOCS: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    plane = batch * n * groups
+    b = tl.program_id(0).to(tl.int64)
+    plane = tl.cast(batch, tl.int64) * n * groups
     carry = tl.zeros((TP, KP), tl.float64)  # each iteration's suffix sums from later blocks
     rows = tl.arange(0, TP)[:, None]
     blocks = tl.cdiv(n, BT)
@@ -165,12 +168,25 @@ def _backward(
         tl.store(d_scores_at, d_scores, mask=ok)
 
 
-def _launch_shape(n: int, groups: int, iters: int, on_gpu: bool) -> dict:
-    """Tokens per block (the interpreter takes small blocks, so small inputs cross them)."""
+def _launch_shape(groups: int, iters: int, capability) -> dict:
     return dict(
-        BT=64 if on_gpu else 16,
+        BT=triton_launch.sinkhorn_tile(capability).rows,
         KP=max(2, triton.next_power_of_2(groups)),
         TP=max(2, triton.next_power_of_2(max(iters, 1))),
+    )
+
+
+def launches(scores, iters: int, docs, has_docs: bool, log_g, log_p, d_out, d_scores, capability):
+    """The forward's and the backward's launch (the fit test's list; `d_out` the gradient of
+    the result, `d_scores` that of the scores)."""
+    b, n, groups = scores.shape
+    tile = triton_launch.sinkhorn_tile(capability)
+    constants = dict(**_launch_shape(groups, iters, capability), HAS_DOCS=has_docs)
+    options = dict(num_warps=tile.warps, num_stages=tile.stages)
+    sizes = (n, b, groups, iters, scores.stride(0), scores.stride(1))
+    return (
+        Launch(_forward, (b,), (scores, docs, log_g, log_p, *sizes), constants, options),
+        Launch(_backward, (b,), (docs, log_g, log_p, d_out, d_scores, *sizes), constants, options),
     )
 
 
@@ -186,25 +202,36 @@ class TritonCausalSinkhorn(torch.autograd.Function):
             scores = scores.contiguous()
         b, n, groups = scores.shape
         docs = doc_start.to(torch.int32).contiguous() if doc_start is not None else scores
-        settings = dict(
-            **_launch_shape(n, groups, iters, scores.is_cuda), HAS_DOCS=doc_start is not None
-        )
         log_g = scores.new_empty(iters + 1, b, n, groups)
         log_p = scores.new_empty(max(iters, 1), b, n, groups)
-        sizes = (n, b, groups, iters, scores.stride(0), scores.stride(1))
-        _forward[(b,)](scores, docs, log_g, log_p, *sizes, **settings)
+        ctx.launch = dict(
+            iters=iters,
+            docs=docs,
+            has_docs=doc_start is not None,
+            capability=triton_launch.capability_of(scores),
+        )
+        forward, _ = launches(
+            scores, **ctx.launch, log_g=log_g, log_p=log_p, d_out=None, d_scores=None
+        )
+        forward()
         ctx.save_for_backward(log_g, log_p)
-        ctx.launch = (docs, sizes, settings, scores.stride())
+        ctx.layout = scores.stride()
         return log_g[iters]
 
     @staticmethod
     def backward(ctx, grad):
         log_g, log_p = ctx.saved_tensors
-        docs, sizes, settings, layout = ctx.launch
-        d_scores = torch.empty_strided(log_g.shape[1:], layout, device=grad.device)
-        _backward[(log_g.shape[1],)](
-            docs, log_g, log_p, grad.float().contiguous(), d_scores, *sizes, **settings
+        # the scores' gradient in their layout, which sizes the launch as the scores did
+        d_scores = torch.empty_strided(log_g.shape[1:], ctx.layout, device=grad.device)
+        _, backward = launches(
+            d_scores,
+            **ctx.launch,
+            log_g=log_g,
+            log_p=log_p,
+            d_out=grad.float().contiguous(),
+            d_scores=d_scores,
         )
+        backward()
         return d_scores, None, None
 
 

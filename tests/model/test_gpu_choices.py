@@ -15,6 +15,8 @@ SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
 SMALL += ["--seq-length", "40", "--hidden-dropout", "0", "--attention-dropout", "0"]
 FOCUS = ["--focus-window", "4", "--focus-groups", "4", "--focus-chunk-size", "16"]
 GQA = ["--group-query-attention", "--num-query-groups", "2"]
+GQA_4 = ["--group-query-attention", "--num-query-groups", "1"]  # 4 query heads a key/value head
+ROPE = ["--position-embedding-type", "rope"]  # K a new tensor, V a view of the fused QKV
 
 
 def gpu_choices(monkeypatch):
@@ -59,8 +61,10 @@ def loss_and_grads(net, tokens):
     [
         ["--attention", "focus+xsa"] + FOCUS + GQA,
         ["--attention", "focus", "--focus-gate", "sigmoid"] + FOCUS,
+        ["--attention", "focus+xsa"] + FOCUS + GQA_4 + ROPE,
+        ["--attention", "focus", "--focus-gate", "sigmoid", "--qk-layernorm"] + FOCUS + GQA_4,
     ],
-    ids=["focus+xsa-gqa", "focus-sigmoid"],
+    ids=["focus+xsa-gqa", "focus-sigmoid", "focus+xsa-rope-gqa4", "focus-sigmoid-qknorm-gqa4"],
 )
 def test_a_training_step_on_the_gpu_kernels_equals_the_cpu_ones(single_process, monkeypatch, argv):
     tokens = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))

@@ -122,6 +122,47 @@ def test_kernel_equals_the_chunked_path(
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def megatron_layout(s, b, kv, rep, d, gen, qk_norm):
+    """q, k, v as Megatron's SelfAttention hands them to core attention: split from one fused
+    QKV output [s, b, kv, (rep + 2) d], v a view of it, k a new contiguous tensor (RoPE's, or
+    QK-norm's, which normalizes q too), permuted to [b, heads, s, d]."""
+    qkv = torch.randn(s, b, kv, (rep + 2) * d, generator=gen)
+    q, k, v = torch.split(qkv, [rep * d, d, d], dim=-1)
+    q = q.reshape(s, b, kv * rep, d)
+    if qk_norm:
+        q, k = (torch.nn.functional.rms_norm(t, (d,)) for t in (q, k))
+    else:  # a rotation of pairs of dims, as RoPE's output: contiguous
+        angle = torch.arange(s)[:, None, None, None] * 0.1
+        k = torch.cat([k[..., ::2] * angle.cos(), k[..., 1::2] * angle.sin()], dim=-1)
+    q, k, v = (t.permute(1, 2, 0, 3).requires_grad_() for t in (q, k, v))
+    assert k.stride() != v.stride() and v.stride(2) == b * kv * (rep + 2) * d
+    return q, k, v
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "qk-norm"])
+@pytest.mark.parametrize("gpu_blocks", [False, True], ids=["small-blocks", "gpu-blocks"])
+def test_kernel_reads_each_input_by_its_own_strides(qk_norm, gpu_blocks, monkeypatch):
+    """GQA 4:1 on Megatron's layout: outputs and gradients equal the chunked path's."""
+    if gpu_blocks:
+        gpu_launch_shapes(monkeypatch, triton_gate)
+    gen = torch.Generator().manual_seed(5)
+    s, b, kv, rep, d, groups = 70, 2, 2, 4, 16, 4
+    q, k, v = megatron_layout(s, b, kv, rep, d, gen, qk_norm)
+    log_g = causal_sinkhorn(torch.randn(b, s, groups, generator=gen) * 3, 5).requires_grad_()
+    kwargs = dict(window=6, gate_scale=1.1, scale=d**-0.5, sink=1)
+    out = triton_gate.triton_soft_focus(q, k, v, log_g, **kwargs)
+    chunked = focus_attention(
+        q, k, v, Routing.of(log_g), top_k=None, chunk_size=16, kernel="chunked", **kwargs
+    )
+    torch.testing.assert_close(out, chunked, rtol=1e-5, atol=1e-5)
+    cotangent = torch.randn(out.shape, generator=gen)
+    leaves = (q, k, v, log_g)
+    for name, got, want in zip(
+        "qkvg", grads(out, leaves, cotangent), grads(chunked, leaves, cotangent)
+    ):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
+
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 

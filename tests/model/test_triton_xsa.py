@@ -44,6 +44,27 @@ def test_kernel_equals_the_pytorch_projection(b, heads, kv_heads, n, d, gpu_bloc
         torch.testing.assert_close(ours.double(), theirs, rtol=1e-5, atol=atol)
 
 
+@pytest.mark.parametrize("gpu_blocks", [False, True])
+def test_kernel_reads_each_input_by_its_own_strides(gpu_blocks, monkeypatch):
+    """v a view of Megatron's fused QKV output [s, b, kv, (rep + 2) d], y and dz permuted views
+    of [s, b, heads, d] (GQA 4:1): the PyTorch projection's values and gradients."""
+    if gpu_blocks:
+        gpu_launch_shapes(monkeypatch, triton_xsa)
+    gen = torch.Generator().manual_seed(3)
+    s, b, kv, rep, d = 70, 2, 2, 4, 32
+    v = torch.randn(s, b, kv, (rep + 2) * d, generator=gen)[..., -d:].permute(1, 2, 0, 3)
+    y = torch.randn(s, b, kv * rep, d, generator=gen).permute(1, 2, 0, 3)
+    y, v = y.requires_grad_(), v.requires_grad_()
+    z = triton_xsa.triton_exclusive_projection(y, v)
+    want = exclusive_projection(y, v)
+    torch.testing.assert_close(z, want, rtol=1e-5, atol=1e-5)
+    dz = torch.randn(s, b, kv * rep, d, generator=gen).permute(1, 2, 0, 3)
+    for ours, theirs in zip(
+        torch.autograd.grad(z, (y, v), dz), torch.autograd.grad(want, (y, v), dz)
+    ):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
 def test_half_precision_in_and_out_fp32_inside():
     gen = torch.Generator().manual_seed(0)
     y = torch.randn(1, 4, 40, 32, generator=gen).half().requires_grad_()

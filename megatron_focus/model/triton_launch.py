@@ -1,0 +1,126 @@
+"""How the Triton kernels are launched: one table of block sizes, warps and stages per GPU
+architecture, head dim, dtype and pass, read by the launchers and by the compile test of fit
+(tests/model/test_kernel_fit.py), which compiles every entry for its architecture and holds it to
+zero spills and the architecture's shared memory.
+
+Why a table: one launch shape for every GPU spills registers on A100 at head dim 128 and needs
+more shared memory than an A10/L4/L40S block has. Where the table has no entry (an older GPU,
+fp32 at a head dim no tile fits), the kernel choice falls back by name (kernels.soft_gate).
+
+`Launch` is one kernel launch as data: the GPU runs it, the fit test compiles it from the same
+launcher on meta tensors, so what is tested is what runs.
+"""
+
+import dataclasses
+
+import torch
+import triton
+
+# Architectures, by the per-block shared memory (opt-in) that decides which tiles fit.
+SHARED_MEMORY = {"sm80": 166_912, "sm86": 101_376, "sm90": 232_448}
+TARGETS = {"sm80": 80, "sm86": 86, "sm90": 90}  # the compute capability each is compiled for
+
+
+def arch(capability: tuple) -> str | None:
+    """The table's architecture for a CUDA compute capability: A100/A30 (8.0), the 100 KB
+    parts (8.6 and 8.9: A10, A40, L4, L40S, RTX 30/40; 12.x: RTX 50), H100/H200 and the data
+    centre Blackwells (9.0, 10.x). None before Ampere (no bf16 tensor cores)."""
+    major, minor = capability
+    if major < 8:
+        return None
+    if major == 8:
+        return "sm80" if minor == 0 else "sm86"
+    return "sm86" if major >= 12 else "sm90"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    """A pass's launch shape: `rows` stacked query rows (query heads sharing a key/value head
+    x queries) or tokens, `keys` keys per step, and the compiler's warps and pipeline stages."""
+
+    rows: int
+    keys: int
+    warps: int
+    stages: int
+
+
+_GATE = {  # (arch, head dim, pass) -> Tile; half precision (bf16, fp16)
+    ("sm90", 64, "forward"): Tile(128, 64, 4, 3),
+    ("sm90", 128, "forward"): Tile(128, 64, 8, 2),
+    ("sm90", 256, "forward"): Tile(64, 32, 8, 2),
+    ("sm90", 64, "keys"): Tile(32, 64, 4, 2),
+    ("sm90", 128, "keys"): Tile(32, 64, 4, 2),
+    ("sm90", 256, "keys"): Tile(16, 32, 4, 2),
+    ("sm90", 64, "queries"): Tile(64, 32, 4, 2),
+    ("sm90", 128, "queries"): Tile(64, 32, 4, 2),
+    ("sm90", 256, "queries"): Tile(32, 32, 4, 2),
+}
+_GATE.update({("sm80", d, p): tile for (_, d, p), tile in list(_GATE.items())})
+_GATE.update({("sm86", d, p): tile for (_, d, p), tile in list(_GATE.items()) if _ == "sm90"})
+
+HEAD_DIMS = (64, 128, 256)  # the table's head dims; a smaller one takes the next's tiles
+_INTERPRETED = Tile(16, 16, 4, 1)  # small blocks, so small test inputs cross block edges
+
+
+def gate_tile(pass_: str, capability, head_dim: int, dtype: torch.dtype) -> Tile | None:
+    """The soft gate's tile for a pass ("forward", "keys", "queries") on a GPU of `capability`
+    (None: Triton's interpreter); None where no tile fits that GPU."""
+    if capability is None:
+        return _INTERPRETED
+    if dtype == torch.float32:
+        return None  # fp32 operands double every tile's registers and shared memory
+    size = next((d for d in HEAD_DIMS if head_dim <= d), None)
+    return _GATE.get((arch(capability), size, pass_))
+
+
+_XSA = {64: Tile(64, 0, 4, 1), 128: Tile(64, 0, 4, 1), 256: Tile(32, 0, 4, 1)}  # rows: tokens
+
+
+def xsa_tile(capability, head_dim: int) -> Tile:
+    """XSA's projection: tokens per program by head dim (the same on every architecture: it
+    keeps no tile in shared memory); any head dim up to 256 and any dtype fit."""
+    if capability is None:
+        return _INTERPRETED
+    return _XSA[next(d for d in HEAD_DIMS if head_dim <= d)]
+
+
+def sinkhorn_tile(capability) -> Tile:
+    """The causal Sinkhorn's tokens per block (one program walks a sequence)."""
+    return _INTERPRETED if capability is None else Tile(64, 0, 4, 1)
+
+
+def padded(size: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(size))
+
+
+def capability_of(t: torch.Tensor):
+    """The CUDA compute capability of a tensor's device; None for CPU tensors (the interpreter)."""
+    return torch.cuda.get_device_capability(t.device) if t.is_cuda else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One kernel launch: `kernel[grid](*args, **constants, **options)`."""
+
+    kernel: object  # a triton.JITFunction
+    grid: tuple
+    args: tuple
+    constants: dict
+    options: dict
+
+    def __call__(self):
+        self.kernel[self.grid](*self.args, **self.constants, **self.options)
+
+
+INT32_MAX = 2**31 - 1
+
+
+def check_tile_offsets(name: str, strides: tuple, extents: tuple):
+    """The kernels address a tile from a 64-bit base by 32-bit offsets inside it: refuse by name
+    a layout whose offsets inside one tile would pass 2^31."""
+    span = sum(abs(s) * (e - 1) for s, e in zip(strides, extents))
+    if span > INT32_MAX:
+        raise ValueError(
+            f"{name}: one tile spans {span} elements of its tensor (strides {strides}), past "
+            "the kernels' 32-bit offsets inside a tile; make it contiguous"
+        )
