@@ -82,7 +82,19 @@ def kernels(result: dict) -> str:
     )
 
 
+def fit(rows: list) -> str:
+    """Launches that fit, and the driver's registers and spills against the CPU's prediction."""
+    text = f"{sum(r['fits'] for r in rows)} of {len(rows)} launches fit"
+    measured = [r for r in rows if "device_registers" in r]
+    if measured:
+        spills = sum(r["device_spills"] > 0 for r in measured)
+        same = sum(r["device_registers"] == r["registers"] for r in measured)
+        text += f"; on the device: {spills} spill, {same} of {len(measured)} as predicted"
+    return text
+
+
 HEADLINES = {
+    "fit": fit,
     "kernels": kernels,
     "e2e": e2e,
     "sparse": sparse,
@@ -98,8 +110,8 @@ def main() -> int:
     with open(os.path.join(out, "parts.tsv")) as f:
         for line in f:
             name, rc, took = line.rstrip("\n").split("\t")
-            status = {"0": "ok", "124": "TIMEOUT"}.get(rc, f"FAILED {rc}")
-            failed += rc != "0"
+            status = {"0": "ok", "124": "TIMEOUT", "skipped": "SKIPPED"}.get(rc, f"FAILED {rc}")
+            failed += rc not in ("0", "skipped")
             result = _load(out, name)
             headline = HEADLINES.get(name.split("-")[0])
             figures = ""

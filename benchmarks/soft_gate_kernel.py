@@ -5,7 +5,8 @@ Rows: SDPA causal (flash on a GPU: the standard model's attention), the fused Tr
 FlexAttention's soft gate, and, as shares of SDPA, XSA's projection and the causal Sinkhorn
 (10 iterations) alone, the Sinkhorn also as PyTorch runs it. Each
 shape is measured apart and its JSON written at once, so a failure (an error, an out-of-memory)
-costs only that row. Shapes: the 0.7B recipe's layer (6 heads of 256) and 32 heads of 128.
+costs only that row. Shapes: the 0.7B recipe's layer (6 heads of 256) and 32 heads of 128 with GQA
+4 (a Llama shape; also 32x128 without), q, k, v laid out as the model lays them out.
 
     python benchmarks/soft_gate_kernel.py [--seq-length 2048 --batch 4 --groups 8]
         [--repeats 10] [--json out.json] [--strict]
@@ -27,7 +28,8 @@ from megatron_focus import platform
 
 from timing import timed
 
-SHAPES = {"0.7b": (6, 256), "32x128": (32, 128)}  # heads, head dim
+# heads, head dim, key/value heads
+SHAPES = {"0.7b": (6, 256, 6), "32x128": (32, 128, 32), "32x128-gqa4": (32, 128, 8)}
 
 
 def parse() -> argparse.Namespace:
@@ -36,7 +38,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--groups", type=int, default=8, help="Focus's K")
     p.add_argument("--window", type=int, default=128)
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--shapes", nargs="+", default=["0.7b", "32x128-gqa4"], choices=list(SHAPES))
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--tiny", action="store_true", help="CPU rehearsal sizes")
     p.add_argument("--json", metavar="PATH")
@@ -61,8 +63,10 @@ def peak_mib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def calls(opts, heads: int, head_dim: int) -> dict:
-    """name -> a forward + backward of one layer's attention (or XSA alone)."""
+def calls(opts, heads: int, head_dim: int, kv_heads: int) -> dict:
+    """name -> a forward + backward of one layer's attention (or XSA alone), on q, k, v laid out
+    as Megatron's SelfAttention hands them over (views of one fused QKV output, K a new tensor
+    as RoPE's)."""
     from megatron_focus.model.flex import flex_soft_focus
     from megatron_focus.model.sinkhorn import causal_sinkhorn
     from megatron_focus.model.triton_gate import triton_soft_focus
@@ -72,7 +76,10 @@ def calls(opts, heads: int, head_dim: int) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
     shape = (opts.batch, heads, opts.seq_length, head_dim)
-    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in "qkv")
+    rep, s, b = heads // kv_heads, opts.seq_length, opts.batch
+    qkv = torch.randn(s, b, kv_heads, (rep + 2) * head_dim, device=device, dtype=dtype)
+    q, k, v = torch.split(qkv.requires_grad_(), [rep * head_dim, head_dim, head_dim], dim=-1)
+    q, k, v = (t.reshape(s, b, -1, head_dim).permute(1, 2, 0, 3) for t in (q, k.contiguous(), v))
     scores = torch.randn(opts.batch, opts.seq_length, opts.groups, device=device) * 3
     log_g = causal_sinkhorn(scores, 3).requires_grad_()
     scores.requires_grad_()
@@ -83,7 +90,9 @@ def calls(opts, heads: int, head_dim: int) -> dict:
         return lambda: torch.autograd.backward(out(), dout)
 
     table = {
-        "sdpa causal": backward_of(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+        "sdpa causal": backward_of(
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=rep > 1)
+        ),
         "triton soft gate": backward_of(lambda: triton_soft_focus(q, k, v, log_g, **soft)),
         "xsa (alone)": backward_of(lambda: triton_exclusive_projection(q, v)),
         "sinkhorn (alone)": lambda: torch.autograd.backward(
@@ -108,17 +117,17 @@ def main() -> None:
     results = []
     print(f"{'shape':>8} {'kernel':>18} {'ms fwd+bwd':>11} {'x sdpa':>7} {'peak MiB':>9}")
     for name in opts.shapes:
-        heads, head_dim = SHAPES[name]
+        heads, head_dim, kv_heads = SHAPES[name]
         if opts.tiny:
-            heads, head_dim = 2, 16
+            heads, head_dim, kv_heads = 4, 16, 4 * kv_heads // heads
         try:
-            table = calls(opts, heads, head_dim)
+            table = calls(opts, heads, head_dim, kv_heads)
         except Exception:  # noqa: BLE001 -- a shape that cannot be built is one failed row
             results.append({"shape": name, "error": traceback.format_exc(limit=3)})
             continue
         baseline = None
         for kernel, fn in table.items():
-            row = {"shape": name, "heads": heads, "head_dim": head_dim, "kernel": kernel}
+            row = dict(shape=name, heads=heads, head_dim=head_dim, kv_heads=kv_heads, kernel=kernel)
             try:
                 row["ms"] = device_ms(fn, opts.repeats)
                 row["peak_mib"] = peak_mib(fn)

@@ -1200,6 +1200,8 @@ def _validate_focus(args: argparse.Namespace, training: bool) -> None:
         torch.device("cuda" if _gpu() else "cpu"),
         args.attention_dropout,
         context_parallel=args.context_parallel_size > 1,
+        head_dim=args.kv_channels,
+        dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
     )
 
 

@@ -56,7 +56,9 @@ def gpu_launch_shapes(monkeypatch, module, capability=(9, 0)):
     monkeypatch.setattr(
         triton_launch,
         "gate_tile",
-        lambda pass_, cap, head_dim, dtype: gate_tile(pass_, cap, head_dim, torch.bfloat16),
+        lambda pass_, cap, head_dim, dtype, *gate: gate_tile(
+            pass_, cap, head_dim, torch.bfloat16, *gate
+        ),
     )
     if hasattr(module, "_launch_shape"):
         shape = getattr(module._launch_shape, "__wrapped__", module._launch_shape)

@@ -236,7 +236,13 @@ class FocusAttention(CoreAttention):
         self.router = build_module(submodules.router, config=config, focus=focus)
         device = platform.setup().device
         self.soft_gate = kernels.soft_gate(
-            focus.kernel, device, self.dropout_p, focus.chunk_size, self.cp_group is not None
+            focus.kernel,
+            device,
+            self.dropout_p,
+            focus.chunk_size,
+            self.cp_group is not None,
+            head_dim=config.kv_channels,
+            dtype=torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None,
         )
         self.sparse = kernels.lse_attention(device)
 

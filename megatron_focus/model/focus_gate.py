@@ -246,7 +246,9 @@ def focus_attention(
     log_g, doc_start = routing.log_g.float(), routing.doc_start
     if top_k is None:
         if isinstance(kernel, str):
-            kernel = kernels.soft_gate(kernel, q.device, dropout_p, chunk_size)
+            kernel = kernels.soft_gate(
+                kernel, q.device, dropout_p, chunk_size, head_dim=q.shape[-1], dtype=q.dtype
+            )
         if torch.is_grad_enabled() and not kernel.backward:
             raise ValueError(
                 f"the {kernel.name} soft-gate kernel has no backward on {q.device.type}: "

@@ -85,6 +85,8 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         context_parallel_size=args.context_parallel_size,
         sequence_parallel=args.sequence_parallel,
         use_cpu_initialization=True,
+        bf16=args.bf16,  # the run's compute precision, as Megatron-LM records it (the fused
+        fp16=args.fp16,  # kernels' tiles depend on it); parameters are made in fp32 all the same
         # Megatron's fused bias-GELU is the tanh approximation: the model would compute another
         # function on a GPU than on the CPU and in its HF export, so it stays off.
         bias_activation_fusion=False,

@@ -186,12 +186,16 @@ def soft_gate(
     dropout_p: float = 0.0,
     chunk_size: int = 128,
     context_parallel: bool = False,
+    head_dim: int | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Kernel:
     """Focus's soft rule: "auto" is the fused Triton kernel (triton_gate.py) on a GPU without
-    dropout, FlexAttention's where Triton is missing, the chunked one otherwise (the fused
-    kernels have no dropout; on the CPU, Triton only interprets and FlexAttention has no
-    backward) and under context parallelism (whose query chunks start inside the sequence).
-    Each is called as flex.flex_soft_focus, plus `dropout_p` where it has dropout."""
+    dropout where its table has tiles for the GPU, head dim and dtype (`head_dim`, `dtype`:
+    the layer's), FlexAttention's where Triton is missing or no tile fits, the chunked one
+    otherwise (the fused kernels have no dropout; on the CPU, Triton only interprets and
+    FlexAttention has no backward) and under context parallelism (whose query chunks start
+    inside the sequence). Each is called as flex.flex_soft_focus, plus `dropout_p` where it has
+    dropout."""
     if requested not in FOCUS_KERNELS:
         raise ValueError(f"unknown Focus kernel {requested!r}; choose from {FOCUS_KERNELS}")
     if requested in ("flex", "triton") and context_parallel:
@@ -211,11 +215,18 @@ def soft_gate(
             "--focus-kernel triton on the CPU runs Triton's interpreter (slow; for tests): set "
             "TRITON_INTERPRET=1, or use auto or chunked"
         )
+    fits = device.type != "cuda" or head_dim is None or gate_fits(device, head_dim, dtype)
+    if requested == "triton" and not fits:
+        raise ValueError(
+            f"--focus-kernel triton: the fused soft gate has no tile that fits this GPU "
+            f"(compute capability {device_capability(device)}) at head dim {head_dim} in "
+            f"{dtype} (model/triton_launch.py); use auto, flex or chunked"
+        )
     if requested == "auto":
         if device.type != "cuda" or dropout_p > 0 or context_parallel:
             requested = "chunked"
         else:
-            requested = "triton" if has_triton() else "flex"
+            requested = "triton" if has_triton() and fits else "flex"
     if requested == "triton":
         return Kernel("triton", "megatron_focus.model.triton_gate:triton_soft_focus")
     if requested == "flex":
@@ -227,6 +238,22 @@ def soft_gate(
         "megatron_focus.model.focus_gate:chunked_soft_focus",
         dropout=True,
         options=(("chunk_size", chunk_size),),
+    )
+
+
+def device_capability(device: torch.device) -> tuple:
+    return torch.cuda.get_device_capability(device)
+
+
+def gate_fits(device: torch.device, head_dim: int, dtype) -> bool:
+    """Whether the fused soft gate has tiles for every pass on this GPU (its table is checked
+    against each architecture's registers and shared memory: tests/model/test_kernel_fit.py)."""
+    from megatron_focus.model import triton_launch
+
+    capability = device_capability(device)
+    return all(
+        triton_launch.gate_tile(p, capability, head_dim, dtype or torch.float32) is not None
+        for p in triton_launch.GATE_PASSES
     )
 
 

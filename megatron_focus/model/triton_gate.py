@@ -16,8 +16,9 @@ g_i . g_j is recomputed for every head. Here, in FlashAttention-2's shape:
   key/value head and added up outside (a [b, heads_kv, n, K] tensor, small). Each pass has tiles
   of its own (triton_launch.py's table, per GPU architecture).
 
-The affinity and dg are dot products over the K groups (padded to 16) on tensor cores, in split
-precision (tf32x3: fp32 accuracy at three tf32 MMAs), not fp32 dots on CUDA cores.
+The affinity and dg run over the K groups unpadded, K fp32 FMAs a pair on CUDA cores (a dot
+product pads K to 16, and tf32x3 on tensor cores, for fp32 accuracy, costs the keys pass its
+registers: spills on A100 where this fits).
 
 Scores, for query i and key j (positions), window w, sinks s, the query's document start f:
 causal iff f <= j <= i; distant iff causal and i - j >= w and j >= f + s; on a distant pair the
@@ -95,12 +96,35 @@ def _row_stats(X, b, head, m0, n, heads, offsets, ok):
 
 
 @triton.jit
-def _assignments(G, b, m0, n, groups, BM: tl.constexpr, KP: tl.constexpr):
-    """g [BM, KP] of positions m0 .. m0 + BM (zero past the K groups and past n) of sequence b."""
+def _column(G, b, m0, n, groups: tl.constexpr, k, BM: tl.constexpr):
+    """g[:, k] [BM] of positions m0 .. m0 + BM (zero past n) of sequence b."""
     rows = tl.arange(0, BM)
-    k = tl.arange(0, KP)
-    at = _base(G, b, 0, m0, n * groups, 0, groups) + rows[:, None] * groups + k[None, :]
-    return tl.load(at, mask=(m0 + rows[:, None] < n) & (k[None, :] < groups), other=0.0)
+    at = _base(G, b, 0, m0, n * groups, 0, groups) + rows * groups + k
+    return tl.load(at, mask=m0 + rows < n, other=0.0)
+
+
+@triton.jit
+def _affinity(G, b, m0, n0, n, groups: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """g_i . g_j [BM, BN] of positions i in m0 .. m0 + BM and j in n0 .. n0 + BN: K fp32 FMAs
+    a pair (K is small: a dot product would pad it to 16 and, in fp32 on tensor cores, split
+    it three ways, at twice the registers)."""
+    affinity = tl.zeros((BM, BN), tl.float32)
+    for k in tl.static_range(groups):
+        column = _column(G, b, n0, n, groups, k, BN)
+        affinity += _column(G, b, m0, n, groups, k, BM)[:, None] * column[None, :]
+    return affinity
+
+
+@triton.jit
+def _dg(daffinity, G, b, n0, n, groups: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+        KP: tl.constexpr):  # fmt: skip
+    """daffinity [BM, BN] @ g [BN, K] of positions n0 .. n0 + BN: [BM, KP], a group at a time."""
+    out = tl.zeros((BM, KP), tl.float32)
+    k_of = tl.arange(0, KP)[None, :]
+    for k in tl.static_range(groups):
+        column = tl.sum(daffinity * _column(G, b, n0, n, groups, k, BN)[None, :], axis=1)
+        out += tl.where(k_of == k, column[:, None], 0.0)
+    return out
 
 
 @triton.jit
@@ -120,23 +144,19 @@ def _first_key(DOCS, b, m0, n, BN: tl.constexpr, HAS_DOCS: tl.constexpr):
 
 
 @triton.jit
-def _pairs(rows, first, cols, n, window, sink):
-    """(causal, distant) [BM, BN] of query positions `rows` (document starts `first`) and keys
-    `cols`."""
-    i = rows[:, None]
-    j = cols[None, :]
-    causal = (j <= i) & (j >= first[:, None]) & (j < n)
-    return causal, causal & (i - j >= window) & (j >= first[:, None] + sink)
+def _pairs(i, j, first, n, window, sink):
+    """(causal, distant) of query positions i (document starts `first`) and key positions j,
+    broadcast against each other: [queries, keys], or [keys, queries] in the keys pass."""
+    causal = (j <= i) & (j >= first) & (j < n)
+    return causal, causal & (i - j >= window) & (j >= first + sink)
 
 
 @triton.jit
-def _gate(g_q, g_k, distant, gate_scale, LOG_GATE: tl.constexpr):
-    """(affinity [BM, BN], the gate on a tile: the log gate's additive bias, or the paper's
-    factor on the logit)."""
-    affinity = tl.dot(g_q, tl.trans(g_k), input_precision="tf32x3")
+def _gate(affinity, distant, gate_scale, LOG_GATE: tl.constexpr):
+    """The gate on a tile: the log gate's additive bias, or the paper's factor on the logit."""
     if LOG_GATE:
-        return affinity, tl.where(distant, gate_scale * tl.log(tl.maximum(affinity, TINY)), 0.0)
-    return affinity, tl.where(distant, tl.sigmoid(gate_scale * affinity), 1.0)
+        return tl.where(distant, gate_scale * tl.log(tl.maximum(affinity, TINY)), 0.0)
+    return tl.where(distant, tl.sigmoid(gate_scale * affinity), 1.0)
 
 
 @triton.jit
@@ -159,7 +179,7 @@ def _affinity_grad(dgate, affinity, distant, gate_scale, LOG_GATE: tl.constexpr)
 @triton.jit
 def _forward(
     Q, K, V, G, DOCS, OUT, LSE,
-    n, heads, kv_heads, rep, groups, head_dim,
+    n, heads, kv_heads, rep, groups: tl.constexpr, head_dim,
     sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_n,
     scale, gate_scale, window, sink,
     REP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, KP: tl.constexpr,
@@ -175,19 +195,17 @@ def _forward(
     q = tl.load(q_at, mask=q_ok, other=0.0)
     rows = m0 + tl.arange(0, BM)
     first = _document_starts(DOCS, b, m0, n, BM, HAS_DOCS)
-    g_q = _assignments(G, b, m0, n, groups, BM, KP)
     running_max = tl.full((REP * BM,), float("-inf"), tl.float32)
     total = tl.zeros((REP * BM,), tl.float32)
     acc = tl.zeros((REP * BM, D), tl.float32)
     for start in range(_first_key(DOCS, b, m0, n, BN, HAS_DOCS), tl.minimum(m0 + BM, n), BN):
         k_at, kv_ok = _rows_tile(K, b, kv_head, start, n, sk_b, sk_h, sk_n, head_dim, BN, D)
-        v_at, _ = _rows_tile(V, b, kv_head, start, n, sv_b, sv_h, sv_n, head_dim, BN, D)
+        v_at, v_ok = _rows_tile(V, b, kv_head, start, n, sv_b, sv_h, sv_n, head_dim, BN, D)
         k = tl.load(k_at, mask=kv_ok, other=0.0)
         cols = start + tl.arange(0, BN)
-        causal, distant = _pairs(rows, first, cols, n, window, sink)
-        _, gate = _gate(
-            g_q, _assignments(G, b, start, n, groups, BN, KP), distant, gate_scale, LOG_GATE
-        )
+        causal, distant = _pairs(rows[:, None], cols[None, :], first[:, None], n, window, sink)
+        affinity = _affinity(G, b, m0, start, n, groups, BM, BN)
+        gate = _gate(affinity, distant, gate_scale, LOG_GATE)
         raw = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         scores = _gated(raw, _heads(gate, REP, BM, BN), _heads(causal, REP, BM, BN), LOG_GATE)
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
@@ -217,7 +235,7 @@ def _delta(
     b = tl.program_id(1) // heads
     head = tl.program_id(1) % heads
     o_at, ok = _rows_tile(OUT, b, head, m0, n, so_b, so_h, so_n, head_dim, BM, D)
-    do_at, _ = _rows_tile(DO, b, head, m0, n, sd_b, sd_h, sd_n, head_dim, BM, D)
+    do_at, do_ok = _rows_tile(DO, b, head, m0, n, sd_b, sd_h, sd_n, head_dim, BM, D)
     products = tl.load(o_at, mask=ok, other=0.0).to(tl.float32)
     products *= tl.load(do_at, mask=ok, other=0.0).to(tl.float32)
     rows = tl.arange(0, BM)
@@ -228,7 +246,7 @@ def _delta(
 @triton.jit
 def _backward_keys(
     Q, K, V, G, DOCS, QUERY_END, DO, LSE, DELTA, DK, DV, DG_K,
-    n, heads, kv_heads, rep, groups, head_dim,
+    n, heads, kv_heads, rep, groups: tl.constexpr, head_dim,
     sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sd_b, sd_h, sd_n, sg_b, sg_h, sg_n,
     scale, gate_scale, window, sink,
     BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, KP: tl.constexpr,
@@ -240,51 +258,49 @@ def _backward_keys(
     b = tl.program_id(1) // kv_heads
     kv_head = tl.program_id(1) % kv_heads
     k_at, kv_ok = _rows_tile(K, b, kv_head, n0, n, sk_b, sk_h, sk_n, head_dim, BN, D)
-    v_at, _ = _rows_tile(V, b, kv_head, n0, n, sv_b, sv_h, sv_n, head_dim, BN, D)
+    v_at, v_ok = _rows_tile(V, b, kv_head, n0, n, sv_b, sv_h, sv_n, head_dim, BN, D)
     k = tl.load(k_at, mask=kv_ok, other=0.0)
     v = tl.load(v_at, mask=kv_ok, other=0.0)
-    g_k = _assignments(G, b, n0, n, groups, BN, KP)
     cols = n0 + tl.arange(0, BN)
     dk = tl.zeros((BN, D), tl.float32)
     dv = tl.zeros((BN, D), tl.float32)
     dg_k = tl.zeros((BN, KP), tl.float32)
     end = n
     if HAS_DOCS:
-        end = tl.load(QUERY_END + b * tl.num_programs(0) + tl.program_id(0))
-    for m0 in range((n0 // BM) * BM, end, BM):
+        end = tl.load(_base(QUERY_END, b, 0, tl.program_id(0), tl.num_programs(0), 0, 1))
+    for m0 in range((n0 // BM) * BM, end, BM):  # tiles [keys, queries], as FlashAttention-2's
         rows = m0 + tl.arange(0, BM)
         row_ok = rows < n
-        causal, distant = _pairs(
-            rows, _document_starts(DOCS, b, m0, n, BM, HAS_DOCS), cols, n, window, sink
-        )
-        causal = causal & row_ok[:, None]
-        g_q = _assignments(G, b, m0, n, groups, BM, KP)
-        affinity, gate = _gate(g_q, g_k, distant, gate_scale, LOG_GATE)
-        dgate = tl.zeros((BM, BN), tl.float32)
+        first = _document_starts(DOCS, b, m0, n, BM, HAS_DOCS)
+        causal, distant = _pairs(rows[None, :], cols[:, None], first[None, :], n, window, sink)
+        causal = causal & row_ok[None, :]
+        affinity = _affinity(G, b, n0, m0, n, groups, BN, BM)
+        gate = _gate(affinity, distant, gate_scale, LOG_GATE)
+        dgate = tl.zeros((BN, BM), tl.float32)
         for r in range(rep):
             head = kv_head * rep + r
             q_at, q_ok = _rows_tile(Q, b, head, m0, n, sq_b, sq_h, sq_n, head_dim, BM, D)
-            do_at, _ = _rows_tile(DO, b, head, m0, n, sd_b, sd_h, sd_n, head_dim, BM, D)
+            do_at, do_ok = _rows_tile(DO, b, head, m0, n, sd_b, sd_h, sd_n, head_dim, BM, D)
             q = tl.load(q_at, mask=q_ok, other=0.0)
             do = tl.load(do_at, mask=q_ok, other=0.0)
             offsets = tl.arange(0, BM)
             lse = _row_stats(LSE, b, head, m0, n, heads, offsets, row_ok)
             delta = _row_stats(DELTA, b, head, m0, n, heads, offsets, row_ok)
-            raw = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            p = tl.exp(_gated(raw, gate, causal, LOG_GATE) - lse[:, None])
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-            dscores = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
+            raw = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale
+            p = tl.exp(_gated(raw, gate, causal, LOG_GATE) - lse[None, :])
+            dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
+            dscores = p * (tl.dot(v, tl.trans(do), input_precision=PRECISION) - delta[None, :])
             if LOG_GATE:
                 dgate += dscores
                 draw = dscores
             else:
                 dgate += dscores * raw
                 draw = dscores * gate
-            dk += tl.dot(tl.trans(draw.to(q.dtype)), q, input_precision=PRECISION)
+            dk += tl.dot(draw.to(q.dtype), q, input_precision=PRECISION)
         daffinity = _affinity_grad(dgate, affinity, distant, gate_scale, LOG_GATE)
-        dg_k += tl.dot(tl.trans(daffinity), g_q, input_precision="tf32x3")
-    dk_at, _ = _rows_tile(DK, b, kv_head, n0, n, sg_b, sg_h, sg_n, head_dim, BN, D)
-    dv_at, _ = _rows_tile(DV, b, kv_head, n0, n, sg_b, sg_h, sg_n, head_dim, BN, D)
+        dg_k += _dg(daffinity, G, b, m0, n, groups, BN, BM, KP)
+    dk_at, dk_ok = _rows_tile(DK, b, kv_head, n0, n, sg_b, sg_h, sg_n, head_dim, BN, D)
+    dv_at, dv_ok = _rows_tile(DV, b, kv_head, n0, n, sg_b, sg_h, sg_n, head_dim, BN, D)
     tl.store(dk_at, (dk * scale).to(DK.dtype.element_ty), mask=kv_ok)
     tl.store(dv_at, dv.to(DV.dtype.element_ty), mask=kv_ok)
     _store_dg(DG_K, dg_k, b, kv_head, kv_heads, n0, n, groups, BN, KP)
@@ -306,7 +322,7 @@ def _store_dg(DG, dg, b, kv_head, kv_heads, m0, n, groups, BM: tl.constexpr, KP:
 @triton.jit
 def _backward_queries(
     Q, K, V, G, DOCS, DO, LSE, DELTA, DQ, DG_Q,
-    n, heads, kv_heads, rep, groups, head_dim,
+    n, heads, kv_heads, rep, groups: tl.constexpr, head_dim,
     sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sd_b, sd_h, sd_n, so_b, so_h, so_n,
     scale, gate_scale, window, sink,
     REP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, KP: tl.constexpr,
@@ -321,7 +337,9 @@ def _backward_queries(
     q_at, q_ok = _stacked_tile(
         Q, b, kv_head * rep, m0, sq_b, sq_h, sq_n, head, row, ok, head_dim, D
     )
-    do_at, _ = _stacked_tile(DO, b, kv_head * rep, m0, sd_b, sd_h, sd_n, head, row, ok, head_dim, D)
+    do_at, do_ok = _stacked_tile(
+        DO, b, kv_head * rep, m0, sd_b, sd_h, sd_n, head, row, ok, head_dim, D
+    )
     q = tl.load(q_at, mask=q_ok, other=0.0)
     do = tl.load(do_at, mask=q_ok, other=0.0)
     offsets = head * n + row
@@ -329,18 +347,17 @@ def _backward_queries(
     delta = _row_stats(DELTA, b, kv_head * rep, m0, n, heads, offsets, ok)
     rows = m0 + tl.arange(0, BM)
     first = _document_starts(DOCS, b, m0, n, BM, HAS_DOCS)
-    g_q = _assignments(G, b, m0, n, groups, BM, KP)
     dq = tl.zeros((REP * BM, D), tl.float32)
     dg_q = tl.zeros((BM, KP), tl.float32)
     for start in range(_first_key(DOCS, b, m0, n, BN, HAS_DOCS), tl.minimum(m0 + BM, n), BN):
         k_at, kv_ok = _rows_tile(K, b, kv_head, start, n, sk_b, sk_h, sk_n, head_dim, BN, D)
-        v_at, _ = _rows_tile(V, b, kv_head, start, n, sv_b, sv_h, sv_n, head_dim, BN, D)
+        v_at, v_ok = _rows_tile(V, b, kv_head, start, n, sv_b, sv_h, sv_n, head_dim, BN, D)
         k = tl.load(k_at, mask=kv_ok, other=0.0)
         v = tl.load(v_at, mask=kv_ok, other=0.0)
         cols = start + tl.arange(0, BN)
-        g_k = _assignments(G, b, start, n, groups, BN, KP)
-        causal, distant = _pairs(rows, first, cols, n, window, sink)
-        affinity, gate = _gate(g_q, g_k, distant, gate_scale, LOG_GATE)
+        causal, distant = _pairs(rows[:, None], cols[None, :], first[:, None], n, window, sink)
+        affinity = _affinity(G, b, m0, start, n, groups, BM, BN)
+        gate = _gate(affinity, distant, gate_scale, LOG_GATE)
         raw = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         stacked_gate = _heads(gate, REP, BM, BN)
         scores = _gated(raw, stacked_gate, _heads(causal, REP, BM, BN) & ok[:, None], LOG_GATE)
@@ -354,8 +371,10 @@ def _backward_queries(
             draw = dscores * stacked_gate
         dq += tl.dot(draw.to(k.dtype), k, input_precision=PRECISION)
         daffinity = _affinity_grad(dgate, affinity, distant, gate_scale, LOG_GATE)
-        dg_q += tl.dot(daffinity, g_k, input_precision="tf32x3")
-    dq_at, _ = _stacked_tile(DQ, b, kv_head * rep, m0, so_b, so_h, so_n, head, row, ok, head_dim, D)
+        dg_q += _dg(daffinity, G, b, start, n, groups, BM, BN, KP)
+    dq_at, dq_ok = _stacked_tile(
+        DQ, b, kv_head * rep, m0, so_b, so_h, so_n, head, row, ok, head_dim, D
+    )
     tl.store(dq_at, (dq * scale).to(DQ.dtype.element_ty), mask=q_ok)
     _store_dg(DG_Q, dg_q, b, kv_head, kv_heads, m0, n, groups, BM, KP)
 
@@ -380,8 +399,8 @@ class Plan:
         self.rep = heads // self.kv_heads
         self.groups = g.shape[-1]
         self.tiles = {
-            p: triton_launch.gate_tile(p, capability, head_dim, q.dtype)
-            for p in ("forward", "keys", "queries")
+            p: triton_launch.gate_tile(p, capability, head_dim, q.dtype, gate)
+            for p in triton_launch.GATE_PASSES
         }
         missing = [p for p, tile in self.tiles.items() if tile is None]
         if missing:
@@ -401,9 +420,10 @@ class Plan:
         self.docs = doc_start
 
     def _stacking(self, tile):
-        """REP, BM: the query heads sharing a key/value head stacked on `tile.rows` rows."""
+        """REP, BM: the query heads sharing a key/value head stacked on `tile.rows` rows (so a
+        tile's registers do not grow with GQA; fewer queries a block as more heads share)."""
         rep = triton.next_power_of_2(self.rep)
-        return dict(REP=rep, BM=max(16, tile.rows // rep))
+        return dict(REP=rep, BM=max(1, tile.rows // rep))
 
     def _launch(self, kernel, pass_, grid_rows, tensors, strides, constants):
         tile = self.tiles[pass_]

@@ -4,8 +4,8 @@ architecture, head dim, dtype and pass, read by the launchers and by the compile
 zero spills and the architecture's shared memory.
 
 Why a table: one launch shape for every GPU spills registers on A100 at head dim 128 and needs
-more shared memory than an A10/L4/L40S block has. Where the table has no entry (an older GPU,
-fp32 at a head dim no tile fits), the kernel choice falls back by name (kernels.soft_gate).
+more shared memory than an A10/L4/L40S block has. Where the table has no entry (a GPU before
+Ampere, fp32, a head dim past 256), the kernel choice falls back by name (kernels.soft_gate).
 
 `Launch` is one kernel launch as data: the GPU runs it, the fit test compiles it from the same
 launcher on meta tensors, so what is tested is what runs.
@@ -44,36 +44,74 @@ class Tile:
     stages: int
 
 
-_GATE = {  # (arch, head dim, pass) -> Tile; half precision (bf16, fp16)
-    ("sm90", 64, "forward"): Tile(128, 64, 4, 3),
-    ("sm90", 128, "forward"): Tile(128, 64, 8, 2),
-    ("sm90", 256, "forward"): Tile(64, 32, 8, 2),
-    ("sm90", 64, "keys"): Tile(32, 64, 4, 2),
-    ("sm90", 128, "keys"): Tile(32, 64, 4, 2),
-    ("sm90", 256, "keys"): Tile(16, 32, 4, 2),
-    ("sm90", 64, "queries"): Tile(64, 32, 4, 2),
-    ("sm90", 128, "queries"): Tile(64, 32, 4, 2),
-    ("sm90", 256, "queries"): Tile(32, 32, 4, 2),
+# The soft gate's tiles, for bf16 and fp16: (arch, gate) -> {head dim: (forward, keys,
+# queries)}, each "rows x keys x warps x stages". Found by compiling candidates largest first
+# and keeping the first with zero spills and shared memory within the architecture's limit at
+# GQA 1, 2 and 8 (GQA 1 compiles apart: Triton specializes an argument equal to 1), with and
+# without documents (benchmarks/kernel_fit.py reports them; tests/model/test_kernel_fit.py holds
+# them). The paper's sigmoid gate keeps more in its backward. fp32 has none: even 16 x 16 tiles
+# spill a few bytes on sm_80 (kernel_fit.py --dtypes fp32).
+_GATE_TABLE = {
+    ("sm80", "log"): {
+        64: ("128x32x8x2", "32x32x4x2", "128x32x8x2"),
+        128: ("128x64x8x2", "16x32x4x2", "16x32x4x1"),
+        256: ("32x32x4x2", "16x16x4x1", "16x32x4x1"),
+    },
+    ("sm80", "sigmoid"): {
+        64: ("128x64x8x2", "64x32x8x2", "32x32x4x2"),
+        128: ("128x64x8x2", "16x32x4x2", "16x32x4x1"),
+        256: ("32x32x4x2", "16x16x4x1", "16x16x4x1"),
+    },
+    ("sm86", "log"): {
+        64: ("128x32x8x2", "32x32x4x2", "32x32x4x2"),
+        128: ("128x64x8x2", "16x32x4x2", "16x16x4x1"),
+        256: ("32x32x4x2", "16x16x4x1", "32x16x8x1"),
+    },
+    ("sm86", "sigmoid"): {
+        64: ("128x32x8x2", "32x32x4x2", "16x32x4x1"),
+        128: ("128x64x8x2", "16x32x4x2", "16x32x4x1"),
+        256: ("64x32x8x1", "16x16x4x1", "16x32x4x1"),
+    },
+    ("sm90", "log"): {
+        64: ("128x64x8x2", "32x32x4x2", "128x32x8x2"),
+        128: ("128x64x8x2", "16x32x4x2", "16x32x4x1"),
+        256: ("32x32x4x2", "16x16x4x1", "16x32x4x1"),
+    },
+    ("sm90", "sigmoid"): {
+        64: ("128x64x8x2", "32x32x4x2", "32x32x4x2"),
+        128: ("128x64x8x2", "16x32x4x2", "16x32x4x1"),
+        256: ("128x32x8x2", "16x16x4x1", "16x32x4x1"),
+    },
 }
-_GATE.update({("sm80", d, p): tile for (_, d, p), tile in list(_GATE.items())})
-_GATE.update({("sm86", d, p): tile for (_, d, p), tile in list(_GATE.items()) if _ == "sm90"})
 
+
+def _tile(text: str) -> "Tile":
+    return Tile(*map(int, text.split("x")))
+
+
+GATE_PASSES = ("forward", "keys", "queries")
 HEAD_DIMS = (64, 128, 256)  # the table's head dims; a smaller one takes the next's tiles
 _INTERPRETED = Tile(16, 16, 4, 1)  # small blocks, so small test inputs cross block edges
 
 
-def gate_tile(pass_: str, capability, head_dim: int, dtype: torch.dtype) -> Tile | None:
-    """The soft gate's tile for a pass ("forward", "keys", "queries") on a GPU of `capability`
-    (None: Triton's interpreter); None where no tile fits that GPU."""
+def gate_tile(
+    pass_: str, capability, head_dim: int, dtype: torch.dtype, gate: str = "log"
+) -> Tile | None:
+    """The soft gate's tile for a pass ("forward", "keys", "queries") and gate ("log", or the
+    paper's "sigmoid") on a GPU of `capability` (None: Triton's interpreter); None where no
+    tile fits that GPU."""
     if capability is None:
         return _INTERPRETED
     if dtype == torch.float32:
-        return None  # fp32 operands double every tile's registers and shared memory
-    size = next((d for d in HEAD_DIMS if head_dim <= d), None)
-    return _GATE.get((arch(capability), size, pass_))
+        return None
+    by_head_dim = _GATE_TABLE.get((arch(capability), gate), {})
+    size = next((d for d in sorted(by_head_dim) if head_dim <= d), None)
+    if size is None:
+        return None
+    return _tile(by_head_dim[size][GATE_PASSES.index(pass_)])
 
 
-_XSA = {64: Tile(64, 0, 4, 1), 128: Tile(64, 0, 4, 1), 256: Tile(32, 0, 4, 1)}  # rows: tokens
+_XSA = {64: Tile(64, 0, 4, 1), 128: Tile(32, 0, 4, 1), 256: Tile(16, 0, 4, 1)}  # rows: tokens
 
 
 def xsa_tile(capability, head_dim: int) -> Tile:
@@ -81,7 +119,7 @@ def xsa_tile(capability, head_dim: int) -> Tile:
     keeps no tile in shared memory); any head dim up to 256 and any dtype fit."""
     if capability is None:
         return _INTERPRETED
-    return _XSA[next(d for d in HEAD_DIMS if head_dim <= d)]
+    return _XSA[next((d for d in HEAD_DIMS if head_dim <= d), 256)]  # past 256: the fewest
 
 
 def sinkhorn_tile(capability) -> Tile:

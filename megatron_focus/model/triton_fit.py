@@ -1,0 +1,181 @@
+"""Whether the Triton kernels fit real GPUs, found without one: each launch the launchers make
+(on meta tensors laid out as the model lays them out) compiled for sm_80, sm_86 and sm_90 by
+Triton's own toolchain, and its ptxas report read: registers, spill bytes, shared memory against
+the architecture's per-block limit.
+
+The interpreter proves the kernels' logic; this proves their fit (tests/model/test_kernel_fit.py
+holds every launch to zero spills; benchmarks/kernel_fit.py prints the table, and on a GPU the
+driver's own counts beside it).
+"""
+
+import contextlib
+import dataclasses
+import io
+import re
+
+import torch
+
+from megatron_focus.model import triton_gate, triton_launch, triton_sinkhorn, triton_xsa
+from megatron_focus.model.triton_launch import SHARED_MEMORY, TARGETS, Launch
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    shared: int  # bytes of shared memory per block
+    limit: int  # the architecture's per-block shared memory
+    wide_addresses: bool  # every tensor argument offset from its base in 64 bits
+
+    @property
+    def fits(self) -> bool:
+        return self.spill_stores == 0 and self.spill_loads == 0 and self.shared <= self.limit
+
+
+def _specialize(launch: Launch, backend):
+    """(signature, constexprs, attributes, options) of a launch, as Triton's launcher derives
+    them from its arguments (types, 16-divisibility of sizes, strides and pointers)."""
+    from triton.runtime.jit import create_function_from_signature
+
+    kernel = launch.kernel
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    # what Triton's launcher adds to a launch's keywords (fewer in older Tritons)
+    extra = dict(debug=False, instrumentation_mode="", fpsan_homomorphic_casts=False)
+    known = backend.parse_options({}).__dict__
+    keywords = dict(
+        **launch.constants, **launch.options, **{k: v for k, v in extra.items() if k in known}
+    )
+    bound, specialization, options = binder(*launch.args, **keywords)
+    options, signature, constexprs, attrs = kernel._pack_args(
+        backend, keywords, bound, specialization, options
+    )
+    return signature, constexprs, attrs, options
+
+
+def compile_for(launch: Launch, arch: str) -> Fit:
+    """Compile `launch` for `arch` ("sm80", "sm86", "sm90") and read ptxas's report."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+
+    target = GPUTarget("cuda", TARGETS[arch], 32)
+    backend = make_backend(target)
+    signature, constexprs, attrs, options = _specialize(launch, backend)
+    log = io.StringIO()
+    before = knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile
+    knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = True, True
+    try:
+        with contextlib.redirect_stdout(log):
+            compiled = triton.compile(
+                ASTSource(launch.kernel, signature, constexprs, attrs),
+                target=target,
+                options=options.__dict__,
+            )
+    finally:
+        knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = before
+    report = log.getvalue()
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    registers = re.search(r"Used (\d+) registers", report)
+    if spills is None or registers is None:
+        raise RuntimeError(f"no ptxas report for {launch.kernel.__name__}: {report[-500:]}")
+    return Fit(
+        int(registers.group(1)),
+        int(spills.group(1)),
+        int(spills.group(2)),
+        compiled.metadata.shared,
+        SHARED_MEMORY[arch],
+        _wide_addresses(launch, compiled.asm["ttir"]),
+    )
+
+
+def _wide_addresses(launch: Launch, ttir: str) -> bool:
+    """No tensor argument is offset from its base by a 32-bit integer (Triton types a Python int
+    below 2^31, a size or a stride, as i32: a product of them wraps past 2^31)."""
+    for name, arg in zip(launch.kernel.arg_names, launch.args):
+        if isinstance(arg, torch.Tensor):
+            pattern = rf"tt\.addptr %{name}, %\S+ : !tt\.ptr<\w+>, (\w+)"
+            if set(re.findall(pattern, ttir)) - {"i64"}:
+                return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One attention layer's shape: heads of `head_dim`, `rep` query heads a key/value head."""
+
+    head_dim: int
+    rep: int
+    dtype: torch.dtype = torch.bfloat16
+    log_gate: bool = True
+    documents: bool = False
+    kv_heads: int = 2
+    tokens: int = 4096
+    batch: int = 2
+    groups: int = 8
+
+    def __str__(self):
+        dtype = str(self.dtype).removeprefix("torch.")
+        gate = "log" if self.log_gate else "sigmoid"
+        docs = "+docs" if self.documents else ""
+        return f"d{self.head_dim} gqa{self.rep} {dtype} {gate}{docs}"
+
+
+def megatron_qkv(shape: Shape):
+    """q, k, v on the meta device as Megatron's SelfAttention hands them over: views of one
+    fused QKV output [s, b, kv, (rep + 2) d] permuted to [b, heads, s, d], k a new tensor
+    (RoPE's)."""
+    s, b, kv, rep, d = shape.tokens, shape.batch, shape.kv_heads, shape.rep, shape.head_dim
+    qkv = torch.empty(s, b, kv, (rep + 2) * d, device="meta", dtype=shape.dtype)
+    q, _, v = torch.split(qkv, [rep * d, d, d], dim=-1)
+    k = torch.empty(s, b, kv, d, device="meta", dtype=shape.dtype)
+    q = q.reshape(s, b, kv * rep, d)
+    return (t.permute(1, 2, 0, 3) for t in (q, k, v))
+
+
+def gate_launches(shape: Shape, capability) -> list:
+    """(name, Launch) of the soft gate's forward and backward at `shape`."""
+    q, k, v = megatron_qkv(shape)
+    g = torch.empty(shape.batch, shape.tokens, shape.groups, device="meta")
+    docs = torch.zeros(shape.batch, shape.tokens, device="meta", dtype=torch.int32)
+    plan = triton_gate.Plan(
+        q, k, v, g, docs if shape.documents else None, window=128, gate_scale=1.0, scale=0.1,
+        sink=0, gate="log" if shape.log_gate else "sigmoid", capability=capability,
+    )  # fmt: skip
+    names = ("gate forward", "gate delta", "gate keys", "gate queries")
+    return list(zip(names, plan.launches(q, k, v, g, docs if shape.documents else g)))
+
+
+def xsa_launches(shape: Shape, capability) -> list:
+    q, _, v = megatron_qkv(shape)
+    y = torch.empty(q.shape, device="meta", dtype=shape.dtype)
+    dv = torch.empty(v.shape, device="meta", dtype=shape.dtype)
+    return [
+        ("xsa forward", triton_xsa.launch(triton_xsa._forward, y, v, y, eps=1e-6,
+                                          capability=capability)),
+        ("xsa backward", triton_xsa.launch(triton_xsa._backward, y, v, y, y, dv, eps=1e-6,
+                                           capability=capability)),
+    ]  # fmt: skip
+
+
+def sinkhorn_launches(shape: Shape, capability, iters: int = 10) -> list:
+    b, n, groups = shape.batch, shape.tokens, shape.groups
+    scores = torch.empty(b, groups, n, device="meta").transpose(1, 2)  # the router's layout
+    states = torch.empty(iters + 1, b, n, groups, device="meta")
+    docs = torch.zeros(b, n, device="meta", dtype=torch.int32)
+    forward, backward = triton_sinkhorn.launches(
+        scores, iters, docs if shape.documents else scores, shape.documents, states, states,
+        states[0], scores, capability,
+    )  # fmt: skip
+    return [("sinkhorn forward", forward), ("sinkhorn backward", backward)]
+
+
+def all_launches(shape: Shape, arch: str) -> list:
+    """Every (name, Launch) the kernels make at `shape` on `arch`: the gate's where its table
+    has a tile (else none: the kernel choice falls back), XSA's and the Sinkhorn's always."""
+    capability = (TARGETS[arch] // 10, TARGETS[arch] % 10)
+    launches = xsa_launches(shape, capability) + sinkhorn_launches(shape, capability)
+    if triton_launch.gate_tile("forward", capability, shape.head_dim, shape.dtype) is not None:
+        launches = gate_launches(shape, capability) + launches
+    return launches
