@@ -917,6 +917,8 @@ def _use_checkpoint_args(args: argparse.Namespace) -> None:
     for key, value in saved.items():
         if key not in ("tensor_model_parallel_size", "padded_vocab_size"):
             setattr(args, key, value)
+    # the record holds one group per head without GQA, as validation would make it
+    args.group_query_attention = saved["num_query_groups"] != saved["num_attention_heads"]
 
 
 # The least value each numeric flag may take (flags left unset, None, are not checked).

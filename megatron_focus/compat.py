@@ -403,7 +403,7 @@ def _dest(flags: List[str], keywords: dict) -> str:
     return keywords.get("dest", flags[0][2:].replace("-", "_"))
 
 
-def _defaults() -> Dict[str, object]:
+def megatron_defaults() -> Dict[str, object]:
     """Each destination's value when no flag sets it: the first of its actions' default, as
     argparse keeps it (Megatron-LM's default)."""
     defaults: Dict[str, object] = {}
@@ -458,7 +458,7 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
             "Megatron-LM flags refused unless off (Megatron-LM's default)"
         ),
     }
-    defaults = _defaults()
+    defaults = megatron_defaults()
     for flags, keywords in megatron_lm_actions():
         if known.intersection(flags):
             continue
@@ -482,7 +482,7 @@ def refusals(args: argparse.Namespace) -> Dict[str, List[str]]:
     """why -> the refused flags `args` gives at a value other than "off", as a user writes them.
     Flags that share a destination (Megatron-LM's old and new names) share their "off" values."""
     given: Dict[str, List[str]] = {}
-    defaults, off, refused = _defaults(), {}, {}
+    defaults, off, refused = megatron_defaults(), {}, {}
     for flags, keywords in megatron_lm_actions():
         if (classify(flags[0]) or ("",))[0] == "refused":
             dest = _dest(flags, keywords)

@@ -35,7 +35,7 @@ from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAM
 
 from megatron_focus import platform
 from megatron_focus.checkpoint import format as checkpoint_format
-from megatron_focus.checkpoint.format import SHAPE_KEYS
+from megatron_focus.checkpoint import megatron_lm_args
 from megatron_focus.checkpoint.safe_load import load_file
 
 # Megatron-LM's version of checkpoints of Megatron-Core models (`generate_state_dict`).
@@ -83,7 +83,7 @@ def common_state(folder: str, allow_unsafe: bool) -> dict:
 
 def megatron_args(args: argparse.Namespace, padded_vocab_size: int, consumed: int):
     """The 'args' record Megatron-LM checks and resumes from: this run's flags (Megatron's
-    names), plus what Megatron-LM derives or counts."""
+    names), the model's fields as Megatron-LM names and derives them, and what it counts."""
     plain = (bool, int, float, str, type(None))
     record = {
         k: v
@@ -95,8 +95,8 @@ def megatron_args(args: argparse.Namespace, padded_vocab_size: int, consumed: in
     world = torch.distributed.get_world_size()
     record.update(
         ckpt_format="torch_dist",
+        **megatron_lm_args.record(args),
         padded_vocab_size=padded_vocab_size,
-        add_position_embedding=args.position_embedding_type == "learned_absolute",
         consumed_train_samples=consumed,
         skipped_train_samples=0,
         consumed_valid_samples=0,
@@ -233,36 +233,4 @@ def model_args_of(checkpoint: str, allow_unsafe: bool) -> dict:
     saved = common_state(checkpoint, allow_unsafe).get("args")
     if saved is None:
         raise ValueError(f"{checkpoint} records no args: its model is unknown")
-    return _model_args(saved)
-
-
-# Megatron-LM's defaults of the model flags, for an args record that omits one.
-MEGATRON_DEFAULTS = {
-    "xsa_layers": None,
-    "window_size": None,
-    "openai_gelu": False,
-    "squared_relu": False,
-    "add_qkv_bias": False,
-    "apply_layernorm_1p": False,
-    "qk_layernorm": False,
-    "use_rope_scaling": False,
-    "rope_scaling_factor": 8.0,
-    "rotary_base": 10000,
-    "rotary_percent": 1.0,
-    "normalization": "LayerNorm",
-    "norm_epsilon": 1e-5,
-    "swiglu": False,
-    "add_bias_linear": True,
-    "untie_embeddings_and_output_weights": False,
-    "position_embedding_type": "learned_absolute",
-}
-
-
-def _model_args(saved: argparse.Namespace) -> dict:
-    """A Megatron-LM checkpoint's model as `model_args.json` would record it: its args, under
-    the same names, with standard attention."""
-    values = {key: getattr(saved, key, MEGATRON_DEFAULTS.get(key)) for key in SHAPE_KEYS}
-    return {
-        **{k: list(v) if isinstance(v, tuple) else v for k, v in values.items()},
-        "attention": "standard",
-    }
+    return megatron_lm_args.model_args(saved)

@@ -3,13 +3,13 @@ writes for its own GPTModel (built here from Megatron-Core's local layer spec, t
 reference) load into this trainer's model and back, with the same logits, at TP 1 and 2 and
 across them."""
 
-import argparse
 import json
 import os
 
 import pytest
 import torch
 
+import megatron_lm_record
 from distributed import run_distributed
 from tiny_runs import TINY, train
 
@@ -70,38 +70,14 @@ def _logits(model) -> torch.Tensor:
         return gather_from_tensor_model_parallel_region(model(tokens, positions, mask))
 
 
-def _megatron_lm_save(model, folder: str, args, iteration: int = 7) -> None:
-    """As Megatron-LM's `save_checkpoint` writes a torch_dist checkpoint (its args record
-    reduced to the model's flags), with `dist_checkpointing.save` of `model`."""
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing
+def _megatron_lm(tp: int, seed: int):
+    """Megatron-LM's record of MODEL's flags and the model pretrain_gpt.py builds from it."""
+    from megatron_focus import platform
 
-    from megatron_focus.checkpoint.format import SHAPE_KEYS
-
-    tag_dir = os.path.join(folder, f"iter_{iteration:07d}")
-    if dist.get_rank() == 0:
-        os.makedirs(tag_dir)
-    dist.barrier()
-    # Megatron-LM's args hold every model flag under the names used here, bar the variant's
-    megatron_args = argparse.Namespace(
-        **{
-            k: getattr(args, k)
-            for k in SHAPE_KEYS
-            if k not in ("attention", "xsa_layers", "padded_vocab_size")
-        },
-        padded_vocab_size=256,
-    )
-    state = {
-        "model": model.sharded_state_dict(),
-        "args": megatron_args,
-        "checkpoint_version": 3.0,
-        "iteration": iteration,
-    }
-    dist_checkpointing.save(state, tag_dir)
-    if dist.get_rank() == 0:
-        with open(os.path.join(folder, "latest_checkpointed_iteration.txt"), "w") as f:
-            f.write(str(iteration))
-    dist.barrier()
+    argv = MODEL + ["--max-position-embeddings", "32", "--tensor-model-parallel-size", str(tp)]
+    record = megatron_lm_record.record(argv, VOCAB + 1)
+    platform.manual_seed(seed)
+    return record, megatron_lm_record.gpt_model(record).eval()
 
 
 def _both_ways(tp: int, folder: str, attention: str) -> dict:
@@ -122,8 +98,8 @@ def _both_ways(tp: int, folder: str, attention: str) -> dict:
     before = _logits(reference)
     loaded = dist_checkpointing.load({"model": reference.sharded_state_dict()}, tag_dir)
     reference.load_state_dict(loaded["model"])
-    theirs = _megatron_core(args, seed=3)
-    _megatron_lm_save(theirs, os.path.join(folder, "megatron"), args)
+    record, theirs = _megatron_lm(tp, seed=3)
+    megatron_lm_record.save(theirs, os.path.join(folder, "megatron"), record)
     into_ours = _ours(_args(tp, "--attention", attention), seed=4)
     routers = {k: v.clone() for k, v in into_ours.state_dict().items() if ".router." in k}
     torch_dist.load_model(
@@ -211,8 +187,9 @@ def _load_refused(folder: str, *extra) -> str:
 
 
 def _write_megatron_lm(folder: str) -> None:
-    args = _args(1)
-    _megatron_lm_save(_megatron_core(args, seed=8), folder, args)
+    _args(1)  # the process groups
+    record, model = _megatron_lm(1, seed=8)
+    megatron_lm_record.save(model, folder, record)
 
 
 def test_bad_checkpoints_are_refused_by_name_before_any_weight_loads(tmp_path):
