@@ -43,6 +43,8 @@ class AttentionVariant:
     `xsa`: XSA on the output; `--xsa-layers` may keep it to some layers, the others then use
     `without_xsa`. `without_focus`: the variant without routers, a retrofit's start.
     `hf_attention`: the HF model's layer kind that computes the same (None: no HF export).
+    `hooks`: "package.module:Class" of what the variant adds to a run beyond its layers (a
+    `model.hooks.VariantHooks`: frozen parameters, other validation modes, statistics).
     """
 
     name: str
@@ -53,6 +55,7 @@ class AttentionVariant:
     without_xsa: Optional[str] = None
     without_focus: Optional[str] = None
     hf_attention: Optional[str] = None
+    hooks: str = "megatron_focus.model.hooks:VariantHooks"
 
     @property
     def focus(self) -> bool:
@@ -69,6 +72,10 @@ class AttentionVariant:
     def settings_from(self, args: argparse.Namespace) -> Optional[VariantSettings]:
         """The variant's settings as the run's flags give them (None: it has none)."""
         return None if self.settings is None else self.settings.from_args(args)
+
+    def hooks_for(self, args: argparse.Namespace):
+        """The variant's hooks for the run the flags describe."""
+        return _load(self.hooks)(self.settings_from(args))
 
     def recorded_keys(self) -> Tuple[str, ...]:
         """The `model_args.json` keys of the variant's model settings (compared on load)."""
@@ -179,6 +186,7 @@ class FocusConfig(VariantSettings, prefix="focus"):
 
 
 FOCUS_SELF_ATTENTION = "megatron_focus.model.focus:FocusSelfAttention"
+FOCUS_HOOKS = "megatron_focus.model.focus:FocusHooks"
 register(
     AttentionVariant(
         "standard", "megatron_focus.model.core_attention:CoreAttention", hf_attention="standard"
@@ -201,6 +209,7 @@ register(
         self_attention=FOCUS_SELF_ATTENTION,
         without_focus="standard",
         hf_attention="focus",
+        hooks=FOCUS_HOOKS,
     )
 )
 register(
@@ -213,6 +222,7 @@ register(
         without_xsa="focus",
         without_focus="xsa",
         hf_attention="focus+xsa",
+        hooks=FOCUS_HOOKS,
     )
 )
 

@@ -4,6 +4,7 @@ from their checkpoints and export, with no other file knowing their names or set
 
 import glob
 import json
+import math
 import os
 
 import pytest
@@ -48,10 +49,12 @@ def test_a_registered_variant_trains_checkpoints_and_exports(embedded_cache, tmp
 
 def test_a_variant_with_a_setting_and_a_parameter(embedded_cache, tmp_path, monkeypatch):
     """Its setting is a flag, recorded in model_args.json and compared on resume; its parameter
-    trains and resumes with the rest of the model."""
+    trains and resumes with the rest of the model; its hooks' statistics reach TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     monkeypatch.setenv("MEGATRON_FOCUS_VARIANTS", "toy_temperature")
-    ckpt = str(tmp_path / "ckpt")
-    bound = ["--attention", "temperature", "--temperature-bound", "2"]
+    ckpt, tb = str(tmp_path / "ckpt"), str(tmp_path / "tb")
+    bound = ["--attention", "temperature", "--temperature-bound", "2", "--tensorboard-dir", tb]
     first = train(
         1, tiny_argv(embedded_cache, *bound, "--save", ckpt, "--exit-interval", "3", iters=4)
     )
@@ -62,6 +65,10 @@ def test_a_variant_with_a_setting_and_a_parameter(embedded_cache, tmp_path, monk
     assert first["losses"] + resumed["losses"] == pytest.approx(straight["losses"], rel=1e-5)
     learned = _learned_temperatures(os.path.join(ckpt, "iter_0000004"))
     assert len(learned) == 2 and 0 not in learned  # one per layer, moved from its start
+    events = EventAccumulator(tb)
+    events.Reload()
+    logged = [events.Scalars(f"temperature/layer{n:02d}/t")[-1].value for n in (1, 2)]
+    assert logged == pytest.approx([2 ** math.tanh(w) for w in learned], rel=1e-5)
 
     with pytest.raises(Exception, match="--attention temperature: the HF model has no layer"):
         run_distributed(_export_and_compare, 1, ckpt, str(tmp_path / "hf"))

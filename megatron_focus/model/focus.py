@@ -20,7 +20,7 @@ without SP; under SP each rank's `W_g` sees its slice of the sequence only, so `
 import contextlib
 import dataclasses
 import math
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 from megatron.core import tensor_parallel
@@ -44,6 +44,7 @@ from megatron_focus.model.documents import document_starts
 from megatron_focus.model.focus_gate import focus_attention
 from megatron_focus.model.focus_sparse import sparse_focus_attention
 from megatron_focus.model.groups import Routing
+from megatron_focus.model.hooks import VariantHooks
 from megatron_focus.model.xsa import XSAMixin
 from megatron_focus.parallel import sum_grad_over_tensor_parallel
 from megatron_focus.variants import FOCUS_MODES, FocusConfig
@@ -308,6 +309,49 @@ class FocusAttention(CoreAttention):
 
 class FocusXSAAttention(XSAMixin, FocusAttention):
     """Focus attention, XSA on its output (`--attention focus+xsa`)."""
+
+
+class FocusHooks(VariantHooks):
+    """Focus in a run: routers frozen in sparse mode (alone trained in a retrofit), the other
+    mode validated too, the routing's statistics logged."""
+
+    settings: FocusConfig
+
+    def banner(self) -> str:
+        return f"Focus {self.settings.gate} gate"
+
+    def freeze(self, model: torch.nn.Module, retrofit: bool) -> None:
+        if retrofit:
+            train_routers_only(model)
+        elif self.settings.attention_mode == "sparse":
+            freeze_routers(model)
+
+    def other_modes(self) -> Tuple[str, ...]:
+        return tuple(m for m in FOCUS_MODES if m != self.settings.attention_mode)
+
+    @contextlib.contextmanager
+    def in_mode(self, model: torch.nn.Module, mode: str):
+        set_focus_mode(model, mode)
+        try:
+            yield
+        finally:
+            set_focus_mode(model, self.settings.attention_mode)
+
+    def recording(self, model: torch.nn.Module):
+        return recording_statistics(model)
+
+    def statistics(self, model: torch.nn.Module) -> dict:
+        return focus_statistics(model)
+
+    def summary(self, values: dict) -> str:
+        """The worst layer's largest group and the mean share of pairs kept."""
+        if not values:
+            return ""
+        largest = max(v for k, v in values.items() if k.endswith("largest-group"))
+        kept = [v for k, v in values.items() if k.endswith("pairs-kept")]
+        return (
+            f" | focus largest group: {largest:.3f} | focus pairs kept: {sum(kept) / len(kept):.3f}"
+        )
 
 
 def train_routers_only(model: torch.nn.Module) -> None:

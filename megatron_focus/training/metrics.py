@@ -66,7 +66,8 @@ class LogStep:
     loss_scale: float = 1.0
     params_norm: Optional[float] = None
     num_zeros: Optional[float] = None
-    focus: dict = dataclasses.field(default_factory=dict)
+    statistics: dict = dataclasses.field(default_factory=dict)  # the variant's, to TensorBoard
+    summary: str = ""  # the variant's part of the log line
 
 
 class Reporter:
@@ -131,14 +132,7 @@ class Reporter:
             + f" | number of nan iterations: {step.nan_iters:3d}"
             f" | tokens/s: {tokens_per_s:.0f} | TFLOP/s/device: {tflops:.3f} | ETA: {eta}"
         )
-        if step.focus:  # per-layer values go to TensorBoard; the line shows the worst / the mean
-            largest = max(v for k, v in step.focus.items() if k.endswith("largest-group"))
-            kept = [v for k, v in step.focus.items() if k.endswith("pairs-kept")]
-            line += (
-                f" | focus largest group: {largest:.3f}"
-                f" | focus pairs kept: {sum(kept) / len(kept):.3f}"
-            )
-        print(line, flush=True)
+        print(line + step.summary, flush=True)
         if step.iteration % args.tensorboard_log_interval:
             return
         at, samples = step.iteration, step.consumed_samples
@@ -169,7 +163,7 @@ class Reporter:
             for tag, value in memory_now().items():
                 self.scalar(tag, value, at)
         self.scalar("skipped-iterations", step.skipped, at)
-        for tag, value in step.focus.items():
+        for tag, value in step.statistics.items():
             self.scalar(tag, value, at)
 
     def validation(

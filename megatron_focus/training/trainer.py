@@ -26,13 +26,6 @@ from megatron_focus.deepspeed_builds import skip_unused_builds
 from megatron_focus.deepspeed_config import deepspeed_config
 from megatron_focus.model import kernels
 from megatron_focus.model.flops import flops_per_token
-from megatron_focus.model.focus import (
-    focus_statistics,
-    freeze_routers,
-    recording_statistics,
-    set_focus_mode,
-    train_routers_only,
-)
 from megatron_focus.model.gpt import build_model
 from megatron_focus.parallel import (
     install_sequence_parallel_grad_allreduce,
@@ -70,10 +63,8 @@ def pretrain(args: argparse.Namespace) -> dict:
     train_data, valid_data = datasets_for(args, tokenizer)
 
     model = build_model(args, tokenizer.vocab_size)
-    if args.retrofit:  # frozen weights stay out of the optimizer
-        train_routers_only(model)
-    elif variant(args.attention).focus and args.focus_attention_mode == "sparse":
-        freeze_routers(model)
+    hooks = variant(args.attention).hooks_for(args)  # what the variant adds to the run
+    hooks.freeze(model, args.retrofit)  # frozen weights stay out of the optimizer
     install_sequence_parallel_grad_allreduce(model)
     engine = _deepspeed_engine(args, model, plan)
     iteration, consumed = checkpointing.load(engine, args, plan, records.padded_vocab_size)
@@ -82,14 +73,14 @@ def pretrain(args: argparse.Namespace) -> dict:
     total = global_batch.consumed_after(args.train_iters)  # the samples the whole run trains on
     reporter = Reporter(args, flops_per_token(args, records.padded_vocab_size), total)
     if rank0:
-        _print_banner(args, model, iteration)
+        _print_banner(args, model, hooks, iteration)
     stop = _StopRequest(args, started)
     if args.manual_gc:  # collections at chosen steps, the same on every rank
         gc.disable()
         gc.collect()
     valid_batches = _validation_batches(valid_data, args)
     progress = _Progress(iteration, consumed, engine.skipped_steps, args.max_skipped_steps, rank0)
-    validate = functools.partial(_validate, engine, valid_batches, args, reporter, progress)
+    validate = functools.partial(_validate, engine, valid_batches, args, hooks, reporter, progress)
     save = functools.partial(_save, engine, args, records, rank0)
     if args.retrofit and iteration == 0 and valid_batches is not None:
         # A retrofit's starting point (the base model with fresh routers) is what it must beat.
@@ -101,7 +92,7 @@ def pretrain(args: argparse.Namespace) -> dict:
         batch_size = global_batch.running(consumed)
         _set_global_batch(engine, batch_size, args)
         log_now = (iteration + 1) % args.log_interval == 0 or iteration + 1 == args.train_iters
-        with recording_statistics(engine.module) if log_now else contextlib.nullcontext():
+        with hooks.recording(engine.module) if log_now else contextlib.nullcontext():
             loss, zeros = train_step(engine, batches, args, log_now and args.log_num_zeros_in_grad)
         iteration += 1
         consumed += batch_size
@@ -110,7 +101,9 @@ def pretrain(args: argparse.Namespace) -> dict:
         if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
             gc.collect()
         if log_now:
-            reporter.train(progress.log_step(engine, args, iteration, consumed, zeros, batch_size))
+            reporter.train(
+                progress.log_step(engine, args, iteration, consumed, zeros, batch_size, hooks)
+            )
         if valid_batches is not None and _due(args.eval_interval, iteration, args):
             with progress.paused():
                 validate(iteration, consumed)
@@ -157,18 +150,20 @@ def _validation_batches(valid_data, args: argparse.Namespace):
     )
 
 
-def _validate(engine, batches, args, reporter, progress, iteration: int, consumed: int) -> None:
-    """Validation loss in the run's mode and, for Focus, in the other mode too."""
+def _validate(
+    engine, batches, args, hooks, reporter, progress, iteration: int, consumed: int
+) -> None:
+    """Validation loss in the run's mode and in the variant's other modes (Focus's)."""
     if args.manual_gc and args.manual_gc_eval:
         gc.collect()
     history = progress.history
     history["validation"].append((iteration, evaluate(engine, batches, args)))
     reporter.validation(iteration, consumed, history["validation"][-1][1])
-    if variant(args.attention).focus:
-        other = "sparse" if args.focus_attention_mode == "soft" else "soft"
-        loss = evaluate(engine, batches, args, other)
-        history.setdefault(f"validation {other}", []).append((iteration, loss))
-        reporter.validation(iteration, consumed, loss, other)
+    for mode in hooks.other_modes():
+        with hooks.in_mode(engine.module, mode):
+            loss = evaluate(engine, batches, args)
+        history.setdefault(f"validation {mode}", []).append((iteration, loss))
+        reporter.validation(iteration, consumed, loss, mode)
 
 
 def _save(engine, args, records, rank0: bool, iteration: int, consumed: int) -> None:
@@ -245,9 +240,10 @@ class _Progress:
             self.started += time.time() - paused
 
     def log_step(
-        self, engine, args, iteration: int, consumed: int, zeros, batch_size: int
+        self, engine, args, iteration: int, consumed: int, zeros, batch_size: int, hooks
     ) -> LogStep:
-        """The log line's values (one host read); starts the next log interval."""
+        """The log line's values, the variant's statistics with them (one host read); starts
+        the next log interval."""
         grad_norm = engine.get_global_grad_norm()
         values = self.read(
             {
@@ -258,7 +254,7 @@ class _Progress:
                 "loss scale": torch.as_tensor(getattr(engine.optimizer, "loss_scale", 1.0)),
                 **({"params norm": params_norm(engine.module)} if args.log_params_norm else {}),
                 **({"num zeros": zeros} if zeros is not None else {}),
-                **focus_statistics(engine.module),
+                **hooks.statistics(engine.module),
             }
         )
         # the whole interval's losses: a checkpoint save in it has read some of them
@@ -283,6 +279,7 @@ class _Progress:
             norm,
             num_zeros,
             values,
+            hooks.summary(values),
         )
         self.first, self.started, self.first_consumed = iteration, time.time(), consumed
         return step
@@ -329,19 +326,16 @@ class _Progress:
 
 
 @torch.no_grad()
-def evaluate(engine, batches, args: argparse.Namespace, focus_mode: Optional[str] = None) -> float:
+def evaluate(engine, batches, args: argparse.Namespace) -> float:
     """Mean loss over `batches`, the first `--eval-iters` global batches of the validation split.
 
     Always the same samples, so validation curves of different runs and variants compare.
-    `focus_mode` evaluates a Focus model in that mode (soft / sparse) instead of its own.
     """
     device = platform.setup().device
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = torch.zeros((), dtype=torch.float64, device=device)
     engine.eval()
     try:
-        if focus_mode is not None:
-            set_focus_mode(engine.module, focus_mode)
         for batch in batches:
             if args.calculate_per_token_loss:  # the mean over every loss token of every batch
                 total += lm_loss(engine, batch, torch.ones((), device=device)).double()
@@ -349,9 +343,7 @@ def evaluate(engine, batches, args: argparse.Namespace, focus_mode: Optional[str
             else:  # the mean of the micro-batches' means
                 total += lm_loss(engine, batch).double()
                 count += 1
-    finally:  # the run's own mode, even when evaluation fails
-        if focus_mode is not None:
-            set_focus_mode(engine.module, args.focus_attention_mode)
+    finally:
         engine.train()
     return (_mean_over_data_parallel(total) / _mean_over_data_parallel(count)).item()
 
@@ -502,7 +494,7 @@ class _StopRequest:
         return bool(flag[0])
 
 
-def _print_banner(args: argparse.Namespace, model: torch.nn.Module, iteration: int) -> None:
+def _print_banner(args: argparse.Namespace, model: torch.nn.Module, hooks, iteration: int) -> None:
     params = sum(p.numel() for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"training {trained:,} of {params:,} parameters (TP rank 0)", flush=True)
@@ -523,10 +515,9 @@ def _print_banner(args: argparse.Namespace, model: torch.nn.Module, iteration: i
             flush=True,
         )
     chosen = ", ".join(f"{operation} {name}" for operation, name in kernels.chosen(model).items())
-    if variant(args.attention).focus:
-        print(f"Focus {args.focus_gate} gate | kernels: {chosen}", flush=True)
-    elif chosen:
-        print(f"kernels: {chosen}", flush=True)
+    line = [hooks.banner()] + ([f"kernels: {chosen}"] if chosen else [])
+    if any(line):
+        print(" | ".join(filter(None, line)), flush=True)
     _print_where(args)  # before the first step too: where to look while it trains
 
 

@@ -685,6 +685,7 @@ def test_an_evaluation_that_fails_leaves_the_runs_focus_mode_and_training_on(
     from megatron_focus.model.focus import FocusAttention
     from megatron_focus.model.gpt import build_model
     from megatron_focus.training.trainer import evaluate
+    from megatron_focus.variants import variant
 
     args = parse_args(tiny_argv(embedded_cache, "--attention", "focus", "--focus-window", "4"))
     model = build_model(args, 200).train()
@@ -705,7 +706,8 @@ def test_an_evaluation_that_fails_leaves_the_runs_focus_mode_and_training_on(
             raise RuntimeError("out of memory")
 
     batch = {k: torch.zeros(1, 8, dtype=torch.long) for k in ("tokens", "position_ids", "labels")}
-    with pytest.raises(RuntimeError, match="out of memory"):
-        evaluate(FailingEngine(), [{**batch, "loss_mask": torch.ones(1, 8)}], args, "sparse")
+    hooks = variant("focus").hooks_for(args)
+    with pytest.raises(RuntimeError, match="out of memory"), hooks.in_mode(model, "sparse"):
+        evaluate(FailingEngine(), [{**batch, "loss_mask": torch.ones(1, 8)}], args)
     modes = {m.focus.attention_mode for m in model.modules() if isinstance(m, FocusAttention)}
     assert modes == {"soft"} and model.training
