@@ -21,6 +21,9 @@ token gives the assignments of a full forward. `config.focus_attention_mode` ("s
 "sparse" hard top-k rule) and `config.focus_top_k` are read at every forward: change them on a
 loaded model (`model.set_focus_mode("sparse")`), even between generation steps. The soft gate is
 the log-space one, or with `config.focus_gate = "sigmoid"` the paper's (an ablation setting).
+In sparse mode a layer computes only the pairs the rule keeps (`sparse_rule_attention`: the
+window, the sinks, and each group's distant keys for the queries ranking it in their top-k), in
+prefill and at every decoding step alike, and no `[queries, keys]` mask is built for it.
 """
 
 import math
@@ -110,6 +113,8 @@ class Attention(nn.Module):
     `model.set_attn_implementation`): "eager" is `eager_attention_forward`; "sdpa",
     "flex_attention" and kernels registered with transformers' `AttentionInterface` go through
     that interface, each given the layer's pairs (and Focus's soft gate) as one additive mask.
+    Focus's sparse rule is the exception: it computes its kept pairs alone, in parts merged by
+    log-sum-exp, which no backend returns (`sparse_rule_attention`).
     """
 
     is_causal = True  # read by transformers' attention functions
@@ -127,7 +132,7 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm, self.k_norm = norm(config, hd), norm(config, hd)
 
-    def forward(self, x, positions, mask, cache, attention_mask=None):
+    def forward(self, x, positions, pairs, cache, attention_mask=None):
         b, s, _ = x.shape
         routing = self.route(x, cache, attention_mask)  # before the cache takes this step's keys
         q, k, v = (
@@ -141,20 +146,19 @@ class Attention(nn.Module):
             q, k = rotate(q, positions, base, scaling), rotate(k, positions, base, scaling)
         own_v = v  # the values of this step's tokens, before the cached ones are prepended
         if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)
             # a sliding-window layer (a DynamicCache made from a config with sliding_window)
-            # returns only the last keys: the mask's last columns are theirs
-            mask = mask[..., -k.shape[2] :]
-        y = self.project(self.attend(q, k, v, mask, routing), own_v)
+            # returns only the last keys
+            k, v = cache.update(k, v, self.layer_idx)
+        y = self.project(self.attend(q, k, v, pairs, routing), own_v)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
 
     def route(self, x, cache, attention_mask):
         """What `attend` needs from the layer's input besides q, k, v (Focus: assignments)."""
         return None
 
-    def attend(self, q, k, v, mask, routing=None):
-        """Per-head outputs `[b, heads, s, d]`; `mask` `[b, 1, s, keys]`: True for a kept pair."""
-        return self.softmax_attention(q, k, v, additive(mask, q.dtype))
+    def attend(self, q, k, v, pairs, routing=None):
+        """Per-head outputs `[b, heads, s, d]` over the `CausalPairs` the keys `k` allow."""
+        return self.softmax_attention(q, k, v, additive(pairs.dense(k.shape[2]), q.dtype))
 
     def softmax_attention(self, q, k, v, bias):
         """softmax(q k^T / sqrt(d) + bias) v `[b, heads, s, d]` on the configured backend."""
@@ -261,16 +265,78 @@ def sigmoid_gate(log_g_q, log_g_k, local, gate_scale: float):
     return torch.where(local, 1.0, torch.sigmoid(gate_scale * affinity))
 
 
-def hard_rule(groups_q, groups_k, local, top_k: int):
-    """Kept pairs `[b, s, keys]`: local, or the key's top-1 group among the query's top-k, from
-    the ranked groups (`rank_groups`) of the queries and the keys.
+def partial_attention(q, k, v, allowed, scale: float):
+    """softmax(q k^T * scale) v over the `allowed` pairs `[m, n]` only, in fp32, with its
+    log-sum-exp: q `[heads, m, d]`, k and v `[kv heads, n, d]` (GQA: heads share them in
+    groups). A query with no allowed key gets output 0 and log-sum-exp -inf."""
+    kv_heads, n, d = k.shape
+    heads, m = q.shape[:2]
+    scores = q.float().view(kv_heads, -1, m, d) @ k.float().transpose(-1, -2)[:, None] * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = scores.logsumexp(-1)
+    probs = (scores - lse.nan_to_num(neginf=0.0)[..., None]).exp()
+    return (probs @ v.float()[:, None]).view(heads, m, d), lse.view(heads, m)
 
-    megatron_focus/model/focus_gate.py `hard_pair_mask`: every key sits in exactly one group. The
-    native sparse dispatch (focus_sparse.py) computes only these pairs, by group buckets; here they
-    mask a dense attention: the same result, without the speed-up.
+
+def merge_into(out, lse, queries, part_out, part_lse):
+    """Adds a part's attention over other keys to the queries' running result, by log-sum-exp
+    (megatron_focus/model/lse_merge.py); `out` `[heads, s, d]`, `lse` `[heads, s]`."""
+    old = lse[:, queries]
+    new = torch.logaddexp(old, part_lse)
+    kept = torch.where(torch.isinf(new), 0.0, (old - new).exp())[..., None]
+    added = torch.where(torch.isinf(new), 0.0, (part_lse - new).exp())[..., None]
+    out[:, queries] = out[:, queries] * kept + part_out * added
+    lse[:, queries] = new
+
+
+def sparse_rule_attention(q, k, v, pairs, groups_q, groups_k, sinks, window, top_k, block=512):
+    """Attention over the pairs the hard top-k rule keeps, computing only those (the native
+    sparse dispatch's plan, megatron_focus/model/focus_sparse.py): the window's keys by blocks
+    of queries, the sinks beyond it, then, group by group, the distant keys whose top-1 group
+    is one of a query's top-k, for those queries alone; the parts merged by log-sum-exp.
+
+    q `[b, heads, s, d]`; k, v `[b, kv heads, n, d]`, the last n of the `pairs.keys` keys;
+    groups ranked (`rank_groups`) for the queries `[b, s, K]` and every key `[b, keys, K]`;
+    `sinks` `[b, keys]`. Work: about s * (block + window) pairs, plus top_k * s^2 / K.
     """
-    same_group = (groups_q[:, :, None, :top_k] == groups_k[:, None, :, None, 0]).any(-1)
-    return local | same_group
+    b, heads, s, d = q.shape
+    offset = pairs.keys - k.shape[2]  # keys a sliding-window cache has dropped
+    key_pos = torch.arange(offset, pairs.keys, device=q.device)
+    query_pos, scale = pairs.query_pos, d**-0.5
+    out = torch.zeros(b, heads, s, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((b, heads, s), float("-inf"), device=q.device)
+
+    def add(row, queries, keys, distant: bool):
+        qp, kp = query_pos[queries], key_pos[keys]
+        allowed = pairs.between(qp, kp, row)
+        near = kp[None, :] > qp[:, None] - window
+        allowed = allowed & (~near if distant else near)
+        part = partial_attention(
+            q[row][:, queries], k[row][:, keys], v[row][:, keys], allowed, scale
+        )
+        merge_into(out[row], lse[row], queries, *part)
+
+    for row in range(b):
+        for start in range(0, s, block):  # the window (each query's own key among them)
+            queries = torch.arange(start, min(start + block, s), device=q.device)
+            first = max(int(query_pos[start]) - window + 1 - offset, 0)
+            add(row, queries, torch.arange(first, int(query_pos[queries[-1]]) + 1 - offset), False)
+        sink = sinks[row, offset:]
+        everyone = torch.arange(s, device=q.device)
+        if sink.any():
+            add(row, everyone, sink.nonzero()[:, 0], True)
+        top1 = groups_k[row, offset:, 0].masked_fill(sink, -1)  # a sink is counted once
+        chosen = groups_q[row, :, :top_k]
+        for group in chosen.unique().tolist():
+            members = (top1 == group).nonzero()[:, 0]
+            asking = (chosen == group).any(-1).nonzero()[:, 0]
+            for start in range(0, len(asking), block):
+                queries = asking[start : start + block]
+                # keys beyond the window of the block's last query are never distant for it
+                reach = torch.searchsorted(key_pos[members], query_pos[queries[-1]] - window + 1)
+                if reach:
+                    add(row, queries, members[:reach], True)
+    return out.to(q.dtype)
 
 
 class Router(nn.Module):
@@ -410,17 +476,19 @@ class FocusAttention(Attention):
         sinks = real & (real.long().cumsum(-1) <= self.config.focus_sink_tokens)
         return queries, keys, sinks
 
-    def attend(self, q, k, v, mask, routing=None):
+    def attend(self, q, k, v, pairs, routing=None):
         config = self.config
         check_focus_inference(config)
         (log_g_q, groups_q), (log_g_k, groups_k), sinks = routing
+        if config.focus_attention_mode == "sparse":
+            return sparse_rule_attention(
+                q, k, v, pairs, groups_q, groups_k, sinks, config.focus_window, config.focus_top_k
+            )
         # local pairs: the window, and every query's sinks (as the native rule's)
         local = (
             local_pairs(q.shape[2], k.shape[2], config.focus_window, q.device) | sinks[:, None, :]
         )
-        if config.focus_attention_mode == "sparse":
-            keep = mask & hard_rule(groups_q, groups_k, local, config.focus_top_k)[:, None]
-            return self.softmax_attention(q, k, v, additive(keep, q.dtype))
+        mask = pairs.dense(k.shape[2])
         if config.focus_gate == "sigmoid":  # a factor on the logits: explicit scores, any backend
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
@@ -472,8 +540,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, mask, cache, attention_mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), positions, mask, cache, attention_mask)
+    def forward(self, x, positions, pairs, cache, attention_mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), positions, pairs, cache, attention_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -546,9 +614,9 @@ class MegatronFocusModel(MegatronFocusPreTrainedModel):
             position_ids = torch.arange(past, past + s, device=x.device).expand(b, s)
         if self.config.position_embedding_type == "learned_absolute":
             x = x + self.embed_positions(position_ids)
-        mask = causal_mask(s, past, attention_mask, x.device, self.config.sliding_window)
+        pairs = CausalPairs(s, past, attention_mask, x.device, self.config.sliding_window)
         for layer in self.layers:
-            x = layer(x, position_ids, mask, cache if use_cache else None, attention_mask)
+            x = layer(x, position_ids, pairs, cache if use_cache else None, attention_mask)
         return BaseModelOutputWithPast(
             last_hidden_state=self.norm(x), **{CACHE_FIELD: cache if use_cache else None}
         )
@@ -563,23 +631,40 @@ def one_cache(cache, kwargs: dict):
     return cache if legacy is None else legacy
 
 
-def causal_mask(s: int, past: int, attention_mask, device, window=None) -> torch.Tensor:
-    """`[b or 1, 1, s, past + s]`, True where query i (at position past + i) may see the key:
-    the keys up to it, the last `window` of them with a sliding window.
+class CausalPairs:
+    """Which keys each query may see: the keys up to it (the last `window` of them with a
+    sliding window), padded keys left out (a 2D `attention_mask`, 1 keep), and always its own
+    key, so that a padded query's (ignored) output stays finite. Query i sits at position
+    past + i, key j at position j.
 
-    A 2D `attention_mask` (1 keep, 0 padding) removes padded keys; each query always keeps its own
-    key, so a padded query's (ignored) output stays finite.
+    Asked for any queries and keys (`between`), so that the sparse Focus rule never builds the
+    whole `[s, past + s]` mask; `dense` builds it, once, for the layers that take one.
     """
-    keys = past + s
-    query_pos = torch.arange(past, keys, device=device)[:, None]
-    key_pos = torch.arange(keys, device=device)[None, :]
-    mask = key_pos <= query_pos
-    if window is not None:
-        mask = mask & (key_pos > query_pos - window)
-    mask = mask[None, None]
-    if attention_mask is not None:
-        mask = (mask & attention_mask[:, None, None, -keys:].bool()) | (key_pos == query_pos)
-    return mask
+
+    def __init__(self, s: int, past: int, attention_mask, device, window=None):
+        self.keys = past + s
+        self.query_pos = torch.arange(past, self.keys, device=device)
+        self.window = window
+        self.real = None if attention_mask is None else attention_mask[:, -self.keys :].bool()
+        self._dense = None
+
+    def between(self, query_pos: torch.Tensor, key_pos: torch.Tensor, row=None) -> torch.Tensor:
+        """`[queries, keys]` for batch row `row`, or `[b or 1, queries, keys]` for every row."""
+        q, k = query_pos[:, None], key_pos[None, :]
+        keep = k <= q
+        if self.window is not None:
+            keep = keep & (k > q - self.window)
+        if self.real is None:
+            return keep if row is not None else keep[None]
+        real = self.real[:, key_pos] if row is None else self.real[row, key_pos]
+        return (keep & real[..., None, :]) | (k == q)
+
+    def dense(self, keys: int) -> torch.Tensor:
+        """`[b or 1, 1, s, keys]` for the last `keys` keys (a sliding-window cache's)."""
+        if self._dense is None:
+            every = torch.arange(self.keys, device=self.query_pos.device)
+            self._dense = self.between(self.query_pos, every)[:, None]
+        return self._dense[..., -keys:]
 
 
 class MegatronFocusForCausalLM(MegatronFocusPreTrainedModel, GenerationMixin):

@@ -1,0 +1,90 @@
+"""The exported model's sparse Focus attention computes only the pairs the hard rule keeps; here
+it is compared with the rule as one dense masked softmax (tests/reference.py), pair for pair."""
+
+import pytest
+import torch
+
+from reference import assignments, dense_hard_rule
+
+
+def _hf():
+    from megatron_focus.hf import modeling_megatron_focus
+
+    return modeling_megatron_focus
+
+
+def _inputs(b, heads, kv_heads, n, d, groups, how, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, heads, n, d, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(b, kv_heads, n, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    return q, k, v, assignments(b, n, groups, gen, how)
+
+
+@pytest.mark.parametrize(
+    "groups,top_k,window,sink,kv_heads,block,how",
+    [
+        (1, 1, 4, 0, 4, 512, "random"),
+        (3, 1, 1, 0, 2, 5, "random"),
+        (3, 2, 4, 2, 1, 7, "coarse"),
+        (8, 1, 6, 0, 2, 16, "random"),
+        (8, 3, 3, 3, 4, 4, "duplicated"),
+        (8, 8, 5, 1, 2, 512, "random"),
+        (4, 2, 80, 0, 4, 32, "one-group"),  # the window longer than the sequence
+        (8, 2, 2, 0, 1, 8, "lonely"),
+    ],
+)
+def test_sparse_prefill_equals_the_dense_hard_rule(
+    groups, top_k, window, sink, kv_heads, block, how
+):
+    hf = _hf()
+    q, k, v, log_g = _inputs(2, 4, kv_heads, 45, 8, groups, how, seed=groups * 10 + top_k)
+    n = q.shape[2]
+    ranked = hf.rank_groups(log_g)
+    pairs = hf.CausalPairs(n, 0, None, q.device)
+    sinks = (torch.arange(n) < sink).expand(2, n)
+    out = hf.sparse_rule_attention(q, k, v, pairs, ranked, ranked, sinks, window, top_k, block)
+    ref = dense_hard_rule(q, k, v, log_g, window, top_k, 8**-0.5, sink)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_sparse_prefill_with_left_padding_equals_each_row_alone():
+    """Padded keys are never attended to and the sinks are the first real tokens: each row's
+    real tokens compute what the row computes unpadded."""
+    hf = _hf()
+    q, k, v, log_g = _inputs(2, 4, 2, 40, 8, 6, "random", seed=3)
+    pad = [0, 9]
+    attention_mask = torch.ones(2, 40, dtype=torch.long)
+    attention_mask[1, : pad[1]] = 0
+    real = attention_mask.bool()
+    sinks = real & (real.long().cumsum(-1) <= 2)
+    ranked = hf.rank_groups(log_g)
+    pairs = hf.CausalPairs(40, 0, attention_mask, q.device)
+    out = hf.sparse_rule_attention(q, k, v, pairs, ranked, ranked, sinks, 5, 2, block=6)
+    for row, start in enumerate(pad):
+        alone = [t[row : row + 1, ..., start:, :] for t in (q, k, v)]
+        ref = dense_hard_rule(*alone, log_g[row : row + 1, start:], 5, 2, 8**-0.5, sink=2)
+        torch.testing.assert_close(out[row : row + 1, :, start:], ref, rtol=1e-6, atol=1e-6)
+
+
+def test_decoding_steps_equal_the_prefill():
+    """One query at a time against every earlier key (a cache's view) gives the prefill's rows."""
+    hf = _hf()
+    q, k, v, log_g = _inputs(1, 4, 2, 30, 8, 4, "random", seed=5)
+    ranked = hf.rank_groups(log_g)
+    sinks = (torch.arange(30) < 1)[None]
+    whole = hf.sparse_rule_attention(
+        q, k, v, hf.CausalPairs(30, 0, None, q.device), ranked, ranked, sinks, 3, 1
+    )
+    for i in (0, 3, 17, 29):
+        step = hf.sparse_rule_attention(
+            q[:, :, i : i + 1],
+            k[:, :, : i + 1],
+            v[:, :, : i + 1],
+            hf.CausalPairs(1, i, None, q.device),
+            ranked[:, i : i + 1],
+            ranked[:, : i + 1],
+            sinks[:, : i + 1],
+            3,
+            1,
+        )
+        torch.testing.assert_close(step, whole[:, :, i : i + 1], rtol=1e-5, atol=1e-6)
