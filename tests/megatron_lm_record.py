@@ -137,10 +137,12 @@ def transformer_config(args: argparse.Namespace):
         for flags, keywords in compat.megatron_lm_actions()
         if keywords.get("type", "str") not in compat.TYPES
     }
+    # MoE knobs stay at TransformerConfig's defaults: the model is dense (a record with experts
+    # is refused on load), and newer releases refuse the 0.16 parser's MoE dispatch defaults.
     kw = {
         f.name: getattr(args, f.name)
         for f in dataclasses.fields(TransformerConfig)
-        if hasattr(args, f.name) and f.init and f.name not in text
+        if hasattr(args, f.name) and f.init and f.name not in text and not f.name.startswith("moe_")
     }
     if args.swiglu:
         kw.update(activation_func=F.silu, gated_linear_unit=True)
