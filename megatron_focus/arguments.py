@@ -805,14 +805,6 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
         default=[0],
         help="with --profile: the global ranks that trace",
     )
-    g.add_argument(
-        "--timing-log-level",
-        type=int,
-        choices=(0, 1, 2),
-        default=0,
-        help="accepted for Megatron-LM scripts: the one timer here (iteration time) is "
-        "level 0, so every level logs the same",
-    )
 
 
 def _gpu() -> bool:
@@ -863,7 +855,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_checkpoint_args(p)
     _add_logging_args(p)
     p.add_argument(
-        "--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher"
+        "--local_rank",
+        type=int,
+        default=None,
+        help="passed by the deepspeed launcher, which sets LOCAL_RANK too: the device is that "
+        "variable's",
     )
     _add_deepspeed_args(p)
     p.add_argument(
@@ -1390,5 +1386,3 @@ def _validate_training(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError("--ckpt-step needs --load (the run whose checkpoint it names)")
     if args.save_full and not args.retrofit:
         raise ValueError("--save-full is for --retrofit runs (other runs always save everything)")
-    if args.save_interval is not None and args.save is None:
-        raise ValueError("--save-interval needs --save")

@@ -118,11 +118,15 @@ NO_EFFECT = {
         "--max-skipped-steps in a row"
     ),
     (
-        "--timing-log-option --no-barrier-with-level-1-timing --tensorboard-queue-size "
-        "--logging-level"
+        "--timing-log-level --timing-log-option --no-barrier-with-level-1-timing "
+        "--tensorboard-queue-size --logging-level"
     ): (
-        "the one timer here (iteration time) is rank 0's, and TensorBoard is written at each log "
-        "step"
+        "the one timer here (iteration time) is rank 0's, logged at every level, and "
+        "TensorBoard is written at each log step"
+    ),
+    "--local-rank": (
+        "a process's device is its LOCAL_RANK environment variable (Megatron-LM's default for "
+        "this flag), which torchrun and the deepspeed launcher set"
     ),
     "--no-one-logger --one-logger-* --app-tag-*": "NVIDIA's one-logger is not used",
     "--disable-msc": "Multi-Storage Client is not used: paths are local files",
@@ -333,7 +337,6 @@ REFUSED = {
 # Values besides Megatron-LM's default that are "off" (what this trainer does anyway).
 ALSO_OFF = {
     "--dataloader-type": ("single",),
-    "--inference-max-requests": (8,),  # its own default: the destination's is None
 }
 
 # Megatron-LM's other names for flags of this trainer: (this trainer's flag, why)
@@ -520,7 +523,8 @@ def compat_table(megatron_flags: list, parser: argparse.ArgumentParser) -> str:
     rows, counts = [], {"yes": 0, "no effect": 0, "refused": 0}
     for flag in megatron_flags:
         help = (actions[flag].help or "").replace("%%", "%")
-        status = (classify(flag) or ("yes",))[0]
+        # a --no-* form is as its flag is: refused with it, or no effect
+        status = (classify(actions[flag].option_strings[0]) or ("yes",))[0]
         counts[status] += 1
         rows.append(f"| `{flag}` | {status} | {help.replace('|', '/')} |")
     ours = sorted(

@@ -7,7 +7,8 @@ ignores the command line: top-level keys are its flags' names with underscores (
 `model_parallel:` (ModelParallelConfig: `tensor_model_parallel_size`, `bf16` ...). `${VAR}` in a
 value is the environment variable. Here the file becomes the command line it stands for and goes
 through the same parser and checks; a flag given beside `--yaml-cfg` is refused rather than
-silently ignored, and so is an unknown key, before any compute.
+silently ignored. A key that names nothing here is ignored, as Megatron-LM's loader ignores it
+(its shipped files hold keys of flags it has since removed), with a warning that names it.
 """
 
 import argparse
@@ -15,6 +16,7 @@ import difflib
 import functools
 import os
 import re
+import warnings
 from typing import Dict, List
 
 SECTIONS = {
@@ -53,20 +55,28 @@ def yaml_argv(path: str, parser: argparse.ArgumentParser) -> List[str]:
         raise ValueError(f"--yaml-cfg {path}: expected keys and values, as Megatron-LM's")
     settings = _flatten(config, path)
     actions = {a.dest: a for a in parser._actions if a.option_strings}
-    argv, problems = _activation(settings, path), []
+    argv, problems, unknown = _activation(settings, path), [], []
     for key, value in settings.items():
         dest = RENAMED.get(key, key)
         if dest is None or value is None:  # no effect here, or unset: the default
             continue
         try:
-            if dest not in actions:
-                _refuse_unknown(key, value, actions)
-            else:
+            if dest in actions:
                 argv += _words(actions[dest], _with_environment(value, key), key)
+            elif _is_core_field(key, value):
+                continue
+            else:
+                unknown.append(_unknown(key, actions))
         except ValueError as e:
             problems.append(str(e))
     if problems:
         raise ValueError(f"--yaml-cfg {path}: " + "; ".join(problems))
+    if unknown:
+        warnings.warn(
+            f"--yaml-cfg {path}: ignoring {', '.join(unknown)}: no such flag or Megatron-Core "
+            "config field (Megatron-LM ignores them too)",
+            stacklevel=2,
+        )
     return argv
 
 
@@ -122,19 +132,24 @@ def _words(action: argparse.Action, value, key: str) -> List[str]:
     return [flag, ",".join(map(str, value))]  # one value: Megatron's tuples, as "127,0"
 
 
-def _refuse_unknown(key: str, value, actions: Dict[str, argparse.Action]) -> None:
-    """A key that names no flag: a Megatron-Core config field that this trainer sets itself is
-    accepted at its default; anything else is refused, naming the closest flag."""
+def _is_core_field(key: str, value) -> bool:
+    """A Megatron-Core config field that this trainer sets itself: accepted at its default,
+    refused at any other value."""
     default = _core_defaults().get(key, _UNKNOWN)
     if default is _UNKNOWN:
-        close = difflib.get_close_matches(key, list(actions), n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
-        raise ValueError(f"unknown key {key}{hint}")
+        return False
     if value != default:
         raise ValueError(
             f"{key} {value}: Megatron-Core's {key} is set by this trainer, which takes only "
             f"its default ({default})"
         )
+    return True
+
+
+def _unknown(key: str, actions: Dict[str, argparse.Action]) -> str:
+    """`key`, with the closest flag's name where one is close (a misspelling)."""
+    close = difflib.get_close_matches(key, list(actions), n=1)
+    return f"{key} (did you mean {close[0]}?)" if close else key
 
 
 _UNKNOWN = object()

@@ -300,12 +300,6 @@ CASES = [
     ),
     Case(
         P,
-        "--save-interval without --save",
-        TINY + ["--save-interval", "2"],
-        r"--save-interval needs --save",
-    ),
-    Case(
-        P,
         "--exit-signal-handler without --save",
         TINY + DATA + ["--exit-signal-handler"],
         r"--exit-signal-handler saves a checkpoint when a signal stops the run: give --save",

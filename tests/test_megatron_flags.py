@@ -2,6 +2,7 @@
 refused by the name of what it is; at Megatron-LM's default, each one runs."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -131,6 +132,31 @@ def test_megatron_lm_values_parse_as_megatron_lm_parses_them():
     with pytest.raises(ValueError, match="mixture of experts"):
         validate_args(args, world_size=1)
     validate_args(build_parser().parse_args(["--moe-layer-freq", "1"]), world_size=1)
+
+
+def test_the_table_counts_a_no_form_as_its_flag():
+    """`--no-X` of a refused X is refused (and of a no-op X a no-op), not honoured; flags that
+    change nothing here are counted so."""
+    from megatron_focus.compat import compat_table, megatron_flags
+
+    table = compat_table(megatron_flags(), PARSER)
+    status = dict(re.findall(r"^\| `(--[\w-]+)` \| ([a-z ]+) \|", table, re.M))
+    pairs = [
+        (f[0], f"--no-{f[0][2:]}") for f, kw in ACTIONS if kw.get("action") == "boolean_optional"
+    ]
+    assert len(pairs) > 10 and [p for p in pairs if status[p[0]] != status[p[1]]] == []
+    assert status["--no-rl-partial-rollouts"] == "refused"
+    assert status["--timing-log-level"] == status["--local-rank"] == "no effect"
+
+
+def test_paired_enable_disable_flags_keep_megatron_lms_default():
+    """Megatron-LM declares --enable-chunked-prefill (store_false, default True) before
+    --disable-chunked-prefill: chunked prefill is off by default, so the disable form is the
+    "off" value and the enable form asks for the inference engine this trainer does not have."""
+    assert parse_args([]).disable_chunked_prefill is True
+    assert parse_args(["--disable-chunked-prefill"]).disable_chunked_prefill is True
+    with pytest.raises(ValueError, match="--enable-chunked-prefill: Megatron's inference engine"):
+        parse_args(["--enable-chunked-prefill"])
 
 
 def test_megatron_lm_other_names_do_what_ours_do():

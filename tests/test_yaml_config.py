@@ -1,5 +1,7 @@
 """`--yaml-cfg`: a YAML file laid out as Megatron-LM's stands for the command line it holds."""
 
+import os
+
 import pytest
 
 from megatron_focus.arguments import parse_args
@@ -69,7 +71,6 @@ def test_a_yaml_file_is_the_command_line_it_holds(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("lr: 1.0e-4\nmicro_batch_sise: 2\n", r"unknown key micro_batch_sise \(did you mean "),
         ("language_model:\n  activation_func: relu\n", "activation_func relu: one of"),
         ("language_model:\n  num_moe_experts: 8\n", "mixture of experts is not supported"),
         ("language_model:\n  lr: 1.0\nlr: 2.0\n", "lr given twice"),
@@ -92,3 +93,29 @@ def test_flags_beside_the_yaml_file_are_refused_not_ignored(tmp_path):
     with pytest.raises(ValueError, match="--lr, --seed beside --yaml-cfg"):
         parse_args(["--yaml-cfg", path, "--lr", "1e-3", "--seed=3"])
     assert parse_args(["--yaml-cfg", path, "--local-rank", "0"]).lr == 1e-4
+
+
+def test_megatron_lms_shipped_config_reads_as_megatron_lm_reads_it():
+    """Its keys of flags Megatron-LM has since removed are ignored with a warning naming them,
+    and `save_interval` without `save` is taken, as Megatron-LM takes them."""
+    path = os.path.join(os.path.dirname(__file__), "megatron_lm_gpt_config.yaml")
+    with pytest.warns(UserWarning, match=r"ignoring standalone_embedding_stage \(did you mean"):
+        args = parse_args(["--yaml-cfg", path])
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (2, 64, 4)
+    assert (args.save, args.save_interval) == (None, 20000)
+    assert args.swiglu and args.apply_layernorm_1p and args.untie_embeddings_and_output_weights
+    assert (args.position_embedding_type, args.rotary_percent) == ("rope", 0.5)
+    assert (args.lr, args.min_lr, args.rampup_batch_size) == (2.5e-4, 2.5e-5, [32, 32, 65324160])
+
+
+def test_an_unknown_key_is_named_and_ignored(tmp_path):
+    """A misspelt key too: the warning names it and the flag it is closest to."""
+    path = write(tmp_path, "lr: 1.0e-4\nmicro_batch_sise: 2\nno_such_thing: 3\n")
+    with pytest.warns(UserWarning, match=r"ignoring micro_batch_sise \(did you mean ") as caught:
+        args = parse_args(["--yaml-cfg", path])
+    assert "no_such_thing" in str(caught[0].message)
+    assert (args.lr, args.micro_batch_size) == (1e-4, parse_args([]).micro_batch_size)
+
+
+def test_save_interval_without_save_is_taken_as_megatron_lm_takes_it():
+    assert parse_args(["--save-interval", "5"]).save_interval == 5
