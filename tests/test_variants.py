@@ -1,6 +1,7 @@
 """The variant registry: variants registered from outside the package (tests/toy_variant.py,
 tests/toy_temperature.py, loaded through MEGATRON_FOCUS_VARIANTS in every process) train, resume
-from their checkpoints and export, with no other file knowing their names or settings."""
+from their checkpoints, evaluate and export, with no other file knowing their names or
+settings."""
 
 import glob
 import json
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from tiny_runs import tiny_argv, train
+from tiny_runs import ROOT, tiny_argv, train
 
 TOKENS = torch.randint(0, 4000, (2, 32), generator=torch.Generator().manual_seed(0))
 
@@ -49,12 +50,14 @@ def test_a_registered_variant_trains_checkpoints_and_exports(embedded_cache, tmp
 
 def test_a_variant_with_a_setting_and_a_parameter(embedded_cache, tmp_path, monkeypatch):
     """Its setting is a flag, recorded in model_args.json and compared on resume; its parameter
-    trains and resumes with the rest of the model; its hooks' statistics reach TensorBoard."""
+    trains and resumes with the rest of the model; its hooks' statistics reach TensorBoard; both
+    evaluation tools run the model its record describes, though the HF model cannot."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     monkeypatch.setenv("MEGATRON_FOCUS_VARIANTS", "toy_temperature")
     ckpt, tb = str(tmp_path / "ckpt"), str(tmp_path / "tb")
     bound = ["--attention", "temperature", "--temperature-bound", "2", "--tensorboard-dir", tb]
+    bound += ["--position-embedding-type", "rope"]  # passkey prompts outgrow the 32 positions
     first = train(
         1, tiny_argv(embedded_cache, *bound, "--save", ckpt, "--exit-interval", "3", iters=4)
     )
@@ -73,9 +76,84 @@ def test_a_variant_with_a_setting_and_a_parameter(embedded_cache, tmp_path, monk
     with pytest.raises(Exception, match="--attention temperature: the HF model has no layer"):
         run_distributed(_export_and_compare, 1, ckpt, str(tmp_path / "hf"))
 
-    default_bound = tiny_argv(embedded_cache, "--attention", "temperature", "--load", ckpt)
+    built, ppl, passkey = run_distributed(_evaluated, 1, ckpt, embedded_cache, str(tmp_path))
+    assert built == [(2.0, w) for w in learned]  # the recorded bound, not the flag's default 4
+    assert ppl["attention"] == "temperature" and ppl["seq_lengths"] == [16, 32]
+    assert all(math.isfinite(row["loss"]) for row in ppl["rows"])
+    assert [(r["mode"], r["length"], r["depth"]) for r in passkey["rows"]] == [
+        (None, 100, 0.0),
+        (None, 100, 1.0),
+    ]
+
+    default_bound = tiny_argv(
+        embedded_cache, "--attention", "temperature", "--position-embedding-type", "rope"
+    ) + ["--load", ckpt]
     with pytest.raises(Exception, match=r"temperature_bound: checkpoint 2.0, this run 4.0"):
         train(1, default_bound)
+
+
+def test_a_setting_the_hf_layer_cannot_take_is_refused_by_name(monkeypatch):
+    """Registered as computing the HF model's standard layer, a variant's recorded setting
+    would load at a default there: the export is refused, naming it."""
+    monkeypatch.setenv("MEGATRON_FOCUS_VARIANTS", "toy_temperature")
+    message = run_distributed(_exported_as_standard, 1)
+    assert message == (
+        "--attention temperature-as-standard records temperature_bound, which the HF model's "
+        "'standard' layer has no setting for: not exported, as it would load at a default"
+    )
+
+
+def _exported_as_standard():
+    import dataclasses
+
+    from megatron_focus.arguments import parse_args
+    from megatron_focus.checkpoint import format as checkpoint_format
+    from megatron_focus.hf.architecture import Architecture
+    from megatron_focus.variants import register, variant
+
+    register(
+        dataclasses.replace(
+            variant("temperature"), name="temperature-as-standard", hf_attention="standard"
+        )
+    )
+    args = parse_args(["--attention", "temperature-as-standard", "--temperature-bound", "2"])
+    record = checkpoint_format.model_args(args, 128)
+    assert record["temperature_bound"] == 2.0
+    try:
+        Architecture.from_model_args(record, 100)
+    except NotImplementedError as refused:
+        return str(refused)
+
+
+def _evaluated(ckpt, cache, folder):
+    """(each layer's (bound, w) in the native model built from the checkpoint, eval_ppl's
+    report, eval_passkey's report), each tool run as its command line runs it."""
+    import runpy
+    import sys
+
+    from toy_temperature import TemperatureAttention
+
+    from megatron_focus import platform
+    from megatron_focus.checkpoint.native import (
+        checkpoint_tag_dir,
+        checkpoint_vocabulary,
+        load_native_model,
+    )
+
+    ppl = ["--data-cache-path", cache, "--eval-iters", "1", "--micro-batch-size", "2"]
+    reports = []
+    for script, flags in (
+        ("tools/eval_ppl.py", ppl + ["--seq-lengths", "16", "32"]),
+        ("tools/eval_passkey.py", ["--lengths", "100", "--depths", "0", "1", "--trials", "1"]),
+    ):
+        reports.append(os.path.join(folder, os.path.basename(script) + ".json"))
+        sys.argv = [script, "--load", ckpt, *flags, "--json", reports[-1]]
+        runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+    platform.init_distributed(1)
+    tag_dir = checkpoint_tag_dir(ckpt)
+    _, model = load_native_model(tag_dir, checkpoint_vocabulary(tag_dir)[0])
+    built = [(m.bound, m.w.item()) for m in model.modules() if isinstance(m, TemperatureAttention)]
+    return built, *(json.load(open(path)) for path in reports)
 
 
 def _learned_temperatures(tag_dir):

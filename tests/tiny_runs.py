@@ -117,13 +117,11 @@ def gpt2_bpe_files(folder):
 
 def full_weights(ckpt):
     """The whole model of a checkpoint as the HF export reads it (a base under trained-only)."""
-    from megatron_focus.hf import native
+    from megatron_focus.checkpoint import native
 
     tag_dir = native.checkpoint_tag_dir(ckpt)
     vocab_size, _ = native.checkpoint_vocabulary(tag_dir)
-    return native.read_weights(
-        tag_dir, native.read_architecture(tag_dir, vocab_size), progress=False
-    )
+    return native.read_weights(tag_dir, vocab_size, progress=False)
 
 
 def byte_level_bpe(folder, special_tokens):

@@ -16,13 +16,12 @@ class Native:
     """A checkpoint's native model (merged to one process) and its tokenizer."""
 
     def __init__(self, opts):
-        from megatron_focus.hf.native import (
+        from megatron_focus.checkpoint.native import (
             checkpoint_tag_dir,
             checkpoint_vocabulary,
-            native_model,
-            read_architecture,
-            read_weights,
+            load_native_model,
         )
+        from megatron_focus.variants import variant
 
         platform.init_distributed(1)
         tag_dir = checkpoint_tag_dir(opts.load, opts.iteration)
@@ -32,18 +31,15 @@ class Native:
                 f"{tag_dir} records no tokenizer (synthetic data or an "
                 "import without one): passkey prompts are text"
             )
-        self.arch = read_architecture(tag_dir, self.vocab)
-        self.model = native_model(
-            self.arch,
-            read_weights(
-                tag_dir, self.arch, progress=False, allow_unsafe=opts.allow_unsafe_checkpoints
-            ),
+        args, self.model = load_native_model(
+            tag_dir, self.vocab, allow_unsafe=opts.allow_unsafe_checkpoints
         )
         self.device = next(self.model.parameters()).device
-        self.focus_groups = self.arch.focus.groups if self.arch.focus else None
+        attention = variant(args.attention)
+        self.focus_groups = attention.settings_from(args).groups if attention.focus else None
         self.positions = (
-            self.arch.max_position_embeddings
-            if self.arch.position_embedding_type == "learned_absolute"
+            args.max_position_embeddings
+            if args.position_embedding_type == "learned_absolute"
             else None
         )
 

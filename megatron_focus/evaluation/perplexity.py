@@ -11,14 +11,14 @@ import torch.nn.functional as F
 
 from megatron_focus import platform
 from megatron_focus.arguments import validate_args
-from megatron_focus.data.loader import micro_batches, to_device
-from megatron_focus.data.sources import datasets_for, tokenizer_for
-from megatron_focus.hf.native import (
+from megatron_focus.checkpoint.native import (
     checkpoint_tag_dir,
+    native_args,
     native_model,
-    read_architecture,
     read_weights,
 )
+from megatron_focus.data.loader import micro_batches, to_device
+from megatron_focus.data.sources import datasets_for, tokenizer_for
 from megatron_focus.model.focus import (
     FocusAttention,
     focus_statistics,
@@ -26,6 +26,7 @@ from megatron_focus.model.focus import (
     set_focus_mode,
 )
 from megatron_focus.model.kernels import chosen
+from megatron_focus.variants import variant
 
 
 class AttentionTimer:
@@ -88,9 +89,13 @@ def run(opts: argparse.Namespace, args: argparse.Namespace) -> None:
     platform.init_distributed(1)
     tag_dir = checkpoint_tag_dir(opts.load, opts.iteration)
     tokenizer = tokenizer_for(args, rank0=True)
-    arch = read_architecture(tag_dir, tokenizer.vocab_size)
+    recorded = native_args(tag_dir)  # the checkpoint's model, as its model_args.json records it
+    attention = variant(recorded.attention)
+    focus = attention.settings_from(recorded) if attention.focus else None
     positions = (
-        arch.max_position_embeddings if arch.position_embedding_type == "learned_absolute" else None
+        recorded.max_position_embeddings
+        if recorded.position_embedding_type == "learned_absolute"
+        else None
     )
     lengths = opts.seq_lengths or [min(args.seq_length, positions or args.seq_length)]
     too_long = [n for n in lengths if positions is not None and n > positions]
@@ -114,29 +119,35 @@ def run(opts: argparse.Namespace, args: argparse.Namespace) -> None:
         )
     # The checkpoint's model, merged to one process whatever its TP size or ZeRO stage.
     model = native_model(
-        arch,
-        read_weights(tag_dir, arch, progress=False, allow_unsafe=args.allow_unsafe_checkpoints),
+        recorded,
+        tokenizer.vocab_size,
+        read_weights(
+            tag_dir,
+            tokenizer.vocab_size,
+            progress=False,
+            allow_unsafe=args.allow_unsafe_checkpoints,
+        ),
     )
     timer = AttentionTimer(model)
 
     rows = []
-    if arch.focus is not None:
-        settings = [("soft", None)] + [("sparse", k) for k in range(1, arch.focus.groups + 1)]
+    if focus is not None:
+        settings = [("soft", None)] + [("sparse", k) for k in range(1, focus.groups + 1)]
     else:
-        settings = [(arch.attention, None)]
+        settings = [(recorded.attention, None)]
     for mode, top_k in settings:
-        if arch.focus is not None:
+        if focus is not None:
             set_focus_mode(model, mode, top_k)
         for n in lengths:
             row = evaluate(model, batches[n], timer, mode == "sparse", tokenizer.vocab_size)
-            if arch.window_size is not None:  # a sliding window keeps its band
-                row["pairs_kept"] = window_share(n, arch.window_size[0])
+            if recorded.window_size is not None:  # a sliding window keeps its band
+                row["pairs_kept"] = window_share(n, recorded.window_size[0])
             rows.append({"mode": mode, "top_k": top_k, "seq_length": n, **row})
 
     sequences = args.eval_iters * args.micro_batch_size
-    print(f"{opts.load}: {arch.attention}, {sequences} validation sequences per length")
+    print(f"{opts.load}: {recorded.attention}, {sequences} validation sequences per length")
     kernels = None
-    if arch.focus is not None:
+    if focus is not None:
         kernels = chosen(model)
         print("Focus kernels: " + ", ".join(f"{op} {name}" for op, name in kernels.items()))
     print(table(rows, lengths))
@@ -145,7 +156,7 @@ def run(opts: argparse.Namespace, args: argparse.Namespace) -> None:
             json.dump(
                 {
                     "load": opts.load,
-                    "attention": arch.attention,
+                    "attention": recorded.attention,
                     "sequences": sequences,
                     "seq_lengths": lengths,
                     "focus_kernels": kernels,

@@ -5,11 +5,12 @@
     native_logits(load_dir, tokens)       # what the native model of a checkpoint computes
 
 `families.py` holds the mapping table (Megatron name -> HF names) and what each HF class can
-represent exactly; `layout.py` how tensor parallelism splits the tensors.
+represent exactly; `checkpoint/tp_layout.py` how tensor parallelism splits the tensors, and
+`checkpoint/native.py` how a checkpoint's native model is read and built.
 """
 
+from megatron_focus.checkpoint.native import native_logits
 from megatron_focus.hf.export import export_to_hf
 from megatron_focus.hf.importer import import_from_hf
-from megatron_focus.hf.native import native_logits
 
 __all__ = ["export_to_hf", "import_from_hf", "native_logits"]

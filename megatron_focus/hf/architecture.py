@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 from typing import List, Optional, Tuple
 
-from megatron_focus.variants import FocusConfig, variant
+from megatron_focus.variants import VARIANTS, FocusConfig, variant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +94,7 @@ class Architecture:
             )
         if model_args.get("rotary_percent", 1.0) != 1.0:
             raise NotImplementedError("--rotary-percent below 1 (partial rotary) is not mapped")
+        _refuse_unmapped_settings(model_args)
         kwargs = {name: model_args[name] for name in own}
         for name in ("xsa_layers", "window_size"):
             if kwargs[name] is not None:
@@ -181,3 +182,24 @@ class Architecture:
             self.vocab_size, make_vocab_size_divisible_by, tensor_model_parallel_size
         )
         return args
+
+
+def _refuse_unmapped_settings(model_args: dict) -> None:
+    """An HF layer kind computes what the package's variant of that name computes, so it takes
+    that variant's settings and no others: a variant recording a setting its HF layer has no
+    place for is refused by the setting's name (exported, it would come back at a default)."""
+    attention = variant(model_args["attention"])
+    if attention.hf_attention is None:
+        return  # refused by name when the Architecture is built
+    if attention.hf_attention not in VARIANTS:
+        raise NotImplementedError(
+            f"--attention {attention.name}: the HF model has no {attention.hf_attention!r} layer"
+        )
+    taken = set(variant(attention.hf_attention).recorded_keys())
+    unmapped = [key for key in attention.recorded_keys() if key not in taken]
+    if unmapped:
+        raise NotImplementedError(
+            f"--attention {attention.name} records {', '.join(unmapped)}, which the HF model's "
+            f"{attention.hf_attention!r} layer has no setting for: not exported, as it would "
+            "load at a default"
+        )

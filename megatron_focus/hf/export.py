@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from megatron_focus.checkpoint.native import checkpoint_tag_dir, checkpoint_vocabulary, read_weights
 from megatron_focus.hf import families, native
 from megatron_focus.hf.mapping import native_to_hf
 from megatron_focus.hf.tokenizer import (
@@ -43,8 +44,8 @@ def export_to_hf(
     or not at all; one that holds files is replaced only with `overwrite`.
     """
     check_fresh(save_dir, overwrite)
-    tag_dir = native.checkpoint_tag_dir(load_dir, iteration)
-    vocab_size, tokenizer = native.checkpoint_vocabulary(tag_dir, tokenizer_type, tokenizer_model)
+    tag_dir = checkpoint_tag_dir(load_dir, iteration)
+    vocab_size, tokenizer = checkpoint_vocabulary(tag_dir, tokenizer_type, tokenizer_model)
     arch = native.read_architecture(tag_dir, vocab_size, focus_top_k, focus_attention_mode)
     family, why = families.choose_family(arch)
 
@@ -66,7 +67,7 @@ def export_to_hf(
             print(f"{tag_dir} -> {families.HF_CLASS[family]}: {why}", flush=True)
         rules = families.rules(family, arch, families.HFBiases.of(arch))
         weights = native_to_hf(
-            native.read_weights(tag_dir, arch, progress, allow_unsafe), rules, progress
+            read_weights(tag_dir, arch.vocab_size, progress, allow_unsafe), rules, progress
         )
         model = _model_holding(family, config, weights)
         model.save_pretrained(partial, max_shard_size=max_shard_size)

@@ -94,8 +94,9 @@ def _random_checkpoint(save_dir: str, flags: list, tokenizer_type: str, tokenize
     from megatron_focus import platform
     from megatron_focus.arguments import parse_args
     from megatron_focus.checkpoint import format as checkpoint_format
+    from megatron_focus.checkpoint import tp_layout
     from megatron_focus.data.tokenizer import build_tokenizer
-    from megatron_focus.hf import layout, native
+    from megatron_focus.hf import native
     from megatron_focus.model.gpt import build_model, padded_vocab_size
 
     platform.init_distributed(1)
@@ -110,7 +111,7 @@ def _random_checkpoint(save_dir: str, flags: list, tokenizer_type: str, tokenize
     args.padded_vocab_size = padded_vocab_size(vocab, args.make_vocab_size_divisible_by, 1)
     platform.manual_seed(0)
     model = build_model(args, vocab)
-    weights = layout.merge([model.state_dict()], args.swiglu, vocab)
+    weights = tp_layout.merge([model.state_dict()], args.swiglu, vocab)
     tag_dir = native.write_checkpoint(save_dir, args, weights, vocab, progress=False)
     checkpoint_format.TokenizerRecord.of_run(
         vocab, tokenizer_type, {"tokenizer_model": tokenizer_model}
@@ -120,12 +121,11 @@ def _random_checkpoint(save_dir: str, flags: list, tokenizer_type: str, tokenize
 
 def _native_greedy(load_dir: str, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
     """Greedy decoding by full forwards of the native model."""
-    from megatron_focus.hf import native
+    from megatron_focus.checkpoint import native
 
     tag_dir = native.checkpoint_tag_dir(load_dir)
     vocab_size, _ = native.checkpoint_vocabulary(tag_dir)
-    arch = native.read_architecture(tag_dir, vocab_size)
-    model = native.native_model(arch, native.read_weights(tag_dir, arch, progress=False))
+    _, model = native.load_native_model(tag_dir, vocab_size)
     with torch.no_grad():
         for _ in range(new_tokens):
             positions = torch.arange(ids.shape[1]).expand_as(ids)

@@ -2,10 +2,11 @@
 
 A checkpoint holds one state dict per TP rank. Column-parallel weights (the fused QKV, MLP fc1,
 the output layer) and the vocab-parallel embedding are split on dim 0, row-parallel weights
-(attention projection, MLP fc2) on dim 1; norms, position embeddings, row-parallel biases and
-Focus's routers are replicated. SwiGLU's fused fc1 `[gate; up]` is split with stride 2: each rank
-holds `[gate_r; up_r]`. The embedding and output layer have `padded_vocab_size` rows so that
-they split evenly; the rows past the tokenizer's vocabulary are never used.
+(attention projection, MLP fc2) on dim 1; norms, position embeddings, row-parallel biases and a
+core attention's own parameters (Focus's routers, a variant's) are replicated. SwiGLU's fused
+fc1 `[gate; up]` is split with stride 2: each rank holds `[gate_r; up_r]`. The embedding and
+output layer have `padded_vocab_size` rows so that they split evenly; the rows past the
+tokenizer's vocabulary are never used.
 
 `merge` turns the per-rank state dicts into one full state dict with Megatron's names and the
 true vocabulary; `split` is its inverse, for a given TP size.
@@ -31,9 +32,10 @@ _SPLIT_DIM = (
         r"|.*\.linear_(proj|fc2)\.bias",
         None,
     ),
-    # Focus's router (W_g and the centroids): replicated on every TP rank, its gradient summed
-    # over TP, so `merge` finds it identical on every rank.
-    (r".*\.self_attention\.core_attention\.router\.(proj\.weight|centroids)", None),
+    # A core attention's own parameters (Focus's router, W_g and the centroids; a variant's, as
+    # docs/extending.md asks): held whole by every TP rank, their gradient summed over TP, so
+    # `merge` finds each identical on every rank, and refuses one that is not.
+    (r".*\.self_attention\.core_attention\..*", None),
 )
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 # Megatron's linear layers keep an `_extra_state` entry (None) that a strict load expects.
