@@ -46,7 +46,8 @@ setup(
     version="0.1.0",
     description="Focus (learned sparse) and XSA (exclusive self) attention on Megatron-Core",
     packages=find_packages(include=["megatron_focus", "megatron_focus.*"]),
-    package_data={"megatron_focus": ["megatron_lm_flags.txt"]},  # compat.py's record
+    # compat.py's records of Megatron-LM's parsers
+    package_data={"megatron_focus": ["megatron_lm_flags.txt", "megatron_lm_preprocess_flags.txt"]},
     python_requires=">=3.10,<3.13",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,

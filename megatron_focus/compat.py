@@ -346,6 +346,21 @@ TRANSLATED = {
         "deprecated in Megatron-LM, which reads it so",
     ),
 }
+# Megatron-LM's tools/preprocess_data.py: its flags (its tokenizer flags are pretrain_gpt.py's,
+# classified above), and what differs there from training.
+PREPROCESS_SPEC = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "megatron_lm_preprocess_flags.txt"
+)
+PREPROCESS_NO_EFFECT = {
+    "--vocab-extra-ids": (
+        "Megatron-LM's preprocess_data.py sets it to 0 after parsing: it reaches no tokenizer "
+        "there either"
+    ),
+    "--padded-vocab-size": (
+        "the vocabulary is padded at training (--make-vocab-size-divisible-by); the .bin's dtype "
+        "follows the tokenizer's own size, as in Megatron-LM"
+    ),
+}
 # Megatron-LM's types that are functions of its own: the value is kept as text here.
 TYPES = {"int": int, "float": float, "str": str}
 ACTIONS = {"boolean_optional": argparse.BooleanOptionalAction}
@@ -380,7 +395,19 @@ def megatron_flags(path: str = SPEC) -> list:
 def classify(flag: str) -> Optional[Tuple[str, str]]:
     """("no effect" or "refused", why) for a Megatron-LM flag this trainer does not implement;
     None for one it implements (arguments.py), which no family names."""
-    for kind, table in (("no effect", NO_EFFECT), ("refused", REFUSED)):
+    return _classify(flag, (("no effect", NO_EFFECT), ("refused", REFUSED)))
+
+
+@functools.lru_cache(maxsize=None)
+def classify_preprocessing(flag: str) -> Optional[Tuple[str, str]]:
+    """classify() for a flag of Megatron-LM's tools/preprocess_data.py: PREPROCESS_NO_EFFECT
+    first; None for one tools/preprocess_data.py implements."""
+    return _classify(flag, (("no effect", PREPROCESS_NO_EFFECT),)) or classify(flag)
+
+
+def _classify(flag: str, tables) -> Optional[Tuple[str, str]]:
+    """(kind, why) of the first family in `tables` ((kind, {patterns: why}), ...) naming flag."""
+    for kind, table in tables:
         for patterns, why in table.items():
             if any(fnmatch.fnmatchcase(flag, p) for p in patterns.split()):
                 return kind, why
@@ -406,11 +433,11 @@ def _dest(flags: List[str], keywords: dict) -> str:
     return keywords.get("dest", flags[0][2:].replace("-", "_"))
 
 
-def megatron_defaults() -> Dict[str, object]:
+def megatron_defaults(spec: str = SPEC) -> Dict[str, object]:
     """Each destination's value when no flag sets it: the first of its actions' default, as
     argparse keeps it (Megatron-LM's default)."""
     defaults: Dict[str, object] = {}
-    for flags, keywords in megatron_lm_actions():
+    for flags, keywords in megatron_lm_actions(spec):
         unset = keywords.get("action") == "store_false"  # store_true: False
         default = argparse_keywords(keywords).get("default", unset)
         defaults.setdefault(_dest(flags, keywords), default)
@@ -454,6 +481,12 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Megatron-LM's other names for flags here")
     for flag, (ours, why) in TRANSLATED.items():
         g.add_argument(flag, action="store_true", help=f"{ours} ({why})")
+    add_classified_args(p)
+
+
+def add_classified_args(p: argparse.ArgumentParser, spec: str = SPEC, classify=classify) -> None:
+    """Every flag of Megatron-LM's parser recorded in `spec` that `p` does not define, in its
+    group (no effect, refused) as `classify` says, with Megatron-LM's keywords."""
     known = {o for action in p._actions for o in action.option_strings}
     groups = {
         "no effect": p.add_argument_group("Megatron-LM flags with no effect here"),
@@ -461,8 +494,8 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
             "Megatron-LM flags refused unless off (Megatron-LM's default)"
         ),
     }
-    defaults = megatron_defaults()
-    for flags, keywords in megatron_lm_actions():
+    defaults = megatron_defaults(spec)
+    for flags, keywords in megatron_lm_actions(spec):
         if known.intersection(flags):
             continue
         if classify(flags[0]) is None:
@@ -481,12 +514,12 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
         groups[kind].add_argument(*flags, help=words, **keywords)
 
 
-def refusals(args: argparse.Namespace) -> Dict[str, List[str]]:
+def refusals(args: argparse.Namespace, spec: str = SPEC, classify=classify) -> Dict[str, List[str]]:
     """why -> the refused flags `args` gives at a value other than "off", as a user writes them.
     Flags that share a destination (Megatron-LM's old and new names) share their "off" values."""
     given: Dict[str, List[str]] = {}
-    defaults, off, refused = megatron_defaults(), {}, {}
-    for flags, keywords in megatron_lm_actions():
+    defaults, off, refused = megatron_defaults(spec), {}, {}
+    for flags, keywords in megatron_lm_actions(spec):
         if (classify(flags[0]) or ("",))[0] == "refused":
             dest = _dest(flags, keywords)
             off.setdefault(dest, []).extend(off_values(flags, keywords, defaults))
@@ -503,12 +536,17 @@ def _words(value) -> str:
     return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
+def refuse(args: argparse.Namespace, spec: str = SPEC, classify=classify) -> None:
+    """One error naming each refused flag that `args` gives, by feature (refusals())."""
+    given = refusals(args, spec, classify)
+    if given:
+        raise ValueError("; ".join(f"{', '.join(flags)}: {why}" for why, flags in given.items()))
+
+
 def check_compat_args(args: argparse.Namespace) -> None:
     """Refuse what is not offered, by feature and flag, in one message before anything is built;
     apply Megatron-LM's other names."""
-    given = refusals(args)
-    if given:
-        raise ValueError("; ".join(f"{', '.join(flags)}: {why}" for why, flags in given.items()))
+    refuse(args)
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
     if args.use_distributed_optimizer and args.zero_stage == 0:

@@ -4,9 +4,12 @@
     python pretrain_gpt.py <the printed model flags> --tensor-model-parallel-size 2 --load ckpt/ ...
 
 The checkpoint holds weights only: the training run that loads it starts at iteration 0 with its
-own optimizer and schedule. `--attention xsa` retrofits XSA (no new parameters). Models the native
-model cannot compute exactly (RoPE scaling, sliding windows, activations other than GELU,
-its tanh approximation and SwiGLU, ...) are refused.
+own optimizer and schedule. `--attention xsa` retrofits XSA (no new parameters). A sliding window
+on every layer (Mistral's) imports as `--window-size`, Llama 3.1's RoPE scaling as
+`--use-rope-scaling`. Models the native model cannot compute exactly are refused by what they
+need: other RoPE scalings, a window on some layers only (Qwen2's `use_sliding_window`),
+activations other than GELU, its tanh approximation, SwiGLU (and squared ReLU, in a
+megatron_focus model), ...
 
 `--attention focus` (or `focus+xsa`) retrofits Focus: the checkpoint is the base model (exactly an
 import with `--attention standard`, or `xsa`), and the printed command is the retrofit run,

@@ -5,19 +5,21 @@
         --workers 8
 
 writes data/fineweb_text_document.{bin,idx}; pass data/fineweb_text_document as --data-path.
+Every flag of Megatron-LM's tools/preprocess_data.py is known: done as there, or said (below) to
+have no effect here, or refused by name before any work.
 """
 
-from megatron_focus import cli
+from megatron_focus import cli, compat
 from megatron_focus.choices import TOKENIZER_TYPES
 
 
-def main() -> None:
+def build_parser() -> cli.Parser:
     parser = cli.Parser(description=__doc__)
     parser.add_argument(
         "--input",
         nargs="+",
         required=True,
-        help="files or globs: .jsonl, .jsonl.gz, .parquet, .txt",
+        help="files or globs: .jsonl, .jsonl.gz, .parquet, .txt, read in sorted order",
     )
     parser.add_argument(
         "--output-prefix", required=True, help="writes <prefix>_<key>_document.bin/.idx"
@@ -40,11 +42,52 @@ def main() -> None:
         help="end each document with EOD (as Megatron-LM: off unless given; GPT pretraining "
         "wants it)",
     )
-    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    parser.add_argument(
+        "--split-sentences",
+        action="store_true",
+        help="split each document into sentences with NLTK's punkt (--lang), each sentence a "
+        "sequence of its document, into <prefix>_<key>_sentence.bin/.idx, as Megatron-LM; in one "
+        "run (Megatron-LM's first run only writes the split text). Needs NLTK (pip install nltk): "
+        "refused without it",
+    )
+    parser.add_argument(
+        "--keep-newlines",
+        action="store_true",
+        help="with --split-sentences: a sentence keeps the whitespace and newlines that follow "
+        "it, as Megatron-LM. Without --split-sentences it changes nothing, as in Megatron-LM: "
+        "a whole document keeps its newlines",
+    )
+    parser.add_argument("--lang", default="english", help="punkt's language, for --split-sentences")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="tokenizer processes (all of them, however many --partitions)",
+    )
+    parser.add_argument(
+        "--partitions",
+        type=int,
+        default=1,
+        help="the documents in the order Megatron-LM's --partitions N writes them: document k "
+        "(over all inputs) to partition k mod N, the partitions one after another; the output is "
+        "byte for byte Megatron-LM's. No partition files are written next to the input",
+    )
+    parser.add_argument(
+        "--keep-sequential-samples",
+        action="store_true",
+        help="with --partitions: partitions of consecutive documents, so the input's order (the "
+        "output of --partitions 1), as Megatron-LM; without --partitions, no change",
+    )
     parser.add_argument(
         "--log-interval", type=int, default=1000, help="documents between progress updates"
     )
-    args = parser.parse_args()
+    compat.add_classified_args(parser, compat.PREPROCESS_SPEC, compat.classify_preprocessing)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    compat.refuse(args, compat.PREPROCESS_SPEC, compat.classify_preprocessing)
     from megatron_focus.data.preprocess import preprocess  # after parsing: --help stays fast
 
     stats = preprocess(
@@ -59,6 +102,11 @@ def main() -> None:
         json_keys=args.json_keys,
         workers=args.workers,
         log_interval=args.log_interval,
+        partitions=args.partitions,
+        keep_sequential_samples=args.keep_sequential_samples,
+        split_sentences=args.split_sentences,
+        keep_newlines=args.keep_newlines,
+        lang=args.lang,
     )
     for prefix in stats.prefixes:
         print(f"wrote {prefix}.bin/.idx")

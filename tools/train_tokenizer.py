@@ -32,7 +32,17 @@ def main() -> None:
         help="train on this many lines sampled uniformly (0: all); bounds memory on big corpora",
     )
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print SentencePiece's own training log (some 300 lines; errors show without it)",
+    )
     args = parser.parse_args()
+    print(
+        f"training a {args.vocab_size}-piece {args.model_type} SentencePiece tokenizer on "
+        f"{' '.join(args.input)}",
+        flush=True,
+    )
 
     model = train_sentencepiece(
         args.input,
@@ -42,6 +52,7 @@ def main() -> None:
         json_keys=args.json_keys,
         max_sentences=args.max_sentences,
         seed=args.seed,
+        quiet=not args.verbose,
     )
     print(f"wrote {model}")
 
