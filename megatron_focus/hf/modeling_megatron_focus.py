@@ -295,18 +295,19 @@ def sparse_rule_attention(q, k, v, pairs, groups_q, groups_k, sinks, window, top
     of queries, the sinks beyond it, then, group by group, the distant keys whose top-1 group
     is one of a query's top-k, for those queries alone; the parts merged by log-sum-exp.
 
-    q `[b, heads, s, d]`; k, v `[b, kv heads, n, d]`, the last n of the `pairs.keys` keys;
-    groups ranked (`rank_groups`) for the queries `[b, s, K]` and every key `[b, keys, K]`;
-    `sinks` `[b, keys]`. Work: about s * (block + window) pairs, plus top_k * s^2 / K.
+    q `[b, heads, s, d]`; k, v `[b, kv heads, keys, d]` (every key: Focus layers take no
+    sliding window); groups ranked (`rank_groups`) for the queries `[b, s, K]` and every key
+    `[b, keys, K]`; `sinks` `[b, keys]`. Work: about s * (block + window) pairs, plus
+    top_k * s^2 / K; a decoding step reads the window's keys, the sinks' and its groups'.
     """
     b, heads, s, d = q.shape
-    offset = pairs.keys - k.shape[2]  # keys a sliding-window cache has dropped
-    key_pos = torch.arange(offset, pairs.keys, device=q.device)
+    key_pos = torch.arange(pairs.keys, device=q.device)
     query_pos, scale = pairs.query_pos, d**-0.5
     out = torch.zeros(b, heads, s, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, heads, s), float("-inf"), device=q.device)
 
     def add(row, queries, keys, distant: bool):
+        """`queries`, `keys`: index tensors, or slices where they are runs (read in place)."""
         qp, kp = query_pos[queries], key_pos[keys]
         allowed = pairs.between(qp, kp, row)
         near = kp[None, :] > qp[:, None] - window
@@ -318,22 +319,22 @@ def sparse_rule_attention(q, k, v, pairs, groups_q, groups_k, sinks, window, top
 
     for row in range(b):
         for start in range(0, s, block):  # the window (each query's own key among them)
-            queries = torch.arange(start, min(start + block, s), device=q.device)
-            first = max(int(query_pos[start]) - window + 1 - offset, 0)
-            add(row, queries, torch.arange(first, int(query_pos[queries[-1]]) + 1 - offset), False)
-        sink = sinks[row, offset:]
-        everyone = torch.arange(s, device=q.device)
+            end = min(start + block, s)
+            first = max(int(query_pos[start]) - window + 1, 0)
+            add(row, slice(start, end), slice(first, int(query_pos[end - 1]) + 1), False)
+        sink = sinks[row]
         if sink.any():
-            add(row, everyone, sink.nonzero()[:, 0], True)
-        top1 = groups_k[row, offset:, 0].masked_fill(sink, -1)  # a sink is counted once
+            add(row, slice(0, s), sink.nonzero()[:, 0], True)
+        top1 = groups_k[row, :, 0].masked_fill(sink, -1)  # a sink is counted once
         chosen = groups_q[row, :, :top_k]
         for group in chosen.unique().tolist():
-            members = (top1 == group).nonzero()[:, 0]
             asking = (chosen == group).any(-1).nonzero()[:, 0]
+            # keys beyond the window of the last asking query are never distant for them
+            last = int(query_pos[asking[-1]]) - window + 1
+            members = (top1[: max(last, 0)] == group).nonzero()[:, 0]
             for start in range(0, len(asking), block):
                 queries = asking[start : start + block]
-                # keys beyond the window of the block's last query are never distant for it
-                reach = torch.searchsorted(key_pos[members], query_pos[queries[-1]] - window + 1)
+                reach = torch.searchsorted(members, query_pos[queries[-1]] - window + 1)
                 if reach:
                     add(row, queries, members[:reach], True)
     return out.to(q.dtype)
@@ -353,6 +354,27 @@ class Router(nn.Module):
         return (self.proj(x).float() @ self.centroids.float().t()) / self.tau
 
 
+def appended(store, held: torch.Tensor, new: torch.Tensor, dim: int):
+    """`held` and `new` along `dim`, written into `store` when `held` is its prefix and it has
+    room (else into a new store of twice the length): appending costs the new tokens alone,
+    where torch.cat copies every held one at every decoding step. Returns (store, the whole)."""
+    n, m = held.shape[dim], new.shape[dim]
+    prefix = (
+        store is not None
+        and held.data_ptr() == store.data_ptr()
+        and held.stride() == store.stride()
+        and all(a == b for i, (a, b) in enumerate(zip(held.shape, store.shape)) if i != dim)
+        and store.shape[dim] >= n + m
+    )
+    if not prefix:
+        shape = list(new.shape)
+        shape[dim] = 2 * (n + m)
+        store = new.new_empty(shape)
+        store.narrow(dim, 0, n).copy_(held)
+    store.narrow(dim, n, m).copy_(new)
+    return store, store.narrow(dim, 0, n + m)
+
+
 class FocusCacheLayer(DynamicLayer):
     """A Focus layer's cache entry: keys and values, and the routing state of every cached token.
 
@@ -368,6 +390,18 @@ class FocusCacheLayer(DynamicLayer):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.log_g = self.groups = self.sums = None
+        self._stores = {}  # each cached tensor's store, with room to grow (`appended`)
+
+    def _append(self, name: str, new: torch.Tensor, dim: int) -> torch.Tensor:
+        self._stores[name], whole = appended(self._stores.get(name), getattr(self, name), new, dim)
+        setattr(self, name, whole)
+        return whole
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """DynamicLayer's update, appending in place (`appended`) after the first tokens."""
+        if not self.is_initialized:
+            return super().update(key_states, value_states, *args, **kwargs)
+        return self._append("keys", key_states, -2), self._append("values", value_states, -2)
 
     def routing_prefix(self):
         """`[b, iters, K]`: the causal Sinkhorn's running log-sums after the cached tokens."""
@@ -375,13 +409,13 @@ class FocusCacheLayer(DynamicLayer):
 
     def update_routing(self, log_g, groups, sums):
         """Appends the new tokens' state; returns every cached token's (log_g, groups)."""
-        if self.log_g is not None:
-            log_g, groups, sums = (
-                torch.cat(pair, dim=1)
-                for pair in ((self.log_g, log_g), (self.groups, groups), (self.sums, sums))
-            )
-        self.log_g, self.groups, self.sums = log_g, groups, sums
-        return log_g, groups
+        if self.log_g is None:
+            self.log_g, self.groups, self.sums = log_g, groups, sums
+        else:
+            self._append("sums", sums, 1)
+            self._append("log_g", log_g, 1)
+            self._append("groups", groups, 1)
+        return self.log_g, self.groups
 
     def _map_routing(self, fn):
         if self.log_g is not None:
@@ -389,6 +423,7 @@ class FocusCacheLayer(DynamicLayer):
 
     def reset(self):
         self.log_g = self.groups = self.sums = None
+        self._stores = {}
         super().reset()
 
     def crop(self, length: int):
