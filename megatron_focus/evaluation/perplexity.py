@@ -1,5 +1,6 @@
 """tools/eval_ppl.py's evaluation: perplexity at each context length, for a Focus model in each
-mode, with the share of causal pairs kept and the time spent in attention."""
+mode, with the share of causal pairs kept and the time per token: of the whole forward and of
+the attention inside it."""
 
 import argparse
 import json
@@ -30,14 +31,21 @@ from megatron_focus.variants import variant
 
 
 class AttentionTimer:
-    """Wall time spent inside the Focus core attention modules (forward only)."""
+    """Wall time spent inside the core attention modules (each attention layer's
+    `core_attention`: Focus's, XSA's or standard; forward only, device-synchronised)."""
 
     def __init__(self, model):
         self.seconds, self._start = 0.0, None
-        for module in model.modules():
-            if isinstance(module, FocusAttention):
-                module.register_forward_pre_hook(self._enter)
-                module.register_forward_hook(self._exit)
+        cores = {
+            id(m.core_attention): m.core_attention
+            for m in model.modules()
+            if isinstance(getattr(m, "core_attention", None), torch.nn.Module)
+        }
+        cores.update({id(m): m for m in model.modules() if isinstance(m, FocusAttention)})
+        self.modules = len(cores)
+        for module in cores.values():
+            module.register_forward_pre_hook(self._enter)
+            module.register_forward_hook(self._exit)
 
     def _sync(self):
         if platform.has_cuda():
@@ -56,14 +64,26 @@ class AttentionTimer:
 def evaluate(model, batches, timer: AttentionTimer, sparse: bool, vocab_size: int) -> dict:
     """Mean loss over the loss-mask tokens (the trainer's, per micro-batch); accuracy, the share
     of those tokens predicted by the argmax (MQAR: recalled values); pairs kept by the hard rule
-    (all pairs are computed in soft mode)."""
-    timer.seconds, total, hits, counted, kept = 0.0, 0.0, 0.0, 0.0, []
-    start = time.perf_counter()
+    (all pairs are computed in soft mode); the time per token of the model's forward (embedding to
+    logits, device-synchronised; not the loss) and of the Focus attention modules inside it.
+
+    One untimed forward on the first micro-batch comes first, so that one-time costs (kernel
+    compilation, the allocator's first blocks) are charged to no mode."""
     device = next(model.parameters()).device
+    first = to_device(batches[0], device)
+    model(first["tokens"], first["position_ids"], None)  # the warm-up
+    timer.seconds, total, hits, counted, kept = 0.0, 0.0, 0.0, 0.0, []
+    forward_s, tokens = 0.0, 0
+    start = time.perf_counter()
     for batch in batches:
         batch = to_device(batch, device)
         with recording_statistics(model):
+            timer._sync()
+            began = time.perf_counter()
             logits = model(batch["tokens"], batch["position_ids"], None)[..., :vocab_size]
+            timer._sync()
+            forward_s += time.perf_counter() - began
+        tokens += batch["tokens"].numel()
         mask = batch["loss_mask"].float()
         per_token = F.cross_entropy(
             logits.float().transpose(1, 2), batch["labels"], reduction="none"
@@ -78,7 +98,11 @@ def evaluate(model, batches, timer: AttentionTimer, sparse: bool, vocab_size: in
         "ppl": math.exp(min(loss, 30.0)),
         "accuracy": hits / max(counted, 1),
         "pairs_kept": sum(kept) / len(kept) if sparse else 1.0,
+        "tokens": tokens,
+        "forward_ms": forward_s * 1e3,
+        "us_per_token": forward_s * 1e6 / tokens,
         "attention_ms": timer.seconds * 1e3,
+        "attention_us_per_token": timer.seconds * 1e6 / tokens,
         "total_ms": (time.perf_counter() - start) * 1e3,
     }
 
@@ -175,29 +199,42 @@ def window_share(n: int, left: int) -> float:
 
 def table(rows: list, lengths: list) -> str:
     """One line per mode and top-k: at one length its loss, perplexity, accuracy, pairs kept and
-    attention time; at several, the perplexity, accuracy and pairs kept at each length."""
+    the time per token of the forward and of its attention (microseconds); at several, the
+    perplexity, accuracy, pairs kept and forward time per token at each length."""
     lines = []
     if len(lengths) == 1:
         lines.append(
             f"{'mode':<8}{'top-k':>6}{'loss':>9}{'ppl':>10}{'accuracy':>10}"
-            f"{'pairs kept':>12}{'attn ms':>10}   (seq {lengths[0]})"
+            f"{'pairs kept':>12}{'us/token':>10}{'attn us/token':>15}   (seq {lengths[0]})"
         )
         for r in rows:
             lines.append(
                 f"{r['mode']:<8}{r['top_k'] or '':>6}{r['loss']:>9.4f}{r['ppl']:>10.2f}"
                 f"{r['accuracy']:>10.3f}{r['pairs_kept']:>12.3f}"
-                f"{r['attention_ms']:>10.1f}"
+                f"{r['us_per_token']:>10.2f}{r['attention_us_per_token']:>15.2f}"
             )
-        return "\n".join(lines)
-    columns = (("ppl", "ppl", ".2f"), ("acc", "accuracy", ".3f"), ("kept", "pairs_kept", ".3f"))
+        note = TIMING_NOTE + "; attn us/token: its part in the attention modules"
+        return "\n".join(lines + [note])
+    columns = (
+        ("ppl", "ppl", ".2f"),
+        ("acc", "accuracy", ".3f"),
+        ("kept", "pairs_kept", ".3f"),
+        ("us/tok", "us_per_token", ".2f"),
+    )
     lines.append(
         f"{'mode':<8}{'top-k':>6}"
-        + "".join(f"{f'{name}@{n}':>11}" for name, _, _ in columns for n in lengths)
+        + "".join(f"{f'{name}@{n}':>13}" for name, _, _ in columns for n in lengths)
     )
     for i in range(0, len(rows), len(lengths)):
         group = rows[i : i + len(lengths)]
         lines.append(
             f"{group[0]['mode']:<8}{group[0]['top_k'] or '':>6}"
-            + "".join(f"{r[key]:>11{fmt}}" for _, key, fmt in columns for r in group)
+            + "".join(f"{r[key]:>13{fmt}}" for _, key, fmt in columns for r in group)
         )
-    return "\n".join(lines)
+    return "\n".join(lines + [TIMING_NOTE])
+
+
+TIMING_NOTE = (
+    "us/token: microseconds of the model's forward (embedding to logits) per token evaluated,\n"
+    "after one untimed warm-up forward per row"
+)
