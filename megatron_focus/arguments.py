@@ -20,6 +20,8 @@ from megatron_focus.deepspeed_config import take_json_settings
 from megatron_focus.training.global_batch import GlobalBatch
 from megatron_focus.variants import VARIANTS, FocusConfig, settings_classes, variant
 
+SEQ_LENGTH = 256  # --seq-length when neither the flag nor a Megatron-LM checkpoint gives one
+
 
 def int_tuple(text: str) -> tuple:
     """Megatron-LM's tuple flags: "127,0" or "(127,0)" -> (127, 0)."""
@@ -57,7 +59,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         default=1,
         help="with --group-query-attention: key and value heads",
     )
-    g.add_argument("--seq-length", type=int, default=256, help="tokens per sample")
+    g.add_argument(
+        "--seq-length",
+        type=int,
+        default=None,
+        help=f"tokens per sample (default {SEQ_LENGTH}; with --use-checkpoint-args, a "
+        "Megatron-LM checkpoint's, as there)",
+    )
     g.add_argument(
         "--max-position-embeddings",
         type=int,
@@ -909,7 +917,10 @@ def _use_checkpoint_args(args: argparse.Namespace) -> None:
     tag = checkpoint_format.resume_tag(args)
     if tag is None:
         raise FileNotFoundError(f"--use-checkpoint-args: --load {args.load} holds no checkpoint")
-    saved = torch_dist.model_args_of(os.path.join(args.load, tag), args.allow_unsafe_checkpoints)
+    checkpoint = os.path.join(args.load, tag)
+    saved = torch_dist.model_args_of(checkpoint, args.allow_unsafe_checkpoints)
+    if args.seq_length is None:  # not given: Megatron-LM's record has one (not forced, as there)
+        args.seq_length = torch_dist.seq_length_of(checkpoint, args.allow_unsafe_checkpoints)
     for key, value in saved.items():
         if key not in ("tensor_model_parallel_size", "padded_vocab_size"):
             setattr(args, key, value)
@@ -1052,6 +1063,8 @@ def validate_args(
     `training=False` for a model that only evaluates (what only training refuses passes)."""
     if world_size is None:  # as a launcher (torchrun, deepspeed) tells it
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.seq_length is None:
+        args.seq_length = SEQ_LENGTH
     _check_ranges(args)
     _schedule(args, world_size)
     _fill_defaults(args)

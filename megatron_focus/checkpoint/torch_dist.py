@@ -226,6 +226,14 @@ def is_megatron_lm(checkpoint: str) -> bool:
     )
 
 
+def seq_length_of(checkpoint: str, allow_unsafe: bool):
+    """The sequence length a Megatron-LM checkpoint's args record (None: this trainer's own
+    checkpoints record the model, not the run's length)."""
+    if not is_megatron_lm(checkpoint):
+        return None
+    return getattr(common_state(checkpoint, allow_unsafe).get("args"), "seq_length", None)
+
+
 def model_args_of(checkpoint: str, allow_unsafe: bool) -> dict:
     """A checkpoint's model args: this trainer's record, or those of Megatron-LM's args."""
     if not is_megatron_lm(checkpoint):

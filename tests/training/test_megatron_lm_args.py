@@ -65,12 +65,10 @@ def _megatron_lm_run(script: str, tp: int, folder: str) -> dict:
     out = {"theirs": _logits(theirs)}
     for how, flags in (
         ("from the script", argv),
-        (
-            "from the record",
-            MOCK + ["--seq-length", "32", "--load", folder, "--use-checkpoint-args"],
-        ),
+        ("from the record", MOCK + ["--load", folder, "--use-checkpoint-args"]),
     ):
         args = parse_args(flags + ["--tensor-model-parallel-size", str(tp)])
+        out[f"seq_length {how}"] = (args.seq_length, record.seq_length)
         ours = checkpoint_format.model_args(args, record.padded_vocab_size)
         checkpoint_format.check_compatible(ours, saved, checkpoint, resume.MEGATRON_RESHARDS)
         platform.manual_seed(2)
@@ -109,6 +107,8 @@ def test_megatron_lm_checkpoints_load_as_the_model_their_args_describe(tmp_path,
     out = run_distributed(_megatron_lm_run, tp, script, tp, str(tmp_path / "megatron"))
     torch.testing.assert_close(out["from the script"], out["theirs"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out["from the record"], out["theirs"], rtol=1e-5, atol=1e-5)
+    # --use-checkpoint-args without --seq-length takes the record's, as Megatron-LM does
+    assert out["seq_length from the record"] == out["seq_length from the script"] == (32, 32)
     # Megatron-LM reads ours as its own: its check_checkpoint_args and --use-checkpoint-args
     differ = {k: v for k, v in out["record"].items() if v[0] != v[1]}
     assert not differ and len(out["record"]) >= 25
