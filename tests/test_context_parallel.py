@@ -88,10 +88,10 @@ def _loss_and_grads(argv, tokens):
     return loss.item(), grads
 
 
-def _layouts(tokens, layouts):
+def _layouts(tokens, layouts, cases=CASES):
     return {
         case: {name: _loss_and_grads(argv + extra, tokens) for name, extra in layouts.items()}
-        for case, argv in CASES.items()
+        for case, argv in cases.items()
     }
 
 
@@ -130,6 +130,23 @@ def test_context_parallel_matches_one_process(results, case, layout):
     for name, ref in ref_grads.items():
         assert grads[name].shape == ref.shape, name
         torch.testing.assert_close(grads[name], ref, rtol=1e-4, atol=1e-6, msg=name)
+
+
+FUSED = ["--focus-kernel", "triton"]  # interpreted on the CPU (tests/conftest.py)
+
+
+def test_the_fused_soft_gate_at_each_ranks_offsets_matches_one_process():
+    """The Triton soft gate takes each rank's query chunks at their positions: cp2's loss and
+    every gradient equal one process's chunked kernel (documents across chunk edges, sinks; RoPE
+    and GQA with XSA on top)."""
+    cases = {case: CASES[case] for case in ("focus-documents-sinks", "focus+xsa-rope-gqa")}
+    layouts = {"cp1": [], "cp2-fused": ["--context-parallel-size", "2", *FUSED]}
+    for case, runs in run_distributed(_layouts, 2, _tokens(), layouts, cases).items():
+        (ref_loss, ref_grads), (loss, grads) = runs["cp1"], runs["cp2-fused"]
+        assert abs(loss - ref_loss) < 1e-5, case
+        assert grads.keys() == ref_grads.keys() and any(".router." in name for name in grads)
+        for name, ref in ref_grads.items():
+            torch.testing.assert_close(grads[name], ref, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def _sinkhorn_across(scores, doc_start, iters, size):
@@ -224,10 +241,6 @@ def test_training_under_context_parallelism_resumes_at_another_size(embedded_cac
         (["--cp-comm-type", "p2p"], "only allgather"),
         (["--context-parallel-size", "3"], "world size 2 is not divisible"),
         (["--seq-length", "30"], "cuts --seq-length 30 in 4 chunks"),
-        (
-            ["--attention", "focus", "--focus-kernel", "triton"],
-            "the soft gate runs the chunked kernel",
-        ),
     ],
 )
 def test_unsupported_context_parallel_combinations_are_refused_by_name(flags, message, monkeypatch):

@@ -193,15 +193,16 @@ def soft_gate(
     dropout where its table has tiles for the GPU, head dim and dtype (`head_dim`, `dtype`:
     the layer's), FlexAttention's where Triton is missing or no tile fits, the chunked one
     otherwise (the fused kernels have no dropout; on the CPU, Triton only interprets and
-    FlexAttention has no backward) and under context parallelism (whose query chunks start
-    inside the sequence). Each is called as flex.flex_soft_focus, plus `dropout_p` where it has
-    dropout."""
+    FlexAttention has no backward). Under context parallelism, whose query chunks start inside
+    the sequence, FlexAttention's path (which takes no query offset) gives way to the chunked
+    one. Each is called as flex.flex_soft_focus, plus `dropout_p` where it has dropout and
+    `offset` where the queries start inside the sequence."""
     if requested not in FOCUS_KERNELS:
         raise ValueError(f"unknown Focus kernel {requested!r}; choose from {FOCUS_KERNELS}")
-    if requested in ("flex", "triton") and context_parallel:
+    if requested == "flex" and context_parallel:
         raise ValueError(
-            f"--focus-kernel {requested} with --context-parallel-size: under context "
-            "parallelism the soft gate runs the chunked kernel (--focus-kernel auto or chunked)"
+            "--focus-kernel flex with --context-parallel-size: FlexAttention's soft gate takes "
+            "no query offset; use --focus-kernel auto, triton or chunked"
         )
     if requested in ("flex", "triton") and dropout_p > 0:
         raise ValueError(
@@ -215,7 +216,11 @@ def soft_gate(
             "--focus-kernel triton on the CPU runs Triton's interpreter (slow; for tests): set "
             "TRITON_INTERPRET=1, or use auto or chunked"
         )
-    fits = device.type != "cuda" or head_dim is None or gate_fits(device, head_dim, dtype)
+    fits = (
+        device.type != "cuda"
+        or head_dim is None
+        or gate_fits(device, head_dim, dtype, context_parallel)
+    )
     if requested == "triton" and not fits:
         raise ValueError(
             f"--focus-kernel triton: the fused soft gate has no tile that fits this GPU "
@@ -223,10 +228,12 @@ def soft_gate(
             f"{dtype} (model/triton_launch.py); use auto, flex or chunked"
         )
     if requested == "auto":
-        if device.type != "cuda" or dropout_p > 0 or context_parallel:
+        if device.type != "cuda" or dropout_p > 0:
             requested = "chunked"
+        elif has_triton() and fits:
+            requested = "triton"
         else:
-            requested = "triton" if has_triton() and fits else "flex"
+            requested = "chunked" if context_parallel else "flex"
     if requested == "triton":
         return Kernel("triton", "megatron_focus.model.triton_gate:triton_soft_focus")
     if requested == "flex":
@@ -245,14 +252,16 @@ def device_capability(device: torch.device) -> tuple:
     return torch.cuda.get_device_capability(device)
 
 
-def gate_fits(device: torch.device, head_dim: int, dtype) -> bool:
-    """Whether the fused soft gate has tiles for every pass on this GPU (its table is checked
-    against each architecture's registers and shared memory: tests/model/test_kernel_fit.py)."""
+def gate_fits(device: torch.device, head_dim: int, dtype, chunk: bool = False) -> bool:
+    """Whether the fused soft gate has tiles for every pass on this GPU, for the whole sequence
+    or a context-parallel `chunk` (its table is checked against each architecture's registers
+    and shared memory: tests/model/test_kernel_fit.py)."""
     from megatron_focus.model import triton_launch
 
     capability = device_capability(device)
     return all(
-        triton_launch.gate_tile(p, capability, head_dim, dtype or torch.float32) is not None
+        triton_launch.gate_tile(p, capability, head_dim, dtype or torch.float32, chunk=chunk)
+        is not None
         for p in triton_launch.GATE_PASSES
     )
 

@@ -135,16 +135,32 @@ def megatron_qkv(shape: Shape):
 
 
 def gate_launches(shape: Shape, capability) -> list:
-    """(name, Launch) of the soft gate's forward and backward at `shape`."""
+    """(name, Launch) of the soft gate's forward and backward at `shape`, for the whole
+    sequence and for a context-parallel chunk (its last half's queries: compiled apart) where a
+    chunk has tiles (else none: a chunk's kernel choice falls back)."""
     q, k, v = megatron_qkv(shape)
     g = torch.empty(shape.batch, shape.tokens, shape.groups, device="meta")
     docs = torch.zeros(shape.batch, shape.tokens, device="meta", dtype=torch.int32)
-    plan = triton_gate.Plan(
-        q, k, v, g, docs if shape.documents else None, window=128, gate_scale=1.0, scale=0.1,
-        sink=0, gate="log" if shape.log_gate else "sigmoid", capability=capability,
-    )  # fmt: skip
-    names = ("gate forward", "gate delta", "gate keys", "gate queries")
-    return list(zip(names, plan.launches(q, k, v, g, docs if shape.documents else g)))
+    gate = "log" if shape.log_gate else "sigmoid"
+    chunk_fits = all(
+        triton_launch.gate_tile(p, capability, shape.head_dim, shape.dtype, gate, chunk=True)
+        for p in triton_launch.GATE_PASSES
+    )
+    launches = []
+    for offset, suffix in ((0, ""), (shape.tokens // 2, " (chunk)"))[: 1 + chunk_fits]:
+        rows = q[:, :, offset:]
+        plan = triton_gate.Plan(
+            rows, k, v, g, docs if shape.documents else None, window=128, gate_scale=1.0,
+            scale=0.1, sink=0, gate=gate, capability=capability, offset=offset,
+        )  # fmt: skip
+        passes = plan.launches(rows, k, v, g, docs if shape.documents else g)
+        names = ("gate forward", "gate delta", "gate keys", "gate queries")
+        launches += [
+            (name + suffix, launch)
+            for name, launch in zip(names, passes)
+            if not (suffix and name == "gate delta")  # rows alone: one kernel for both
+        ]
+    return launches
 
 
 def xsa_launches(shape: Shape, capability) -> list:

@@ -25,6 +25,11 @@ causal iff f <= j <= i; distant iff causal and i - j >= w and j >= f + s; on a d
 log gate adds lambda * log(max(g_i . g_j, tiny)), the paper's gate multiplies the logit by
 sigmoid(lambda g_i . g_j) (focus_gate.py has the rule and its reasons).
 
+Context parallelism: the queries may be a chunk inside the sequence, positions [offset, offset +
+n_q), against the n = offset + n_q keys before them; positions decide every pair, the chunk's own
+rows address the query-side tensors (q, out, the row statistics, dq, the queries' dg). A chunk
+compiles apart (CHUNK), so the whole sequence's kernels keep the registers they fit in.
+
 Addressing: every tensor is read by its own strides (Megatron hands V as a view of the fused QKV
 output, and K, after RoPE, as a new tensor), from a 64-bit base per tile plus 32-bit offsets
 inside the tile (triton_launch.check_tile_offsets refuses a layout where those would wrap).
@@ -179,32 +184,36 @@ def _affinity_grad(dgate, affinity, distant, gate_scale, LOG_GATE: tl.constexpr)
 @triton.jit
 def _forward(
     Q, K, V, G, DOCS, OUT, LSE,
-    n, heads, kv_heads, rep, groups: tl.constexpr, head_dim,
+    n, n_q, offset, heads, kv_heads, rep, groups: tl.constexpr, head_dim,
     sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_n,
     scale, gate_scale, window, sink,
     REP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, KP: tl.constexpr,
-    LOG_GATE: tl.constexpr, HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
+    LOG_GATE: tl.constexpr, HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    m0 = tl.program_id(0) * BM
+    if not CHUNK:  # the whole sequence: compiled without the chunk's arithmetic
+        n_q = n
+        offset = 0
+    m0 = tl.program_id(0) * BM  # the block's first query row; its position is p0
+    p0 = offset + m0
     b = tl.program_id(1) // kv_heads
     kv_head = tl.program_id(1) % kv_heads
-    head, row, ok = _stacked(m0, rep, n, REP, BM)
+    head, row, ok = _stacked(m0, rep, n_q, REP, BM)
     q_at, q_ok = _stacked_tile(
         Q, b, kv_head * rep, m0, sq_b, sq_h, sq_n, head, row, ok, head_dim, D
     )
     q = tl.load(q_at, mask=q_ok, other=0.0)
-    rows = m0 + tl.arange(0, BM)
-    first = _document_starts(DOCS, b, m0, n, BM, HAS_DOCS)
+    rows = p0 + tl.arange(0, BM)
+    first = _document_starts(DOCS, b, p0, n, BM, HAS_DOCS)
     running_max = tl.full((REP * BM,), float("-inf"), tl.float32)
     total = tl.zeros((REP * BM,), tl.float32)
     acc = tl.zeros((REP * BM, D), tl.float32)
-    for start in range(_first_key(DOCS, b, m0, n, BN, HAS_DOCS), tl.minimum(m0 + BM, n), BN):
+    for start in range(_first_key(DOCS, b, p0, n, BN, HAS_DOCS), tl.minimum(p0 + BM, n), BN):
         k_at, kv_ok = _rows_tile(K, b, kv_head, start, n, sk_b, sk_h, sk_n, head_dim, BN, D)
         v_at, v_ok = _rows_tile(V, b, kv_head, start, n, sv_b, sv_h, sv_n, head_dim, BN, D)
         k = tl.load(k_at, mask=kv_ok, other=0.0)
         cols = start + tl.arange(0, BN)
         causal, distant = _pairs(rows[:, None], cols[None, :], first[:, None], n, window, sink)
-        affinity = _affinity(G, b, m0, start, n, groups, BM, BN)
+        affinity = _affinity(G, b, p0, start, n, groups, BM, BN)
         gate = _gate(affinity, distant, gate_scale, LOG_GATE)
         raw = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         scores = _gated(raw, _heads(gate, REP, BM, BN), _heads(causal, REP, BM, BN), LOG_GATE)
@@ -221,7 +230,7 @@ def _forward(
         OUT, b, kv_head * rep, m0, so_b, so_h, so_n, head, row, ok, head_dim, D
     )
     tl.store(o_at, (acc / total[:, None]).to(OUT.dtype.element_ty), mask=o_ok)
-    lse_at = _base(LSE, b, kv_head * rep, m0, heads * n, n, 1) + head * n + row
+    lse_at = _base(LSE, b, kv_head * rep, m0, heads * n_q, n_q, 1) + head * n_q + row
     tl.store(lse_at, running_max + tl.log(total), mask=ok)
 
 
@@ -246,14 +255,17 @@ def _delta(
 @triton.jit
 def _backward_keys(
     Q, K, V, G, DOCS, QUERY_END, DO, LSE, DELTA, DK, DV, DG_K,
-    n, heads, kv_heads, rep, groups: tl.constexpr, head_dim,
+    n, n_q, offset, heads, kv_heads, rep, groups: tl.constexpr, head_dim,
     sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sd_b, sd_h, sd_n, sg_b, sg_h, sg_n,
     scale, gate_scale, window, sink,
     BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, KP: tl.constexpr,
-    LOG_GATE: tl.constexpr, HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
+    LOG_GATE: tl.constexpr, HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     """dK, dV and the key side of dg for one key block, over the query blocks that see it; the
     heads sharing the key/value head one after another (sg_*: DK's and DV's strides)."""
+    if not CHUNK:
+        n_q = n
+        offset = 0
     n0 = tl.program_id(0) * BN
     b = tl.program_id(1) // kv_heads
     kv_head = tl.program_id(1) % kv_heads
@@ -265,27 +277,31 @@ def _backward_keys(
     dk = tl.zeros((BN, D), tl.float32)
     dv = tl.zeros((BN, D), tl.float32)
     dg_k = tl.zeros((BN, KP), tl.float32)
-    end = n
+    end = n_q
     if HAS_DOCS:
         end = tl.load(_base(QUERY_END, b, 0, tl.program_id(0), tl.num_programs(0), 0, 1))
-    for m0 in range((n0 // BM) * BM, end, BM):  # tiles [keys, queries], as FlashAttention-2's
+    begin = n0  # the first query row at or past the block
+    if CHUNK:
+        begin = tl.maximum(n0 - offset, 0)
+    for m0 in range((begin // BM) * BM, end, BM):  # tiles [keys, queries], as FlashAttention-2's
         rows = m0 + tl.arange(0, BM)
-        row_ok = rows < n
-        first = _document_starts(DOCS, b, m0, n, BM, HAS_DOCS)
+        row_ok = rows < n_q
+        rows += offset  # positions
+        first = _document_starts(DOCS, b, offset + m0, n, BM, HAS_DOCS)
         causal, distant = _pairs(rows[None, :], cols[:, None], first[None, :], n, window, sink)
         causal = causal & row_ok[None, :]
-        affinity = _affinity(G, b, n0, m0, n, groups, BN, BM)
+        affinity = _affinity(G, b, n0, offset + m0, n, groups, BN, BM)
         gate = _gate(affinity, distant, gate_scale, LOG_GATE)
         dgate = tl.zeros((BN, BM), tl.float32)
         for r in range(rep):
             head = kv_head * rep + r
-            q_at, q_ok = _rows_tile(Q, b, head, m0, n, sq_b, sq_h, sq_n, head_dim, BM, D)
-            do_at, do_ok = _rows_tile(DO, b, head, m0, n, sd_b, sd_h, sd_n, head_dim, BM, D)
+            q_at, q_ok = _rows_tile(Q, b, head, m0, n_q, sq_b, sq_h, sq_n, head_dim, BM, D)
+            do_at, do_ok = _rows_tile(DO, b, head, m0, n_q, sd_b, sd_h, sd_n, head_dim, BM, D)
             q = tl.load(q_at, mask=q_ok, other=0.0)
             do = tl.load(do_at, mask=q_ok, other=0.0)
             offsets = tl.arange(0, BM)
-            lse = _row_stats(LSE, b, head, m0, n, heads, offsets, row_ok)
-            delta = _row_stats(DELTA, b, head, m0, n, heads, offsets, row_ok)
+            lse = _row_stats(LSE, b, head, m0, n_q, heads, offsets, row_ok)
+            delta = _row_stats(DELTA, b, head, m0, n_q, heads, offsets, row_ok)
             raw = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale
             p = tl.exp(_gated(raw, gate, causal, LOG_GATE) - lse[None, :])
             dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
@@ -298,7 +314,7 @@ def _backward_keys(
                 draw = dscores * gate
             dk += tl.dot(draw.to(q.dtype), q, input_precision=PRECISION)
         daffinity = _affinity_grad(dgate, affinity, distant, gate_scale, LOG_GATE)
-        dg_k += _dg(daffinity, G, b, m0, n, groups, BN, BM, KP)
+        dg_k += _dg(daffinity, G, b, offset + m0, n, groups, BN, BM, KP)
     dk_at, dk_ok = _rows_tile(DK, b, kv_head, n0, n, sg_b, sg_h, sg_n, head_dim, BN, D)
     dv_at, dv_ok = _rows_tile(DV, b, kv_head, n0, n, sg_b, sg_h, sg_n, head_dim, BN, D)
     tl.store(dk_at, (dk * scale).to(DK.dtype.element_ty), mask=kv_ok)
@@ -322,18 +338,22 @@ def _store_dg(DG, dg, b, kv_head, kv_heads, m0, n, groups, BM: tl.constexpr, KP:
 @triton.jit
 def _backward_queries(
     Q, K, V, G, DOCS, DO, LSE, DELTA, DQ, DG_Q,
-    n, heads, kv_heads, rep, groups: tl.constexpr, head_dim,
+    n, n_q, offset, heads, kv_heads, rep, groups: tl.constexpr, head_dim,
     sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sd_b, sd_h, sd_n, so_b, so_h, so_n,
     scale, gate_scale, window, sink,
     REP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, KP: tl.constexpr,
-    LOG_GATE: tl.constexpr, HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr,
+    LOG_GATE: tl.constexpr, HAS_DOCS: tl.constexpr, PRECISION: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     """dQ and the query side of dg for one query block, over its causal key blocks (so_*: DQ's
     strides)."""
+    if not CHUNK:
+        n_q = n
+        offset = 0
     m0 = tl.program_id(0) * BM
+    p0 = offset + m0
     b = tl.program_id(1) // kv_heads
     kv_head = tl.program_id(1) % kv_heads
-    head, row, ok = _stacked(m0, rep, n, REP, BM)
+    head, row, ok = _stacked(m0, rep, n_q, REP, BM)
     q_at, q_ok = _stacked_tile(
         Q, b, kv_head * rep, m0, sq_b, sq_h, sq_n, head, row, ok, head_dim, D
     )
@@ -342,21 +362,21 @@ def _backward_queries(
     )
     q = tl.load(q_at, mask=q_ok, other=0.0)
     do = tl.load(do_at, mask=q_ok, other=0.0)
-    offsets = head * n + row
-    lse = _row_stats(LSE, b, kv_head * rep, m0, n, heads, offsets, ok)
-    delta = _row_stats(DELTA, b, kv_head * rep, m0, n, heads, offsets, ok)
-    rows = m0 + tl.arange(0, BM)
-    first = _document_starts(DOCS, b, m0, n, BM, HAS_DOCS)
+    offsets = head * n_q + row
+    lse = _row_stats(LSE, b, kv_head * rep, m0, n_q, heads, offsets, ok)
+    delta = _row_stats(DELTA, b, kv_head * rep, m0, n_q, heads, offsets, ok)
+    rows = p0 + tl.arange(0, BM)
+    first = _document_starts(DOCS, b, p0, n, BM, HAS_DOCS)
     dq = tl.zeros((REP * BM, D), tl.float32)
     dg_q = tl.zeros((BM, KP), tl.float32)
-    for start in range(_first_key(DOCS, b, m0, n, BN, HAS_DOCS), tl.minimum(m0 + BM, n), BN):
+    for start in range(_first_key(DOCS, b, p0, n, BN, HAS_DOCS), tl.minimum(p0 + BM, n), BN):
         k_at, kv_ok = _rows_tile(K, b, kv_head, start, n, sk_b, sk_h, sk_n, head_dim, BN, D)
         v_at, v_ok = _rows_tile(V, b, kv_head, start, n, sv_b, sv_h, sv_n, head_dim, BN, D)
         k = tl.load(k_at, mask=kv_ok, other=0.0)
         v = tl.load(v_at, mask=kv_ok, other=0.0)
         cols = start + tl.arange(0, BN)
         causal, distant = _pairs(rows[:, None], cols[None, :], first[:, None], n, window, sink)
-        affinity = _affinity(G, b, m0, start, n, groups, BM, BN)
+        affinity = _affinity(G, b, p0, start, n, groups, BM, BN)
         gate = _gate(affinity, distant, gate_scale, LOG_GATE)
         raw = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         stacked_gate = _heads(gate, REP, BM, BN)
@@ -376,7 +396,7 @@ def _backward_queries(
         DQ, b, kv_head * rep, m0, so_b, so_h, so_n, head, row, ok, head_dim, D
     )
     tl.store(dq_at, (dq * scale).to(DQ.dtype.element_ty), mask=q_ok)
-    _store_dg(DG_Q, dg_q, b, kv_head, kv_heads, m0, n, groups, BM, KP)
+    _store_dg(DG_Q, dg_q, b, kv_head, kv_heads, m0, n_q, groups, BM, KP)
 
 
 def _strides(t: torch.Tensor) -> tuple:
@@ -393,13 +413,19 @@ class Plan:
     test builds it on meta tensors for each architecture."""
 
     def __init__(self, q, k, v, g, doc_start, *, window, gate_scale, scale, sink, gate,
-                 capability):  # fmt: skip
-        b, heads, n, head_dim = q.shape
-        self.b, self.n, self.kv_heads = b, n, k.shape[1]
+                 capability, offset=0):  # fmt: skip
+        b, heads, n_q, head_dim = q.shape
+        n = k.shape[2]
+        if n != offset + n_q:
+            raise ValueError(
+                f"queries at positions [{offset}, {offset + n_q}) need the {offset + n_q} keys "
+                f"before them, not {n}"
+            )
+        self.b, self.n, self.n_q, self.offset, self.kv_heads = b, n, n_q, offset, k.shape[1]
         self.rep = heads // self.kv_heads
         self.groups = g.shape[-1]
         self.tiles = {
-            p: triton_launch.gate_tile(p, capability, head_dim, q.dtype, gate)
+            p: triton_launch.gate_tile(p, capability, head_dim, q.dtype, gate, offset > 0)
             for p in triton_launch.GATE_PASSES
         }
         missing = [p for p, tile in self.tiles.items() if tile is None]
@@ -409,13 +435,14 @@ class Plan:
                 f"of compute capability {capability} (triton_launch.py); use --focus-kernel "
                 "flex or chunked"
             )
-        self.sizes = (n, heads, self.kv_heads, self.rep, self.groups, head_dim)
+        self.sizes = (n, n_q, offset, heads, self.kv_heads, self.rep, self.groups, head_dim)
         self.scalars = (float(scale), float(gate_scale), int(window), int(sink))
         self.dims = dict(D=triton_launch.padded(head_dim), KP=triton_launch.padded(self.groups))
         self.flags = dict(
             LOG_GATE=gate == "log",
             HAS_DOCS=doc_start is not None,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            CHUNK=offset > 0,
         )
         self.docs = doc_start
 
@@ -426,13 +453,16 @@ class Plan:
         return dict(REP=rep, BM=max(1, tile.rows // rep))
 
     def _launch(self, kernel, pass_, grid_rows, tensors, strides, constants):
+        """One program per `grid_rows` rows of the pass's own extent (queries, or keys for the
+        keys pass), per sequence and key/value head."""
         tile = self.tiles[pass_]
+        extent = self.n if pass_ == "keys" else self.n_q
         extents = (constants.get("REP", 1), max(constants["BM"], constants["BN"]))
         for name, t in strides:  # a tile spans heads and rows
             triton_launch.check_tile_offsets(name, _strides(t)[1:], extents)
         return Launch(
             kernel,
-            (triton.cdiv(self.n, grid_rows), self.b * self.kv_heads),
+            (triton.cdiv(extent, grid_rows), self.b * self.kv_heads),
             (*tensors, *self.sizes, *(s for _, t in strides for s in _strides(t)), *self.scalars),
             dict(**constants, **self.dims, **self.flags),
             dict(num_warps=tile.warps, num_stages=tile.stages),
@@ -448,11 +478,11 @@ class Plan:
 
     def delta(self, out, grad_out, delta) -> Launch:
         tile = self.tiles["queries"]
-        heads, head_dim = self.sizes[1], self.sizes[5]
+        heads, head_dim = self.sizes[3], self.sizes[7]
         return Launch(
             _delta,
-            (triton.cdiv(self.n, tile.rows), self.b * heads),
-            (out, grad_out, delta, self.n, heads, head_dim, *_strides(out), *_strides(grad_out)),
+            (triton.cdiv(self.n_q, tile.rows), self.b * heads),
+            (out, grad_out, delta, self.n_q, heads, head_dim, *_strides(out), *_strides(grad_out)),
             dict(BM=tile.rows, D=self.dims["D"]),
             dict(num_warps=tile.warps),
         )
@@ -484,15 +514,16 @@ class Plan:
         )
 
     def query_ends(self, doc_start: torch.Tensor) -> torch.Tensor:
-        """Per sequence and key block of the keys pass, one past the last query that reads a
-        key of the block: the queries whose document starts at or before the block's last key
+        """Per sequence and key block of the keys pass, one past the last query row that reads
+        a key of the block: the queries whose document starts at or before the block's last key
         (starts are nondecreasing)."""
         block = self.tiles["keys"].keys
         ends = torch.arange(1, triton.cdiv(self.n, block) + 1, device=doc_start.device) * block
         last_key = torch.clamp(ends, max=self.n) - 1
-        return torch.searchsorted(
+        position = torch.searchsorted(
             doc_start.contiguous(), last_key.expand(self.b, -1).contiguous(), right=True
-        ).to(torch.int32)
+        )
+        return (position - self.offset).clamp(0, self.n_q).to(torch.int32)
 
     def launches(self, q, k, v, g, docs):
         """Every launch of a forward and backward, on fresh outputs (the fit test's list)."""
@@ -507,18 +538,23 @@ class Plan:
 
 
 def _outputs(q, k, g):
-    """out, lse, dq, dk, dv, dg_q, dg_k, delta for inputs q, k and assignments g."""
-    b, heads, n, _ = q.shape
-    rows = torch.empty(b, heads, n, device=q.device, dtype=torch.float32)
-    dg = torch.empty(b, k.shape[1], n, g.shape[-1], device=g.device, dtype=torch.float32)
+    """out, lse, dq, dk, dv, dg_q, dg_k, delta for inputs q, k and assignments g (dg_q of the
+    queries' rows, dg_k of the keys')."""
+    b, heads, n_q, _ = q.shape
+    kv_heads, n = k.shape[1:3]
+    rows = torch.empty(b, heads, n_q, device=q.device, dtype=torch.float32)
+    dg_q, dg_k = (
+        torch.empty(b, kv_heads, m, g.shape[-1], device=g.device, dtype=torch.float32)
+        for m in (n_q, n)
+    )
     return (
         torch.empty(q.shape, device=q.device, dtype=q.dtype),
         rows,
         torch.empty(q.shape, device=q.device, dtype=q.dtype),
         torch.empty(k.shape, device=k.device, dtype=k.dtype),
         torch.empty(k.shape, device=k.device, dtype=k.dtype),
-        dg,
-        torch.empty_like(dg),
+        dg_q,
+        dg_k,
         torch.empty_like(rows),
     )
 
@@ -526,12 +562,13 @@ def _outputs(q, k, g):
 class TritonSoftFocus(torch.autograd.Function):
     """Soft-gate causal Focus attention (dropout 0) by the kernels above.
 
-    q [b, h, n, d], k/v [b, h_kv, n, d] (any strides, each its own), log_g [b, n, K],
-    doc_start [b, n] or None -> [b, h, n, d]; gradients for q, k, v and log_g.
+    q [b, h, n_q, d] at positions [offset, offset + n_q) (context parallelism's chunks; 0:
+    the whole sequence), k/v [b, h_kv, n, d] with n = offset + n_q (any strides, each its own),
+    log_g [b, n, K], doc_start [b, n] or None -> [b, h, n_q, d]; gradients for q, k, v and log_g.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, log_g, window, gate_scale, scale, sink, doc_start, gate):
+    def forward(ctx, q, k, v, log_g, window, gate_scale, scale, sink, doc_start, gate, offset):
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
         g = log_g.float().exp().contiguous()
         plan = Plan(
@@ -546,6 +583,7 @@ class TritonSoftFocus(torch.autograd.Function):
             sink=sink,
             gate=gate,
             capability=triton_launch.capability_of(q),
+            offset=offset,
         )
         docs = doc_start.to(torch.int32).contiguous() if doc_start is not None else g
         out, lse = _outputs(q, k, g)[:2]
@@ -565,11 +603,20 @@ class TritonSoftFocus(torch.autograd.Function):
         query_end = plan.query_ends(plan.docs) if plan.docs is not None else g
         plan.keys(q, k, v, g, docs, query_end, grad_out, lse, delta, dk, dv, dg_k)()
         plan.queries(q, k, v, g, docs, grad_out, lse, delta, dq, dg_q)()
-        dlog_g = (dg_q.sum(1) + dg_k.sum(1)) * g
-        return dq, dk, dv, dlog_g.to(ctx.log_g_dtype), None, None, None, None, None, None
+        dlog_g = dg_k.sum(1)
+        dlog_g[:, plan.offset :] += dg_q.sum(1)
+        dlog_g *= g
+        return (dq, dk, dv, dlog_g.to(ctx.log_g_dtype)) + (None,) * 7
 
 
 def triton_soft_focus(q, k, v, log_g, *, window, gate_scale, scale, gate="log", sink=0,
-                      doc_start=None):  # fmt: skip
-    """Soft-gate causal Focus attention, fused: the signature of flex.flex_soft_focus."""
-    return TritonSoftFocus.apply(q, k, v, log_g, window, gate_scale, scale, sink, doc_start, gate)
+                      doc_start=None, offset=0):  # fmt: skip
+    """Soft-gate causal Focus attention, fused: the signature of flex.flex_soft_focus, plus
+    context parallelism's `offset` (the queries' first position; keys, routing and documents
+    are taken up to the queries' last position)."""
+    n = k.shape[2]
+    if doc_start is not None:
+        doc_start = doc_start[:, :n]
+    return TritonSoftFocus.apply(
+        q, k, v, log_g[:, :n], window, gate_scale, scale, sink, doc_start, gate, offset
+    )

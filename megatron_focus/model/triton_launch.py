@@ -86,6 +86,22 @@ _GATE_TABLE = {
 }
 
 
+# A context-parallel chunk's kernels (triton_gate's CHUNK) keep the chunk's positions live beside
+# its rows: where the table's tile is at the register edge, a chunk takes these instead,
+# (arch, gate, head dim, pass) -> tile (None: none fits, and a chunk falls back by name), found
+# and held as the table's are.
+_CHUNK_TILES = {
+    ("sm80", "log", 128, "queries"): "16x16x4x1",
+    ("sm86", "log", 64, "queries"): "32x16x8x1",
+    ("sm86", "log", 128, "keys"): "16x16x4x1",
+    ("sm86", "log", 256, "queries"): None,
+    ("sm86", "sigmoid", 64, "queries"): "32x16x8x1",
+    ("sm90", "log", 128, "forward"): "128x32x8x2",
+    ("sm90", "log", 128, "queries"): "32x32x8x1",
+    ("sm90", "sigmoid", 128, "queries"): "16x16x8x1",
+}
+
+
 def _tile(text: str) -> "Tile":
     return Tile(*map(int, text.split("x")))
 
@@ -96,11 +112,16 @@ _INTERPRETED = Tile(16, 16, 4, 1)  # small blocks, so small test inputs cross bl
 
 
 def gate_tile(
-    pass_: str, capability, head_dim: int, dtype: torch.dtype, gate: str = "log"
+    pass_: str,
+    capability,
+    head_dim: int,
+    dtype: torch.dtype,
+    gate: str = "log",
+    chunk: bool = False,
 ) -> Tile | None:
     """The soft gate's tile for a pass ("forward", "keys", "queries") and gate ("log", or the
-    paper's "sigmoid") on a GPU of `capability` (None: Triton's interpreter); None where no
-    tile fits that GPU."""
+    paper's "sigmoid") on a GPU of `capability` (None: Triton's interpreter), for the whole
+    sequence or a context-parallel `chunk`; None where no tile fits that GPU."""
     if capability is None:
         return _INTERPRETED
     if dtype == torch.float32:
@@ -109,6 +130,9 @@ def gate_tile(
     size = next((d for d in sorted(by_head_dim) if head_dim <= d), None)
     if size is None:
         return None
+    key = (arch(capability), gate, size, pass_)
+    if chunk and key in _CHUNK_TILES:
+        return None if _CHUNK_TILES[key] is None else _tile(_CHUNK_TILES[key])
     return _tile(by_head_dim[size][GATE_PASSES.index(pass_)])
 
 

@@ -151,15 +151,26 @@ def test_one_layers_routing_launches_within_budget(single_process, monkeypatch):
 
 
 def test_context_parallelism_takes_the_kernels_that_accept_a_query_offset(monkeypatch):
-    """On a GPU with Triton, a context-parallel layer takes the chunked soft gate and the
-    PyTorch Sinkhorn (whose prefixes continue across ranks); fused kernels asked by name are
-    refused."""
+    """On a GPU with Triton, a context-parallel layer takes the fused soft gate (its queries at
+    their offset) and the PyTorch Sinkhorn (whose prefixes continue across ranks); without a
+    fitting tile the chunked gate, not FlexAttention's, which takes no offset and is refused by
+    name."""
     monkeypatch.setattr(kernels, "has_triton", lambda: True)
     cuda = torch.device("cuda")
     assert kernels.soft_gate("auto", cuda).name == "triton"
     assert kernels.sinkhorn(cuda).name == "triton"
-    assert kernels.soft_gate("auto", cuda, context_parallel=True).name == "chunked"
+    assert kernels.soft_gate("auto", cuda, context_parallel=True).name == "triton"
+    assert kernels.soft_gate("triton", cuda, context_parallel=True).name == "triton"
     assert kernels.sinkhorn(cuda, context_parallel=True).name == "torch"
-    for requested in ("triton", "flex"):
-        with pytest.raises(ValueError, match="the soft gate runs the chunked kernel"):
-            kernels.soft_gate(requested, cuda, context_parallel=True)
+    monkeypatch.setattr(kernels, "gate_fits", lambda *args: False)
+    assert kernels.soft_gate("auto", cuda, head_dim=64, context_parallel=True).name == "chunked"
+    assert kernels.soft_gate("auto", cuda, head_dim=64).name == "flex"
+    with pytest.raises(ValueError, match="FlexAttention's soft gate takes no query offset"):
+        kernels.soft_gate("flex", cuda, context_parallel=True)
+    # an A10/L40S at head dim 256: tiles for the whole sequence, none that fits a chunk
+    monkeypatch.undo()
+    monkeypatch.setattr(kernels, "has_triton", lambda: True)
+    monkeypatch.setattr(kernels, "device_capability", lambda device: (8, 6))
+    bf16 = dict(head_dim=256, dtype=torch.bfloat16)
+    assert kernels.soft_gate("auto", cuda, **bf16).name == "triton"
+    assert kernels.soft_gate("auto", cuda, context_parallel=True, **bf16).name == "chunked"

@@ -1,9 +1,9 @@
 """The Triton kernels fit real GPUs: every launch the launchers make for the recipes' shapes
-(head dims 64, 128, 256; GQA 1-8; bf16 and fp16; both gates; packed documents) compiled on this
-CPU for A100 (sm_80), A10/L4/L40S (sm_86) and H100/H200 (sm_90) by Triton's own toolchain, with
-zero spill bytes and shared memory within the architecture's per-block limit, every tensor
-addressed in 64 bits (benchmarks/kernel_fit.py, model/triton_fit.py); where no tile fits, the
-kernel choice falls back by name.
+(head dims 64, 128, 256; GQA 1-8; bf16 and fp16; both gates; packed documents; a
+context-parallel chunk's queries) compiled on this CPU for A100 (sm_80), A10/L4/L40S (sm_86) and
+H100/H200 (sm_90) by Triton's own toolchain, with zero spill bytes and shared memory within the
+architecture's per-block limit, every tensor addressed in 64 bits (benchmarks/kernel_fit.py,
+model/triton_fit.py); where no tile fits, the kernel choice falls back by name.
 
 The interpreter tests prove the kernels' logic; these prove their fit. The compiles run in a
 process without TRITON_INTERPRET (the interpreter compiles nothing), and need a Triton whose
@@ -53,6 +53,7 @@ def test_every_launch_fits_each_architecture(tmp_path, arch):
     kinds = {r["kernel"] for r in rows}
     assert kinds == {
         "gate forward", "gate delta", "gate keys", "gate queries",
+        "gate forward (chunk)", "gate keys (chunk)", "gate queries (chunk)",
         "xsa forward", "xsa backward", "sinkhorn forward", "sinkhorn backward",
     }  # fmt: skip
     assert len({r["shape"] for r in rows if r["kernel"] == "gate keys"}) == 12
@@ -82,7 +83,7 @@ def test_addresses_are_64_bit_where_a_tensor_passes_2_31_elements(tmp_path):
                       "--gates", "log", "--documents", "--tokens", tokens, "--batch", batch,
                       "--kv-heads", kv_heads)  # fmt: skip
     wide = {r["kernel"]: r["wide_addresses"] for r in rows if not r["kernel"].startswith("sink")}
-    assert len(wide) == 6 and all(wide.values()), wide
+    assert len(wide) == 9 and all(wide.values()), wide  # the gate's, a chunk's, XSA's
 
 
 def test_no_tile_is_a_named_fallback_not_an_error_at_the_first_step(monkeypatch):

@@ -5,7 +5,8 @@ Outputs and the gradients of q, k, v and the log-assignments against the dense f
 reference (tests/reference.py; packed documents: each document alone through it) and against the
 chunked path; sizes are small (the interpreter is slow) but cross every block edge: lengths not
 a multiple of the block (16 here), one query block, GQA with a head count that is no power of
-two, K = 1, sinks, many documents, both gates.
+two, K = 1, sinks, many documents, both gates, tiles wholly inside the window beside tiles that
+are not.
 """
 
 import os
@@ -29,6 +30,7 @@ CASES = [  # (b, heads, kv heads, n, d, K, window, sink, document lengths or Non
     (2, 3, 1, 33, 16, 1, 4, 0, None),  # 3 query heads on one kv head (stacked as 4); K = 1
     (1, 2, 2, 12, 16, 4, 3, 1, None),  # one query block
     (1, 4, 2, 70, 16, 4, 6, 2, [9, 1, 30, 17, 13]),  # many documents, one of one token
+    (1, 2, 1, 64, 16, 4, 37, 1, None),  # a window past a tile's span: tiles inside skip the gate
 ]
 
 
@@ -161,6 +163,49 @@ def test_kernel_reads_each_input_by_its_own_strides(qk_norm, gpu_blocks, monkeyp
         "qkvg", grads(out, leaves, cotangent), grads(chunked, leaves, cotangent)
     ):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
+
+
+OFFSET_CASES = [  # (case of CASES, first query position, queries)
+    (0, 13, 14),  # a chunk inside the sequence, not on a block edge
+    (1, 20, 20),  # GQA, sinks: the last chunk
+    (4, 30, 23),  # documents across the chunk's start
+]
+
+
+@pytest.mark.parametrize("gpu_blocks", [False, True], ids=["small-blocks", "gpu-blocks"])
+@pytest.mark.parametrize("case, offset, queries", OFFSET_CASES)
+def test_queries_at_an_offset_are_those_rows_of_the_whole_sequence(
+    case, offset, queries, gpu_blocks, monkeypatch
+):
+    """Context parallelism's chunks: queries at positions [offset, offset + queries) against
+    the keys before them give those rows of the dense float64 reference of the whole sequence,
+    and its gradients (the cotangent zero on the other rows), keys past the chunk untouched."""
+    if gpu_blocks:
+        gpu_launch_shapes(monkeypatch, triton_gate)
+    b, heads, kv, n, d, groups, window, sink, docs = CASES[case]
+    leaves, doc_start, gen = inputs(b, heads, kv, n, d, groups, docs, offset)
+    q, k, v, log_g = leaves
+    end = offset + queries
+    kwargs = dict(window=window, gate_scale=0.7, scale=d**-0.5, sink=sink)
+    out = triton_gate.triton_soft_focus(
+        q[:, :, offset:end], k[:, :, :end], v[:, :, :end], log_g,
+        doc_start=doc_start, offset=offset, **kwargs,
+    )  # fmt: skip
+    want = reference(*leaves, doc_start, **kwargs)
+    torch.testing.assert_close(out, want[:, :, offset:end], rtol=1e-5, atol=1e-5)
+    cotangent = torch.zeros(want.shape)
+    cotangent[:, :, offset:end] = torch.randn(out.shape, generator=gen)
+    ours = grads(out, leaves, cotangent[:, :, offset:end])
+    for name, got, ref in zip("qkvg", ours, grads(want, leaves, cotangent)):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_an_offset_without_the_keys_before_it_is_refused():
+    leaves, _, _ = inputs(1, 2, 2, 20, 16, 4, None, 0)
+    q, k, v, log_g = leaves
+    with pytest.raises(ValueError, match=r"queries at positions \[5, 25\) need the 25 keys"):
+        triton_gate.triton_soft_focus(q, k, v, log_g, window=4, gate_scale=1.0, scale=0.25,
+                                      offset=5)  # fmt: skip
 
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
