@@ -342,6 +342,11 @@ def test_rope_gqa_model_on_the_fused_kernels_equals_chunked_bf16(single_process,
         loss.backward()
         results[kernel] = (loss.detach(), {n: p.grad.float() for n, p in model.named_parameters()})
     torch.testing.assert_close(results["auto"][0], results["chunked"][0], rtol=1e-2, atol=1e-2)
-    for name, grad in results["chunked"][1].items():
-        error = (results["auto"][1][name] - grad).norm() / grad.norm().clamp_min(1e-12)
+    # Relative to the gradient, but never to less than a thousandth of the largest one: some are
+    # zero in exact arithmetic (QK-norm's K bias shifts every logit of a row alike, and softmax
+    # is blind to that), so there both paths hold bf16's rounding noise, not a gradient.
+    grads = results["chunked"][1]
+    floor = 1e-3 * max(grad.norm() for grad in grads.values())
+    for name, grad in grads.items():
+        error = (results["auto"][1][name] - grad).norm() / torch.maximum(grad.norm(), floor)
         assert error < 3e-2, f"{name}: relative error {error:.3g}"

@@ -905,3 +905,25 @@ def test_retrofit_recipe_smoke_runs_every_step(embedded_cache, tmp_path):
     assert abs(rows[-1]["loss"] - base[0]["loss"]) < 1e-4
     assert os.path.isfile(run_dir / "checkpoints" / "iter_0000006" / "base_checkpoint.json")
     assert json.load(open(run_dir / "hf" / "config.json"))["focus_groups"] == 4
+
+
+@pytest.mark.parametrize("model", ["0.7b", "1.4b", "2.7b"])
+def test_recipe_speed_commands_pass_the_trainers_checks(model):
+    """benchmarks/recipe_speed.py at the GPU session's few iterations: the recipe's command as
+    it runs it is one the trainer takes (the schedule shrunk to fit), for every variant."""
+    import argparse
+    import importlib.util
+
+    from megatron_focus.arguments import parse_args
+
+    spec = importlib.util.spec_from_file_location(
+        "recipe_speed", os.path.join(ROOT, "benchmarks", "recipe_speed.py")
+    )
+    recipe_speed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe_speed)
+    opts = argparse.Namespace(model=model, iters=5, warmup=3, micro_batch_size=None, smoke=False)
+    for attention in ATTENTIONS:
+        cmd = recipe_speed.recipe_command(opts, attention)
+        args = parse_args(cmd[cmd.index(os.path.join(ROOT, "pretrain_gpt.py")) + 1 :])
+        assert (args.attention, args.train_iters) == (attention, 5)
+        assert args.lr_warmup_iters < args.train_iters
