@@ -83,9 +83,14 @@ BASE_FILE = "base_checkpoint.json"
 
 
 TAG = re.compile(r"iter_\d{7}")
+# A save in progress, renamed to its tag once every rank has written it.
+PARTIAL = ".partial"
+# A checkpoint of another layout converted for this run's (`universal.py`), removed once loaded.
+UNIVERSAL = ".universal"
 # What an interrupted save or layout conversion leaves: never complete, never `latest`.
 DEBRIS = re.compile(
-    r"iter_\d{7}\.(partial|universal)|(latest|latest_checkpointed_iteration\.txt)\.tmp"
+    rf"iter_\d{{7}}({re.escape(PARTIAL)}|{re.escape(UNIVERSAL)})"
+    rf"|({re.escape(LATEST)}|{re.escape(MEGATRON_TRACKER)})\.tmp"
 )
 
 
@@ -95,6 +100,16 @@ def tag_for(iteration: int) -> str:
 
 def iteration_of(tag: str) -> int:
     return int(tag[len("iter_") :])
+
+
+def partial_tag(tag: str) -> str:
+    """The name a save of `tag` is written under until it is complete."""
+    return tag + PARTIAL
+
+
+def universal_dir(folder: str, tag: str) -> str:
+    """The scratch folder in `folder` where checkpoint `tag` is converted to another layout."""
+    return os.path.join(folder, tag + UNIVERSAL)
 
 
 # --- DeepSpeed's model-states files: one per tensor-parallel rank --------------------------------
@@ -114,6 +129,11 @@ def zero3_model_file(checkpoint_dir: str, tp: int) -> str:
 def model_files(checkpoint_dir: str) -> list:
     """Every tensor-parallel rank's model-states file, in rank order (none under ZeRO-3)."""
     return sorted(glob.glob(os.path.join(checkpoint_dir, "mp_rank_*_model_states.pt")))
+
+
+def is_model_states(name: str) -> bool:
+    """A DeepSpeed model-states file, whichever rank or ZeRO stage wrote it."""
+    return name.endswith("model_states.pt")
 
 
 def is_zero3(checkpoint_dir: str) -> bool:

@@ -11,9 +11,9 @@ executes that plan. A retrofit run (`--retrofit`) saves, unless `--save-full`, o
 checkpoint that holds the frozen weights: loading, resuming and the HF export read the base first,
 then the routers.
 
-A save is written under `iter_XXXXXXX.partial`, renamed once every rank has finished, and only
-then does `latest` move (itself written to a temporary file and renamed). A crash mid-save leaves
-the previous checkpoint as latest and nothing that looks complete.
+A save is written under a partial name (`format.partial_tag`), renamed once every rank has
+finished, and only then does `latest` move (itself written to a temporary file and renamed). A
+crash mid-save leaves the previous checkpoint as latest and nothing that looks complete.
 """
 
 import argparse
@@ -41,11 +41,13 @@ from megatron_focus.checkpoint.format import (
     LATEST,
     MEGATRON_TRACKER,
     NO_OPTIMIZER,
+    PARTIAL,
     TokenizerRecord,
     iteration_of,
     latest_tag,
     model_args,
     model_state_file,
+    partial_tag,
     read_model_file,
     tag_for,
     write_atomically,
@@ -131,12 +133,12 @@ def save(
 ) -> str:
     """Save on every rank; returns the checkpoint directory.
 
-    Written under `<tag>.partial`, checksummed, then renamed and made `latest`. A write that
+    Written under its partial name, checksummed, then renamed and made `latest`. A write that
     fails on any rank (a full disk, a lost permission) removes the partial folder and raises
     `SaveFailed` on every rank, the previous checkpoint still `latest`.
     """
     tag = tag_for(iteration)
-    partial, final = os.path.join(args.save, f"{tag}.partial"), os.path.join(args.save, tag)
+    partial, final = os.path.join(args.save, partial_tag(tag)), os.path.join(args.save, tag)
     rank0 = dist.get_rank() == 0
     if rank0:
         os.makedirs(args.save, exist_ok=True)
@@ -165,7 +167,7 @@ def save(
         failure = _attempt(
             lambda: engine.save_checkpoint(
                 args.save,
-                tag=f"{tag}.partial",
+                tag=partial_tag(tag),
                 client_state=client_state,
                 save_latest=False,
                 exclude_frozen_parameters=trained_only,
@@ -306,7 +308,7 @@ def _agree(failure: Optional[OSError], partial: str, save_dir: str) -> None:
     previous = latest_tag(save_dir) if os.path.isfile(os.path.join(save_dir, LATEST)) else None
     rank, (what, remedy) = failed[0]
     raise SaveFailed(
-        f"saving {os.path.basename(partial)[: -len('.partial')]} failed on rank "
+        f"saving {os.path.basename(partial)[: -len(PARTIAL)]} failed on rank "
         f"{rank}: {what}; "
         + (f"{previous} stays the latest checkpoint" if previous else "no checkpoint was saved")
         + f": {remedy} or give --save another folder, then rerun"

@@ -15,11 +15,11 @@ NOISE = dict(rtol=1e-5, atol=1e-5)
 
 def _universal(ckpt, tag, layout, tmp_path):
     """{(parameter, state): full tensor} of a checkpoint, through DeepSpeed's universal format."""
-    from megatron_focus.training import layouts
+    from megatron_focus.checkpoint import universal
 
     out = str(tmp_path / f"universal-{os.path.basename(ckpt)}")
     trained = [[]]  # stage 0 sources name their states from the model's groups; unused here
-    layouts.to_universal(os.path.join(ckpt, tag), out, layout, trained, 1024, False)
+    universal.to_universal(os.path.join(ckpt, tag), out, layout, trained, 1024, False)
     files = glob.glob(os.path.join(out, "zero", "*", "*.pt"))
     return {
         (f.split(os.sep)[-2], os.path.basename(f)): torch.load(f)["param"]
