@@ -910,17 +910,17 @@ def _from_yaml(
 def _use_checkpoint_args(args: argparse.Namespace) -> None:
     """Megatron's --use-checkpoint-args: the model as --load's checkpoint records it."""
     from megatron_focus.checkpoint import format as checkpoint_format
-    from megatron_focus.checkpoint import torch_dist
+    from megatron_focus.checkpoint.saved import SavedCheckpoint
 
     if not args.load:
         raise ValueError("--use-checkpoint-args needs --load (the checkpoint to read them from)")
     tag = checkpoint_format.resume_tag(args)
     if tag is None:
         raise FileNotFoundError(f"--use-checkpoint-args: --load {args.load} holds no checkpoint")
-    checkpoint = os.path.join(args.load, tag)
-    saved = torch_dist.model_args_of(checkpoint, args.allow_unsafe_checkpoints)
+    checkpoint = SavedCheckpoint.open(os.path.join(args.load, tag), args.allow_unsafe_checkpoints)
+    saved = checkpoint.model_args
     if args.seq_length is None:  # not given: Megatron-LM's record has one (not forced, as there)
-        args.seq_length = torch_dist.seq_length_of(checkpoint, args.allow_unsafe_checkpoints)
+        args.seq_length = checkpoint.seq_length
     for key, value in saved.items():
         if key not in ("tensor_model_parallel_size", "padded_vocab_size"):
             setattr(args, key, value)

@@ -224,21 +224,3 @@ def is_megatron_lm(checkpoint: str) -> bool:
     return is_torch_dist(checkpoint) and not (
         checkpoint_format.model_files(checkpoint) or checkpoint_format.is_zero3(checkpoint)
     )
-
-
-def seq_length_of(checkpoint: str, allow_unsafe: bool):
-    """The sequence length a Megatron-LM checkpoint's args record (None: this trainer's own
-    checkpoints record the model, not the run's length)."""
-    if not is_megatron_lm(checkpoint):
-        return None
-    return getattr(common_state(checkpoint, allow_unsafe).get("args"), "seq_length", None)
-
-
-def model_args_of(checkpoint: str, allow_unsafe: bool) -> dict:
-    """A checkpoint's model args: this trainer's record, or those of Megatron-LM's args."""
-    if not is_megatron_lm(checkpoint):
-        return checkpoint_format.saved_model_args(checkpoint)
-    saved = common_state(checkpoint, allow_unsafe).get("args")
-    if saved is None:
-        raise ValueError(f"{checkpoint} records no args: its model is unknown")
-    return megatron_lm_args.model_args(saved)

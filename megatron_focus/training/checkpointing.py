@@ -54,6 +54,7 @@ from megatron_focus.checkpoint.format import (
     write_layout,
     write_model_args,
 )
+from megatron_focus.checkpoint.saved import SavedCheckpoint
 from megatron_focus.data.sources import tokenizer_choice
 from megatron_focus.model.flops import flops_per_token
 from megatron_focus.model.gpt import padded_vocab_size
@@ -385,27 +386,27 @@ def _checked_file(
     return saved_file
 
 
-def _load_weights_only(engine, args, checkpoint_dir: str, may_miss) -> None:
+def _load_weights_only(engine, args, checkpoint: SavedCheckpoint, may_miss) -> None:
     """Model weights only (no optimizer, schedule or run state), checked before they are read.
 
     Loaded here rather than by DeepSpeed's `load_module_only`, which under ZeRO-2 copies frozen
     weights from the checkpoint's own list of frozen weights: empty when the checkpoint froze
     nothing, as a retrofit's base did.
     """
-    if torch_dist.is_megatron_lm(checkpoint_dir):
-        torch_dist.load_model(engine.module, checkpoint_dir, may_miss)
+    if checkpoint.megatron_lm:
+        torch_dist.load_model(engine.module, checkpoint.path, may_miss)
     else:
-        saved = _checked_file(engine, checkpoint_dir, may_miss, args.allow_unsafe_checkpoints)
+        saved = _checked_file(engine, checkpoint.path, may_miss, args.allow_unsafe_checkpoints)
         engine.module.load_state_dict(saved["module"], strict=False)
     if hasattr(engine.optimizer, "refresh_fp32_params"):  # ZeRO's and bf16's fp32 master copies
         engine.optimizer.refresh_fp32_params()
 
 
-def _resume_megatron_lm(engine, args: argparse.Namespace, checkpoint: str) -> tuple:
+def _resume_megatron_lm(engine, args: argparse.Namespace, checkpoint: SavedCheckpoint) -> tuple:
     """A Megatron-LM run continued (`--no-load-optim`): its weights, iteration and consumed
     samples; the optimizer and LR schedule start afresh, the random states from the seed."""
     _load_weights_only(engine, args, checkpoint, may_miss=lambda name: False)
-    state = torch_dist.common_state(checkpoint, args.allow_unsafe_checkpoints)
+    state = torch_dist.common_state(checkpoint.path, args.allow_unsafe_checkpoints)
     iteration = state["iteration"]
     consumed = getattr(state.get("args"), "consumed_train_samples", None)
     platform.manual_seed(args.seed + iteration)
@@ -423,12 +424,12 @@ def load(engine, args: argparse.Namespace, plan: ResumePlan, padded_vocab_size: 
     if plan.kind != resume.RESUME:
         _load_weights_only(engine, args, plan.checkpoint, plan.may_miss)
         return 0, 0
-    if torch_dist.is_megatron_lm(plan.checkpoint):
+    if plan.checkpoint.megatron_lm:
         return _resume_megatron_lm(engine, args, plan.checkpoint)
-    layout = plan.layout
+    checkpoint, layout = plan.checkpoint.path, plan.layout
     _checked_file(
         engine,
-        plan.checkpoint,
+        checkpoint,
         plan.may_miss,
         args.allow_unsafe_checkpoints,
         weights=False,
@@ -436,11 +437,9 @@ def load(engine, args: argparse.Namespace, plan: ResumePlan, padded_vocab_size: 
     )
     if layout:
         trained = [[name for name, _ in group] for _, group in param_groups(engine.module, args)]
-        client_state = layouts.load(
-            engine, args, plan.checkpoint, layout, trained, padded_vocab_size
-        )
+        client_state = layouts.load(engine, args, checkpoint, layout, trained, padded_vocab_size)
     else:
-        load_dir, tag = os.path.split(plan.checkpoint)
+        load_dir, tag = os.path.split(checkpoint)
         path, client_state = engine.load_checkpoint(
             load_dir,
             tag=tag,
@@ -449,7 +448,7 @@ def load(engine, args: argparse.Namespace, plan: ResumePlan, padded_vocab_size: 
             load_lr_scheduler_states=plan.load_optimizer,
         )
         if path is None:
-            raise RuntimeError(f"DeepSpeed could not load {plan.checkpoint}")
+            raise RuntimeError(f"DeepSpeed could not load {checkpoint}")
     if plan.load_rng and "rng" in client_state:
         set_rng_state(client_state["rng"])
     else:

@@ -15,8 +15,9 @@ The kinds of start:
   model's as a Focus run (weights only, routers fresh); a standard model's weights start an XSA
   run as weights only.
 
-A Megatron-LM `torch_dist` checkpoint (`checkpoint/torch_dist.py`; no DeepSpeed files) starts a
-run as weights only or adding Focus, or resumes with `--no-load-optim` (weights, iteration, data
+The plan opens each folder it names once (`checkpoint/saved.py`), which decides its format:
+this trainer's, or a Megatron-LM `torch_dist` checkpoint (no DeepSpeed files), which starts a run
+as weights only or adding Focus, or resumes with `--no-load-optim` (weights, iteration, data
 position); its model args are read from Megatron-LM's args record.
 
 A retrofit's trained-only checkpoint (`base_checkpoint.json`) resumes or fine-tunes with its base
@@ -29,7 +30,7 @@ import os
 from typing import Optional
 
 from megatron_focus.checkpoint import format as checkpoint_format
-from megatron_focus.checkpoint import integrity, torch_dist
+from megatron_focus.checkpoint import integrity
 from megatron_focus.checkpoint.format import (
     LATEST,
     MEGATRON_TRACKER,
@@ -42,6 +43,7 @@ from megatron_focus.checkpoint.format import (
     resume_tag,
 )
 from megatron_focus.checkpoint.safe_load import check_safe_to_load, load_file
+from megatron_focus.checkpoint.saved import SavedCheckpoint
 from megatron_focus.training import layouts
 from megatron_focus.training.optimizer import in_unit, schedule, steps_in
 from megatron_focus.variants import variant
@@ -51,15 +53,14 @@ FRESH, RESUME, WEIGHTS, ADDING_FOCUS = "fresh", "resume", "weights only", "addin
 
 @dataclasses.dataclass(frozen=True)
 class ResumePlan:
-    """`checkpoint`: the tag folder this run starts from (None: fresh); `saved_args`: its model
-    args; `base`: a retrofit's frozen weights, loaded before it; `layout`: the layout that wrote
+    """`checkpoint`: the tag folder this run starts from, its format and model args (None:
+    fresh); `base`: a retrofit's frozen weights, loaded before it; `layout`: the layout that wrote
     it, when not this run's; `retrofit_base`: what this run's trained-only checkpoints name as the
     folder holding their frozen weights (None: its checkpoints are complete)."""
 
     kind: str = FRESH
-    checkpoint: Optional[str] = None
-    saved_args: Optional[dict] = None
-    base: Optional[str] = None
+    checkpoint: Optional[SavedCheckpoint] = None
+    base: Optional[SavedCheckpoint] = None
     layout: Optional[dict] = None
     load_optimizer: bool = True
     load_rng: bool = True
@@ -89,33 +90,33 @@ def plan(args: argparse.Namespace) -> ResumePlan:
         if load and (not _own_run(args) or args.retrofit or finetune):
             raise FileNotFoundError(f"--load {load}: no checkpoint there (no '{LATEST}' file)")
         return ResumePlan()
-    checkpoint = os.path.join(os.path.abspath(load), tag)
-    integrity.verify(checkpoint)
-    base = base_checkpoint(checkpoint)
-    if base is not None:
-        integrity.verify(base)
-    for folder in (base, checkpoint):
+    path = os.path.join(os.path.abspath(load), tag)
+    integrity.verify(path)
+    base_path = base_checkpoint(path)
+    if base_path is not None:
+        integrity.verify(base_path)
+    for folder in (base_path, path):
         if folder is not None:
             check_safe_to_load(folder, args.allow_unsafe_checkpoints)
-    saved = torch_dist.model_args_of(checkpoint, args.allow_unsafe_checkpoints)
+    checkpoint = SavedCheckpoint.open(path, args.allow_unsafe_checkpoints)
+    saved = checkpoint.model_args
     # A standard model's weights start a Focus run too (--finetune): its routers fresh.
     from_standard = finetune and saved["attention"] == "standard" and variant(args.attention).focus
     if (args.retrofit and saved["attention"] != args.attention) or from_standard:
         kind = ADDING_FOCUS
-    elif finetune or os.path.isfile(os.path.join(checkpoint, WEIGHTS_ONLY)):
+    elif finetune or os.path.isfile(os.path.join(path, WEIGHTS_ONLY)):
         kind = WEIGHTS
     else:
         kind = RESUME
     retrofit_base = None
     if args.retrofit and not args.save_full:
-        base_load, base_tag = os.path.split(base or checkpoint)
+        base_load, base_tag = os.path.split(base_path or path)
         retrofit_base = {"load": base_load, "tag": base_tag}
-    layout = layouts.change(args, checkpoint) if kind == RESUME else None
+    layout = layouts.change(args, path) if kind == RESUME else None
     return ResumePlan(
         kind,
         checkpoint,
-        saved,
-        base,
+        SavedCheckpoint.open(base_path, args.allow_unsafe_checkpoints) if base_path else None,
         layout,
         load_optimizer=not args.no_load_optim,
         load_rng=not args.no_load_rng and layout is None,
@@ -151,14 +152,13 @@ def check(plan: ResumePlan, args: argparse.Namespace, ours: dict) -> None:
     model of another shape (`ours`: this run's model args), a layout change the checkpoint or the
     flags do not allow, a changed schedule."""
     if plan.base is not None:
-        base = torch_dist.model_args_of(plan.base, args.allow_unsafe_checkpoints)
-        _check_weights_fit(args, ours, plan.base, base)
+        _check_weights_fit(args, ours, plan.base)
     if plan.kind in (WEIGHTS, ADDING_FOCUS):
-        _check_weights_fit(args, ours, plan.checkpoint, plan.saved_args)
+        _check_weights_fit(args, ours, plan.checkpoint)
     if plan.kind != RESUME:
         return
-    checkpoint, layout = plan.checkpoint, plan.layout
-    if torch_dist.is_megatron_lm(checkpoint):
+    checkpoint, layout = plan.checkpoint.path, plan.layout
+    if plan.checkpoint.megatron_lm:
         if plan.load_optimizer:
             raise ValueError(
                 f"{checkpoint} is Megatron-LM's checkpoint, whose optimizer state does not load "
@@ -166,7 +166,7 @@ def check(plan: ResumePlan, args: argparse.Namespace, ours: dict) -> None:
                 "position), or start from its weights with --finetune or "
                 "--pretrained-checkpoint (or --retrofit to add Focus)"
             )
-        check_compatible(ours, plan.saved_args, checkpoint, MEGATRON_RESHARDS)
+        check_compatible(ours, plan.checkpoint.model_args, checkpoint, MEGATRON_RESHARDS)
         _refuse_weights_only_under_zero3(args)  # its weights load as a fine-tune's do
         return
     if os.path.isfile(os.path.join(checkpoint, NO_OPTIMIZER)) and (layout or plan.load_optimizer):
@@ -188,7 +188,9 @@ def check(plan: ResumePlan, args: argparse.Namespace, ours: dict) -> None:
             f"{checkpoint} was written at another layout, which resumes with "
             "its optimizer state: drop --no-load-optim, or resume at its layout"
         )
-    check_compatible(ours, plan.saved_args, checkpoint, layouts.LAYOUT_KEYS if layout else ())
+    check_compatible(
+        ours, plan.checkpoint.model_args, checkpoint, layouts.LAYOUT_KEYS if layout else ()
+    )
     if plan.load_optimizer:  # the schedule comes from the checkpoint with the optimizer
         saved = load_file(
             checkpoint_format.model_state_file(checkpoint, tp=0, weights=False),
@@ -198,9 +200,10 @@ def check(plan: ResumePlan, args: argparse.Namespace, ours: dict) -> None:
         _check_schedule(saved["lr_scheduler"], args, checkpoint)
 
 
-def _check_weights_fit(args: argparse.Namespace, ours: dict, folder: str, saved: dict) -> None:
+def _check_weights_fit(args: argparse.Namespace, ours: dict, checkpoint: SavedCheckpoint) -> None:
     # A retrofit adding Focus, or a standard model's weights starting a variant's run: the
     # checkpoint has neither its attention nor its settings.
+    saved = checkpoint.model_args
     adding = saved["attention"] != ours["attention"] and (
         args.retrofit or saved["attention"] == "standard"
     )
@@ -208,9 +211,9 @@ def _check_weights_fit(args: argparse.Namespace, ours: dict, folder: str, saved:
     if args.position_embedding_type != "learned_absolute":  # no position table to outgrow
         # Context extension: fine-tune the weights at a longer --seq-length.
         ignore += ("max_position_embeddings",)
-    if torch_dist.is_megatron_lm(folder):
+    if checkpoint.megatron_lm:
         ignore += MEGATRON_RESHARDS
-    check_compatible(ours, saved, folder, ignore)
+    check_compatible(ours, saved, checkpoint.path, ignore)
     _refuse_weights_only_under_zero3(args)
 
 

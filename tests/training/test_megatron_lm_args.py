@@ -44,6 +44,7 @@ def _megatron_lm_run(script: str, tp: int, folder: str) -> dict:
     from megatron_focus.arguments import parse_args
     from megatron_focus.checkpoint import format as checkpoint_format
     from megatron_focus.checkpoint import torch_dist
+    from megatron_focus.checkpoint.saved import MEGATRON_LM, SavedCheckpoint
     from megatron_focus.model.gpt import build_model
     from megatron_focus.training import resume
 
@@ -61,7 +62,9 @@ def _megatron_lm_run(script: str, tp: int, folder: str) -> dict:
             for p in _norms(theirs, "weight"):
                 p.add_(1)
     checkpoint = os.path.join(folder, "iter_0000007")
-    saved = torch_dist.model_args_of(checkpoint, allow_unsafe=False)
+    opened = SavedCheckpoint.open(checkpoint, allow_unsafe=False)
+    assert opened.format == MEGATRON_LM
+    saved = opened.model_args
     out = {"theirs": _logits(theirs)}
     for how, flags in (
         ("from the script", argv),

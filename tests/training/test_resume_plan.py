@@ -33,6 +33,7 @@ def _plan(cache, *flags):
 def test_each_kind_of_start_is_decided_from_the_flags_and_folders(
     checkpoints, single_process, tmp_path
 ):
+    from megatron_focus.checkpoint.saved import DEEPSPEED
     from megatron_focus.training import resume
 
     cache, base, retro = checkpoints
@@ -42,15 +43,17 @@ def test_each_kind_of_start_is_decided_from_the_flags_and_folders(
     assert _plan(cache, "--load", own, "--save", own).kind == resume.FRESH
 
     resumed = _plan(cache, "--load", base)
-    assert (resumed.kind, resumed.checkpoint, resumed.base) == (resume.RESUME, base_tag, None)
+    assert (resumed.kind, resumed.checkpoint.path, resumed.base) == (resume.RESUME, base_tag, None)
+    assert resumed.checkpoint.format == DEEPSPEED  # decided once, here
     assert resumed.layout is None and resumed.load_optimizer and resumed.load_rng
-    assert resumed.saved_args["attention"] == "standard" and resumed.retrofit_base is None
+    assert resumed.checkpoint.model_args["attention"] == "standard"
+    assert resumed.retrofit_base is None
     assert not _plan(cache, "--load", base, "--no-load-rng").load_rng
     assert not _plan(cache, "--load", base, "--no-load-optim").load_optimizer
 
     assert _plan(cache, "--load", base, "--finetune").kind == resume.WEIGHTS
     pretrained = _plan(cache, "--pretrained-checkpoint", base)
-    assert (pretrained.kind, pretrained.checkpoint) == (resume.WEIGHTS, base_tag)
+    assert (pretrained.kind, pretrained.checkpoint.path) == (resume.WEIGHTS, base_tag)
 
     adding = _plan(cache, *FOCUS, "--retrofit", "--load", base)
     assert adding.kind == resume.ADDING_FOCUS
@@ -61,7 +64,8 @@ def test_each_kind_of_start_is_decided_from_the_flags_and_folders(
 
     # The retrofit's trained-only checkpoint: its base first, then its routers.
     trained_only = _plan(cache, *FOCUS, "--retrofit", "--load", retro)
-    assert (trained_only.kind, trained_only.base) == (resume.RESUME, base_tag)
+    assert (trained_only.kind, trained_only.base.path) == (resume.RESUME, base_tag)
+    assert trained_only.base.format == DEEPSPEED
     assert trained_only.retrofit_base == adding.retrofit_base
     assert trained_only.may_miss("embedding.word_embeddings.weight")
     assert not trained_only.may_miss(name)
