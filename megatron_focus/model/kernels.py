@@ -275,10 +275,11 @@ def xsa(device: torch.device) -> Kernel:
 
 
 def sinkhorn(device: torch.device, context_parallel: bool = False) -> Kernel:
-    """The causal Sinkhorn: one fused Triton pass each way on a GPU (triton_sinkhorn.py, which
-    keeps its iterations' states), PyTorch's float64 scans elsewhere and under context
-    parallelism (recomputed in backward: its iterations would otherwise keep ~6 [b, s, K]
-    tensors each); called as sinkhorn.causal_sinkhorn."""
+    """The causal Sinkhorn: Triton kernels on a GPU, a launch per iteration each way, parallel
+    along the sequence (triton_sinkhorn.py, which keeps its iterations' states), PyTorch's
+    float64 scans elsewhere and under context parallelism (recomputed in backward: its
+    iterations would otherwise keep ~6 [b, s, K] tensors each); called as
+    sinkhorn.causal_sinkhorn."""
     if device.type == "cuda" and has_triton() and not context_parallel:
         return Kernel("triton", "megatron_focus.model.triton_sinkhorn:triton_causal_sinkhorn")
     return Kernel("torch", "megatron_focus.model.sinkhorn:causal_sinkhorn", recompute=True)

@@ -148,8 +148,24 @@ def xsa_tile(capability, head_dim: int) -> Tile:
 
 
 def sinkhorn_tile(capability) -> Tile:
-    """The causal Sinkhorn's tokens per block (one program walks a sequence)."""
+    """The causal Sinkhorn's tokens per block (a program walks the blocks of its span)."""
     return _INTERPRETED if capability is None else Tile(64, 0, 4, 1)
+
+
+_SINKHORN_PROGRAMS = 1024  # enough to fill an H100's 132 SMs several times over
+
+
+def sinkhorn_span(capability, batch: int, tokens: int) -> int:
+    """Tokens per program of the causal Sinkhorn (whole blocks): sequences cut into as many
+    spans as fill the GPU, at least a block each; fewer spans keep the sums of the spans before
+    each one (a loop over them per program) small at long sequences. Under the interpreter two
+    blocks, so that tests cross both spans and blocks."""
+    block = sinkhorn_tile(capability).rows
+    if capability is None:
+        return 2 * block
+    blocks = triton.cdiv(tokens, block)
+    spans = max(1, min(blocks, triton.cdiv(_SINKHORN_PROGRAMS, batch)))
+    return triton.cdiv(blocks, spans) * block
 
 
 def padded(size: int, floor: int = 16) -> int:

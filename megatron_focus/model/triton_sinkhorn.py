@@ -1,17 +1,21 @@
-"""The causal Sinkhorn (sinkhorn.causal_sinkhorn) as one Triton kernel forward and one backward.
+"""The causal Sinkhorn (sinkhorn.causal_sinkhorn) as Triton kernels, parallel along the sequence.
 
 Why: in PyTorch every iteration is a float64 cumulative sum along the sequence (on a GPU, one
 thread per sequence and group walking n dependent steps) and a dozen elementwise kernels: about
-300 launches per layer and step at 10 iterations. Causality makes one pass enough: token i's
-iteration t reads only tokens <= i at iteration t - 1, so a program walks its sequence block by
-block and runs all iterations on a block, carrying each iteration's K prefix masses from the
-blocks before (float64, as the PyTorch scan: a group's mass never underflows). The scans inside a
-block run along the token axis of a [tokens, groups] tile, restarting at document starts.
+300 launches per layer and step at 10 iterations. Here the sequence is cut into spans, one program
+each (a two-level scan): one launch per iteration, in which every span scans its own tokens block
+by block (float64, as the PyTorch scan: a group's mass never underflows) and stores its total;
+the next launch adds to each span the totals of the spans before it (back to the document start
+of the token before the span), finishes that iteration and scans the next. So the GPU's SMs all
+work at b = 1, and a layer costs `iters + 1` launches each way instead of `iters x n / 64`
+dependent steps in b programs. The scans inside a block run along the token axis of a [tokens,
+groups] tile, restarting at document starts.
 
-The backward walks the blocks in reverse: per iteration, from the last to the first, the
-gradient of a prefix sum is a suffix sum of the gradients (restarting at document ends), carried
-from the blocks after. It reads what the forward stored: each iteration's log-assignments and
-log prefix masses ([iterations, b, n, K] float32 each, a few MB per layer at the recipes' sizes).
+The backward has the same shape, in reverse: per iteration, the gradient of a prefix sum is a
+suffix sum of the gradients (restarting at document ends), each span's carried from the spans
+after it (to the end of the document of the token after the span). It reads what the forward
+stored: each iteration's log-assignments and log prefix masses ([iterations, b, n, K] float32
+each, a few MB per layer at the recipes' sizes).
 
 Iteration t, with L the log-assignments, m = exp(max(L, -700)), P_i = sum of m_j over the
 document's tokens j <= i, and len_i the token's position in its document plus one:
@@ -64,79 +68,116 @@ def _block(DOCS, b, start, n, groups, BT: tl.constexpr, KP: tl.constexpr, HAS_DO
 
 
 @triton.jit
-def _carry_row(carry, t, TP: tl.constexpr):
-    """Row t of a [TP, KP] tile of carries."""
-    return tl.sum(tl.where(tl.arange(0, TP)[:, None] == t, carry, 0.0), axis=0)
+def _row(x, i, BT: tl.constexpr):
+    """Row i of a [BT, KP] tile."""
+    return tl.sum(tl.where(tl.arange(0, BT)[:, None] == i, x, 0.0), axis=0)
 
 
 @triton.jit
+def _spans_sum(X, first, last, KP: tl.constexpr, CB: tl.constexpr):
+    """Rows first .. last - 1 of a [spans, KP] float64 plane, summed: [KP]."""
+    total = tl.zeros((KP,), tl.float64)
+    rows = tl.arange(0, CB)[:, None]
+    k = tl.arange(0, KP)[None, :]
+    for a in range(first, last, CB):
+        total += tl.sum(tl.load(X + (a + rows) * KP + k, mask=a + rows < last, other=0.0), 0)
+    return total
+
+
+@triton.jit
+def _prefix_masses(log_g, ok, restarts, continues, carry):
+    """Each token's mass summed over its document up to it, float64: the block's own scan plus
+    the carry of the tokens before the block (for those whose document began before it)."""
+    mass = tl.where(ok, tl.exp(tl.maximum(log_g, LOG_MASS_FLOOR).to(tl.float64)), 0.0)
+    prefix, _ = tl.associative_scan((mass, restarts), 0, _restart_add)
+    return prefix + tl.where(continues, carry[None, :], 0.0)
+
+
+@triton.jit(do_not_specialize=["t"])
 def _forward(
-    S,
-    DOCS,
-    LOG_G,
-    LOG_P,
-    n,
-    batch,
-    groups,
-    iters,
-    s_b,
-    s_n,
-    BT: tl.constexpr,
-    KP: tl.constexpr,
-    TP: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-):
-    """LOG_G [iters + 1, b, n, K]: the log-assignments before each iteration and the result;
-    LOG_P [iters, b, n, K]: each iteration's log prefix masses."""
-    b = tl.program_id(0).to(tl.int64)  # offsets in 64 bits: iters x b x n x K can pass 2^31
+    S, DOCS, FIRST_SPAN, LOG_G, LOG_P, TOTALS,
+    n, batch, groups, iters, s_b, s_n, span, spans, t,
+    BT: tl.constexpr, KP: tl.constexpr, CB: tl.constexpr, HAS_DOCS: tl.constexpr,
+):  # fmt: skip
+    """Launch t of a span: iteration t - 1 finished (its prefix masses, with the totals of the
+    spans before it: LOG_P[t - 1], LOG_G[t]; at t = 0 LOG_G[0] from the scores), iteration t's
+    masses scanned and the span's total stored (TOTALS [iters, b, spans, KP]: its masses since
+    its last document start)."""
+    p = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)  # offsets in 64 bits: iters x b x n x K can pass 2^31
     plane = tl.cast(batch, tl.int64) * n * groups
-    carry = tl.zeros((TP, KP), tl.float64)  # each iteration's prefix masses so far
-    rows = tl.arange(0, TP)[:, None]
-    for start in range(0, n, BT):
+    begin = p * span
+    end = tl.minimum(begin + span, n)
+    carry = tl.zeros((KP,), tl.float64)  # iteration t - 1's masses before the block
+    if t > 0:
+        first_span = 0
+        if HAS_DOCS:
+            first_span = tl.load(FIRST_SPAN + b * spans + p)
+        carry = _spans_sum(TOTALS + ((t - 1) * batch + b) * spans * KP, first_span, p, KP, CB)
+    total = tl.zeros((KP,), tl.float64)  # iteration t's masses in the span before the block
+    for start in range(begin, end, BT):
         pos, offsets, ok, first, length = _block(DOCS, b, start, n, groups, BT, KP, HAS_DOCS)
-        scores_at = S + b * s_b + pos[:, None] * s_n + tl.arange(0, KP)[None, :]
-        log_g = _log_softmax(tl.load(scores_at, mask=ok, other=0.0), ok)
-        tl.store(LOG_G + offsets, log_g, mask=ok)
         restarts = (pos == first)[:, None] & ok  # a document starts at the token
-        continues = (first < start)[:, None]  # the token's document began in an earlier block
+        continues = (first < start)[:, None]  # the token's document began before the block
         last = tl.minimum(start + BT, n) - 1 - start  # the block's last valid row
-        for t in range(iters):
-            mass = tl.where(ok, tl.exp(tl.maximum(log_g, LOG_MASS_FLOOR).to(tl.float64)), 0.0)
-            prefix, _ = tl.associative_scan((mass, restarts), 0, _restart_add)
-            prefix += tl.where(continues, _carry_row(carry, t, TP)[None, :], 0.0)
-            end = tl.sum(tl.where(tl.arange(0, BT)[:, None] == last, prefix, 0.0), axis=0)
-            carry = tl.where(rows == t, end[None, :], carry)
+        if t == 0:
+            scores_at = S + b * s_b + pos[:, None] * s_n + tl.arange(0, KP)[None, :]
+            log_g = _log_softmax(tl.load(scores_at, mask=ok, other=0.0), ok)
+            tl.store(LOG_G + offsets, log_g, mask=ok)
+        else:
+            log_g = tl.load(LOG_G + (t - 1) * plane + offsets, mask=ok, other=0.0)
+            prefix = _prefix_masses(log_g, ok, restarts, continues, carry)
+            carry = _row(prefix, last, BT)
             log_p = tl.log(prefix).to(tl.float32)
-            tl.store(LOG_P + t * plane + offsets, log_p, mask=ok)
+            tl.store(LOG_P + (t - 1) * plane + offsets, log_p, mask=ok)
             log_g = _log_softmax(log_g - (log_p - tl.log(length)[:, None]), ok)
-            tl.store(LOG_G + (t + 1) * plane + offsets, log_g, mask=ok)
+            tl.store(LOG_G + t * plane + offsets, log_g, mask=ok)
+        if t < iters:
+            total = _row(_prefix_masses(log_g, ok, restarts, continues, total), last, BT)
+    if t < iters:
+        k = tl.arange(0, KP)
+        tl.store(TOTALS + ((t * batch + b) * spans + p) * KP + k, total)
 
 
 @triton.jit
+def _suffix(LOG_G, LOG_P, plane, t, grad, offsets, ok, ends, continues, carry):
+    """Iteration t's backward on a block from the gradient of its result: dL' and the suffix
+    sums of -dL'/P over each token's document from it on (the block's own scan plus the carry of
+    the tokens after the block, for those whose document goes on past it)."""
+    log_next = tl.load(LOG_G + (t + 1) * plane + offsets, mask=ok, other=0.0)
+    log_p = tl.load(LOG_P + t * plane + offsets, mask=ok, other=0.0)
+    grad_inner = tl.where(ok, grad - tl.exp(log_next) * tl.sum(grad, axis=1)[:, None], 0.0)
+    grad_p = -grad_inner.to(tl.float64) * tl.exp(-log_p.to(tl.float64))
+    suffix, _ = tl.associative_scan((grad_p, ends), 0, _restart_add, reverse=True)
+    return grad_inner, suffix + tl.where(continues, carry[None, :], 0.0)
+
+
+@triton.jit(do_not_specialize=["t"])
 def _backward(
-    DOCS,
-    LOG_G,
-    LOG_P,
-    D_OUT,
-    D_S,
-    n,
-    batch,
-    groups,
-    iters,
-    s_b,
-    s_n,
-    BT: tl.constexpr,
-    KP: tl.constexpr,
-    TP: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-):
-    b = tl.program_id(0).to(tl.int64)
+    DOCS, LAST_SPAN, LOG_G, LOG_P, GRAD, D_S, HEADS,
+    n, batch, groups, iters, s_b, s_n, span, spans, t,
+    BT: tl.constexpr, KP: tl.constexpr, CB: tl.constexpr, HAS_DOCS: tl.constexpr,
+):  # fmt: skip
+    """Launch t of a span, backwards: iteration t's gradient finished from GRAD (the gradient of
+    its result, replaced by that of its input) with the heads of the spans after it; then
+    iteration t - 1's suffix sums scanned and the span's head stored (HEADS [iters, b, spans,
+    KP]: its sums up to its first document end); at t = 0 the scores' gradient."""
+    p = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
     plane = tl.cast(batch, tl.int64) * n * groups
-    carry = tl.zeros((TP, KP), tl.float64)  # each iteration's suffix sums from later blocks
-    rows = tl.arange(0, TP)[:, None]
-    blocks = tl.cdiv(n, BT)
+    begin = p * span
+    end = tl.minimum(begin + span, n)
+    carry = tl.zeros((KP,), tl.float64)  # iteration t's sums after the block
+    if t < iters:
+        last_span = spans - 1
+        if HAS_DOCS:
+            last_span = tl.load(LAST_SPAN + b * spans + p)
+        heads = HEADS + (t * batch + b) * spans * KP
+        carry = _spans_sum(heads, p + 1, last_span + 1, KP, CB)
+    head = tl.zeros((KP,), tl.float64)  # iteration t - 1's sums in the span after the block
+    blocks = tl.cdiv(end - begin, BT)
     for reverse in range(0, blocks):
-        start = (blocks - 1 - reverse) * BT
+        start = begin + (blocks - 1 - reverse) * BT
         pos, offsets, ok, first, length = _block(DOCS, b, start, n, groups, BT, KP, HAS_DOCS)
         if HAS_DOCS:  # the token's document goes on past the block; a document ends at it
             after = tl.load(DOCS + b * n + tl.minimum(start + BT, n - 1))
@@ -146,48 +187,70 @@ def _backward(
         else:
             continues = tl.full((BT, 1), 1, tl.int1) & (start + BT < n)
             ends = ((pos + 1 >= n)[:, None]) & ok
-        grad = tl.load(D_OUT + offsets, mask=ok, other=0.0)
-        for back in range(0, iters):
-            t = iters - 1 - back
-            log_next = tl.load(LOG_G + (t + 1) * plane + offsets, mask=ok, other=0.0)
+        grad = tl.load(GRAD + offsets, mask=ok, other=0.0)
+        if t < iters:
+            grad_inner, suffix = _suffix(
+                LOG_G, LOG_P, plane, t, grad, offsets, ok, ends, continues, carry
+            )
+            carry = _row(suffix, 0, BT)
             log_g = tl.load(LOG_G + t * plane + offsets, mask=ok, other=float("-inf"))
-            log_p = tl.load(LOG_P + t * plane + offsets, mask=ok, other=0.0)
-            grad_inner = grad - tl.exp(log_next) * tl.sum(grad, axis=1)[:, None]
-            grad_inner = tl.where(ok, grad_inner, 0.0)
-            grad_p = -grad_inner.to(tl.float64) * tl.exp(-log_p.to(tl.float64))
-            suffix, _ = tl.associative_scan((grad_p, ends), 0, _restart_add, reverse=True)
-            suffix += tl.where(continues, _carry_row(carry, t, TP)[None, :], 0.0)
-            head = tl.sum(tl.where(tl.arange(0, BT)[:, None] == 0, suffix, 0.0), axis=0)
-            carry = tl.where(rows == t, head[None, :], carry)
-            above = log_g > LOG_MASS_FLOOR
-            mass = tl.where(above & ok, tl.exp(log_g.to(tl.float64)), 0.0)
+            mass = tl.where((log_g > LOG_MASS_FLOOR) & ok, tl.exp(log_g.to(tl.float64)), 0.0)
             grad = grad_inner + (mass * suffix).to(tl.float32)
-        log_g0 = tl.load(LOG_G + offsets, mask=ok, other=float("-inf"))
-        d_scores = grad - tl.exp(log_g0) * tl.sum(grad, axis=1)[:, None]
-        d_scores_at = D_S + b * s_b + pos[:, None] * s_n + tl.arange(0, KP)[None, :]
-        tl.store(d_scores_at, d_scores, mask=ok)
+            tl.store(GRAD + offsets, grad, mask=ok)
+        if t > 0:
+            _, suffix = _suffix(LOG_G, LOG_P, plane, t - 1, grad, offsets, ok, ends, continues,
+                                head)  # fmt: skip
+            head = _row(suffix, 0, BT)
+        else:
+            log_g0 = tl.load(LOG_G + offsets, mask=ok, other=float("-inf"))
+            d_scores = grad - tl.exp(log_g0) * tl.sum(grad, axis=1)[:, None]
+            d_scores_at = D_S + b * s_b + pos[:, None] * s_n + tl.arange(0, KP)[None, :]
+            tl.store(d_scores_at, d_scores, mask=ok)
+    if t > 0:
+        k = tl.arange(0, KP)
+        tl.store(HEADS + (((t - 1) * batch + b) * spans + p) * KP + k, head)
 
 
-def _launch_shape(groups: int, iters: int, capability) -> dict:
-    return dict(
-        BT=triton_launch.sinkhorn_tile(capability).rows,
-        KP=max(2, triton.next_power_of_2(groups)),
-        TP=max(2, triton.next_power_of_2(max(iters, 1))),
-    )
+def _span_ends(doc_start, span: int, spans: int):
+    """Per sequence and span, the span holding the document start of the token before it
+    (the forward's first span to add) and the span holding the document end of the token after
+    it (the backward's last), int32 [b, spans] each."""
+    n = doc_start.shape[1]
+    begins = torch.arange(spans, device=doc_start.device) * span
+    before = doc_start[:, (begins - 1).clamp_min(0)]
+    following = doc_start[:, (begins + span).clamp_max(n - 1)]
+    doc_end = torch.searchsorted(doc_start.contiguous(), following.contiguous(), right=True) - 1
+    return (before // span).to(torch.int32), (doc_end // span).to(torch.int32)
 
 
-def launches(scores, iters: int, docs, has_docs: bool, log_g, log_p, d_out, d_scores, capability):
-    """The forward's and the backward's launch (the fit test's list; `d_out` the gradient of
-    the result, `d_scores` that of the scores)."""
+def launches(scores, iters: int, docs, has_docs: bool, log_g, log_p, grad, d_scores, capability):
+    """The forward's launches and the backward's, one per iteration and one more each (the fit
+    test compiles the first of each; `grad` the gradient of the result, replaced in place as
+    the backward goes, `d_scores` that of the scores)."""
     b, n, groups = scores.shape
     tile = triton_launch.sinkhorn_tile(capability)
-    constants = dict(**_launch_shape(groups, iters, capability), HAS_DOCS=has_docs)
+    span = triton_launch.sinkhorn_span(capability, b, n)
+    spans = triton.cdiv(n, span)
+    kp = max(2, triton.next_power_of_2(groups))
+    # per iteration, each span's total (forward) and head (backward)
+    sums = torch.empty(max(iters, 1), b, spans, kp, device=scores.device, dtype=torch.float64)
+    first_span, last_span = _span_ends(docs, span, spans) if has_docs else (sums, sums)
+    constants = dict(BT=tile.rows, KP=kp, CB=16, HAS_DOCS=has_docs)
     options = dict(num_warps=tile.warps, num_stages=tile.stages)
-    sizes = (n, b, groups, iters, scores.stride(0), scores.stride(1))
-    return (
-        Launch(_forward, (b,), (scores, docs, log_g, log_p, *sizes), constants, options),
-        Launch(_backward, (b,), (docs, log_g, log_p, d_out, d_scores, *sizes), constants, options),
-    )
+    sizes = (n, b, groups, iters, scores.stride(0), scores.stride(1), span, spans)
+
+    def launch(kernel, *tensors, t):
+        return Launch(kernel, (spans, b), (*tensors, *sizes, t), constants, options)
+
+    forward = [
+        launch(_forward, scores, docs, first_span, log_g, log_p, sums, t=t)
+        for t in range(iters + 1)
+    ]
+    backward = [
+        launch(_backward, docs, last_span, log_g, log_p, grad, d_scores, sums, t=t)
+        for t in range(iters, -1, -1)
+    ]
+    return forward, backward
 
 
 class TritonCausalSinkhorn(torch.autograd.Function):
@@ -211,9 +274,10 @@ class TritonCausalSinkhorn(torch.autograd.Function):
             capability=triton_launch.capability_of(scores),
         )
         forward, _ = launches(
-            scores, **ctx.launch, log_g=log_g, log_p=log_p, d_out=None, d_scores=None
+            scores, **ctx.launch, log_g=log_g, log_p=log_p, grad=None, d_scores=None
         )
-        forward()
+        for step in forward:
+            step()
         ctx.save_for_backward(log_g, log_p)
         ctx.layout = scores.stride()
         return log_g[iters]
@@ -223,15 +287,13 @@ class TritonCausalSinkhorn(torch.autograd.Function):
         log_g, log_p = ctx.saved_tensors
         # the scores' gradient in their layout, which sizes the launch as the scores did
         d_scores = torch.empty_strided(log_g.shape[1:], ctx.layout, device=grad.device)
+        running = torch.empty(log_g.shape[1:], device=grad.device)  # replaced as it goes
+        running.copy_(grad)
         _, backward = launches(
-            d_scores,
-            **ctx.launch,
-            log_g=log_g,
-            log_p=log_p,
-            d_out=grad.float().contiguous(),
-            d_scores=d_scores,
+            d_scores, **ctx.launch, log_g=log_g, log_p=log_p, grad=running, d_scores=d_scores
         )
-        backward()
+        for step in backward:
+            step()
         return d_scores, None, None
 
 

@@ -126,7 +126,8 @@ def test_later_tokens_change_no_earlier_logit_on_the_gpu_kernels(single_process,
 
 def test_one_layers_routing_launches_within_budget(single_process, monkeypatch):
     """Router (projection, scores, Sinkhorn, group ranking), forward and backward, as a GPU
-    launches it: at most 12 kernels, the Sinkhorn 2 of them (PyTorch's scans: about 300)."""
+    launches it: the Sinkhorn's one per iteration and one more each way (22 at 10 iterations;
+    PyTorch's scans: about 300), at most 10 others."""
     from megatron_focus.model import triton_sinkhorn
 
     argv = ["--attention", "focus"] + FOCUS + ["--focus-sinkhorn-iters", "10"]
@@ -145,8 +146,8 @@ def test_one_layers_routing_launches_within_budget(single_process, monkeypatch):
     with count_launches(fused) as launches:
         step(net)
     sinkhorn = [name for name in launches if name in ("_forward", "_backward")]
-    assert sinkhorn == ["_forward", "_backward"], launches
-    assert len(launches) <= 12, " ".join(launches)
+    assert sinkhorn == ["_forward"] * 11 + ["_backward"] * 11, launches
+    assert len(launches) - len(sinkhorn) <= 10, " ".join(launches)
     assert len(eager) > 200, len(eager)
 
 

@@ -1,7 +1,8 @@
 """The causal Sinkhorn's Triton kernels (model/triton_sinkhorn.py) under Triton's interpreter on
 CPU tensors, against the PyTorch version (sinkhorn.causal_sinkhorn, itself tested for causality
 and balance in test_focus.py and for documents in test_documents.py): values and the gradient of
-the scores, in float64 for the reference; blocks of 16 tokens here, so lengths cross them."""
+the scores, in float64 for the reference; blocks of 16 tokens and spans of two blocks (one
+program each, carried from launch to launch) here, so lengths cross both."""
 
 import pytest
 import torch
@@ -28,6 +29,8 @@ def starts(lengths, b):
         (1, 33, 4, 0, [20, 13], 1.0),  # no iteration: a log-softmax
         (2, 45, 8, 10, [30, 15], 40.0),  # skewed scores: masses far below float32's range
         (1, 150, 8, 10, [100, 50], 3.0),  # (with a GPU's 64-token blocks)
+        (2, 130, 4, 4, [3, 90, 37], 3.0),  # a document across four spans, each way
+        (3, 100, 2, 6, None, 3.0),  # spans carried the whole sequence
     ],
 )
 def test_kernel_equals_the_pytorch_sinkhorn(b, n, groups, iters, docs, spread, monkeypatch):
