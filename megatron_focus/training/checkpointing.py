@@ -1,15 +1,19 @@
 """Saving and resuming a run through DeepSpeed's engine: checkpoints that are either complete or
-invisible, and that refuse a model of another shape.
+invisible, and that refuse a model of another shape, in DeepSpeed's format or Megatron-LM's.
+
+The trainer goes through one object, `Checkpointer`: `prepare` (the `--save` folder's preflight
+and the resume plan, before the data), `check` (this run's records, and everything loading would
+refuse, before any compute), `prepare_engine`, `load` and `save`.
 
 What a checkpoint folder holds is `checkpoint/format.py`; beside it, DeepSpeed's client state
 carries the iteration, consumed samples and every RNG state. A checkpoint written at another
 layout (TP / DP size, ZeRO stage, precision) resumes through `layouts.py`.
 
-What a run starts from is decided once, before the data or the model (`resume.py`); `load`
-executes that plan. A retrofit run (`--retrofit`) saves, unless `--save-full`, only what it trains
-(the routers, and their optimizer state) plus `base_checkpoint.json`, naming the complete
-checkpoint that holds the frozen weights: loading, resuming and the HF export read the base first,
-then the routers.
+What a run starts from, and which format the folder holds, is decided once, before the data or
+the model (`resume.py`); `load` executes that plan. A retrofit run (`--retrofit`) saves, unless
+`--save-full`, only what it trains (the routers, and their optimizer state) plus a record naming
+the complete checkpoint that holds the frozen weights (`format.BASE_FILE`): loading, resuming and
+the HF export read the base first, then the routers.
 
 A save is written under a partial name (`format.partial_tag`), renamed once every rank has
 finished, and only then does `latest` move (itself written to a temporary file and renamed). A
@@ -116,7 +120,49 @@ class Records:
         self.tokenizer.write(folder)
 
 
-def records(args: argparse.Namespace, plan: ResumePlan, vocab_size: int) -> Records:
+class Checkpointer:
+    """The run's checkpoints: what it starts from (`plan`), what it records (`records`, known
+    once the tokenizer is), loading and saving. Built by `prepare`."""
+
+    def __init__(self, args: argparse.Namespace, plan: ResumePlan):
+        self.args, self.plan = args, plan
+        self.records: Optional[Records] = None
+
+    @classmethod
+    def prepare(cls, args: argparse.Namespace) -> "Checkpointer":
+        """Before the data is built: the `--save` folder's preflight, then the resume plan."""
+        _preflight(args)
+        return cls(args, resume.plan(args))
+
+    def check(self, vocab_size: int) -> None:
+        """Once the tokenizer's vocabulary is known: this run's records, and, before any
+        compute, everything loading the plan's checkpoint would refuse."""
+        self.records = _records(self.args, self.plan, vocab_size)
+        resume.check(self.plan, self.args, self.records.model_args)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return self.records.padded_vocab_size
+
+    def prepare_engine(self, model, config: dict) -> None:
+        """Before DeepSpeed's engine is built on `model` with `config`: how each parameter is
+        split over TP ranks, which every save records, and, for a checkpoint of another layout
+        at ZeRO 1-3, DeepSpeed's loading of the universal format."""
+        if self.args.zero_stage > 0 and self.plan.layout:
+            config.setdefault("checkpoint", {})["load_universal"] = True
+        layouts.describe_model(model)
+
+    def load(self, engine) -> tuple:
+        """Execute the plan: (iteration, consumed samples) to resume from, (0, 0) for a start at
+        iteration 0."""
+        return _load(engine, self.args, self.plan, self.padded_vocab_size)
+
+    def save(self, engine, iteration: int, consumed_samples: int) -> str:
+        """Save on every rank (collective); returns the checkpoint directory."""
+        return _save(engine, self.args, self.records, iteration, consumed_samples)
+
+
+def _records(args: argparse.Namespace, plan: ResumePlan, vocab_size: int) -> Records:
     """This run's records, once its tokenizer's vocabulary is known."""
     padded = padded_vocab_size(
         vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
@@ -129,7 +175,7 @@ def records(args: argparse.Namespace, plan: ResumePlan, vocab_size: int) -> Reco
     )
 
 
-def save(
+def _save(
     engine, args: argparse.Namespace, records: Records, iteration: int, consumed_samples: int
 ) -> str:
     """Save on every rank; returns the checkpoint directory.
@@ -343,7 +389,7 @@ def _remove_debris(folder: str) -> None:
         print(f"removed what an interrupted run left in {folder}: {', '.join(debris)}", flush=True)
 
 
-def preflight(args: argparse.Namespace) -> None:
+def _preflight(args: argparse.Namespace) -> None:
     """What would fail at the first save, refused before any compute: a signal handler with
     nowhere to save, a `--save` that cannot be written, a folder of complete checkpoints whose
     `latest` is gone (which would otherwise start from scratch and overwrite them)."""
@@ -413,7 +459,7 @@ def _resume_megatron_lm(engine, args: argparse.Namespace, checkpoint: SavedCheck
     return iteration, iteration * args.global_batch_size if consumed is None else consumed
 
 
-def load(engine, args: argparse.Namespace, plan: ResumePlan, padded_vocab_size: int) -> tuple:
+def _load(engine, args: argparse.Namespace, plan: ResumePlan, padded_vocab_size: int) -> tuple:
     """Execute `plan`: restore model, optimizer, scheduler, RNG and data position; returns
     (iteration, consumed samples), (0, 0) where the run starts at iteration 0. What
     `resume.check` refuses has been refused before."""

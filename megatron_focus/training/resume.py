@@ -1,7 +1,8 @@
 """What a run starts from, decided once: `plan(args)` reads the checkpoint folders before the
 data or the model is built and returns a `ResumePlan`; `check` refuses, before any compute, a
-checkpoint the plan cannot use; the DeepSpeed engine reads its layout change; `checkpointing.load`
-executes it; `checkpointing.save` names the retrofit base it holds.
+checkpoint the plan cannot use. The run's `Checkpointer` (`checkpointing.py`) makes the plan,
+checks it, has the DeepSpeed engine read its layout change, executes it, and names in its saves
+the retrofit base it holds.
 
 The kinds of start:
 

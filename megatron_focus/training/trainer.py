@@ -32,7 +32,7 @@ from megatron_focus.parallel import (
     num_zeros_in_grad,
     params_norm,
 )
-from megatron_focus.training import checkpointing, layouts, resume
+from megatron_focus.training.checkpointing import Checkpointer
 from megatron_focus.training.global_batch import GlobalBatch
 from megatron_focus.training.metrics import LogStep, Reporter
 from megatron_focus.training.optimizer import in_unit, param_groups, schedule, steps_in
@@ -53,25 +53,24 @@ def pretrain(args: argparse.Namespace) -> dict:
     )
     platform.manual_seed(args.seed)
     rank0 = dist.get_rank() == 0
-    checkpointing.preflight(args)  # the --save folder, before the data is even built
-    plan = resume.plan(args)  # what the run starts from, decided once
+    # the --save folder, and what the run starts from, decided once before the data is built
+    checkpointer = Checkpointer.prepare(args)
 
     # Data first: a wrong path or a tokenizer that does not fit the data fails before any compute.
     tokenizer = tokenizer_for(args, rank0)
-    records = checkpointing.records(args, plan, tokenizer.vocab_size)
-    resume.check(plan, args, records.model_args)  # a checkpoint the plan cannot use
+    checkpointer.check(tokenizer.vocab_size)  # a checkpoint the plan cannot use
     train_data, valid_data = datasets_for(args, tokenizer)
 
     model = build_model(args, tokenizer.vocab_size)
     hooks = variant(args.attention).hooks_for(args)  # what the variant adds to the run
     hooks.freeze(model, args.retrofit)  # frozen weights stay out of the optimizer
     install_sequence_parallel_grad_allreduce(model)
-    engine = _deepspeed_engine(args, model, plan)
-    iteration, consumed = checkpointing.load(engine, args, plan, records.padded_vocab_size)
+    engine = _deepspeed_engine(args, model, checkpointer)
+    iteration, consumed = checkpointer.load(engine)
 
     global_batch = GlobalBatch.of(args, parallel_state.get_data_parallel_world_size())
     total = global_batch.consumed_after(args.train_iters)  # the samples the whole run trains on
-    reporter = Reporter(args, flops_per_token(args, records.padded_vocab_size), total)
+    reporter = Reporter(args, flops_per_token(args, checkpointer.padded_vocab_size), total)
     if rank0:
         _print_banner(args, model, hooks, iteration)
     stop = _StopRequest(args, started)
@@ -81,7 +80,7 @@ def pretrain(args: argparse.Namespace) -> dict:
     valid_batches = _validation_batches(valid_data, args)
     progress = _Progress(iteration, consumed, engine.skipped_steps, args.max_skipped_steps, rank0)
     validate = functools.partial(_validate, engine, valid_batches, args, hooks, reporter, progress)
-    save = functools.partial(_save, engine, args, records, rank0)
+    save = functools.partial(_save, checkpointer, engine, rank0)
     if args.retrofit and iteration == 0 and valid_batches is not None:
         # A retrofit's starting point (the base model with fresh routers) is what it must beat.
         validate(iteration, consumed)
@@ -166,8 +165,8 @@ def _validate(
         reporter.validation(iteration, consumed, loss, mode)
 
 
-def _save(engine, args, records, rank0: bool, iteration: int, consumed: int) -> None:
-    path = checkpointing.save(engine, args, records, iteration, consumed)
+def _save(checkpointer, engine, rank0: bool, iteration: int, consumed: int) -> None:
+    path = checkpointer.save(engine, iteration, consumed)
     if rank0:
         print(f" saved checkpoint {path}", flush=True)
 
@@ -398,7 +397,7 @@ def _mean_over_data_parallel(value: torch.Tensor) -> torch.Tensor:
     return value / dist.get_world_size(group)
 
 
-def _deepspeed_engine(args: argparse.Namespace, model: torch.nn.Module, plan: resume.ResumePlan):
+def _deepspeed_engine(args: argparse.Namespace, model: torch.nn.Module, checkpointer: Checkpointer):
     """AdamW without weight decay on biases and norms, Megatron's LR schedule, in DeepSpeed."""
     optimizer = torch.optim.AdamW(
         [
@@ -418,9 +417,7 @@ def _deepspeed_engine(args: argparse.Namespace, model: torch.nn.Module, plan: re
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
     )
     config = deepspeed_config(args, parallel_state.get_data_parallel_world_size())
-    if args.zero_stage > 0 and plan.layout:  # DeepSpeed loads it
-        config.setdefault("checkpoint", {})["load_universal"] = True
-    layouts.describe_model(model)
+    checkpointer.prepare_engine(model, config)
     skip_unused_builds()
     engine, _, _, _ = deepspeed.initialize(
         model=model,

@@ -1,0 +1,84 @@
+"""The trainer's checkpoints go through one object (`training/checkpointing.py`'s
+`Checkpointer`): a run resumed from this trainer's folder and one continued from Megatron-LM's
+make the same calls, and the folder's format is decided once, when the plan opens it."""
+
+import os
+
+import megatron_lm_record
+from distributed import run_distributed
+from tiny_runs import TINY, train
+
+VOCAB = 200  # NullTokenizer: 201 ids with the end of document
+MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB)]
+
+
+def _write_megatron_lm(folder: str) -> None:
+    """Megatron-LM's checkpoint of TINY's model at iteration 7."""
+    from megatron_focus import platform
+
+    platform.init_distributed(1)
+    record = megatron_lm_record.record(TINY + MOCK + ["--max-position-embeddings", "32"], VOCAB + 1)
+    platform.manual_seed(8)
+    megatron_lm_record.save(megatron_lm_record.gpt_model(record).eval(), folder, record)
+
+
+def _resumed(argv: list) -> dict:
+    """pretrain(argv), recording the trainer's calls to its Checkpointer, the format its plan
+    names, and every folder whose format was asked."""
+    from megatron_focus.arguments import parse_args
+    from megatron_focus.checkpoint import torch_dist
+    from megatron_focus.training import trainer
+
+    calls, asked, made = [], [], []
+    is_megatron_lm = torch_dist.is_megatron_lm
+    torch_dist.is_megatron_lm = lambda folder: asked.append(folder) or is_megatron_lm(folder)
+
+    original = trainer.Checkpointer
+
+    class Recorded(original):
+        def __init__(self, args, plan):
+            calls.append("prepare")
+            made.append(self)
+            super().__init__(args, plan)
+
+    for name in ("check", "prepare_engine", "load", "save"):
+
+        def recorded(self, *args, _name=name):
+            calls.append(_name)
+            return getattr(original, _name)(self, *args)
+
+        setattr(Recorded, name, recorded)
+    trainer.Checkpointer = Recorded
+    history = trainer.pretrain(parse_args(argv))
+    plan = made[0].plan
+    return {
+        "calls": calls,
+        "format": plan.checkpoint.format,
+        "path": plan.checkpoint.path,
+        "asked": asked,
+        "losses": len(history["losses"]),
+    }
+
+
+def test_both_formats_resume_through_the_same_calls_their_format_decided_once(tmp_path):
+    from megatron_focus.checkpoint.saved import DEEPSPEED, MEGATRON_LM
+
+    flags = TINY + MOCK + ["--data-cache-path", str(tmp_path / "cache")]
+    ours, megatron = str(tmp_path / "ours"), str(tmp_path / "megatron")
+    train(1, flags + ["--train-iters", "4", "--exit-interval", "2", "--save", ours])
+    run_distributed(_write_megatron_lm, 1, megatron)
+
+    resumed = run_distributed(
+        _resumed, 1, flags + ["--train-iters", "4", "--load", ours, "--save", ours]
+    )
+    run = ["--save", str(tmp_path / "run"), "--no-load-optim"]
+    continued = run_distributed(
+        _resumed, 1, flags + ["--train-iters", "9", "--load", megatron, *run]
+    )
+    calls = ["prepare", "check", "prepare_engine", "load", "save"]
+    assert resumed["calls"] == continued["calls"] == calls
+    assert (resumed["format"], continued["format"]) == (DEEPSPEED, MEGATRON_LM)
+    # the one folder each run reads, asked once, by the plan
+    assert resumed["asked"] == [resumed["path"]] == [os.path.join(ours, "iter_0000002")]
+    assert continued["asked"] == [continued["path"]] == [os.path.join(megatron, "iter_0000007")]
+    assert resumed["losses"] == continued["losses"] == 2  # iterations 3-4; 8-9
