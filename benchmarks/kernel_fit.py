@@ -92,7 +92,7 @@ def main() -> int:
         device_arch = triton_launch.arch(torch.cuda.get_device_capability())
     args.archs = args.archs or ([device_arch] if device_arch else list(triton_launch.TARGETS))
     rows, seen = [], set()
-    header = f"{'arch':5} {'shape':28} {'kernel':18} {'regs':>4} {'spill':>6} {'shared':>15}"
+    header = f"{'arch':5} {'shape':28} {'kernel':25} {'regs':>4} {'spill':>6} {'shared':>15}"
     print(header + " 64-bit fits" + ("  device regs/spills" if device_arch else ""))
     for arch in args.archs:
         for shape in shapes(args):
@@ -105,7 +105,7 @@ def main() -> int:
                 row = dict(arch=arch, shape=str(shape), kernel=name, **dataclasses.asdict(fit))
                 row.update(fits=fit.fits, constants=launch.constants, options=launch.options)
                 line = (
-                    f"{arch:5} {str(shape):28} {name:18} {fit.registers:4d} "
+                    f"{arch:5} {str(shape):28} {name:25} {fit.registers:4d} "
                     f"{fit.spill_stores:6d} {fit.shared:7d}/{fit.limit:7d} "
                     f"{'yes' if fit.wide_addresses else 'NO':>6} {'yes' if fit.fits else 'NO':>4}"
                 )

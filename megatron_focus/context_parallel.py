@@ -10,8 +10,9 @@ slices the batch so, and its rotary embedding the positions). What crosses ranks
 * the causal Sinkhorn's prefix masses: an exclusive scan across chunks. Each iteration every rank
   all-gathers its two chunks' summaries (their masses since the last document start in them,
   K numbers per sequence, and whether a document starts there); each chunk then adds the masses
-  of the chunks before it, back to the start of its tokens' document. Its backward is the reverse
-  scan, through the gather's autograd.
+  of the chunks before it, back to the start of its tokens' document (chunk_carries). Its backward
+  is the reverse scan, through the gather's autograd (the fused kernels' backward calls it as
+  such).
 
 Everything here is a pure function of tensors and a process group, but `batch_on_this_rank`.
 """
@@ -87,21 +88,25 @@ def _in_order(per_rank: list) -> list:
     return chunks
 
 
-def prefix_carries(last: torch.Tensor, restarts: torch.Tensor, group) -> torch.Tensor:
-    """The exclusive scan of the Sinkhorn's prefix masses across chunks.
+def chunk_carries(values: torch.Tensor, through: torch.Tensor, group, reverse=False):
+    """An exclusive scan across the sequence's chunks, in order (reverse: from the last): what
+    flows into each of this rank's two chunks from the others.
 
-    `last` [2, b, K]: this rank's two chunks' prefix masses at their last token (counted from
-    the chunk's start, or from its document's start when that is inside the chunk); `restarts`
-    [2, b] (bool): whether the last token's document starts inside the chunk. Returns [2, b, K]:
-    what each of this rank's chunks adds to its tokens whose document started before it.
+    `values` [2, b, K]: what each of this rank's chunks passes on (the causal Sinkhorn's
+    forward: its prefix masses at its last token, counted from its start or from its last
+    document start; its backward: the gradients' suffix sums at its first token, to its first
+    document end); `through` [2, b] (bool): whether what flows into the chunk flows on past it
+    (no document starts in it; reverse: its first token's document goes on past it). Returns
+    [2, b, K]: what each of this rank's chunks adds to its tokens whose document began before it
+    (reverse: goes on past it).
     """
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    flags = [torch.empty_like(restarts) for _ in range(size)]
-    dist.all_gather(flags, restarts.contiguous(), group=group)
-    lasts = _in_order(_AllGather.apply(last, group))
-    flags = _in_order(flags)
-    carries = [torch.zeros_like(last[0])]
-    for chunk in range(2 * size - 1):  # what flows into chunk + 1
-        continues = (~flags[chunk]).to(last.dtype)[..., None]
-        carries.append(lasts[chunk] + carries[-1] * continues)
+    flags = _in_order(_all_gather(through, group))
+    parts = _in_order(_AllGather.apply(values, group))
+    order = range(2 * size - 1, -1, -1) if reverse else range(2 * size)
+    carries = {}
+    flowing = torch.zeros_like(values[0])
+    for chunk in order:
+        carries[chunk] = flowing
+        flowing = parts[chunk] + flowing * flags[chunk].to(values.dtype)[..., None]
     return torch.stack([carries[c] for c in chunk_ids(rank, size)])

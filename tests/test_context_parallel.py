@@ -152,9 +152,10 @@ def test_the_fused_soft_gate_at_each_ranks_offsets_matches_one_process():
             torch.testing.assert_close(grads[name], ref, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def _sinkhorn_across(scores, doc_start, iters, size):
-    """Each context-parallel rank's rows of the causal Sinkhorn, and the gradient of the scores
-    (summed over ranks) for a fixed cotangent."""
+def _sinkhorn_across(scores, doc_start, iters, size, fused=False):
+    """Each context-parallel rank's rows of the causal Sinkhorn (PyTorch's, or the Triton
+    kernels interpreted), and the gradient of the scores (summed over ranks) for a fixed
+    cotangent."""
     import torch.distributed as dist
 
     from megatron_focus import context_parallel, platform
@@ -165,6 +166,8 @@ def _sinkhorn_across(scores, doc_start, iters, size):
     rows = context_parallel.positions(scores.shape[1] // size, rank, size)
     mine = scores[:, rows].clone().requires_grad_()
     docs = None if doc_start is None else doc_start[:, rows]
+    if fused:
+        from megatron_focus.model.triton_sinkhorn import triton_causal_sinkhorn as causal_sinkhorn
     log_g = causal_sinkhorn(mine, iters, docs, (rows, group))
     cotangent = torch.linspace(-1, 1, scores.numel(), dtype=scores.dtype).view(scores.shape)
     (log_g * cotangent[:, rows]).sum().backward()
@@ -200,6 +203,34 @@ def test_the_sinkhorn_scan_across_ranks_is_the_one_process_sinkhorn(documents):
     (ref * cotangent).sum().backward()
     torch.testing.assert_close(values, ref.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad, whole.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_the_sinkhorn_kernels_across_ranks_are_the_one_process_sinkhorn(documents):
+    """The Triton kernels (interpreted; 16-token blocks, spans of two) on each rank's two
+    chunks, what flows between chunks exchanged between launches: 2 ranks, chunks of 40 tokens
+    (three spans each), documents inside a span, across spans and across chunk edges (one over
+    three chunks), against the float64 PyTorch Sinkhorn of the whole sequence."""
+    from interpreted import skip_unless_kernels_run
+
+    from megatron_focus.model.sinkhorn import causal_sinkhorn
+
+    skip_unless_kernels_run()
+    n, groups, iters = 160, 5, 4
+    scores = torch.randn(2, n, groups, generator=torch.Generator().manual_seed(5)) * 3
+    doc_start = None
+    if documents:
+        starts = [[0, 7, 45, 150], [0, 40, 52, 119, 120]]
+        doc_start = torch.stack(
+            [torch.tensor([max(s for s in row if s <= i) for i in range(n)]) for row in starts]
+        )
+    values, grad = run_distributed(_sinkhorn_across, 2, scores, doc_start, iters, 2, True)
+    whole = scores.double().requires_grad_()
+    ref = causal_sinkhorn(whole, iters, doc_start)
+    cotangent = torch.linspace(-1, 1, scores.numel(), dtype=whole.dtype).view(scores.shape)
+    (ref * cotangent).sum().backward()
+    torch.testing.assert_close(values.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad.double(), whole.grad, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -66,7 +66,7 @@ class Router(torch.nn.Module):
         self.record_stats = False  # set by `recording_statistics`
         self.stats: Optional[dict] = None
         self.cp_group = get_context_parallel_group() if config.context_parallel_size > 1 else None
-        self.sinkhorn = kernels.sinkhorn(platform.setup().device, self.cp_group is not None)
+        self.sinkhorn = kernels.sinkhorn(platform.setup().device)
 
     def positions(self, length: int, device=None) -> torch.Tensor:
         """The sequence positions of this context-parallel rank's `length` tokens."""

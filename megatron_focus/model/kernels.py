@@ -274,13 +274,13 @@ def xsa(device: torch.device) -> Kernel:
     return Kernel("torch", "megatron_focus.model.xsa:exclusive_projection")
 
 
-def sinkhorn(device: torch.device, context_parallel: bool = False) -> Kernel:
+def sinkhorn(device: torch.device) -> Kernel:
     """The causal Sinkhorn: Triton kernels on a GPU, a launch per iteration each way, parallel
-    along the sequence (triton_sinkhorn.py, which keeps its iterations' states), PyTorch's
-    float64 scans elsewhere and under context parallelism (recomputed in backward: its
+    along the sequence, under context parallelism too (triton_sinkhorn.py, which keeps its
+    iterations' states), PyTorch's float64 scans elsewhere (recomputed in backward: its
     iterations would otherwise keep ~6 [b, s, K] tensors each); called as
     sinkhorn.causal_sinkhorn."""
-    if device.type == "cuda" and has_triton() and not context_parallel:
+    if device.type == "cuda" and has_triton():
         return Kernel("triton", "megatron_focus.model.triton_sinkhorn:triton_causal_sinkhorn")
     return Kernel("torch", "megatron_focus.model.sinkhorn:causal_sinkhorn", recompute=True)
 

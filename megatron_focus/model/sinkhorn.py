@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from megatron_focus.context_parallel import prefix_carries
+from megatron_focus.context_parallel import chunk_carries
 
 _LOG_MASS_FLOOR = -700.0
 
@@ -94,7 +94,7 @@ def log_prefix_sums_across(
 ) -> torch.Tensor:
     """`log_prefix_sums` of a context-parallel rank's rows [b, n, K] (its two chunks, at
     `positions`): each chunk's own prefix sums, plus the masses of the chunks before it back to
-    each token's document start (context_parallel.prefix_carries)."""
+    each token's document start (context_parallel.chunk_carries)."""
     b, n, groups = log_g.shape
     chunk = n // 2
     masses = log_g.double().clamp_min(_LOG_MASS_FLOOR).exp().view(b, 2, chunk, groups)
@@ -109,6 +109,6 @@ def log_prefix_sums_across(
         sums = segmented_cumsum(masses, (starts - first).clamp_min(0))
         restarts = (starts[..., -1] >= first[:, 0]).transpose(0, 1)
         continues = (starts < first).to(sums.dtype).unsqueeze(-1)
-    carries = prefix_carries(sums[:, :, -1].transpose(0, 1), restarts, group)  # [2, b, K]
+    carries = chunk_carries(sums[:, :, -1].transpose(0, 1), ~restarts, group)  # [2, b, K]
     sums = sums + carries.transpose(0, 1).unsqueeze(2) * continues
     return sums.view(b, n, groups).log().to(log_g.dtype)

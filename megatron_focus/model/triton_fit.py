@@ -176,16 +176,24 @@ def xsa_launches(shape: Shape, capability) -> list:
 
 
 def sinkhorn_launches(shape: Shape, capability, iters: int = 10) -> list:
+    """The Sinkhorn's launches, and a context-parallel rank's (its two chunks, documents or
+    not: it passes them as documents)."""
     b, n, groups = shape.batch, shape.tokens, shape.groups
     scores = torch.empty(b, groups, n, device="meta").transpose(1, 2)  # the router's layout
     states = torch.empty(iters + 1, b, n, groups, device="meta")
     docs = torch.zeros(b, n, device="meta", dtype=torch.int32)
-    forward, backward = triton_sinkhorn.launches(
-        scores, iters, docs if shape.documents else scores, shape.documents, states, states,
-        states[0], scores, capability,
-    )  # fmt: skip
-    # one binary each way: the launches differ only in the iteration, which is not specialized
-    return [("sinkhorn forward", forward[0]), ("sinkhorn backward", backward[0])]
+    ends = torch.zeros(b, device="meta", dtype=torch.int32)
+    launches = []
+    for suffix, chunks in (("", None), (" (chunk)", triton_sinkhorn.Chunks(ends, ends, None))):
+        has_docs = shape.documents or chunks is not None
+        forward, backward, _ = triton_sinkhorn.launches(
+            scores, iters, docs if has_docs else scores, has_docs, states, states, states[0],
+            scores, capability, chunks,
+        )  # fmt: skip
+        # one binary each way: the launches differ only in the iteration, not specialized
+        launches += [("sinkhorn forward" + suffix, forward[0])]
+        launches += [("sinkhorn backward" + suffix, backward[0])]
+    return launches
 
 
 def all_launches(shape: Shape, arch: str) -> list:

@@ -28,10 +28,14 @@ As the other kernels, compiled for a GPU, or run by Triton's interpreter on CPU 
 TRITON_INTERPRET=1.
 """
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
+from megatron_focus import context_parallel
+from megatron_focus.context_parallel import _in_order
 from megatron_focus.model import triton_launch
 from megatron_focus.model.triton_launch import Launch
 
@@ -53,9 +57,10 @@ def _log_softmax(x, ok):
 
 
 @triton.jit
-def _block(DOCS, b, start, n, groups, BT: tl.constexpr, KP: tl.constexpr, HAS_DOCS: tl.constexpr):
-    """A block's positions, tile offsets [BT, KP], mask, each token's document start and
-    position in its document (1-based)."""
+def _block(DOCS, b, start, n, groups, at, BT: tl.constexpr, KP: tl.constexpr,
+           HAS_DOCS: tl.constexpr):  # fmt: skip
+    """A block's rows, tile offsets [BT, KP], mask, each token's document start (a position in
+    the sequence, whose row 0 is at position `at`) and position in its document (1-based)."""
     pos = start + tl.arange(0, BT)
     k = tl.arange(0, KP)
     offsets = (b * n + pos[:, None]) * groups + k[None, :]
@@ -64,7 +69,7 @@ def _block(DOCS, b, start, n, groups, BT: tl.constexpr, KP: tl.constexpr, HAS_DO
         first = tl.load(DOCS + b * n + pos, mask=pos < n, other=0)
     else:
         first = tl.zeros((BT,), tl.int32)
-    return pos, offsets, ok, first, (pos - first + 1).to(tl.float32)
+    return pos, offsets, ok, first, (at + pos - first + 1).to(tl.float32)
 
 
 @triton.jit
@@ -95,30 +100,38 @@ def _prefix_masses(log_g, ok, restarts, continues, carry):
 
 @triton.jit(do_not_specialize=["t"])
 def _forward(
-    S, DOCS, FIRST_SPAN, LOG_G, LOG_P, TOTALS,
+    S, DOCS, FIRST_SPAN, LOG_G, LOG_P, TOTALS, AT, CARRIES,
     n, batch, groups, iters, s_b, s_n, span, spans, t,
     BT: tl.constexpr, KP: tl.constexpr, CB: tl.constexpr, HAS_DOCS: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):  # fmt: skip
     """Launch t of a span: iteration t - 1 finished (its prefix masses, with the totals of the
     spans before it: LOG_P[t - 1], LOG_G[t]; at t = 0 LOG_G[0] from the scores), iteration t's
     masses scanned and the span's total stored (TOTALS [iters, b, spans, KP]: its masses since
-    its last document start)."""
+    its last document start). CHUNKS: the sequences are context-parallel chunks, row 0 at
+    position AT[b], and CARRIES [iters, b, KP] the masses of the chunks before (FIRST_SPAN < 0:
+    the document began before the chunk)."""
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)  # offsets in 64 bits: iters x b x n x K can pass 2^31
     plane = tl.cast(batch, tl.int64) * n * groups
     begin = p * span
     end = tl.minimum(begin + span, n)
+    at = tl.load(AT + b) if CHUNKS else 0
     carry = tl.zeros((KP,), tl.float64)  # iteration t - 1's masses before the block
     if t > 0:
         first_span = 0
         if HAS_DOCS:
             first_span = tl.load(FIRST_SPAN + b * spans + p)
-        carry = _spans_sum(TOTALS + ((t - 1) * batch + b) * spans * KP, first_span, p, KP, CB)
+        carry = _spans_sum(
+            TOTALS + ((t - 1) * batch + b) * spans * KP, tl.maximum(first_span, 0), p, KP, CB
+        )
+        if CHUNKS and first_span < 0:
+            carry += tl.load(CARRIES + ((t - 1) * batch + b) * KP + tl.arange(0, KP))
     total = tl.zeros((KP,), tl.float64)  # iteration t's masses in the span before the block
     for start in range(begin, end, BT):
-        pos, offsets, ok, first, length = _block(DOCS, b, start, n, groups, BT, KP, HAS_DOCS)
-        restarts = (pos == first)[:, None] & ok  # a document starts at the token
-        continues = (first < start)[:, None]  # the token's document began before the block
+        pos, offsets, ok, first, length = _block(DOCS, b, start, n, groups, at, BT, KP, HAS_DOCS)
+        restarts = (at + pos == first)[:, None] & ok  # a document starts at the token
+        continues = (first < at + start)[:, None]  # its document began before the block
         last = tl.minimum(start + BT, n) - 1 - start  # the block's last valid row
         if t == 0:
             scores_at = S + b * s_b + pos[:, None] * s_n + tl.arange(0, KP)[None, :]
@@ -154,40 +167,53 @@ def _suffix(LOG_G, LOG_P, plane, t, grad, offsets, ok, ends, continues, carry):
 
 @triton.jit(do_not_specialize=["t"])
 def _backward(
-    DOCS, LAST_SPAN, LOG_G, LOG_P, GRAD, D_S, HEADS,
+    DOCS, LAST_SPAN, LOG_G, LOG_P, D_OUT, GRAD, D_S, HEADS, AT, CARRIES, NEXT,
     n, batch, groups, iters, s_b, s_n, span, spans, t,
     BT: tl.constexpr, KP: tl.constexpr, CB: tl.constexpr, HAS_DOCS: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):  # fmt: skip
-    """Launch t of a span, backwards: iteration t's gradient finished from GRAD (the gradient of
-    its result, replaced by that of its input) with the heads of the spans after it; then
+    """Launch t of a span, backwards: iteration t's gradient finished from the gradient of its
+    result (D_OUT's, or GRAD's, where the launch before left it) with the heads of the spans
+    after it, and stored in GRAD; then
     iteration t - 1's suffix sums scanned and the span's head stored (HEADS [iters, b, spans,
-    KP]: its sums up to its first document end); at t = 0 the scores' gradient."""
+    KP]: its sums up to its first document end); at t = 0 the scores' gradient. CHUNKS: as the
+    forward's, CARRIES the sums of the chunks after (LAST_SPAN >= spans: the document goes on
+    past the chunk), NEXT[b] the document start of the token after the chunk (-1: none)."""
     p = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     plane = tl.cast(batch, tl.int64) * n * groups
     begin = p * span
     end = tl.minimum(begin + span, n)
+    at = tl.load(AT + b) if CHUNKS else 0
+    next_doc = tl.load(NEXT + b) if CHUNKS else -1
     carry = tl.zeros((KP,), tl.float64)  # iteration t's sums after the block
     if t < iters:
         last_span = spans - 1
         if HAS_DOCS:
             last_span = tl.load(LAST_SPAN + b * spans + p)
         heads = HEADS + (t * batch + b) * spans * KP
-        carry = _spans_sum(heads, p + 1, last_span + 1, KP, CB)
+        carry = _spans_sum(heads, p + 1, tl.minimum(last_span, spans - 1) + 1, KP, CB)
+        if CHUNKS and last_span >= spans:
+            carry += tl.load(CARRIES + (t * batch + b) * KP + tl.arange(0, KP))
     head = tl.zeros((KP,), tl.float64)  # iteration t - 1's sums in the span after the block
     blocks = tl.cdiv(end - begin, BT)
     for reverse in range(0, blocks):
         start = begin + (blocks - 1 - reverse) * BT
-        pos, offsets, ok, first, length = _block(DOCS, b, start, n, groups, BT, KP, HAS_DOCS)
+        pos, offsets, ok, first, length = _block(DOCS, b, start, n, groups, at, BT, KP, HAS_DOCS)
         if HAS_DOCS:  # the token's document goes on past the block; a document ends at it
             after = tl.load(DOCS + b * n + tl.minimum(start + BT, n - 1))
-            continues = ((first == after) & (start + BT < n))[:, None]
+            after = tl.where(start + BT < n, after, next_doc)
+            continues = (first == after)[:, None]
             next_first = tl.load(DOCS + b * n + pos + 1, mask=pos + 1 < n, other=-1)
-            ends = ((next_first != first) | (pos + 1 >= n))[:, None] & ok
+            next_first = tl.where(pos + 1 < n, next_first, next_doc)
+            ends = (next_first != first)[:, None] & ok
         else:
             continues = tl.full((BT, 1), 1, tl.int1) & (start + BT < n)
             ends = ((pos + 1 >= n)[:, None]) & ok
-        grad = tl.load(GRAD + offsets, mask=ok, other=0.0)
+        if t + 1 >= iters:  # the gradient of the result
+            grad = tl.load(D_OUT + offsets, mask=ok, other=0.0)
+        else:
+            grad = tl.load(GRAD + offsets, mask=ok, other=0.0)
         if t < iters:
             grad_inner, suffix = _suffix(
                 LOG_G, LOG_P, plane, t, grad, offsets, ok, ends, continues, carry
@@ -211,22 +237,72 @@ def _backward(
         tl.store(HEADS + (((t - 1) * batch + b) * spans + p) * KP + k, head)
 
 
-def _span_ends(doc_start, span: int, spans: int):
-    """Per sequence and span, the span holding the document start of the token before it
-    (the forward's first span to add) and the span holding the document end of the token after
-    it (the backward's last), int32 [b, spans] each."""
+def _span_ends(doc_start, span: int, spans: int, chunks=None):
+    """Per sequence and span (int32 [b, spans] each): the span holding the document start of
+    the token before it, the forward's first span to add (negative: the document began before
+    the chunk), and the span holding the document end of the token after it, the backward's last
+    (`spans`: the document goes on past the chunk)."""
     n = doc_start.shape[1]
     begins = torch.arange(spans, device=doc_start.device) * span
     before = doc_start[:, (begins - 1).clamp_min(0)]
     following = doc_start[:, (begins + span).clamp_max(n - 1)]
-    doc_end = torch.searchsorted(doc_start.contiguous(), following.contiguous(), right=True) - 1
-    return (before // span).to(torch.int32), (doc_end // span).to(torch.int32)
+    doc_end = torch.searchsorted(doc_start, following.contiguous(), right=True) - 1
+    last_span = doc_end // span
+    if chunks is not None:
+        before = before - chunks.at[:, None]
+        past = (doc_end == n - 1) & (following == chunks.next_doc[:, None])
+        last_span = torch.where(past, spans, last_span)
+    first_span = torch.div(before, span, rounding_mode="floor")
+    return first_span.to(torch.int32), last_span.to(torch.int32)
 
 
-def launches(scores, iters: int, docs, has_docs: bool, log_g, log_p, grad, d_scores, capability):
+@dataclasses.dataclass(frozen=True)
+class Chunks:
+    """A context-parallel rank's two chunks of each sequence, run as sequences of their own (row
+    2 b + j: sequence b's chunk j): the position each begins at, the document start of the token
+    after each (-1: none), and the group the carries between chunks cross."""
+
+    at: torch.Tensor
+    next_doc: torch.Tensor
+    group: object
+
+    @staticmethod
+    def of(doc_start: torch.Tensor, positions: torch.Tensor, group) -> "Chunks":
+        """From the rank's rows' document starts [b, 2c] and positions [2c] (context_parallel)."""
+        b, length = doc_start.shape
+        chunk = length // 2
+        firsts = _in_order(context_parallel._all_gather(doc_start[:, ::chunk].t(), group))
+        size = len(firsts) // 2
+        none = torch.full_like(firsts[0], -1)
+        mine = context_parallel.chunk_ids(torch.distributed.get_rank(group), size)
+        next_doc = torch.stack([firsts[c + 1] if c + 1 < 2 * size else none for c in mine], 1)
+        at = positions[::chunk].to(torch.int32).repeat(b)
+        return Chunks(at, next_doc.reshape(-1).to(torch.int32), group)
+
+    def carried(self, sums: torch.Tensor, docs: torch.Tensor, span: int, reverse: bool):
+        """What flows into each chunk from the others at one iteration, from its spans' sums
+        [2b, spans, KP]: forward, the masses since the last document start of each chunk before
+        it; reverse, the gradients' sums up to the first document end of each chunk after it."""
+        index = torch.arange(sums.shape[1], device=sums.device)
+        if reverse:
+            end = torch.searchsorted(docs, docs[:, :1].contiguous(), right=True)[:, 0] - 1
+            own, through = index <= end[:, None] // span, docs[:, 0] == self.next_doc
+        else:
+            last = docs[:, -1] - self.at
+            own = index >= torch.div(last, span, rounding_mode="floor").clamp_min(0)[:, None]
+            through = last < 0
+        pair = lambda x: x.view(-1, 2, *x.shape[1:]).transpose(0, 1)  # noqa: E731
+        own_sums = (sums * own[..., None]).sum(1)
+        flow = context_parallel.chunk_carries(pair(own_sums), pair(through), self.group, reverse)
+        return flow.transpose(0, 1).reshape(own_sums.shape)
+
+
+def launches(scores, iters: int, docs, has_docs: bool, log_g, log_p, d_out, d_scores,
+             capability, chunks=None):  # fmt: skip
     """The forward's launches and the backward's, one per iteration and one more each (the fit
-    test compiles the first of each; `grad` the gradient of the result, replaced in place as
-    the backward goes, `d_scores` that of the scores)."""
+    test compiles the first of each; `d_out` the gradient of the result, `d_scores` that of the
+    scores), and the buffers the launches share:
+    each span's sums per iteration, and under context parallelism each chunk's carries."""
     b, n, groups = scores.shape
     tile = triton_launch.sinkhorn_tile(capability)
     span = triton_launch.sinkhorn_span(capability, b, n)
@@ -234,8 +310,15 @@ def launches(scores, iters: int, docs, has_docs: bool, log_g, log_p, grad, d_sco
     kp = max(2, triton.next_power_of_2(groups))
     # per iteration, each span's total (forward) and head (backward)
     sums = torch.empty(max(iters, 1), b, spans, kp, device=scores.device, dtype=torch.float64)
-    first_span, last_span = _span_ends(docs, span, spans) if has_docs else (sums, sums)
-    constants = dict(BT=tile.rows, KP=kp, CB=16, HAS_DOCS=has_docs)
+    grad = sums  # the backward's: each iteration's gradient, as it goes
+    if d_out is not None:
+        grad = torch.empty(log_g.shape[1:], device=log_g.device)
+    carries = sums  # unread without chunks
+    if chunks is not None:
+        carries = torch.zeros(max(iters, 1), b, kp, device=scores.device, dtype=torch.float64)
+    first_span, last_span = _span_ends(docs, span, spans, chunks) if has_docs else (sums, sums)
+    at, next_doc = (chunks.at, chunks.next_doc) if chunks is not None else (sums, sums)
+    constants = dict(BT=tile.rows, KP=kp, CB=16, HAS_DOCS=has_docs, CHUNKS=chunks is not None)
     options = dict(num_warps=tile.warps, num_stages=tile.stages)
     sizes = (n, b, groups, iters, scores.stride(0), scores.stride(1), span, spans)
 
@@ -243,26 +326,51 @@ def launches(scores, iters: int, docs, has_docs: bool, log_g, log_p, grad, d_sco
         return Launch(kernel, (spans, b), (*tensors, *sizes, t), constants, options)
 
     forward = [
-        launch(_forward, scores, docs, first_span, log_g, log_p, sums, t=t)
+        launch(_forward, scores, docs, first_span, log_g, log_p, sums, at, carries, t=t)
         for t in range(iters + 1)
     ]
     backward = [
-        launch(_backward, docs, last_span, log_g, log_p, grad, d_scores, sums, t=t)
+        launch(
+            _backward,
+            docs,
+            last_span,
+            log_g,
+            log_p,
+            d_out,
+            grad,
+            d_scores,
+            sums,
+            at,
+            carries,
+            next_doc,
+            t=t,
+        )  # fmt: skip
         for t in range(iters, -1, -1)
     ]
-    return forward, backward
+    return forward, backward, (sums, carries, span)
 
 
 class TritonCausalSinkhorn(torch.autograd.Function):
     """Log-assignments [b, n, K] (float32) from scores [b, n, K] (any strides over b and n, as
     the router's transposed ones: their gradient is written in the same layout, so nothing is
-    copied either way); `doc_start` [b, n] or None."""
+    copied either way); `doc_start` [b, n] or None; `context` as sinkhorn.causal_sinkhorn's
+    (the rows a context-parallel rank's two chunks: each runs as a sequence, with what flows
+    from the other chunks exchanged between launches)."""
 
     @staticmethod
-    def forward(ctx, scores, iters, doc_start):
+    def forward(ctx, scores, iters, doc_start, context):
+        shape = scores.shape
         scores = scores.float()
-        if scores.stride(-1) != 1:
+        if scores.stride(-1) != 1 or context is not None:
             scores = scores.contiguous()
+        chunks = None
+        if context is not None:
+            positions, group = context
+            if doc_start is None:  # one document: the sequence's
+                doc_start = torch.zeros(shape[:2], dtype=torch.int32, device=scores.device)
+            chunks = Chunks.of(doc_start.to(torch.int32), positions, group)
+            scores = scores.view(2 * shape[0], shape[1] // 2, shape[2])
+            doc_start = doc_start.reshape(2 * shape[0], shape[1] // 2)
         b, n, groups = scores.shape
         docs = doc_start.to(torch.int32).contiguous() if doc_start is not None else scores
         log_g = scores.new_empty(iters + 1, b, n, groups)
@@ -272,30 +380,37 @@ class TritonCausalSinkhorn(torch.autograd.Function):
             docs=docs,
             has_docs=doc_start is not None,
             capability=triton_launch.capability_of(scores),
+            chunks=chunks,
         )
-        forward, _ = launches(
-            scores, **ctx.launch, log_g=log_g, log_p=log_p, grad=None, d_scores=None
+        forward, _, (sums, carries, span) = launches(
+            scores, **ctx.launch, log_g=log_g, log_p=log_p, d_out=None, d_scores=None
         )
-        for step in forward:
+        for t, step in enumerate(forward):
             step()
+            if chunks is not None and t < iters:
+                carries[t] = chunks.carried(sums[t], docs, span, reverse=False)
         ctx.save_for_backward(log_g, log_p)
-        ctx.layout = scores.stride()
-        return log_g[iters]
+        ctx.layout, ctx.shape = scores.stride(), shape
+        return log_g[iters].view(shape)
 
     @staticmethod
     def backward(ctx, grad):
         log_g, log_p = ctx.saved_tensors
         # the scores' gradient in their layout, which sizes the launch as the scores did
         d_scores = torch.empty_strided(log_g.shape[1:], ctx.layout, device=grad.device)
-        running = torch.empty(log_g.shape[1:], device=grad.device)  # replaced as it goes
-        running.copy_(grad)
-        _, backward = launches(
-            d_scores, **ctx.launch, log_g=log_g, log_p=log_p, grad=running, d_scores=d_scores
+        d_out = grad.float().reshape(log_g.shape[1:]).contiguous()
+        _, backward, (sums, carries, span) = launches(
+            d_scores, **ctx.launch, log_g=log_g, log_p=log_p, d_out=d_out, d_scores=d_scores
         )
-        for step in backward:
+        chunks, iters = ctx.launch["chunks"], ctx.launch["iters"]
+        for t, step in zip(range(iters, -1, -1), backward):
             step()
-        return d_scores, None, None
+            if chunks is not None and t > 0:
+                carries[t - 1] = chunks.carried(sums[t - 1], ctx.launch["docs"], span, True)
+        return d_scores.view(ctx.shape), None, None, None
 
 
-def triton_causal_sinkhorn(scores: torch.Tensor, iters: int, doc_start=None) -> torch.Tensor:
-    return TritonCausalSinkhorn.apply(scores, iters, doc_start)
+def triton_causal_sinkhorn(
+    scores: torch.Tensor, iters: int, doc_start=None, context=None
+) -> torch.Tensor:
+    return TritonCausalSinkhorn.apply(scores, iters, doc_start, context)

@@ -55,6 +55,7 @@ def test_every_launch_fits_each_architecture(tmp_path, arch):
         "gate forward", "gate delta", "gate keys", "gate queries",
         "gate forward (chunk)", "gate keys (chunk)", "gate queries (chunk)",
         "xsa forward", "xsa backward", "sinkhorn forward", "sinkhorn backward",
+        "sinkhorn forward (chunk)", "sinkhorn backward (chunk)",
     }  # fmt: skip
     assert len({r["shape"] for r in rows if r["kernel"] == "gate keys"}) == 12
     assert_all_fit(rows)
