@@ -11,7 +11,8 @@ folder is also Megatron-Core's distributed checkpoint of the model (`torch_dist.
 `DIR/latest_checkpointed_iteration.txt`, Megatron-LM's pointer, names its iteration.
 Markers: `weights_only` (an imported model: no optimizer, no run state), `no_optimizer`
 (`--no-save-optim`), `base_checkpoint.json` (a retrofit's trained-only checkpoint: where its
-frozen weights are).
+frozen weights are). `DIR/job.lock` names the job saving into the folder (`lock.py`): not a
+checkpoint, and not what an interrupted run left.
 """
 
 import argparse
@@ -80,6 +81,8 @@ WEIGHTS_ONLY = "weights_only"
 NO_OPTIMIZER = "no_optimizer"
 # In a retrofit's trained-only checkpoint: {"load": DIR, "tag": TAG} of the frozen weights.
 BASE_FILE = "base_checkpoint.json"
+# In the --save folder while a job saves there: the job's host, pid and start time (`lock.py`).
+LOCK = "job.lock"
 
 
 TAG = re.compile(r"iter_\d{7}")

@@ -1,9 +1,10 @@
 """Saving and resuming a run through DeepSpeed's engine: checkpoints that are either complete or
 invisible, and that refuse a model of another shape, in DeepSpeed's format or Megatron-LM's.
 
-The trainer goes through one object, `Checkpointer`: `prepare` (the `--save` folder's preflight
-and the resume plan, before the data), `check` (this run's records, and everything loading would
-refuse, before any compute), `prepare_engine`, `load` and `save`.
+The trainer goes through one object, `Checkpointer`: `prepare` (the `--save` folder's preflight,
+which holds the folder for this job alone until `release` (`checkpoint/lock.py`), and the resume
+plan, before the data), `check` (this run's records, and everything loading would refuse, before
+any compute), `prepare_engine`, `load`, `save` and `release`.
 
 What a checkpoint folder holds is `checkpoint/format.py`; beside it, DeepSpeed's client state
 carries the iteration, consumed samples and every RNG state. A checkpoint written at another
@@ -58,6 +59,7 @@ from megatron_focus.checkpoint.format import (
     write_layout,
     write_model_args,
 )
+from megatron_focus.checkpoint.lock import FolderInUse, FolderLock
 from megatron_focus.checkpoint.saved import SavedCheckpoint
 from megatron_focus.data.sources import tokenizer_choice
 from megatron_focus.model.flops import flops_per_token
@@ -127,12 +129,27 @@ class Checkpointer:
     def __init__(self, args: argparse.Namespace, plan: ResumePlan):
         self.args, self.plan = args, plan
         self.records: Optional[Records] = None
+        self.lock: Optional[FolderLock] = None
 
     @classmethod
     def prepare(cls, args: argparse.Namespace) -> "Checkpointer":
-        """Before the data is built: the `--save` folder's preflight, then the resume plan."""
-        _preflight(args)
-        return cls(args, resume.plan(args))
+        """Before the data is built: the `--save` folder's preflight (which holds it for this
+        job until `release`), then the resume plan."""
+        lock = _preflight(args)
+        try:
+            checkpointer = cls(args, resume.plan(args))
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+        checkpointer.lock = lock
+        return checkpointer
+
+    def release(self) -> None:
+        """The `--save` folder free for the next job (rank 0, which holds it)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def check(self, vocab_size: int) -> None:
         """Once the tokenizer's vocabulary is known: this run's records, and, before any
@@ -389,20 +406,44 @@ def _remove_debris(folder: str) -> None:
         print(f"removed what an interrupted run left in {folder}: {', '.join(debris)}", flush=True)
 
 
-def _preflight(args: argparse.Namespace) -> None:
+def _hold(folder: str) -> Optional[FolderLock]:
+    """Collective: rank 0 takes `folder`'s lock, one per job (None on the other ranks); if
+    another job holds it, every rank raises, naming that job."""
+    lock, refusal = None, [None]
+    if dist.get_rank() == 0:
+        try:
+            lock = FolderLock.take(folder)
+        except FolderInUse as e:
+            refusal = [str(e)]
+    dist.broadcast_object_list(refusal, src=0)
+    if refusal[0]:
+        raise FolderInUse(refusal[0])
+    return lock
+
+
+def _preflight(args: argparse.Namespace) -> Optional[FolderLock]:
     """What would fail at the first save, refused before any compute: a signal handler with
-    nowhere to save, a `--save` that cannot be written, a folder of complete checkpoints whose
-    `latest` is gone (which would otherwise start from scratch and overwrite them)."""
+    nowhere to save, a `--save` that cannot be written or that another job saves into, a folder
+    of complete checkpoints whose `latest` is gone (which would otherwise start from scratch and
+    overwrite them). Returns the `--save` folder's lock (rank 0's; None elsewhere)."""
     if args.exit_signal_handler and not args.save:
         raise ValueError(
             "--exit-signal-handler saves a checkpoint when a signal stops the run: give --save "
             "(without one, the stopped run would look finished)"
         )
-    if args.save:
-        _check_writable("--save", args.save)
-        if os.path.isdir(args.save) and dist.get_rank() == 0:
+    if not args.save:
+        return None
+    _check_writable("--save", args.save)
+    lock = _hold(args.save)  # before the debris: a live job's save in progress is not debris
+    try:
+        if lock is not None:
             _remove_debris(args.save)
         resume.refuse_lost_latest(args.save, args.ckpt_step)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return lock
 
 
 def _checked_file(

@@ -53,9 +53,17 @@ def pretrain(args: argparse.Namespace) -> dict:
     )
     platform.manual_seed(args.seed)
     rank0 = dist.get_rank() == 0
-    # the --save folder, and what the run starts from, decided once before the data is built
+    # the --save folder, held for this job, and what the run starts from, decided once before
+    # the data is built
     checkpointer = Checkpointer.prepare(args)
+    try:
+        return _train(args, checkpointer, rank0, started)
+    finally:
+        checkpointer.release()  # the folder free for the next job, however this one ends
 
+
+def _train(args: argparse.Namespace, checkpointer: Checkpointer, rank0: bool, started: float):
+    """`pretrain` once the run's checkpoints are prepared."""
     # Data first: a wrong path or a tokenizer that does not fit the data fails before any compute.
     tokenizer = tokenizer_for(args, rank0)
     checkpointer.check(tokenizer.vocab_size)  # a checkpoint the plan cannot use
