@@ -50,13 +50,15 @@ def memory_now() -> dict:
 @dataclasses.dataclass(frozen=True)
 class LogStep:
     """What one log line reports, read from the device in one go. `batch_size`: the last step's
-    global batch; `loss`: the mean over every iteration since the previous line;
-    `seconds_per_iter`: their training time alone; `samples_per_iter`: their mean batch."""
+    global batch; `loss`: as Megatron-LM's, the mean over the iterations since the previous line
+    whose step was applied (None if every one was skipped), `skipped` and `nan_iters` counting
+    the others; `seconds_per_iter`: their training time alone; `samples_per_iter`: their mean
+    batch."""
 
     iteration: int
     consumed_samples: int
     batch_size: int
-    loss: float
+    loss: Optional[float]
     lr: float
     seconds_per_iter: float
     samples_per_iter: float
@@ -124,8 +126,8 @@ class Reporter:
             f"{args.train_iters:8d} | consumed samples: {step.consumed_samples:12d}"
             f" | elapsed time per iteration (ms): {step.seconds_per_iter * 1000:.1f}{throughput}"
             f" | learning rate: {step.lr:.6E} | global batch size: {step.batch_size:5d}"
-            f" | lm loss: {step.loss:.6E}"
-            f" | grad norm: {step.grad_norm if step.grad_norm is not None else float('nan'):.3f}"
+            + (f" | lm loss: {step.loss:.6E}" if step.loss is not None else "")
+            + f" | grad norm: {step.grad_norm if step.grad_norm is not None else float('nan'):.3f}"
             + (f" | num zeros: {step.num_zeros:.1f}" if step.num_zeros is not None else "")
             + (f" | params norm: {step.params_norm:.3f}" if step.params_norm is not None else "")
             + f" | number of skipped iterations: {step.skipped:3d}"

@@ -222,13 +222,18 @@ class _Progress:
     else that step reports, in one host read: one synchronisation per log. The log interval's
     time leaves evaluation and checkpoint saves out, as Megatron-LM's interval timer does: the
     per-iteration time, tokens/s and ETA measure training alone.
+
+    As Megatron-LM's `training_log`, the logged loss is the mean over the interval's advanced
+    iterations (those whose step was applied): a skipped step's loss (non-finite, or fp16's
+    overflow) is left out and counted apart, with the non-finite ones, for the interval alone.
     """
 
     def __init__(self, iteration: int, consumed: int, skipped: int, max_skipped: int, rank0: bool):
         self.history = {"losses": [], "validation": [], "lr": []}
         self.pending = []  # (iteration, loss tensor, whether DeepSpeed skipped the step)
         self.skipped = skipped  # DeepSpeed's count before the next step
-        self.non_finite = 0
+        # the log interval's: summed loss and count of advanced iterations; skipped; non-finite
+        self.interval = {"loss": 0.0, "advanced": 0, "skipped": 0, "nan": 0}
         self.max_skipped, self.in_a_row = max_skipped, 0
         self.rank0 = rank0
         self.first, self.started = iteration, time.time()  # the log interval
@@ -264,8 +269,8 @@ class _Progress:
                 **hooks.statistics(engine.module),
             }
         )
-        # the whole interval's losses: a checkpoint save in it has read some of them
-        losses = self.history["losses"][self.first - iteration :]
+        # the whole interval's: a checkpoint save in it has read some of its losses
+        interval = self.interval
         grad_norm, loss_scale = values.pop("grad norm"), values.pop("loss scale")
         norm, num_zeros = values.pop("params norm", None), values.pop("num zeros", None)
         if num_zeros is not None:
@@ -275,12 +280,12 @@ class _Progress:
             iteration,
             consumed,
             batch_size,
-            sum(losses) / len(losses),
+            interval["loss"] / interval["advanced"] if interval["advanced"] else None,
             self.history["lr"][-1],
             (time.time() - self.started) / (iteration - self.first),
             (consumed - self.first_consumed) / (iteration - self.first),
-            engine.skipped_steps,
-            self.non_finite,
+            interval["skipped"],
+            interval["nan"],
             None if math.isnan(grad_norm) else grad_norm,
             loss_scale,
             norm,
@@ -289,6 +294,7 @@ class _Progress:
             hooks.summary(values),
         )
         self.first, self.started, self.first_consumed = iteration, time.time(), consumed
+        self.interval = {"loss": 0.0, "advanced": 0, "skipped": 0, "nan": 0}
         return step
 
     def read(self, extra: Optional[dict] = None) -> dict:
@@ -305,6 +311,11 @@ class _Progress:
         )
         losses = values[: len(self.pending)]
         for (iteration, _, skipped), loss in zip(self.pending, losses):
+            if not skipped:
+                self.interval["loss"] += loss
+                self.interval["advanced"] += 1
+            else:
+                self.interval["skipped"] += 1
             if math.isfinite(loss):
                 self.in_a_row = 0
                 continue
@@ -314,7 +325,7 @@ class _Progress:
                     "(ZeRO stage 0 in fp32 does not check gradients for overflow): use "
                     "--zero-stage 1 or higher, or --bf16 / --fp16"
                 )
-            self.non_finite += 1
+            self.interval["nan"] += 1
             self.in_a_row += 1
             if self.rank0:
                 print(

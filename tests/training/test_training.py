@@ -4,6 +4,7 @@ import glob
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -214,6 +215,62 @@ def test_log_line_covers_its_whole_interval_and_leaves_out_saves(embedded_cache,
     # both intervals hold a 1000-second save (at 3 and 6): counted, it adds 250 s per iteration
     times = [e.value for e in events.Scalars("iteration-time")]
     assert max(times) < 100, times
+
+
+def _non_finite_at(argv, iterations):
+    """pretrain(argv) with the loss of each of `iterations` NaN: DeepSpeed skips those steps
+    (under ZeRO, a non-finite gradient norm)."""
+    from megatron_focus.training import trainer
+
+    lm_loss, steps = trainer.lm_loss, {"micro-batches": 0}
+
+    def poisoned(engine, batch, tokens=None):
+        loss = lm_loss(engine, batch, tokens)
+        if not engine.training:
+            return loss
+        steps["micro-batches"] += 1
+        iteration = (steps["micro-batches"] - 1) // engine.gradient_accumulation_steps() + 1
+        return loss * float("nan") if iteration in iterations else loss
+
+    trainer.lm_loss = poisoned
+    return run_pretrain(argv)
+
+
+def test_a_skipped_step_is_left_out_of_the_logged_loss(embedded_cache, tmp_path, capfd):
+    """As Megatron-LM's `training_log`: the logged loss (console and TensorBoard) averages the
+    interval's advanced iterations only; its skipped and non-finite ones are counted for the
+    interval alone, and an interval of skipped steps logs no loss."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = str(tmp_path / "tb")
+    flags = ["--log-interval", "2", "--zero-stage", "1", "--tensorboard-dir", tb]
+    losses = run_distributed(
+        _non_finite_at, 1, tiny_argv(embedded_cache, *flags, iters=6), {2, 3, 4}
+    )["losses"]
+    assert [math.isfinite(loss) for loss in losses] == [True, False, False, False, True, True]
+    logged = [
+        (
+            int(re.search(r"iteration +(\d+)/", line)[1]),
+            float(re.search(r"lm loss: (\S+)", line)[1]) if "lm loss: " in line else None,
+            re.search(
+                r"skipped iterations: +(\d+) \| number of nan iterations: +(\d+)", line
+            ).groups(),
+        )
+        for line in capfd.readouterr().out.splitlines()
+        if re.search(r"iteration +\d+/", line)
+    ]
+    mean = sum(losses[4:]) / 2
+    assert logged == [
+        (2, pytest.approx(losses[0], rel=1e-5), ("1", "1")),
+        (4, None, ("2", "2")),
+        (6, pytest.approx(mean, rel=1e-5), ("0", "0")),
+    ], logged
+    events = EventAccumulator(tb)
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("lm loss")] == [
+        (2, pytest.approx(losses[0], rel=1e-6)),
+        (6, pytest.approx(mean, rel=1e-6)),
+    ]
 
 
 def _host_reads(argv):
