@@ -30,7 +30,9 @@ CASES = [  # (b, heads, kv heads, n, d, K, window, sink, document lengths or Non
     (2, 3, 1, 33, 16, 1, 4, 0, None),  # 3 query heads on one kv head (stacked as 4); K = 1
     (1, 2, 2, 12, 16, 4, 3, 1, None),  # one query block
     (1, 4, 2, 70, 16, 4, 6, 2, [9, 1, 30, 17, 13]),  # many documents, one of one token
-    (1, 2, 1, 64, 16, 4, 37, 1, None),  # a window past a tile's span: tiles inside skip the gate
+    (1, 2, 1, 64, 16, 4, 37, 1, None),  # a window past a tile's span: tiles wholly inside it
+    (1, 2, 1, 80, 16, 4, 31, 0, None),  # windows whose edge meets a tile's corner (one distant
+    (1, 2, 2, 80, 16, 4, 48, 0, None),  # pair in the tile), in the keys and the queries passes
 ]
 
 
