@@ -239,9 +239,10 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--distributed-timeout-minutes",
-        type=int,
+        type=float,
         default=10,
-        help="how long a collective waits for the other ranks before failing",
+        help="how long a collective waits for the other ranks before failing: a rank that "
+        "stalls or dies then ends the job, naming the iteration (fractions allowed)",
     )
 
 
@@ -986,6 +987,7 @@ WITHIN = {
     "rotary_percent": (lambda v: 0 < v <= 1, "above 0 and at most 1"),
     "rope_scaling_factor": (lambda v: v >= 1, "at least 1"),
     "exit_duration_in_mins": (lambda v: v > 0, "above 0"),
+    "distributed_timeout_minutes": (lambda v: v > 0, "above 0"),
     "hidden_dropout": (lambda v: v < 1, "below 1"),
     "attention_dropout": (lambda v: v < 1, "below 1"),
 }

@@ -257,12 +257,13 @@ def manual_seed(seed: int) -> None:
 
 def init_distributed(
     tensor_model_parallel_size: int = 1,
-    timeout_minutes: int = 10,
+    timeout_minutes: float = 10,
     backend: Optional[str] = None,
     context_parallel_size: int = 1,
 ) -> Platform:
     """Start torch.distributed (one process needs no launcher) and Megatron's parallel groups,
-    in Megatron's rank order (TP, CP, DP)."""
+    in Megatron's rank order (TP, CP, DP), every group's collectives waiting at most
+    `timeout_minutes` for the other ranks (Megatron's --distributed-timeout-minutes)."""
     import datetime
 
     platform = setup()
@@ -288,6 +289,8 @@ def init_distributed(
             tensor_model_parallel_size=tensor_model_parallel_size,
             context_parallel_size=context_parallel_size,
             create_gloo_process_groups=False,
+            # Megatron's groups wait 30 minutes by default, whatever the world's timeout
+            distributed_timeout_minutes=timeout_minutes,
         )
     return platform
 

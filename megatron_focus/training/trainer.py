@@ -6,9 +6,12 @@ laptop (one process, CPU, gloo), `torchrun` and the DeepSpeed launcher across no
 
 import argparse
 import contextlib
+import datetime
 import functools
 import gc
 import math
+import os
+import re
 import signal
 import time
 from typing import Iterator, Optional
@@ -19,7 +22,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_focus import context_parallel, platform
+from megatron_focus import cli, context_parallel, platform
+from megatron_focus.checkpoint.format import LATEST, latest_tag
 from megatron_focus.data.loader import micro_batches, to_device
 from megatron_focus.data.sources import data_prefixes, datasets_for, tokenizer_for
 from megatron_focus.deepspeed_builds import skip_unused_builds
@@ -94,44 +98,85 @@ def _train(args: argparse.Namespace, checkpointer: Checkpointer, rank0: bool, st
         validate(iteration, consumed)
     batches = iter(data_loader(train_data, consumed, total, args))
     profiler = StepProfiler(args)
-    while iteration < args.train_iters:
-        # the batch follows the samples consumed (--rampup-batch-size), as in Megatron-LM
-        batch_size = global_batch.running(consumed)
-        _set_global_batch(engine, batch_size, args)
-        log_now = (iteration + 1) % args.log_interval == 0 or iteration + 1 == args.train_iters
-        with hooks.recording(engine.module) if log_now else contextlib.nullcontext():
-            loss, zeros = train_step(engine, batches, args, log_now and args.log_num_zeros_in_grad)
-        iteration += 1
-        consumed += batch_size
-        progress.add(iteration, loss, engine)
-        profiler.after_step(iteration)
-        if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
-            gc.collect()
-        if log_now:
-            reporter.train(
-                progress.log_step(engine, args, iteration, consumed, zeros, batch_size, hooks)
-            )
-        if valid_batches is not None and _due(args.eval_interval, iteration, args):
-            with progress.paused():
-                validate(iteration, consumed)
-        saved = args.save and _due(args.save_interval, iteration, args)
-        if saved:
-            progress.read()  # never save after a step trained on a non-finite loss
-            with progress.paused():
-                save(iteration, consumed)
-        if (args.exit_interval and iteration % args.exit_interval == 0) or stop.any_rank():
-            progress.read()
-            if args.save and not saved:
-                save(iteration, consumed)
-            if rank0:
-                print(f" exiting at iteration {iteration}", flush=True)
-            break
-
+    try:
+        while iteration < args.train_iters:
+            # the batch follows the samples consumed (--rampup-batch-size), as in Megatron-LM
+            batch_size = global_batch.running(consumed)
+            _set_global_batch(engine, batch_size, args)
+            log_now = (iteration + 1) % args.log_interval == 0 or iteration + 1 == args.train_iters
+            with hooks.recording(engine.module) if log_now else contextlib.nullcontext():
+                loss, zeros = train_step(
+                    engine, batches, args, log_now and args.log_num_zeros_in_grad
+                )
+            iteration += 1
+            consumed += batch_size
+            progress.add(iteration, loss, engine)
+            profiler.after_step(iteration)
+            if (
+                args.manual_gc
+                and args.manual_gc_interval
+                and iteration % args.manual_gc_interval == 0
+            ):
+                gc.collect()
+            if log_now:
+                reporter.train(
+                    progress.log_step(engine, args, iteration, consumed, zeros, batch_size, hooks)
+                )
+            if valid_batches is not None and _due(args.eval_interval, iteration, args):
+                with progress.paused():
+                    validate(iteration, consumed)
+            saved = args.save and _due(args.save_interval, iteration, args)
+            if saved:
+                progress.read()  # never save after a step trained on a non-finite loss
+                with progress.paused():
+                    save(iteration, consumed)
+            if (args.exit_interval and iteration % args.exit_interval == 0) or stop.any_rank():
+                progress.read()
+                if args.save and not saved:
+                    save(iteration, consumed)
+                if rank0:
+                    print(f" exiting at iteration {iteration}", flush=True)
+                break
+    except RuntimeError as e:  # gloo's: NCCL's watchdog aborts the process itself
+        if not _lost_a_rank(e):
+            raise
+        raise _StalledRank(_stalled(args, iteration, str(e))) from e
     profiler.close()
     reporter.close()
     if rank0:
         _print_where(args)
     return progress.history
+
+
+class _StalledRank(cli.Stopped):
+    """A collective that another rank never joined (stalled, or died): this rank stops, so that
+    the launcher ends the job rather than it waiting out the allocation."""
+
+
+# What gloo says when a collective's peer never answers within the process group's timeout
+# (--distributed-timeout-minutes), or is gone.
+_PEER_LOST = ("Timed out waiting", "Connection reset by peer", "Connection closed by peer")
+
+
+def _lost_a_rank(error: RuntimeError) -> bool:
+    return any(words in str(error) for words in _PEER_LOST)
+
+
+def _stalled(args: argparse.Namespace, iteration: int, error: str) -> str:
+    """The line a rank stops with when a collective lost a rank: itself, the iterations it
+    completed, what gloo said, and the checkpoint a rerun resumes from."""
+    latest = os.path.join(args.save, LATEST) if args.save else None
+    kept = (
+        f"the last complete checkpoint, {latest_tag(args.save)}, is intact"
+        if latest and os.path.isfile(latest)
+        else "no checkpoint was saved"
+    )
+    said = re.sub(r"^\[[^\]]*\] ", "", error.splitlines()[0])  # less gloo's source line
+    return (
+        f"rank {dist.get_rank()} waited for the other ranks after iteration {iteration} longer "
+        f"than --distributed-timeout-minutes {args.distributed_timeout_minutes:g}, or lost "
+        f"one ({said[:120]}): a rank stalled or died; stopping the job, {kept}"
+    )
 
 
 def _due(interval: Optional[int], iteration: int, args: argparse.Namespace) -> bool:
@@ -491,7 +536,8 @@ class _StopRequest:
         )
         # Asked every iteration: a CPU flag reduced over gloo never waits for the GPU's queue.
         if self.asked and dist.get_backend() != "gloo":
-            self.group = dist.new_group(backend="gloo")
+            timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+            self.group = dist.new_group(backend="gloo", timeout=timeout)
         else:
             self.group = None
         if args.exit_signal_handler:

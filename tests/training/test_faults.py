@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -420,3 +421,51 @@ def test_a_signal_under_torchrun_saves_where_the_ranks_agree_and_resumes_exactly
         ),
     )
     assert resumed["losses"] == uninterrupted_tp2[iteration : iteration + 2]
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_ends_the_job_by_its_timeout(embedded_cache, tmp_path):
+    """torchrun at TP 2 with --distributed-timeout-minutes 0.2 (12 s): one rank stopped
+    (SIGSTOP) mid-run. The other stops once its collective has waited that long, in one line
+    naming itself and the iteration; torchrun then ends the job; the last checkpoint is whole."""
+    from megatron_focus.checkpoint import integrity
+
+    ckpt = tmp_path / "ckpt"
+    flags = ["--tensor-model-parallel-size", "2", "--distributed-timeout-minutes", "0.2"]
+    argv = tiny_argv(
+        embedded_cache, *flags, "--save", str(ckpt), "--save-interval", "2", iters=10_000
+    )
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    proc = subprocess.Popen(
+        [*torchrun, "--nproc_per_node", "2", "pretrain_gpt.py", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_without_rendezvous(),
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        for line in proc.stdout:
+            if "iteration        5/" in line:
+                _job(proc.pid)["ranks"][0].suspend()
+                stalled = time.time()
+                break
+        output = proc.communicate(timeout=120)[0]
+        ended = time.time() - stalled
+    finally:
+        _kill_tree(proc)
+    assert proc.returncode == 1, output
+    stopped = re.search(
+        r"error: rank 1 waited for the other ranks after iteration (\d+) longer than "
+        r"--distributed-timeout-minutes 0.2, or lost one \(Timed out waiting 12000ms for recv "
+        r"operation to complete\): a rank stalled or died; stopping the job, the last complete "
+        r"checkpoint, (iter_\d+), is intact",
+        output,
+    )
+    assert stopped, output[-5000:]
+    # torchrun gives the stopped rank 30 s to end on its SIGTERM, then kills it
+    assert ended < 12 + 30 + 20, ended
+    latest = (ckpt / "latest").read_text()
+    assert latest == stopped[2] and int(stopped[1]) >= 5, output[-5000:]
+    assert integrity.problems(str(ckpt / latest)) == []
