@@ -1197,6 +1197,11 @@ def _validate_focus(args: argparse.Namespace, training: bool) -> None:
             "--retrofit trains the routers, which --focus-attention-mode sparse freezes: "
             "retrofit in soft mode"
         )
+    if focus.router == "random" and args.retrofit:
+        raise ValueError(
+            "--retrofit trains the routers alone, which --focus-router random freezes: nothing "
+            "would train (random-centroids trains W_g)"
+        )
     if focus.kernel == "flex" and not _gpu():
         raise ValueError(
             "--focus-kernel flex needs a GPU: FlexAttention has no CPU backward "

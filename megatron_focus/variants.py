@@ -24,6 +24,9 @@ from megatron_focus.settings import INFERENCE, MODEL, RUN, VariantSettings, sett
 FOCUS_GATES = ("log", "sigmoid")  # the soft gate on distant pairs: model/focus_gate.py
 FOCUS_KERNELS = ("auto", "triton", "flex", "chunked")  # the soft gate's kernel: model/kernels.py
 FOCUS_MODES = ("soft", "sparse")  # the soft gate (training) or the hard top-k rule
+# the router trained, or controls that never learn: W_g and the centroids frozen at their draw
+# from the seed, or the centroids alone (docs/routing.md)
+FOCUS_ROUTERS = ("learned", "random", "random-centroids")
 
 
 def _load(path: str) -> type:
@@ -149,6 +152,13 @@ class FocusConfig(VariantSettings, prefix="focus"):
         "(an attention sink)",
         at_least=0,
         before_recorded=0,
+    )
+    router: str = setting(
+        "learned",
+        "the routers learn, or a control that does not: random (W_g and the centroids frozen "
+        "as drawn from --seed) or random-centroids (the centroids frozen, W_g learned)",
+        choices=FOCUS_ROUTERS,
+        before_recorded="learned",
     )
     top_k: int = setting(2, "groups per query, sparse mode", INFERENCE)
     attention_mode: str = setting(

@@ -56,6 +56,7 @@ DEFAULTS = dict(
     focus_gate_scale=1.0,
     focus_gate="log",  # or "sigmoid": the paper's multiplicative gate (ablations)
     focus_sink_tokens=0,  # the first s tokens (of each unpadded sequence): kept, as local
+    focus_router="learned",  # how the routers trained (a control's: random); the same compute
     focus_top_k=2,
     focus_attention_mode="soft",
     initializer_range=0.02,

@@ -325,6 +325,7 @@ class FocusHooks(VariantHooks):
             train_routers_only(model)
         elif self.settings.attention_mode == "sparse":
             freeze_routers(model)
+        freeze_router_controls(model, self.settings.router)
 
     def other_modes(self) -> Tuple[str, ...]:
         return tuple(m for m in FOCUS_MODES if m != self.settings.attention_mode)
@@ -365,6 +366,19 @@ def freeze_routers(model: torch.nn.Module) -> None:
     stay out of the optimizer (no weight decay or momentum moves them)."""
     for name, param in model.named_parameters():
         if ".router." in name:
+            param.requires_grad = False
+
+
+def freeze_router_controls(model: torch.nn.Module, router: str) -> None:
+    """A random router's control run: its parts keep the values drawn at initialization (from
+    the run's seed), so whatever routing it does, it never learned."""
+    frozen = {
+        "learned": (),
+        "random": (".proj.", ".centroids"),
+        "random-centroids": (".centroids",),
+    }[router]
+    for name, param in model.named_parameters():
+        if ".router." in name and any(part in name for part in frozen):
             param.requires_grad = False
 
 
