@@ -127,3 +127,18 @@ class Parser(argparse.ArgumentParser):
             else:  # values that no flag takes, e.g. a second value of a one-value flag
                 message = f"unexpected value{'s' if len(strays) > 1 else ''} {', '.join(strays)}"
         self.exit(2, f"error: {message}\n")
+
+    def add_corpus_args(self, order: str, writes: str, keys: str) -> None:
+        """--input, --output-prefix and --json-keys, as the tools that read a corpus take them
+        (`order`: how the inputs are read; `writes`: what the prefix names; `keys`: what is
+        done with the fields)."""
+        self.add_argument(
+            "--input",
+            nargs="+",
+            required=True,
+            help=f"files or globs: .jsonl, .jsonl.gz, .parquet, .txt{order}",
+        )
+        self.add_argument("--output-prefix", required=True, help=f"writes {writes}")
+        self.add_argument(
+            "--json-keys", nargs="+", default=["text"], help=f"fields (parquet columns) to {keys}"
+        )

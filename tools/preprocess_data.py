@@ -15,18 +15,7 @@ from megatron_focus.choices import TOKENIZER_TYPES
 
 def build_parser() -> cli.Parser:
     parser = cli.Parser(description=__doc__)
-    parser.add_argument(
-        "--input",
-        nargs="+",
-        required=True,
-        help="files or globs: .jsonl, .jsonl.gz, .parquet, .txt, read in sorted order",
-    )
-    parser.add_argument(
-        "--output-prefix", required=True, help="writes <prefix>_<key>_document.bin/.idx"
-    )
-    parser.add_argument(
-        "--json-keys", nargs="+", default=["text"], help="fields (parquet columns) to tokenize"
-    )
+    parser.add_corpus_args(", read in sorted order", "<prefix>_<key>_document.bin/.idx", "tokenize")
     parser.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     parser.add_argument(
         "--tokenizer-model", help="SentencePiece .model, or HF tokenizer.json / its folder"

@@ -11,18 +11,7 @@ from megatron_focus.data.sentencepiece_trainer import MODEL_TYPES, train_sentenc
 
 def main() -> None:
     parser = cli.Parser(description=__doc__)
-    parser.add_argument(
-        "--input",
-        nargs="+",
-        required=True,
-        help="files or globs: .jsonl, .jsonl.gz, .parquet, .txt",
-    )
-    parser.add_argument(
-        "--output-prefix", required=True, help="writes <prefix>.model and <prefix>.vocab"
-    )
-    parser.add_argument(
-        "--json-keys", nargs="+", default=["text"], help="fields (parquet columns) to train on"
-    )
+    parser.add_corpus_args("", "<prefix>.model and <prefix>.vocab", "train on")
     parser.add_argument("--vocab-size", type=int, required=True)
     parser.add_argument("--model-type", choices=MODEL_TYPES, default="bpe")
     parser.add_argument(
