@@ -17,7 +17,7 @@ from megatron_focus.choices import TOKENIZER_TYPES
 from megatron_focus.compat import add_compat_args, check_compat_args
 from megatron_focus.data import reads_data_files
 from megatron_focus.deepspeed_config import take_json_settings
-from megatron_focus.training.global_batch import GlobalBatch
+from megatron_focus.global_batch import GlobalBatch
 from megatron_focus.variants import VARIANTS, FocusConfig, settings_classes, variant
 
 SEQ_LENGTH = 256  # --seq-length when neither the flag nor a Megatron-LM checkpoint gives one

@@ -28,6 +28,7 @@ from megatron_focus.data.loader import micro_batches, to_device
 from megatron_focus.data.sources import data_prefixes, datasets_for, tokenizer_for
 from megatron_focus.deepspeed_builds import skip_unused_builds
 from megatron_focus.deepspeed_config import deepspeed_config
+from megatron_focus.global_batch import GlobalBatch
 from megatron_focus.model import kernels
 from megatron_focus.model.flops import flops_per_token
 from megatron_focus.model.gpt import build_model
@@ -37,7 +38,6 @@ from megatron_focus.parallel import (
     params_norm,
 )
 from megatron_focus.training.checkpointing import Checkpointer
-from megatron_focus.training.global_batch import GlobalBatch
 from megatron_focus.training.metrics import LogStep, Reporter
 from megatron_focus.training.optimizer import in_unit, param_groups, schedule, steps_in
 from megatron_focus.training.profiling import StepProfiler
