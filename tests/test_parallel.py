@@ -52,6 +52,7 @@ def _loss_and_grads(argv, tokens):
 
     from megatron_focus import platform
     from megatron_focus.arguments import parse_args
+    from megatron_focus.model.focus import focus_statistics, recording_statistics
     from megatron_focus.model.gpt import build_model
     from megatron_focus.parallel import (
         gather_tensor_parallel,
@@ -74,7 +75,9 @@ def _loss_and_grads(argv, tokens):
         loss.backward()
         return loss
 
-    backward()  # without the sequence-parallel hooks: norm gradients stay partial
+    with recording_statistics(model):
+        backward()  # without the sequence-parallel hooks: norm gradients stay partial
+    mass = {k: float(v) for k, v in focus_statistics(model).items() if k.endswith("kept-mass")}
     # (no gradient: the routers in sparse mode, whose groups are a hard choice)
     trained = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
     unsynced = {n: p.grad.clone() for n, p in trained if getattr(p, "sequence_parallel", False)}
@@ -82,7 +85,7 @@ def _loss_and_grads(argv, tokens):
     loss = backward()
     grads = {n: gather_tensor_parallel(p, p.grad) for n, p in trained}
     parallel_state.destroy_model_parallel()
-    return loss.item(), grads, unsynced
+    return loss.item(), grads, unsynced, mass
 
 
 def _compare_parallel_layouts(tokens):
@@ -136,8 +139,8 @@ def results():
 @pytest.mark.parametrize("family", list(CASES))
 @pytest.mark.parametrize("layout", ["tp2", "tp2-sp"])
 def test_tensor_parallel_matches_one_process(results, family, layout):
-    ref_loss, ref_grads, _ = results[family]["tp1"]
-    loss, grads, _ = results[family][layout]
+    ref_loss, ref_grads, _, _ = results[family]["tp1"]
+    loss, grads, _, _ = results[family][layout]
     assert abs(loss - ref_loss) < 1e-5
     assert grads.keys() == ref_grads.keys()
     for name, ref in ref_grads.items():
@@ -148,8 +151,8 @@ def test_tensor_parallel_matches_one_process(results, family, layout):
 @pytest.mark.parametrize("family", list(CASES))
 def test_sequence_parallel_norm_grads_need_the_allreduce(results, family):
     """Under SP each rank's norm gradient is partial; only the TP all-reduce makes it whole."""
-    _, ref_grads, _ = results[family]["tp1"]
-    _, _, unsynced = results[family]["tp2-sp"]
+    _, ref_grads, _, _ = results[family]["tp1"]
+    _, _, unsynced, _ = results[family]["tp2-sp"]
     norms = [
         n
         for n in unsynced
@@ -160,11 +163,21 @@ def test_sequence_parallel_norm_grads_need_the_allreduce(results, family):
     for name in norms:
         assert not torch.allclose(unsynced[name], ref_grads[name], rtol=1e-3, atol=1e-5), name
     # Query/key norms see only their rank's heads: partial under TP alone too.
-    _, _, unsynced = results[family]["tp2"]
+    _, _, unsynced, _ = results[family]["tp2"]
     qk_norms = [n for n in unsynced if n.endswith(("q_layernorm.weight", "k_layernorm.weight"))]
     assert len(qk_norms) == (4 if "--qk-layernorm" in CASES[family] else 0)
     for name in qk_norms:
         assert not torch.allclose(unsynced[name], ref_grads[name], rtol=1e-3, atol=1e-5), name
+
+
+@pytest.mark.parametrize("family", [f for f in CASES if "focus" in f])
+@pytest.mark.parametrize("layout", ["tp2", "tp2-sp"])
+def test_kept_mass_is_the_mean_over_every_ranks_heads(results, family, layout):
+    """Each TP rank measures its heads' kept mass; the statistic is that of all heads."""
+    want, got = results[family]["tp1"][3], results[family][layout][3]
+    assert len(want) == 2 and got.keys() == want.keys()
+    for name, value in want.items():
+        assert 0 < value <= 1 and abs(got[name] - value) < 1e-5, name
 
 
 def test_dropout_streams_differ_across_tp_ranks_only(results):

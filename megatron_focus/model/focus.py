@@ -23,10 +23,12 @@ import math
 from typing import Optional, Tuple, Union
 
 import torch
+import torch.distributed as dist
 from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.parallel_state import (
     get_context_parallel_group,
+    get_tensor_model_parallel_group,
     get_tensor_model_parallel_world_size,
 )
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
@@ -45,9 +47,14 @@ from megatron_focus.model.focus_gate import focus_attention
 from megatron_focus.model.focus_sparse import sparse_focus_attention
 from megatron_focus.model.groups import Routing
 from megatron_focus.model.hooks import VariantHooks
+from megatron_focus.model.routing_quality import kept_mass
 from megatron_focus.model.xsa import XSAMixin
 from megatron_focus.parallel import sum_grad_over_tensor_parallel
 from megatron_focus.variants import FOCUS_MODES, FocusConfig
+
+# The kept mass's sample at log steps: the last queries of a micro-batch's first sequence (the
+# dense scores it needs are these queries against every key: cheap beside the step)
+KEPT_MASS_SAMPLE = 256
 
 
 class Router(torch.nn.Module):
@@ -246,6 +253,7 @@ class FocusAttention(CoreAttention):
             dtype=torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None,
         )
         self.sparse = kernels.lse_attention(device)
+        self.mass_sample: Optional[int] = 0  # the kept mass's queries (`recording_statistics`)
 
     @classmethod
     def spec(cls, focus: FocusConfig) -> ModuleSpec:
@@ -263,7 +271,31 @@ class FocusAttention(CoreAttention):
             rows = None if self.cp_group is None else self.router.positions(query.shape[0])
             doc_start = document_starts(attention_mask, query.shape[1], rows)
         routing = self.router(hidden_states, doc_start)
+        if self.router.record_stats and self.mass_sample != 0 and self.cp_group is None:
+            self.router.stats["kept-mass"] = self.sampled_kept_mass(query, key, routing)
         return super().forward(query, key, value, None, routing=routing, **kwargs)
+
+    @torch.no_grad()
+    def sampled_kept_mass(self, query, key, routing: Routing) -> torch.Tensor:
+        """The dense attention's mass the hard rule keeps at the layer's top-k (routing_quality),
+        on `mass_sample` last queries of the first sequence (None: every query of every one).
+        Under TP the mean over every rank's heads (a rank holds as many as any other); under
+        context parallelism it is not computed (a rank holds two chunks of the queries only)."""
+        sequences = slice(None) if self.mass_sample is None else slice(0, 1)
+        rows = slice(None) if self.mass_sample is None else slice(-self.mass_sample, None)
+        q, k = (t[:, sequences].permute(1, 2, 0, 3) for t in (query[rows], key))
+        mass = kept_mass(
+            q,
+            k,
+            Routing(*(None if t is None else t[sequences] for t in routing)),
+            self.focus.window,
+            self.softmax_scale,
+            self.focus.sink_tokens,
+        )
+        if self.router.tp > 1:
+            dist.all_reduce(mass, group=get_tensor_model_parallel_group())
+            mass /= self.router.tp
+        return mass[self.focus.top_k - 1]
 
     def gather_inputs(self, routing: Routing) -> dict:
         return {"routing": gather_routing(routing, self.cp_group)}
@@ -399,17 +431,23 @@ def set_focus_mode(model: torch.nn.Module, mode: str, top_k: Optional[int] = Non
 
 
 @contextlib.contextmanager
-def recording_statistics(model: torch.nn.Module):
+def recording_statistics(model: torch.nn.Module, mass_sample: Optional[int] = KEPT_MASS_SAMPLE):
     """Routers compute their statistics in the forwards inside this block only (they are read at
-    log steps; computing them at every forward would cost device work for nothing)."""
+    log steps; computing them at every forward would cost device work for nothing), the layers
+    the kept mass on `mass_sample` queries (`FocusAttention.sampled_kept_mass`; 0: not at all)."""
     routers = [m for m in model.modules() if isinstance(m, Router)]
+    layers = [m for m in model.modules() if isinstance(m, FocusAttention)]
     for router in routers:
         router.record_stats, router.stats = True, None
+    for layer in layers:
+        layer.mass_sample = mass_sample
     try:
         yield
     finally:
         for router in routers:
             router.record_stats = False
+        for layer in layers:
+            layer.mass_sample = 0
 
 
 def focus_statistics(model: torch.nn.Module) -> dict:

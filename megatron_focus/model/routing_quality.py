@@ -40,7 +40,7 @@ def kept_mass(
     groups = routing.groups  # [b, n, K], top-1 first
     num_groups = groups.shape[-1]
     dtype = torch.promote_types(q.dtype, torch.float32)
-    q = q.to(dtype).view(b, hk, h // hk, nq, d)  # a key head's query heads are consecutive
+    q = q.to(dtype).reshape(b, hk, h // hk, nq, d)  # a key head's query heads are consecutive
     k = k.to(dtype)[:, :, None]  # [b, hk, 1, n, d]
     pos = torch.arange(n, device=q.device)
     first = pos.new_zeros(b, n) if routing.doc_start is None else routing.doc_start.expand(b, n)

@@ -203,6 +203,7 @@ def test_model_in_sparse_mode_dispatch_equals_masked_rule(single_process, forbid
     tokens = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(96).expand(2, 96)
     forbid_topk()
+    mass = []  # the first layer's q and k do not depend on top-k
     for top_k in range(1, 9):
         set_focus_mode(model, "sparse", top_k)
         with torch.no_grad(), recording_statistics(model):
@@ -210,6 +211,8 @@ def test_model_in_sparse_mode_dispatch_equals_masked_rule(single_process, forbid
         masked = model(tokens, positions, None)  # with gradients: the masked-chunk path
         torch.testing.assert_close(dispatched, masked.detach(), rtol=1e-5, atol=1e-5)
         assert 0 < focus_statistics(model)["focus/layer01/pairs-kept"] <= 1
+        mass.append(float(focus_statistics(model)["focus/layer01/kept-mass"]))
+    assert mass == sorted(mass) and 0 < mass[0] < 1 and abs(mass[-1] - 1) < 1e-6
 
 
 EVAL = ["--eval-iters", "2", "--micro-batch-size", "2"]

@@ -92,3 +92,48 @@ def test_low_precision_inputs_are_measured_in_fp32():
     assert got.dtype == torch.float32
     want = kept_mass(q.bfloat16().double(), k.bfloat16().double(), Routing.of(log_g), 4, SCALE, 1)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_layers_statistic_is_kept_mass_on_its_sample(single_process):
+    """`recording_statistics`: each Focus layer's `kept-mass` at its top-k is kept_mass on the
+    last `mass_sample` queries of the first sequence, of the q and k (GQA, RoPE, documents) the
+    layer attends."""
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+    from megatron_focus import platform
+    from megatron_focus.arguments import parse_args
+    from megatron_focus.model.documents import document_starts
+    from megatron_focus.model.focus import FocusAttention, focus_statistics, recording_statistics
+    from megatron_focus.model.gpt import build_model
+
+    platform.manual_seed(0)
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+    argv += ["--group-query-attention", "--num-query-groups", "2", "--seq-length", "40"]
+    argv += ["--position-embedding-type", "rope", "--attention", "focus", "--focus-window", "3"]
+    argv += ["--focus-groups", "4", "--focus-top-k", "2", "--focus-sink-tokens", "1"]
+    model = build_model(parse_args(argv), 64).eval()
+    tokens = torch.randint(1, 64, (2, 40), generator=torch.Generator().manual_seed(1))
+    tokens[0, [9, 30]] = tokens[1, 20] = 0  # packed documents, different in each sequence
+    masks = [_get_ltor_masks_and_position_ids(t, 0, True, True, False, True) for t in tokens]
+    mask = torch.stack([m[0] for m in masks])
+    positions = torch.stack([m[2] for m in masks])
+    seen = {}
+    for layer in (m for m in model.modules() if isinstance(m, FocusAttention)):
+        layer.register_forward_pre_hook(lambda m, args: seen.setdefault(m, args))
+    with torch.no_grad(), recording_statistics(model, mass_sample=17):
+        model(tokens, positions, mask)
+    stats = focus_statistics(model)
+    assert len(seen) == 2
+    for layer, (query, key, _, mask, hidden) in seen.items():
+        routing = layer.router(hidden, document_starts(mask, 2))
+        want = kept_mass(
+            query[-17:, :1].permute(1, 2, 0, 3),
+            key[:, :1].permute(1, 2, 0, 3),
+            Routing(routing.log_g[:1], routing.groups[:1], routing.doc_start[:1]),
+            3,
+            layer.softmax_scale,
+            sink=1,
+        )[1]
+        got = stats[f"focus/layer{layer.layer_number:02d}/kept-mass"]
+        torch.testing.assert_close(got, want)
+        assert 0 < float(got) < 1

@@ -520,10 +520,14 @@ def test_focus_training_logs_groups_and_both_validation_modes(embedded_cache, tm
     assert {"lm loss validation", "lm loss validation sparse"} <= tags
     for layer in ("01", "02"):
         assert {
-            f"focus/layer{layer}/{s}" for s in ("largest-group", "group-entropy", "pairs-kept")
+            f"focus/layer{layer}/{s}"
+            for s in ("largest-group", "group-entropy", "pairs-kept", "kept-mass")
         } <= tags
         largest = [e.value for e in events.Scalars(f"focus/layer{layer}/largest-group")]
         assert len(largest) == 12 and max(largest) < 2 / 4  # never twice the balanced share
+        # the dense attention's mass the top-2 rule keeps (a window of 8 in 32 tokens)
+        mass = [e.value for e in events.Scalars(f"focus/layer{layer}/kept-mass")]
+        assert len(mass) == 12 and all(0 < m < 1 for m in mass)
 
 
 def _saved_bytes_loss_and_grad(argvs):
