@@ -11,6 +11,10 @@ queried values predicted) and the share of causal pairs kept. Variants:
   focus       soft-gate Focus, evaluated soft and sparse (top-1, top-2)
   focus+xsa   the same with XSA
   focus-sinkS Focus with the first S tokens kept for every query (--focus-sink-tokens S)
+  focus-random, focus+xsa-random
+              the control: routers that never learn (--focus-router random: W_g and the
+              centroids frozen as drawn from the seed); -random-centroids freezes the centroids
+              alone
 
 `--task corpus` trains on the embedded text corpus instead and reports validation loss, the
 question for attention sinks on text. Prints a table, writes JSON and a plot.
@@ -120,8 +124,13 @@ def variant_flags(name: str, opts) -> list:
         return ["--attention", "standard", "--window-size", f"{opts.focus_window - 1},0"]
     if name.startswith("focus-sink") and name[len("focus-sink") :].isdigit():
         return ["--attention", "focus", "--focus-sink-tokens", name[len("focus-sink") :]]
+    for router in ("random-centroids", "random"):  # the longer suffix first
+        base = name.removesuffix("-" + router)
+        if base != name and base in ("focus", "focus+xsa"):
+            return VARIANTS[base] + ["--focus-router", router]
     raise SystemExit(
-        f"error: unknown variant {name!r}: standard, window, focus, focus+xsa, focus-sinkS"
+        f"error: unknown variant {name!r}: standard, window, focus, focus+xsa, focus-sinkS, "
+        "focus-random, focus+xsa-random (or -random-centroids)"
     )
 
 

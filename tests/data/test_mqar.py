@@ -147,8 +147,9 @@ def test_pretrain_and_eval_ppl_on_mqar(tmp_path, run_tool):
 
 @pytest.mark.slow
 def test_mqar_study_script_trains_evaluates_and_plots(tmp_path, run_tool):
-    """examples/mqar_study.py itself, shrunk: two variants, one seed, 3 iterations at 32 tokens
-    then 3 at 48 from those weights (the length curriculum)."""
+    """examples/mqar_study.py itself, shrunk: three variants (the random router's control among
+    them), one seed, 3 iterations at 32 tokens then 3 at 48 from those weights (the length
+    curriculum)."""
     out = run_tool(
         "examples/mqar_study.py",
         "--out",
@@ -156,6 +157,7 @@ def test_mqar_study_script_trains_evaluates_and_plots(tmp_path, run_tool):
         "--variants",
         "window",
         "focus-sink1",
+        "focus+xsa-random",
         "--seeds",
         "1",
         "--seq-length",
@@ -198,6 +200,9 @@ def test_mqar_study_script_trains_evaluates_and_plots(tmp_path, run_tool):
     modes = {(r["variant"], r["mode"]) for r in summary}
     assert ("window", "window") in modes and ("focus-sink1", "soft") in modes
     assert ("focus-sink1", "sparse top-1") in modes
+    assert ("focus+xsa-random", "sparse top-1") in modes
+    control = (tmp_path / "runs" / "focus-xsa-random-seed1" / "log.txt").read_text()
+    assert control.count("--focus-router random") == 2  # both stages
     assert all(0 <= r["accuracy"][0] <= 1 for r in summary)
     run = tmp_path / "runs" / "focus-sink1-seed1"
     assert (run / "ckpt-32" / "latest").read_text() == "iter_0000003"
