@@ -3,9 +3,12 @@ Focus, the effect of top-k.
 
 For a Focus model, one row for the soft gate (how it trained) and one per top-k = 1..K in sparse
 mode (the hard rule, run by the sparse dispatch): loss, perplexity, the share of causal pairs kept
-(mean over layers), and the time per token of the model's forward and of the attention inside it
-(microseconds, after an untimed warm-up forward) — the paper's "effect of top-k" table, with the
-price of each top-k, measured on this model. Other models get one row. `--seq-lengths 1024 2048
+(mean over layers), the share of the dense attention's probability mass those pairs hold (the
+kept mass: mean over layers, each layer's in --json; it measures the routing: a router that puts
+queries with the keys they attend to keeps much of it in few pairs), and the time per token of
+the model's forward and of the attention inside it (microseconds, after an untimed warm-up
+forward) — the paper's "effect of top-k" table, with the price of each top-k, measured on this
+model. Other models get one row. `--seq-lengths 1024 2048
 4096 8192` repeats it at each length (the paper's long-context table: PPL and forward time per
 token by length for each mode); RoPE models go beyond their training length, models with learned
 positions up to their position table.

@@ -1,8 +1,9 @@
 """tools/eval_ppl.py's evaluation: perplexity at each context length, for a Focus model in each
-mode, with the share of causal pairs kept and the time per token: of the whole forward and of
-the attention inside it."""
+mode, with the share of causal pairs kept, the share of the dense attention's mass they hold
+(sparse mode), and the time per token: of the whole forward and of the attention inside it."""
 
 import argparse
+import contextlib
 import json
 import math
 import time
@@ -68,16 +69,24 @@ def evaluate(model, batches, timer: AttentionTimer, sparse: bool, vocab_size: in
     logits, device-synchronised; not the loss) and of the Focus attention modules inside it.
 
     One untimed forward on the first micro-batch comes first, so that one-time costs (kernel
-    compilation, the allocator's first blocks) are charged to no mode."""
+    compilation, the allocator's first blocks) are charged to no mode. In sparse mode it also
+    measures each layer's kept mass (routing_quality) on every query of that micro-batch: its
+    dense scores, O(n^2) a layer, stay out of the timed forwards."""
     device = next(model.parameters()).device
     first = to_device(batches[0], device)
-    model(first["tokens"], first["position_ids"], None)  # the warm-up
+    with recording_statistics(model, mass_sample=None) if sparse else contextlib.nullcontext():
+        model(first["tokens"], first["position_ids"], None)  # the warm-up
+    mass = {
+        name.split("/")[1]: float(value)
+        for name, value in focus_statistics(model).items()
+        if sparse and name.endswith("kept-mass")
+    }
     timer.seconds, total, hits, counted, kept = 0.0, 0.0, 0.0, 0.0, []
     forward_s, tokens = 0.0, 0
     start = time.perf_counter()
     for batch in batches:
         batch = to_device(batch, device)
-        with recording_statistics(model):
+        with recording_statistics(model, mass_sample=0):
             timer._sync()
             began = time.perf_counter()
             logits = model(batch["tokens"], batch["position_ids"], None)[..., :vocab_size]
@@ -98,6 +107,8 @@ def evaluate(model, batches, timer: AttentionTimer, sparse: bool, vocab_size: in
         "ppl": math.exp(min(loss, 30.0)),
         "accuracy": hits / max(counted, 1),
         "pairs_kept": sum(kept) / len(kept) if sparse else 1.0,
+        "kept_mass": sum(mass.values()) / len(mass) if mass else None,
+        "kept_mass_layers": mass or None,
         "tokens": tokens,
         "forward_ms": forward_s * 1e3,
         "us_per_token": forward_s * 1e6 / tokens,
@@ -198,27 +209,29 @@ def window_share(n: int, left: int) -> float:
 
 
 def table(rows: list, lengths: list) -> str:
-    """One line per mode and top-k: at one length its loss, perplexity, accuracy, pairs kept and
-    the time per token of the forward and of its attention (microseconds); at several, the
-    perplexity, accuracy, pairs kept and forward time per token at each length."""
+    """One line per mode and top-k: at one length its loss, perplexity, accuracy, pairs kept, kept
+    mass and the time per token of the forward and of its attention (microseconds); at several,
+    the perplexity, accuracy, pairs kept, kept mass and forward time per token at each length."""
     lines = []
     if len(lengths) == 1:
         lines.append(
             f"{'mode':<8}{'top-k':>6}{'loss':>9}{'ppl':>10}{'accuracy':>10}"
-            f"{'pairs kept':>12}{'us/token':>10}{'attn us/token':>15}   (seq {lengths[0]})"
+            f"{'pairs kept':>12}{'kept mass':>11}{'us/token':>10}{'attn us/token':>15}"
+            f"   (seq {lengths[0]})"
         )
         for r in rows:
             lines.append(
                 f"{r['mode']:<8}{r['top_k'] or '':>6}{r['loss']:>9.4f}{r['ppl']:>10.2f}"
-                f"{r['accuracy']:>10.3f}{r['pairs_kept']:>12.3f}"
+                f"{r['accuracy']:>10.3f}{r['pairs_kept']:>12.3f}{_mass(r, 11)}"
                 f"{r['us_per_token']:>10.2f}{r['attention_us_per_token']:>15.2f}"
             )
         note = TIMING_NOTE + "; attn us/token: its part in the attention modules"
-        return "\n".join(lines + [note])
+        return "\n".join(lines + [MASS_NOTE, note])
     columns = (
         ("ppl", "ppl", ".2f"),
         ("acc", "accuracy", ".3f"),
         ("kept", "pairs_kept", ".3f"),
+        ("mass", "kept_mass", None),
         ("us/tok", "us_per_token", ".2f"),
     )
     lines.append(
@@ -229,9 +242,25 @@ def table(rows: list, lengths: list) -> str:
         group = rows[i : i + len(lengths)]
         lines.append(
             f"{group[0]['mode']:<8}{group[0]['top_k'] or '':>6}"
-            + "".join(f"{r[key]:>13{fmt}}" for _, key, fmt in columns for r in group)
+            + "".join(
+                _mass(r, 13) if fmt is None else f"{r[key]:>13{fmt}}"
+                for _, key, fmt in columns
+                for r in group
+            )
         )
-    return "\n".join(lines + [TIMING_NOTE])
+    return "\n".join(lines + [MASS_NOTE, TIMING_NOTE])
+
+
+def _mass(row: dict, width: int) -> str:
+    """The kept mass, or '-' where the rule keeps no subset (soft gate, other attentions)."""
+    return f"{'-' if row['kept_mass'] is None else format(row['kept_mass'], '.3f'):>{width}}"
+
+
+MASS_NOTE = (
+    "kept mass: the share of the dense attention's probability mass the sparse rule keeps\n"
+    "(mean over layers, heads and the queries beyond the window; every query of the first\n"
+    "micro-batch)"
+)
 
 
 TIMING_NOTE = (

@@ -20,6 +20,7 @@ def _row(mode, top_k, n, us, attn_us):
         "ppl": 20.09,
         "accuracy": 0.25,
         "pairs_kept": 0.5,
+        "kept_mass": None if mode == "soft" else 0.75,
         "us_per_token": us,
         "attention_us_per_token": attn_us,
     }

@@ -258,7 +258,7 @@ def test_eval_ppl_reports_every_top_k_at_every_length(embedded_cache, tmp_path, 
         report,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "ppl@64" in out.stdout
+    assert "ppl@64" in out.stdout and "mass@64" in out.stdout
     result = json.load(open(report))
     assert result["focus_kernels"] == {
         "sinkhorn": "torch",
@@ -274,6 +274,17 @@ def test_eval_ppl_reports_every_top_k_at_every_length(embedded_cache, tmp_path, 
     for n in (16, 32, 64):
         kept = [r["pairs_kept"] for r in rows if r["mode"] == "sparse" and r["seq_length"] == n]
         assert kept == sorted(kept) and kept[0] < 1.0 and abs(kept[-1] - 1.0) < 1e-6  # K: all
+        # the dense attention's mass the rule keeps: grows with top-k, all of it at K
+        mass = [r["kept_mass"] for r in rows if r["mode"] == "sparse" and r["seq_length"] == n]
+        assert all(0 <= m <= 1 + 1e-6 for m in mass) and mass[0] < 1.0
+        assert all(a <= b + 1e-6 for a, b in zip(mass, mass[1:])) and abs(mass[-1] - 1) < 1e-6
+        for r in rows:
+            if r["mode"] == "sparse":
+                layers = r["kept_mass_layers"]
+                assert sorted(layers) == ["layer01", "layer02"]
+                assert r["kept_mass"] == pytest.approx(sum(layers.values()) / 2)
+            else:
+                assert r["kept_mass"] is None and r["kept_mass_layers"] is None
     longest = [r["pairs_kept"] for r in rows if r["top_k"] == 1]
     assert longest[0] > longest[-1]  # a window of 4 keeps less of a longer sequence
     assert all(math.isfinite(r["loss"]) for r in rows)
