@@ -4,7 +4,8 @@ tools (`hf/native.py`) both read and write checkpoints through it.
 
 Layout (`--save DIR`): `DIR/iter_0000100/` holds DeepSpeed's files (model and optimizer shards per
 rank), `model_args.json` (the model's shape and variant), `tokenizer_args.json`, `layout.json` (the
-TP / DP size, ZeRO stage and precision that wrote it, `training/layouts.py`) and `checksums.json`
+TP / DP size, ZeRO stage and precision that wrote it, `training/layouts.py`, and the names of the
+weights its optimizer state covers) and `checksums.json`
 (`integrity.py`); `DIR/latest` names the newest complete tag (DeepSpeed's own pointer, so its tools
 such as `zero_to_fp32.py` work on these checkpoints). With `--ckpt-format torch_dist` the tag
 folder is also Megatron-Core's distributed checkpoint of the model (`torch_dist.py`), and
@@ -73,7 +74,8 @@ MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
 ARGS_FILE = "model_args.json"
 # The tokenizer the model was trained with (for the HF export); not compared on load.
 TOKENIZER_FILE = "tokenizer_args.json"
-# The layout (TP / DP size, ZeRO stage, precision) that wrote a checkpoint: training/layouts.py.
+# The layout (TP / DP size, ZeRO stage, precision) that wrote a checkpoint (training/layouts.py),
+# and "trained": the weights its optimizer state covers (a run training others cannot resume it).
 LAYOUT_FILE = "layout.json"
 # Marks a checkpoint that holds weights only (tools/convert_from_hf.py): no optimizer, no run state.
 WEIGHTS_ONLY = "weights_only"

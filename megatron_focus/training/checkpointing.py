@@ -162,9 +162,15 @@ class Checkpointer:
         return self.records.padded_vocab_size
 
     def prepare_engine(self, model, config: dict) -> None:
-        """Before DeepSpeed's engine is built on `model` with `config`: how each parameter is
-        split over TP ranks, which every save records, and, for a checkpoint of another layout
-        at ZeRO 1-3, DeepSpeed's loading of the universal format."""
+        """Before DeepSpeed's engine is built on `model` (frozen where this run does not train)
+        with `config`: a resume refused if its optimizer state covers other weights than this
+        run trains; which weights train and how each is split over TP ranks, which every save
+        records; for a checkpoint of another layout at ZeRO 1-3, DeepSpeed's loading of the
+        universal format."""
+        trained = [name for name, param in model.named_parameters() if param.requires_grad]
+        resume.check_trained(self.plan, self.args, trained)
+        layout = {**self.records.layout, "trained": trained}
+        self.records = dataclasses.replace(self.records, layout=layout)
         if self.args.zero_stage > 0 and self.plan.layout:
             config.setdefault("checkpoint", {})["load_universal"] = True
         layouts.describe_model(model)

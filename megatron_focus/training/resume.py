@@ -201,6 +201,55 @@ def check(plan: ResumePlan, args: argparse.Namespace, ours: dict) -> None:
         _check_schedule(saved["lr_scheduler"], args, checkpoint)
 
 
+def check_trained(plan: ResumePlan, args: argparse.Namespace, trained: list) -> None:
+    """Once the model is built and frozen, before the engine: refused, a resume whose
+    checkpoint's optimizer state covers other parameters than this run trains (`trained`, their
+    names), e.g. a soft-trained run continued in sparse mode, which freezes the routers:
+    DeepSpeed's flat optimizer state of the checkpoint does not fit this run's, and would fail
+    to load only once the engine is built, in its own words."""
+    if plan.kind != RESUME or plan.checkpoint.megatron_lm:
+        return
+    saved = _trained_in(plan.checkpoint.path, args.allow_unsafe_checkpoints)
+    if saved is None or set(saved) == set(trained):
+        return
+    frozen, thawed = sorted(set(saved) - set(trained)), sorted(set(trained) - set(saved))
+    differ = "; ".join(
+        f"{what} {len(names)}: {', '.join(names[:2])}{', ...' if len(names) > 2 else ''}"
+        for what, names in (("this run freezes", frozen), ("this run trains", thawed))
+        if names
+    )
+    if plan.load_optimizer:
+        raise ValueError(
+            f"{plan.checkpoint.path}: its optimizer state covers other weights than this run "
+            f"trains ({differ}; e.g. --focus-attention-mode sparse freezes the routers): start "
+            "from its weights with --finetune (or --pretrained-checkpoint), or continue its "
+            "iteration and data position with --no-load-optim; the optimizer and LR schedule "
+            "start afresh"
+        )
+    if args.zero_stage == 3:
+        raise ValueError(
+            f"{plan.checkpoint.path}: this run trains other weights than it did ({differ}), "
+            "which ZeRO stage 3 cannot load without their optimizer state: continue at "
+            "--zero-stage 2 or lower, then resume that run's checkpoints at stage 3"
+        )
+
+
+def _trained_in(checkpoint_dir: str, allow_unsafe: bool) -> Optional[list]:
+    """The names of the weights a checkpoint's optimizer state covers: its layout record's,
+    or, in a checkpoint saved before they were recorded, DeepSpeed's ZeRO record (None: not
+    known, at ZeRO stage 0)."""
+    layout = checkpoint_format.read_layout(checkpoint_dir) or {}
+    if "trained" in layout:
+        return layout["trained"]
+    saved = load_file(
+        checkpoint_format.model_state_file(checkpoint_dir, tp=0, weights=False),
+        allow_unsafe,
+        mmap=True,
+    )
+    shapes = saved.get("param_shapes")
+    return None if shapes is None else [name for group in shapes for name in group]
+
+
 def _check_weights_fit(args: argparse.Namespace, ours: dict, checkpoint: SavedCheckpoint) -> None:
     # A retrofit adding Focus, or a standard model's weights starting a variant's run: the
     # checkpoint has neither its attention nor its settings.

@@ -119,6 +119,77 @@ def test_focus_gate_is_recorded_and_older_checkpoints_read_as_log_gate(embedded_
     assert len(resumed["losses"]) == 1
 
 
+def _routers(ckpt, tag):
+    saved = torch.load(
+        os.path.join(ckpt, tag, "mp_rank_00_model_states.pt"),
+        map_location="cpu",
+        weights_only=False,
+    )["module"]
+    return {name: value for name, value in saved.items() if ".router." in name}
+
+
+def test_a_soft_run_continued_in_sparse_mode_is_refused_or_starts_its_optimizer_afresh(
+    embedded_cache, tmp_path
+):
+    """Sparse mode freezes the routers, so a soft run's optimizer state does not fit: resuming
+    it is refused before the engine is built, naming --finetune and --no-load-optim, which both
+    continue (the routers kept as they were); at ZeRO 3 --no-load-optim is refused too."""
+    ckpt = str(tmp_path / "ckpt")
+    focus = ["--attention", "focus", "--focus-window", "4", "--focus-groups", "4"]
+    sparse = [*focus, "--focus-attention-mode", "sparse", "--save", ckpt, "--load", ckpt]
+    train(1, tiny_argv(embedded_cache, *focus, "--save", ckpt, "--exit-interval", "2"))
+    refused = (
+        r"iter_0000002: its optimizer state covers other weights than this run trains \(this "
+        r"run freezes 4: decoder.layers.0.self_attention.core_attention.router.centroids, .*"
+        r"--finetune .*--no-load-optim"
+    )
+    with pytest.raises(Exception, match=refused):
+        train(1, tiny_argv(embedded_cache, *sparse))
+    layout_file = os.path.join(ckpt, "iter_0000002", "layout.json")
+    layout = json.load(open(layout_file))
+    del layout["trained"]  # as saved before it was recorded: DeepSpeed's ZeRO record tells
+    json.dump(layout, open(layout_file, "w"))
+    os.remove(os.path.join(ckpt, "iter_0000002", "checksums.json"))
+    with pytest.raises(Exception, match=refused):
+        train(1, tiny_argv(embedded_cache, *sparse))
+    assert open(os.path.join(ckpt, "latest")).read() == "iter_0000002"
+
+    continued = train(1, tiny_argv(embedded_cache, *sparse, "--no-load-optim"))
+    assert len(continued["losses"]) == 2  # from iteration 2
+    assert not [
+        n
+        for n in json.load(open(os.path.join(ckpt, "iter_0000004", "layout.json")))["trained"]
+        if ".router." in n
+    ]
+    before, after = _routers(ckpt, "iter_0000002"), _routers(ckpt, "iter_0000004")
+    assert len(before) == 4 and all(torch.equal(before[n], after[n]) for n in before)
+    finetuned = train(
+        1,
+        tiny_argv(
+            embedded_cache, *focus, "--focus-attention-mode", "sparse", "--load", ckpt, "--finetune"
+        ),
+    )
+    assert len(finetuned["losses"]) == 4  # from the weights, at iteration 0
+
+    zero3 = str(tmp_path / "zero3")
+    train(1, tiny_argv(embedded_cache, *focus, "--zero-stage", "3", "--save", zero3, iters=3))
+    with pytest.raises(Exception, match=r"which ZeRO stage 3 cannot load without their optimizer"):
+        train(
+            1,
+            tiny_argv(
+                embedded_cache,
+                *focus,
+                "--focus-attention-mode",
+                "sparse",
+                "--zero-stage",
+                "3",
+                "--load",
+                zero3,
+                "--no-load-optim",
+            ),
+        )
+
+
 def _as_saved_before_the_router_moved(ckpt, legacy):
     """A copy of `ckpt` as earlier versions wrote it: each router beside its core attention."""
     from megatron_focus.checkpoint import integrity
