@@ -3,6 +3,8 @@
 import gzip
 import json
 import os
+import subprocess
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -85,6 +87,22 @@ def run_pretrain(argv):
 
 def train(world_size, argv):
     return run_distributed(run_pretrain, world_size, argv)
+
+
+def launch(argv, *launcher, **popen):
+    """`pretrain_gpt.py argv` as a job of its own (under `launcher`, e.g. torchrun's command;
+    else this Python), its output piped as text: a fresh world, not the rendezvous of this pytest
+    process's own ranks."""
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return subprocess.Popen(
+        [*(launcher or [sys.executable]), "pretrain_gpt.py", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k not in names},
+        cwd=ROOT,
+        **popen,
+    )
 
 
 def tiny_argv(cache, *extra, iters=4):

@@ -7,12 +7,11 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
 
-from tiny_runs import ROOT, tiny_argv, train
+from tiny_runs import launch, tiny_argv, train
 
 
 def _lock_of(folder, host, pid, renewed_ago=0.0):
@@ -129,31 +128,18 @@ def test_every_rank_is_refused_before_any_compute(embedded_cache, tmp_path, live
     assert sorted(os.listdir(ckpt)) == ["job.lock"]
 
 
-def _job(argv):
-    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in names}
-    return subprocess.Popen(
-        [sys.executable, "pretrain_gpt.py", *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=ROOT,
-    )
-
-
 @pytest.mark.slow
 def test_two_jobs_on_one_save_folder(embedded_cache, tmp_path):
     """A second job, started while the first trains, is refused before it builds anything,
     naming the first; the first, stopped by a signal, saves and frees the folder."""
     ckpt = str(tmp_path / "ckpt")
     argv = tiny_argv(embedded_cache, "--save", ckpt, "--exit-signal-handler", iters=10_000)
-    first = _job(argv + ["--seed", "1"])
+    first = launch(argv + ["--seed", "1"])
     try:
         for line in first.stdout:
             if "iteration        2/" in line:
                 break
-        second = _job(argv + ["--seed", "2"])
+        second = launch(argv + ["--seed", "2"])
         output = second.communicate(timeout=120)[0]
         assert second.returncode == 2, output
         assert re.search(

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from tiny_runs import ROOT, TINY, run_pretrain, tiny_argv, train
+from tiny_runs import TINY, launch, run_pretrain, tiny_argv, train
 
 
 class _Payload:
@@ -455,26 +455,10 @@ def test_unknown_tokenizer_type_is_refused(capsys):
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(embedded_cache, tmp_path):
     import signal
-    import subprocess
-    import sys
 
     ckpt = str(tmp_path / "ckpt")
     argv = tiny_argv(embedded_cache, "--save", ckpt, "--exit-signal-handler", iters=10_000)
-    # A fresh world of one: not the rendezvous of this pytest process's own process group.
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "pretrain_gpt.py", *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        start_new_session=True,
-    )
+    proc = launch(argv, start_new_session=True)
     try:
         for line in proc.stdout:
             if "iteration        2/" in line:  # to the DataLoader workers too, as a job's signal
