@@ -255,6 +255,27 @@ def manual_seed(seed: int) -> None:
     tracker.add(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
 
 
+def _restart_store(timeout) -> dict:
+    """Under torchrun, whose agent keeps one store for the job: this attempt's own keys in it
+    (`init_process_group`'s store, rank and world size; {} elsewhere). A group that torchrun
+    restarts (`--max-restarts`) otherwise finds its predecessor's keys there, of the same group
+    names, and its process groups wait forever to connect to ranks that are gone."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timeout,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {
+        "store": dist.PrefixStore(f"megatron_focus/attempt_{attempt}", store),
+        "rank": int(os.environ["RANK"]),
+        "world_size": int(os.environ["WORLD_SIZE"]),
+    }
+
+
 def init_distributed(
     tensor_model_parallel_size: int = 1,
     timeout_minutes: float = 10,
@@ -275,8 +296,9 @@ def init_distributed(
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if not dist.is_initialized():
+        timeout = datetime.timedelta(minutes=timeout_minutes)
         dist.init_process_group(
-            backend=backend or platform.backend, timeout=datetime.timedelta(minutes=timeout_minutes)
+            backend=backend or platform.backend, timeout=timeout, **_restart_store(timeout)
         )
     world = dist.get_world_size()
     if world % (tensor_model_parallel_size * context_parallel_size):

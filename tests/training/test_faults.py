@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from tiny_runs import ROOT, run_pretrain, tiny_argv, train
+from tiny_runs import ROOT, full_weights, run_pretrain, tiny_argv, train
 
 
 def _train_with_disk_full_at(argv, tag, rank):
@@ -469,3 +469,64 @@ def test_a_stalled_rank_ends_the_job_by_its_timeout(embedded_cache, tmp_path):
     latest = (ckpt / "latest").read_text()
     assert latest == stopped[2] and int(stopped[1]) >= 5, output[-5000:]
     assert integrity.problems(str(ckpt / latest)) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "flags",
+    [["--tensor-model-parallel-size", "2", "--zero-stage", "1"], ["--zero-stage", "3"]],
+    ids=["tp2-zero1", "dp2-zero3"],
+)
+def test_a_killed_rank_restarts_under_torchrun_and_ends_as_an_uninterrupted_run(
+    embedded_cache, tmp_path, flags
+):
+    """torchrun --max-restarts 1, --load the --save folder: one rank killed (SIGKILL) mid-run
+    brings the group back, which resumes from the last complete checkpoint with no flag changed
+    (the dead job's lock taken over) and ends with an uninterrupted run's weights, bit for bit."""
+    ckpt, straight = str(tmp_path / "ckpt"), str(tmp_path / "straight")
+    argv = tiny_argv(embedded_cache, *flags, "--save-interval", "2", iters=10)
+    train(2, [*argv, "--save", straight])
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--max-restarts",
+        "1",
+    ]
+    proc = subprocess.Popen(
+        [
+            *torchrun,
+            "--nproc_per_node",
+            "2",
+            "pretrain_gpt.py",
+            *argv,
+            "--save",
+            ckpt,
+            "--load",
+            ckpt,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_without_rendezvous(),
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        for line in proc.stdout:
+            if "iteration        5/" in line:
+                _job(proc.pid)["ranks"][1].kill()
+                break
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        _kill_tree(proc)
+    assert proc.returncode == 0, output[-5000:]
+    assert "failed (exitcode: -9) local_rank: 1" in output, output[-5000:]
+    # the new group starts from iter_0000004, the last complete checkpoint when rank 1 died
+    assert "starting at iteration 4" in output, output[-5000:]
+    assert len(re.findall(r"iteration +5/ +10 \|", output)) == 1, output[-5000:]
+    assert not os.path.exists(os.path.join(ckpt, "job.lock"))
+    ours, theirs = full_weights(ckpt), full_weights(straight)
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
