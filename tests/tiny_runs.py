@@ -89,20 +89,31 @@ def train(world_size, argv):
     return run_distributed(run_pretrain, world_size, argv)
 
 
+def fresh_world() -> dict:
+    """This process's environment, less the torch.distributed rendezvous of its own ranks."""
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return {k: v for k, v in os.environ.items() if k not in names}
+
+
 def launch(argv, *launcher, **popen):
     """`pretrain_gpt.py argv` as a job of its own (under `launcher`, e.g. torchrun's command;
-    else this Python), its output piped as text: a fresh world, not the rendezvous of this pytest
-    process's own ranks."""
-    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    else this Python) in a fresh world, its output piped as text."""
     return subprocess.Popen(
         [*(launcher or [sys.executable]), "pretrain_gpt.py", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={k: v for k, v in os.environ.items() if k not in names},
+        env=fresh_world(),
         cwd=ROOT,
         **popen,
     )
+
+
+def torchrun(argv, *flags):
+    """`pretrain_gpt.py argv` under torchrun, two ranks on this machine (`flags`: torchrun's),
+    in a session of its own (a signal to the group reaches every process of the job)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", *flags]
+    return launch(argv, *command, "--nproc_per_node", "2", start_new_session=True)
 
 
 def tiny_argv(cache, *extra, iters=4):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from tiny_runs import ROOT, full_weights, run_pretrain, tiny_argv, train
+from tiny_runs import ROOT, fresh_world, full_weights, run_pretrain, tiny_argv, torchrun, train
 
 
 def _train_with_disk_full_at(argv, tag, rank):
@@ -65,12 +65,6 @@ def small_disk(tmp_path):
         subprocess.run(["umount", str(disk)], check=True)
 
 
-def _without_rendezvous() -> dict:
-    """This process's environment, less the torch.distributed rendezvous of its own ranks."""
-    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    return {k: v for k, v in os.environ.items() if k not in names}
-
-
 def test_a_full_disk_mid_save_is_named_and_the_last_checkpoint_stays(embedded_cache, small_disk):
     ckpt = small_disk / "ckpt"
     argv = tiny_argv(embedded_cache, "--save", str(ckpt), "--save-interval", "2", iters=6)
@@ -78,7 +72,7 @@ def test_a_full_disk_mid_save_is_named_and_the_last_checkpoint_stays(embedded_ca
         [sys.executable, "pretrain_gpt.py", *argv],
         capture_output=True,
         text=True,
-        env=_without_rendezvous(),
+        env=fresh_world(),
         cwd=ROOT,
     )
     assert run.returncode == 1, run.stderr[-3000:]
@@ -373,16 +367,7 @@ def test_a_signal_under_torchrun_saves_where_the_ranks_agree_and_resumes_exactly
     ckpt = str(tmp_path / "ckpt")
     flags = ["--tensor-model-parallel-size", "2", "--num-workers", "2"]
     argv = tiny_argv(embedded_cache, *flags, "--save", ckpt, "--exit-signal-handler", iters=10_000)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    proc = subprocess.Popen(
-        [*torchrun, "--nproc_per_node", "2", "pretrain_gpt.py", *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=_without_rendezvous(),
-        cwd=ROOT,
-        start_new_session=True,
-    )
+    proc = torchrun(argv)
     try:
         for line in proc.stdout:
             if "iteration        3/" in line:
@@ -435,16 +420,7 @@ def test_a_stalled_rank_ends_the_job_by_its_timeout(embedded_cache, tmp_path):
     argv = tiny_argv(
         embedded_cache, *flags, "--save", str(ckpt), "--save-interval", "2", iters=10_000
     )
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    proc = subprocess.Popen(
-        [*torchrun, "--nproc_per_node", "2", "pretrain_gpt.py", *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=_without_rendezvous(),
-        cwd=ROOT,
-        start_new_session=True,
-    )
+    proc = torchrun(argv)
     try:
         for line in proc.stdout:
             if "iteration        5/" in line:
@@ -486,33 +462,7 @@ def test_a_killed_rank_restarts_under_torchrun_and_ends_as_an_uninterrupted_run(
     ckpt, straight = str(tmp_path / "ckpt"), str(tmp_path / "straight")
     argv = tiny_argv(embedded_cache, *flags, "--save-interval", "2", iters=10)
     train(2, [*argv, "--save", straight])
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--max-restarts",
-        "1",
-    ]
-    proc = subprocess.Popen(
-        [
-            *torchrun,
-            "--nproc_per_node",
-            "2",
-            "pretrain_gpt.py",
-            *argv,
-            "--save",
-            ckpt,
-            "--load",
-            ckpt,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=_without_rendezvous(),
-        cwd=ROOT,
-        start_new_session=True,
-    )
+    proc = torchrun([*argv, "--save", ckpt, "--load", ckpt], "--max-restarts", "1")
     try:
         for line in proc.stdout:
             if "iteration        5/" in line:
