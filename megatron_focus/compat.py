@@ -2,7 +2,7 @@
 
 A launch script brings Megatron-LM's flags along; each one is known here, with Megatron-LM's
 own argparse keywords (megatron_lm_flags.txt, read from its parser), so that a script that gives
-it a value parses. Beyond the flags this trainer implements (arguments.py), three kinds, each
+it a value parses. Beyond the flags this trainer implements (flags.py), three kinds, each
 shown by `pretrain_gpt.py --help`:
 
 - *no effect here*: they tune what this trainer replaces (fused CUDA kernels, Transformer
@@ -394,7 +394,7 @@ def megatron_flags(path: str = SPEC) -> list:
 @functools.lru_cache(maxsize=None)
 def classify(flag: str) -> Optional[Tuple[str, str]]:
     """("no effect" or "refused", why) for a Megatron-LM flag this trainer does not implement;
-    None for one it implements (arguments.py), which no family names."""
+    None for one it implements (flags.py), which no family names."""
     return _classify(flag, (("no effect", NO_EFFECT), ("refused", REFUSED)))
 
 

@@ -120,9 +120,9 @@ def add_planner_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 def parse_plan_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """pretrain_gpt.py's flags + the planner's, validated as a run on the whole cluster would be."""
-    from megatron_focus.arguments import build_parser
     from megatron_focus.data import reads_data_files
     from megatron_focus.deepspeed_config import take_json_settings
+    from megatron_focus.flags import build_parser
 
     parser = add_planner_args(build_parser())
     parser.prog = "plan.py"
@@ -160,7 +160,7 @@ def parse_plan_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def _validate(args: argparse.Namespace, world: int) -> None:
-    from megatron_focus.arguments import validate_args
+    from megatron_focus.validation import validate_args
 
     try:
         validate_args(args, world_size=world)

@@ -10,8 +10,10 @@ import time
 import pytest
 
 from megatron_focus import cli
-from megatron_focus.arguments import build_parser, parse_args, validate_args
+from megatron_focus.arguments import parse_args
 from megatron_focus.compat import NO_EFFECT, REFUSED, classify, megatron_lm_actions
+from megatron_focus.flags import build_parser
+from megatron_focus.validation import validate_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Megatron-LM's defaults that this trainer cannot take, and why.

@@ -72,7 +72,8 @@ def native_args(tag_dir: str, **settings) -> argparse.Namespace:
     run's are: every key of its `model_args.json` (the shape, the attention variant, the variant's
     recorded settings) as recorded, so nothing is re-derived from a default; `settings` are the
     variant's unrecorded ones by key (`focus_top_k=1`; None: the flag's default)."""
-    from megatron_focus.arguments import build_parser, validate_args
+    from megatron_focus.flags import build_parser
+    from megatron_focus.validation import validate_args
 
     saved = checkpoint_format.saved_model_args(tag_dir)  # older ones at what they computed
     keys = checkpoint_format.SHAPE_KEYS

@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from megatron_focus import platform
-from megatron_focus.arguments import validate_args
 from megatron_focus.checkpoint.native import (
     checkpoint_tag_dir,
     native_args,
@@ -28,6 +27,7 @@ from megatron_focus.model.focus import (
     set_focus_mode,
 )
 from megatron_focus.model.kernels import chosen
+from megatron_focus.validation import validate_args
 from megatron_focus.variants import variant
 
 

@@ -163,8 +163,9 @@ class Architecture:
         self, tensor_model_parallel_size: int = 1, make_vocab_size_divisible_by: int = 128
     ) -> argparse.Namespace:
         """`pretrain_gpt.py`'s arguments for this model, validated as a training run's are."""
-        from megatron_focus.arguments import build_parser, validate_args
+        from megatron_focus.flags import build_parser
         from megatron_focus.model.gpt import padded_vocab_size
+        from megatron_focus.validation import validate_args
 
         args = build_parser().parse_args(
             self.flags()

@@ -398,7 +398,8 @@ def test_values_no_run_can_use_are_refused_by_name(flag, value):
 
 
 def test_range_checks_name_real_flags():
-    from megatron_focus.arguments import AT_LEAST, WITHIN, build_parser
+    from megatron_focus.flags import build_parser
+    from megatron_focus.validation import AT_LEAST, WITHIN
 
     dests = {action.dest for action in build_parser()._actions}
     assert set(AT_LEAST) | set(WITHIN) <= dests
