@@ -48,8 +48,21 @@ def model(attention: str, top_k: int, context: int):
 
 
 def cache_bytes(cache) -> int:
-    tensors = [t for layer in cache.layers for t in vars(layer).values() if torch.is_tensor(t)]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """The bytes of every tensor the cache's layers hold (Focus's buckets' as allocated)."""
+
+    def tensors(held):
+        if torch.is_tensor(held):
+            yield held
+        elif isinstance(held, (list, tuple, dict)):
+            for item in held.values() if isinstance(held, dict) else held:
+                yield from tensors(item)
+        elif hasattr(held, "__dict__") and not isinstance(held, type):
+            yield from tensors(vars(held))
+
+    unique = {
+        t.untyped_storage().data_ptr(): t for layer in cache.layers for t in tensors(vars(layer))
+    }
+    return sum(t.untyped_storage().nbytes() for t in unique.values())
 
 
 @torch.no_grad()

@@ -30,6 +30,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
@@ -47,6 +48,9 @@ except ImportError:  # transformers 4
 CACHE_FIELD = (
     "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 )
+
+# transformers 5's crop takes the tokens to remove (0: none); 4's, the length to keep
+CROP_REMOVES = int(transformers.__version__.split(".")[0]) >= 5
 
 XSA_EPS = 1e-6  # as megatron_focus.model.xsa.exclusive_projection
 
@@ -265,17 +269,30 @@ def sigmoid_gate(log_g_q, log_g_k, local, gate_scale: float):
     return torch.where(local, 1.0, torch.sigmoid(gate_scale * affinity))
 
 
+# PyTorch's fused CPU attention, which returns the log-sum-exp beside the output (an internal
+# op of torch.nn.functional.scaled_dot_product_attention; without it, explicit scores)
+FUSED_CPU_ATTENTION = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 def partial_attention(q, k, v, allowed, scale: float):
     """softmax(q k^T * scale) v over the `allowed` pairs `[m, n]` only, in fp32, with its
     log-sum-exp: q `[heads, m, d]`, k and v `[kv heads, n, d]` (GQA: heads share them in
     groups). A query with no allowed key gets output 0 and log-sum-exp -inf."""
     kv_heads, n, d = k.shape
     heads, m = q.shape[:2]
-    scores = q.float().view(kv_heads, -1, m, d) @ k.float().transpose(-1, -2)[:, None] * scale
+    q, k, v = q.float(), k.float(), v.float()
+    if q.device.type == "cpu" and FUSED_CPU_ATTENTION is not None:
+        k, v = (
+            t[:, None].expand(-1, heads // kv_heads, -1, -1).reshape(1, heads, n, d) for t in (k, v)
+        )
+        bias = torch.zeros(m, n).masked_fill(~allowed, float("-inf"))
+        out, lse = FUSED_CPU_ATTENTION(q[None], k, v, attn_mask=bias[None, None], scale=scale)
+        return out[0], lse[0].masked_fill(~allowed.any(-1), float("-inf"))
+    scores = q.view(kv_heads, -1, m, d) @ k.transpose(-1, -2)[:, None] * scale
     scores = scores.masked_fill(~allowed, float("-inf"))
     lse = scores.logsumexp(-1)
     probs = (scores - lse.nan_to_num(neginf=0.0)[..., None]).exp()
-    return (probs @ v.float()[:, None]).view(heads, m, d), lse.view(heads, m)
+    return (probs @ v[:, None]).view(heads, m, d), lse.view(heads, m)
 
 
 def merge_into(out, lse, queries, part_out, part_lse):
@@ -289,55 +306,156 @@ def merge_into(out, lse, queries, part_out, part_lse):
     lse[:, queries] = new
 
 
-def sparse_rule_attention(q, k, v, pairs, groups_q, groups_k, sinks, window, top_k, block=512):
+def sparse_rule_attention(q, k, v, pairs, groups_q, buckets, window, top_k, block=512):
     """Attention over the pairs the hard top-k rule keeps, computing only those (the native
     sparse dispatch's plan, megatron_focus/model/focus_sparse.py): the window's keys by blocks
-    of queries, the sinks beyond it, then, group by group, the distant keys whose top-1 group
-    is one of a query's top-k, for those queries alone; the parts merged by log-sum-exp.
+    of queries, then the sinks' bucket and, group by group, the buckets of the groups among a
+    query's top-k, for those queries alone; the parts merged by log-sum-exp.
 
-    q `[b, heads, s, d]`; k, v `[b, kv heads, keys, d]` (every key: Focus layers take no
-    sliding window); groups ranked (`rank_groups`) for the queries `[b, s, K]` and every key
-    `[b, keys, K]`; `sinks` `[b, keys]`. Work: about s * (block + window) pairs, plus
-    top_k * s^2 / K; a decoding step reads the window's keys, the sinks' and its groups'.
+    q `[b, heads, s, d]`; k, v `[b, kv heads, n, d]`: the last n keys in position order (at
+    least the window's of every query; Focus layers take no sliding window); `groups_q` the
+    queries' ranked groups `[b, s, K]`; `buckets` (`KeyBuckets`) every key beyond them. A
+    bucket holds its keys in position order, so a query's distant keys in it are a prefix, read
+    in place. Work: about s * (block + window) pairs, plus top_k * s^2 / K; a decoding step
+    reads the window's keys, the sinks' and its groups'.
     """
     b, heads, s, d = q.shape
-    key_pos = torch.arange(pairs.keys, device=q.device)
+    offset = pairs.keys - k.shape[2]  # the position of k's first key
     query_pos, scale = pairs.query_pos, d**-0.5
     out = torch.zeros(b, heads, s, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, heads, s), float("-inf"), device=q.device)
 
-    def add(row, queries, keys, distant: bool):
-        """`queries`, `keys`: index tensors, or slices where they are runs (read in place)."""
-        qp, kp = query_pos[queries], key_pos[keys]
-        allowed = pairs.between(qp, kp, row)
-        near = kp[None, :] > qp[:, None] - window
+    def add(row, queries, keys, values, key_pos, distant: bool):
+        qp = query_pos[queries]
+        allowed = pairs.between(qp, key_pos, row)
+        near = key_pos[None, :] > qp[:, None] - window
         allowed = allowed & (~near if distant else near)
-        part = partial_attention(
-            q[row][:, queries], k[row][:, keys], v[row][:, keys], allowed, scale
-        )
+        part = partial_attention(q[row][:, queries], keys, values, allowed, scale)
         merge_into(out[row], lse[row], queries, *part)
+
+    def add_bucket(row, queries, bucket):
+        """`queries` (a slice or indices, by position) against the bucket's keys that are
+        distant for the last of them."""
+        held = buckets.read(row, bucket, int(query_pos[queries][-1]) - window + 1)
+        if held is not None:
+            add(row, queries, *held, True)
 
     for row in range(b):
         for start in range(0, s, block):  # the window (each query's own key among them)
             end = min(start + block, s)
-            first = max(int(query_pos[start]) - window + 1, 0)
-            add(row, slice(start, end), slice(first, int(query_pos[end - 1]) + 1), False)
-        sink = sinks[row]
-        if sink.any():
-            add(row, slice(0, s), sink.nonzero()[:, 0], True)
-        top1 = groups_k[row, :, 0].masked_fill(sink, -1)  # a sink is counted once
+            first, last = max(int(query_pos[start]) - window + 1, 0), int(query_pos[end - 1]) + 1
+            keys = slice(first - offset, last - offset)
+            key_pos = torch.arange(first, last, device=q.device)
+            add(row, slice(start, end), k[row][:, keys], v[row][:, keys], key_pos, False)
+        add_bucket(row, slice(0, s), buckets.sinks)
         chosen = groups_q[row, :, :top_k]
         for group in chosen.unique().tolist():
             asking = (chosen == group).any(-1).nonzero()[:, 0]
-            # keys beyond the window of the last asking query are never distant for them
-            last = int(query_pos[asking[-1]]) - window + 1
-            members = (top1[: max(last, 0)] == group).nonzero()[:, 0]
             for start in range(0, len(asking), block):
-                queries = asking[start : start + block]
-                reach = torch.searchsorted(members, query_pos[queries[-1]] - window + 1)
-                if reach:
-                    add(row, queries, members[:reach], True)
+                add_bucket(row, asking[start : start + block], group)
     return out.to(q.dtype)
+
+
+class KeyBuckets:
+    """A Focus layer's keys and values by bucket: one per group (the keys whose top-1 group it
+    is) and one more for the sinks; padding is in none.
+
+    Within a bucket keys stay in position order, so what a query keeps of a bucket (the keys a
+    window or more before it) is a prefix: a decoding step reads its groups' keys where they
+    lie, no compare over every cached key, no gather. A bucket's keys are `[b, kv heads,
+    capacity, d]`, grown by an eighth when full (at first exactly to size), with the
+    positions `[b, capacity]`; `counts[row][bucket]` says how many of each row's are held.
+    """
+
+    def __init__(self, groups: int):
+        self.sinks = groups  # the sinks' bucket, after the groups'
+        self.stores = [None] * (groups + 1)  # per bucket: (keys, values, positions)
+        self.counts = []
+
+    def append(self, keys, values, positions, bucket):
+        """Keys and values `[b, kv heads, s, d]` of the tokens at `positions` `[s]`, each to
+        its bucket (`bucket` `[b, s]`, -1: none)."""
+        if not self.counts:
+            self.counts = [[0] * len(self.stores) for _ in range(keys.shape[0])]
+        for row, ids in enumerate(bucket):
+            if ids.numel() == 1:  # a decoding step: one key, no sort
+                if int(ids) >= 0:
+                    self._write(row, int(ids), keys[row], values[row], positions)
+                continue
+            order = torch.argsort(ids, stable=True)  # by bucket, in position order within
+            sizes = torch.bincount(ids + 1, minlength=len(self.stores) + 1).tolist()
+            k, v, p = keys[row][:, order], values[row][:, order], positions[order]
+            start = sizes[0]  # the padding's, first
+            for bucket_id, size in enumerate(sizes[1:]):
+                if size:
+                    run = slice(start, start + size)
+                    self._write(row, bucket_id, k[:, run], v[:, run], p[run])
+                start += size
+
+    def _write(self, row, bucket, keys, values, positions):
+        n, m = self.counts[row][bucket], positions.numel()
+        store = self.stores[bucket]
+        capacity = 0 if store is None else store[2].shape[1]
+        if n + m > capacity:
+            grown = n + m if store is None else max(n + m, capacity + capacity // 8 + 16)
+            rows = len(self.counts)
+            new = (
+                keys.new_empty(rows, keys.shape[0], grown, keys.shape[-1]),
+                values.new_empty(rows, values.shape[0], grown, values.shape[-1]),
+                positions.new_empty(rows, grown),
+            )
+            if store is not None:
+                for old, fresh, dim in zip(store, new, (2, 2, 1)):
+                    fresh.narrow(dim, 0, capacity).copy_(old)
+            self.stores[bucket] = store = new
+        store[0][row, :, n : n + m] = keys
+        store[1][row, :, n : n + m] = values
+        store[2][row, n : n + m] = positions
+        self.counts[row][bucket] = n + m
+
+    def read(self, row, bucket, before: int):
+        """(keys `[kv heads, m, d]`, values, positions `[m]`) of the bucket's keys at positions
+        before `before`, in place; None if there are none."""
+        n = self.counts[row][bucket] if self.counts else 0
+        if n == 0:
+            return None
+        keys, values, positions = self.stores[bucket]
+        m = int(torch.searchsorted(positions[row, :n], before))
+        return (keys[row, :, :m], values[row, :, :m], positions[row, :m]) if m else None
+
+    def select(self, rows: torch.Tensor):
+        """The batch rows `rows` (beam reordering, batch expansion and selection), copied."""
+        self.stores = [
+            None if store is None else tuple(t.index_select(0, rows.to(t.device)) for t in store)
+            for store in self.stores
+        ]
+        self.counts = [list(self.counts[row]) for row in rows.tolist()]
+
+    def crop(self, length: int):
+        """Forgets the keys at positions from `length` on."""
+        for row, counts in enumerate(self.counts):
+            for bucket, n in enumerate(counts):
+                if n:
+                    positions = self.stores[bucket][2][row, :n]
+                    counts[bucket] = int(torch.searchsorted(positions, length))
+
+    def gather(self, first: int, end: int, like_keys, like_values):
+        """The keys and values at positions first..end-1 in position order `[b, kv heads,
+        end - first, d]` (padding, in no bucket: zeros), as the window's cache needs them after
+        a crop."""
+        keys, values = (
+            like.new_zeros(like.shape[0], like.shape[1], end - first, like.shape[3])
+            for like in (like_keys, like_values)
+        )
+        for row, counts in enumerate(self.counts):
+            for bucket, n in enumerate(counts):
+                if n:
+                    k, v, positions = (t[row] for t in self.stores[bucket])
+                    bounds = torch.tensor([first, end], device=positions.device)
+                    lo, hi = torch.searchsorted(positions[:n], bounds).tolist()
+                    at = positions[lo:hi] - first
+                    keys[row][:, at], values[row][:, at] = k[:, lo:hi], v[:, lo:hi]
+        return keys, values
 
 
 class Router(nn.Module):
@@ -358,6 +476,7 @@ def appended(store, held: torch.Tensor, new: torch.Tensor, dim: int):
     """`held` and `new` along `dim`, written into `store` when `held` is its prefix and it has
     room (else into a new store of twice the length): appending costs the new tokens alone,
     where torch.cat copies every held one at every decoding step. Returns (store, the whole)."""
+    dim %= held.dim()  # the shapes are compared on every other axis
     n, m = held.shape[dim], new.shape[dim]
     prefix = (
         store is not None
@@ -376,24 +495,35 @@ def appended(store, held: torch.Tensor, new: torch.Tensor, dim: int):
 
 
 class FocusCacheLayer(DynamicLayer):
-    """A Focus layer's cache entry: keys and values, and the routing state of every cached token.
+    """A Focus layer's cache entry in soft mode: keys and values, and the routing state of every
+    cached token.
 
     `log_g` `[b, n, K]`: each cached token's log-assignment (the soft gate's g_j); `groups`
-    `[b, n, K]`: its ranked groups (the hard rule's top-1). `sums` `[b, n, iters, K]`: per
-    causal-Sinkhorn iteration, the log-sum of exp(L) over the tokens up to this one; the last row
-    is all the next token needs. All are per token, as keys and values are, so cropping, beam
-    reordering and batch expansion (below) treat them as DynamicLayer treats keys and values.
+    `[b, n, K]`: its ranked groups. `sums` `[b, n, iters, K]`: per causal-Sinkhorn iteration,
+    the log-sum of exp(L) over the tokens up to this one; the last row is all the next token
+    needs. All are per token, as keys and values are, so cropping, beam reordering and batch
+    expansion (below) treat them as DynamicLayer treats keys and values.
     """
 
     keeps_focus_routing = True  # duck-typed: this file may be imported twice (package, remote code)
+    mode = "soft"
+    routing = ("log_g", "groups", "sums")  # the per-token state it keeps
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.log_g = self.groups = self.sums = None
         self._stores = {}  # each cached tensor's store, with room to grow (`appended`)
+        self._clear_routing()
+
+    def _clear_routing(self):
+        for name in self.routing:
+            setattr(self, name, None)
 
     def _append(self, name: str, new: torch.Tensor, dim: int) -> torch.Tensor:
-        self._stores[name], whole = appended(self._stores.get(name), getattr(self, name), new, dim)
+        held = getattr(self, name)
+        if held is None:
+            setattr(self, name, new)
+            return new
+        self._stores[name], whole = appended(self._stores.get(name), held, new, dim)
         setattr(self, name, whole)
         return whole
 
@@ -405,24 +535,20 @@ class FocusCacheLayer(DynamicLayer):
 
     def routing_prefix(self):
         """`[b, iters, K]`: the causal Sinkhorn's running log-sums after the cached tokens."""
-        return None if self.log_g is None or self.log_g.shape[1] == 0 else self.sums[:, -1]
+        return None if self.sums is None or self.sums.shape[1] == 0 else self.sums[:, -1]
 
-    def update_routing(self, log_g, groups, sums):
-        """Appends the new tokens' state; returns every cached token's (log_g, groups)."""
-        if self.log_g is None:
-            self.log_g, self.groups, self.sums = log_g, groups, sums
-        else:
-            self._append("sums", sums, 1)
-            self._append("log_g", log_g, 1)
-            self._append("groups", groups, 1)
-        return self.log_g, self.groups
+    def update_routing(self, **state):
+        """Appends the new tokens' state (each of `routing`, `[b, s, ...]`); returns every
+        cached token's."""
+        return {name: self._append(name, new, 1) for name, new in state.items()}
 
     def _map_routing(self, fn):
-        if self.log_g is not None:
-            self.log_g, self.groups, self.sums = fn(self.log_g), fn(self.groups), fn(self.sums)
+        for name in self.routing:
+            if getattr(self, name) is not None:
+                setattr(self, name, fn(getattr(self, name)))
 
     def reset(self):
-        self.log_g = self.groups = self.sums = None
+        self._clear_routing()
         self._stores = {}
         super().reset()
 
@@ -444,25 +570,113 @@ class FocusCacheLayer(DynamicLayer):
         self._map_routing(lambda t: t[indices])
 
 
-def focus_cache_layer(cache: Cache, layer_idx: int) -> FocusCacheLayer:
-    """`cache`'s entry of a Focus layer, made a `FocusCacheLayer` on first use.
+class FocusSparseCacheLayer(FocusCacheLayer):
+    """A Focus layer's cache entry in sparse mode: keys and values by bucket (`KeyBuckets`: each
+    key under its top-1 group, or the sinks'), and, in position order, only the last `window`
+    of them (`keys`, `values`), which the window's part of the rule reads; of the routing state,
+    only the Sinkhorn's running sums.
+
+    A decoding step so reads the window, the sinks and its top-k groups' keys, each a slice in
+    place. Its bytes are a standard cache's (every key once) plus the window and the sums.
+    """
+
+    mode = "sparse"
+    routing = ("sums",)
+
+    def __init__(self, groups: int, window: int, **kwargs):
+        super().__init__(**kwargs)
+        self.buckets, self.window, self.length = KeyBuckets(groups), window, 0
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """The window's held keys and values with the new ones, in position order (what the
+        window's part reads); keeps the last `window`. The buckets are filled by the layer."""
+        if not self.is_initialized:
+            self.keys, self.values = key_states[..., :0, :], value_states[..., :0, :]
+            self.device, self.is_initialized = key_states.device, True
+        keys = torch.cat([self.keys, key_states], dim=-2)
+        values = torch.cat([self.values, value_states], dim=-2)
+        self.length += key_states.shape[-2]
+        self.keys = keys[..., -self.window :, :].clone()
+        self.values = values[..., -self.window :, :].clone()
+        return keys, values
+
+    def get_seq_length(self, *args) -> int:
+        return self.length
+
+    def reset(self):
+        groups = self.buckets.sinks
+        super().reset()
+        self.buckets, self.length = KeyBuckets(groups), 0
+
+    def crop(self, length: int):
+        # transformers 5: tokens to remove (< 0), 0 none; 4: the length to keep, or < 0 as 5
+        if length < 0:
+            keep = self.length + length
+        else:
+            keep = self.length if length == 0 and CROP_REMOVES else length
+        if keep >= self.length:
+            return
+        self.buckets.crop(keep)
+        self.keys, self.values = self.buckets.gather(
+            max(keep - self.window, 0), keep, self.keys, self.values
+        )
+        self.length = keep
+        self._map_routing(lambda t: t[:, :keep])
+
+    def _select(self, rows: torch.Tensor):
+        """Keeps the batch rows `rows` (beams reordered, a batch expanded or selected)."""
+        if not self.is_initialized:
+            return
+        self.keys, self.values = (
+            t.index_select(0, rows.to(t.device)) for t in (self.keys, self.values)
+        )
+        self.buckets.select(rows)
+        self._map_routing(lambda t: t[rows.to(t.device)])
+
+    def reorder_cache(self, beam_idx):
+        self._select(beam_idx.cpu())
+
+    def batch_repeat_interleave(self, repeats: int):
+        self._select(self._rows().repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices):
+        self._select(self._rows()[indices.cpu() if torch.is_tensor(indices) else indices])
+
+    def _rows(self) -> torch.Tensor:
+        return torch.arange(self.keys.shape[0] if self.is_initialized else 0)
+
+
+def focus_cache_layer(cache: Cache, layer_idx: int, config) -> FocusCacheLayer:
+    """`cache`'s entry of a Focus layer, made the mode's Focus cache layer on first use.
 
     generate() and the model build DynamicCaches of plain DynamicLayers (from the config, or grown
-    lazily); a Focus layer's entry is swapped, while still empty, for one that also keeps routing.
+    lazily); a Focus layer's entry is swapped, while still empty, for one that also keeps routing
+    (in sparse mode, its keys by group). A cache filled in one mode cannot go on in the other.
     """
     layers = cache.layers
     while len(layers) <= layer_idx and cache.layer_class_to_replicate is not None:
         layers.append(cache.layer_class_to_replicate())
     layer = layers[layer_idx] if layer_idx < len(layers) else None
+    mode = config.focus_attention_mode
     if getattr(layer, "keeps_focus_routing", False):
-        return layer
-    if type(layer) is DynamicLayer and layer.get_seq_length() == 0:
-        layers[layer_idx] = FocusCacheLayer()
-        return layers[layer_idx]
-    raise ValueError(
-        f"Focus layer {layer_idx} needs a DynamicCache entry to keep its routing "
-        f"state, not {type(layer).__name__} (use the default cache_implementation)"
+        if layer.mode != mode and layer.get_seq_length() > 0:
+            raise ValueError(
+                f"this cache holds Focus layer {layer_idx}'s keys for {layer.mode} mode; "
+                f"{mode} mode needs a new cache (generate() makes one)"
+            )
+        if layer.mode == mode:
+            return layer
+    elif not (type(layer) is DynamicLayer and layer.get_seq_length() == 0):
+        raise ValueError(
+            f"Focus layer {layer_idx} needs a DynamicCache entry to keep its routing "
+            f"state, not {type(layer).__name__} (use the default cache_implementation)"
+        )
+    layers[layer_idx] = (
+        FocusSparseCacheLayer(config.focus_groups, config.focus_window)
+        if mode == "sparse"
+        else FocusCacheLayer()
     )
+    return layers[layer_idx]
 
 
 class FocusAttention(Attention):
@@ -475,12 +689,14 @@ class FocusAttention(Attention):
         self.router = Router(config)
 
     def route(self, x, cache, attention_mask):
-        """((log-assignments, ranked groups) of these tokens `[b, s, K]`, the same of every key
-        `[b, keys, K]`, which keys are sinks `[b, keys]`): the groups ranked once, here, for
-        every use. The sinks are the first `focus_sink_tokens` tokens of each sequence, padding
-        not counted."""
+        """Soft mode: ((log-assignments, ranked groups) of these tokens `[b, s, K]`, the same of
+        every key `[b, keys, K]`, which keys are sinks `[b, keys]`). Sparse mode: (the queries'
+        ranked groups, each new key's bucket `[b, s]` (`KeyBuckets`), the buckets the keys are
+        added to). The groups are ranked once, here, for every use. The sinks are the first
+        `focus_sink_tokens` tokens of each sequence, padding not counted."""
         b, s, _ = x.shape
-        layer = focus_cache_layer(cache, self.layer_idx) if cache is not None else None
+        config = self.config
+        layer = focus_cache_layer(cache, self.layer_idx, config) if cache is not None else None
         past = layer.get_seq_length() if layer is not None else 0
         keep = None
         if attention_mask is not None and not attention_mask.all():
@@ -496,29 +712,42 @@ class FocusAttention(Attention):
             counts, keep = keep.long().cumsum(-1)[:, past:].clamp_min(1), keep[:, past:]
         log_g, sums = causal_sinkhorn(
             self.router(x),
-            self.config.focus_sinkhorn_iters,
+            config.focus_sinkhorn_iters,
             counts,
             keep,
             layer.routing_prefix() if layer is not None else None,
         )
-        queries = (log_g, rank_groups(log_g))
-        keys = layer.update_routing(*queries, sums) if layer is not None else queries
+        groups = rank_groups(log_g)
         real = (
             attention_mask[:, -(past + s) :].bool()
             if attention_mask is not None
             else torch.ones(b, past + s, dtype=torch.bool, device=x.device)
         )
-        sinks = real & (real.long().cumsum(-1) <= self.config.focus_sink_tokens)
-        return queries, keys, sinks
+        sinks = real & (real.long().cumsum(-1) <= config.focus_sink_tokens)
+        if config.focus_attention_mode == "sparse":
+            if layer is not None:
+                layer.update_routing(sums=sums)
+            buckets = layer.buckets if layer is not None else KeyBuckets(config.focus_groups)
+            bucket = groups[..., 0].masked_fill(sinks[:, past:], buckets.sinks)
+            return groups, bucket.masked_fill(~real[:, past:], -1), buckets
+        cached = (
+            layer.update_routing(log_g=log_g, groups=groups, sums=sums)
+            if layer is not None
+            else dict(log_g=log_g, groups=groups)
+        )
+        return (log_g, groups), (cached["log_g"], cached["groups"]), sinks
 
     def attend(self, q, k, v, pairs, routing=None):
         config = self.config
         check_focus_inference(config)
-        (log_g_q, groups_q), (log_g_k, groups_k), sinks = routing
         if config.focus_attention_mode == "sparse":
+            groups_q, bucket, buckets = routing
+            s = q.shape[2]
+            buckets.append(k[:, :, -s:], v[:, :, -s:], pairs.query_pos, bucket)
             return sparse_rule_attention(
-                q, k, v, pairs, groups_q, groups_k, sinks, config.focus_window, config.focus_top_k
+                q, k, v, pairs, groups_q, buckets, config.focus_window, config.focus_top_k
             )
+        (log_g_q, groups_q), (log_g_k, groups_k), sinks = routing
         # local pairs: the window, and every query's sinks (as the native rule's)
         local = (
             local_pairs(q.shape[2], k.shape[2], config.focus_window, q.device) | sinks[:, None, :]

@@ -300,10 +300,19 @@ def test_focus_generate_routes_incrementally_as_a_full_forward(trained_focus, na
         full = DynamicCache(config=model.config)  # one forward over every token the cache saw
         model(tokens[:, :-1], cache=full)
     for layer, (step, whole) in enumerate(zip(out.cache.layers, full.layers)):
-        assert step.log_g.shape == whole.log_g.shape == (2, 8 + new - 1, 4), layer
-        torch.testing.assert_close(step.log_g, whole.log_g, rtol=0, atol=1e-5)
+        assert step.sums.shape[:2] == whole.sums.shape[:2] == (2, 8 + new - 1), layer
         torch.testing.assert_close(step.sums, whole.sums, rtol=0, atol=1e-5)
-        assert torch.equal(step.groups, whole.groups)
+        if mode == "soft":
+            torch.testing.assert_close(step.log_g, whole.log_g, rtol=0, atol=1e-5)
+            assert torch.equal(step.groups, whole.groups)
+            continue
+        # sparse: each key filed under the same group, in position order, as one pass files it
+        assert step.buckets.counts == whole.buckets.counts, layer
+        for row, counts in enumerate(step.buckets.counts):
+            for bucket, n in filter(lambda held: held[1], enumerate(counts)):
+                one, other = step.buckets.stores[bucket], whole.buckets.stores[bucket]
+                assert torch.equal(one[2][row, :n], other[2][row, :n])
+                torch.testing.assert_close(one[0][row, :, :n], other[0][row, :, :n])
 
 
 def _custom_focus_model(**overrides):
@@ -379,9 +388,64 @@ def test_routing_state_follows_beam_search_and_crop(mode):
     with torch.no_grad():
         whole = model(tokens, cache=cache).logits
         cache.crop(-5)
-        assert cache.layers[3].log_g.shape[1] == cache.layers[3].sums.shape[1] == 15
+        assert cache.layers[3].get_seq_length() == cache.layers[3].sums.shape[1] == 15
         again = model(tokens[:, 15:], cache=cache).logits
     torch.testing.assert_close(again, whole[:, 15:], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["soft", "sparse"])
+def test_assisted_generation_crops_to_greedy(mode, monkeypatch):
+    """Prompt-lookup decoding drafts tokens and crops the rejected ones from the cache (in
+    sparse mode from the groups' keys too, and the window's rebuilt): greedy's tokens."""
+    from megatron_focus.hf import modeling_megatron_focus as hf
+
+    torch.manual_seed(0)
+    model = _every_variant_model().eval()
+    model.set_focus_mode(mode)
+    model.generation_config.eos_token_id = 199  # transformers 4's lookup needs one
+    crops, layer = [], hf.FocusSparseCacheLayer if mode == "sparse" else hf.FocusCacheLayer
+    crop = layer.crop
+    monkeypatch.setattr(layer, "crop", lambda *a: crops.append(a[1]) or crop(*a))
+    prompt = (TOKENS[:1, :6] % 200).repeat(1, 4)  # repeats: lookup finds drafts
+    greedy = model.generate(prompt, max_new_tokens=24, do_sample=False)
+    assisted = model.generate(
+        prompt, max_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=3
+    )
+    assert torch.equal(assisted, greedy)
+    assert any(crops), "no draft was rejected: the crop went untested"
+
+
+def test_sparse_cache_expands_and_selects_rows():
+    """Batch expansion and selection (contrastive search, beams) copy every row's buckets:
+    rows decoded apart afterwards are each a full forward."""
+    from transformers import DynamicCache
+
+    torch.manual_seed(0)
+    model = _every_variant_model().eval()
+    model.set_focus_mode("sparse")
+    prompt, ends = TOKENS[:1, :20] % 200, torch.tensor([[5], [7], [9]])
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(prompt, cache=cache)
+        cache.batch_repeat_interleave(3)
+        cache.batch_select_indices(torch.tensor([0, 2]))
+        step = model(ends[[0, 2]], cache=cache).logits[:, -1]
+        whole = model(torch.cat([prompt.expand(2, -1), ends[[0, 2]]], 1)).logits[:, -1]
+    torch.testing.assert_close(step, whole, rtol=0, atol=1e-5)
+
+
+def test_a_cache_goes_on_in_its_own_mode():
+    """Soft mode's cache holds no groups' buckets, sparse mode's no keys beyond the window: a
+    cache filled in one mode is refused by name in the other."""
+    from transformers import DynamicCache
+
+    model = _every_variant_model().eval()
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(TOKENS[:, :8] % 200, cache=cache)
+        model.set_focus_mode("sparse")
+        with pytest.raises(ValueError, match="soft mode; sparse mode needs a new cache"):
+            model(TOKENS[:, 8:9] % 200, cache=cache)
 
 
 @pytest.mark.parametrize("mode", ["soft", "sparse"])

@@ -20,6 +20,17 @@ def _inputs(b, heads, kv_heads, n, d, groups, how, seed):
     return q, k, v, assignments(b, n, groups, gen, how)
 
 
+def _buckets(hf, k, v, ranked, sinks, real=None):
+    """Every key in its bucket, as the model files them: the sinks', else its top-1 group's;
+    padding in none."""
+    buckets = hf.KeyBuckets(ranked.shape[-1])
+    bucket = ranked[..., 0].masked_fill(sinks, buckets.sinks)
+    if real is not None:
+        bucket = bucket.masked_fill(~real, -1)
+    buckets.append(k, v, torch.arange(k.shape[2]), bucket)
+    return buckets
+
+
 @pytest.mark.parametrize(
     "groups,top_k,window,sink,kv_heads,block,how",
     [
@@ -33,16 +44,21 @@ def _inputs(b, heads, kv_heads, n, d, groups, how, seed):
         (8, 2, 2, 0, 1, 8, "lonely"),
     ],
 )
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-cpu", "explicit"])
 def test_sparse_prefill_equals_the_dense_hard_rule(
-    groups, top_k, window, sink, kv_heads, block, how
+    groups, top_k, window, sink, kv_heads, block, how, fused, monkeypatch
 ):
+    """Each part on PyTorch's fused CPU attention and on explicit scores (other devices)."""
     hf = _hf()
+    if not fused:
+        monkeypatch.setattr(hf, "FUSED_CPU_ATTENTION", None)
     q, k, v, log_g = _inputs(2, 4, kv_heads, 45, 8, groups, how, seed=groups * 10 + top_k)
     n = q.shape[2]
     ranked = hf.rank_groups(log_g)
     pairs = hf.CausalPairs(n, 0, None, q.device)
     sinks = (torch.arange(n) < sink).expand(2, n)
-    out = hf.sparse_rule_attention(q, k, v, pairs, ranked, ranked, sinks, window, top_k, block)
+    buckets = _buckets(hf, k, v, ranked, sinks)
+    out = hf.sparse_rule_attention(q, k, v, pairs, ranked, buckets, window, top_k, block)
     ref = dense_hard_rule(q, k, v, log_g, window, top_k, 8**-0.5, sink)
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
 
@@ -59,7 +75,8 @@ def test_sparse_prefill_with_left_padding_equals_each_row_alone():
     sinks = real & (real.long().cumsum(-1) <= 2)
     ranked = hf.rank_groups(log_g)
     pairs = hf.CausalPairs(40, 0, attention_mask, q.device)
-    out = hf.sparse_rule_attention(q, k, v, pairs, ranked, ranked, sinks, 5, 2, block=6)
+    buckets = _buckets(hf, k, v, ranked, sinks, real)
+    out = hf.sparse_rule_attention(q, k, v, pairs, ranked, buckets, 5, 2, block=6)
     for row, start in enumerate(pad):
         alone = [t[row : row + 1, ..., start:, :] for t in (q, k, v)]
         ref = dense_hard_rule(*alone, log_g[row : row + 1, start:], 5, 2, 8**-0.5, sink=2)
@@ -67,24 +84,38 @@ def test_sparse_prefill_with_left_padding_equals_each_row_alone():
 
 
 def test_decoding_steps_equal_the_prefill():
-    """One query at a time against every earlier key (a cache's view) gives the prefill's rows."""
+    """One query at a time, its key filed before it attends, reading in position order only the
+    window's keys (a cache's view): the prefill's rows."""
     hf = _hf()
+    window = 3
     q, k, v, log_g = _inputs(1, 4, 2, 30, 8, 4, "random", seed=5)
     ranked = hf.rank_groups(log_g)
     sinks = (torch.arange(30) < 1)[None]
     whole = hf.sparse_rule_attention(
-        q, k, v, hf.CausalPairs(30, 0, None, q.device), ranked, ranked, sinks, 3, 1
+        q,
+        k,
+        v,
+        hf.CausalPairs(30, 0, None, q.device),
+        ranked,
+        _buckets(hf, k, v, ranked, sinks),
+        window,
+        1,
     )
-    for i in (0, 3, 17, 29):
+    buckets = hf.KeyBuckets(4)
+    bucket = ranked[..., 0].masked_fill(sinks, buckets.sinks)
+    for i in range(30):
+        buckets.append(
+            k[:, :, i : i + 1], v[:, :, i : i + 1], torch.tensor([i]), bucket[:, i : i + 1]
+        )
+        held = slice(max(i - window + 1, 0), i + 1)
         step = hf.sparse_rule_attention(
             q[:, :, i : i + 1],
-            k[:, :, : i + 1],
-            v[:, :, : i + 1],
+            k[:, :, held],
+            v[:, :, held],
             hf.CausalPairs(1, i, None, q.device),
             ranked[:, i : i + 1],
-            ranked[:, : i + 1],
-            sinks[:, : i + 1],
-            3,
+            buckets,
+            window,
             1,
         )
         torch.testing.assert_close(step, whole[:, :, i : i + 1], rtol=1e-5, atol=1e-6)
