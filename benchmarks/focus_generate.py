@@ -5,8 +5,9 @@ Both are `MegatronFocusForCausalLM` built from a config (random weights: speed d
 on them) and run as `generate()` runs them: the prompt prefilled through the cache in chunks of
 `--prefill-chunk` tokens, then one token per step. The models are interleaved in one process,
 context by context, so the machine's noise falls on all of them; each row's ratio is against the
-standard model measured beside it. Cache bytes count every tensor the cache holds (keys, values
-and Focus's routing state).
+standard model measured beside it; "ideal" is the prefill's dense pairs over the pairs the rule
+keeps with balanced groups, "of ideal" the measured speed-up's share of it. Cache bytes count
+every tensor the cache holds (keys, values, Focus's routing state; buckets as allocated).
 
     python benchmarks/focus_generate.py                      # 4K, 16K, 32K tokens of context
     python benchmarks/focus_generate.py --contexts 4096 --json out.json
@@ -32,7 +33,7 @@ SHAPE = dict(  # 4 layers, hidden 256, 8 heads, RoPE, RMSNorm, SwiGLU; Focus K 8
 )
 
 
-def model(attention: str, top_k: int, context: int):
+def model(attention: str, top_k: int, context: int, device: str, dtype: torch.dtype):
     from megatron_focus.hf.configuration_megatron_focus import MegatronFocusConfig
     from megatron_focus.hf.modeling_megatron_focus import MegatronFocusForCausalLM
 
@@ -44,7 +45,23 @@ def model(attention: str, top_k: int, context: int):
         focus_top_k=top_k,
     )
     torch.manual_seed(0)
-    return MegatronFocusForCausalLM(config).eval()
+    return MegatronFocusForCausalLM(config).eval().to(device, dtype)
+
+
+def kept_share(context: int, top_k: int) -> float:
+    """The share of a causal prefill's pairs the sparse rule keeps with balanced groups: the
+    window's, and top_k / K of the distant ones (their inverse: the ideal speed-up)."""
+    window, groups = SHAPE["focus_window"], SHAPE["focus_groups"]
+    distant = (context - window) * (context - window + 1) / 2
+    return (context * (context + 1) / 2 - distant * (1 - top_k / groups)) / (
+        context * (context + 1) / 2
+    )
+
+
+def synchronize(device: torch.device) -> None:
+    """Timings end when the device's work does (a GPU runs asynchronously)."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
 
 
 def cache_bytes(cache) -> int:
@@ -74,11 +91,13 @@ def run(lm, tokens: torch.Tensor, chunk: int, steps: int) -> dict:
     started = time.perf_counter()
     for start in range(0, tokens.shape[1], chunk):
         out = lm(tokens[:, start : start + chunk], past_key_values=cache, use_cache=True)
+    synchronize(tokens.device)
     prefill = time.perf_counter() - started
     token = out.logits[:, -1:].argmax(-1)
     started = time.perf_counter()
     for _ in range(steps):
         token = lm(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    synchronize(tokens.device)
     decode = time.perf_counter() - started
     return {
         "prefill_s": prefill,
@@ -93,48 +112,56 @@ def main() -> None:
     p.add_argument("--top-k", type=int, nargs="+", default=[1, 2])
     p.add_argument("--prefill-chunk", type=int, default=4096)
     p.add_argument("--steps", type=int, default=16, help="decoding steps timed per model")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run (CI)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
     if args.tiny:
         args.contexts, args.prefill_chunk, args.steps = [512], 256, 4
     torch.set_grad_enabled(False)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype.replace("fp", "float"))
     rows = []
     for context in args.contexts:
         tokens = torch.randint(
             0, SHAPE["vocab_size"], (1, context), generator=torch.Generator().manual_seed(1)
-        )
+        ).to(device)
         models = [("standard", None)] + [("focus", k) for k in args.top_k]
         measured = {
-            (name, k): run(model(name, k or 1, context), tokens, args.prefill_chunk, args.steps)
+            (name, k): run(
+                model(name, k or 1, context, device, dtype), tokens, args.prefill_chunk, args.steps
+            )
             for name, k in models
         }
         base = measured[("standard", None)]
         for (name, k), row in measured.items():
+            ideal = 1.0 if k is None else 1 / kept_share(context, k)
+            prefill_speedup = base["prefill_s"] / row["prefill_s"]
             rows.append(
                 {
                     "context": context,
                     "model": name if k is None else f"focus sparse top-{k}",
                     **row,
-                    "prefill_speedup": base["prefill_s"] / row["prefill_s"],
+                    "prefill_speedup": prefill_speedup,
+                    "ideal_speedup": ideal,
+                    "of_ideal": prefill_speedup / ideal,
                     "decode_speedup": row["decode_tok_s"] / base["decode_tok_s"],
                 }
             )
     print(
-        f"{'context':>8} {'model':<20} {'prefill s':>10} {'x std':>6} {'decode tok/s':>13} "
-        f"{'x std':>6} {'cache MB':>9}"
+        f"{'context':>8} {'model':<20} {'prefill s':>10} {'x std':>6} {'ideal':>6} "
+        f"{'of ideal':>8} {'decode tok/s':>13} {'x std':>6} {'cache MB':>9}"
     )
     for r in rows:
         print(
             f"{r['context']:>8} {r['model']:<20} {r['prefill_s']:>10.2f} "
-            f"{r['prefill_speedup']:>6.2f} "
+            f"{r['prefill_speedup']:>6.2f} {r['ideal_speedup']:>6.1f} {r['of_ideal']:>8.0%} "
             f"{r['decode_tok_s']:>13.1f} {r['decode_speedup']:>6.2f} {r['cache_mb']:>9.1f}"
         )
     if args.json:
+        config = {"shape": SHAPE, "prefill_chunk": args.prefill_chunk, "device": args.device}
         with open(args.json, "w") as f:
-            json.dump(
-                {"shape": SHAPE, "prefill_chunk": args.prefill_chunk, "rows": rows}, f, indent=1
-            )
+            json.dump({**config, "dtype": args.dtype, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@
 #   recipe     step time, tokens/s, MFU and peak memory of standard, xsa, focus and focus+xsa
 #              at the 0.7B recipe's shape (two steady iterations each)
 #   sparse     sparse Focus against dense causal attention at 4K and 32K tokens, 32x128, bf16
+#   generate   the exported model in sparse mode against the standard one: prefill and decoding
+#              at 4K and 32K tokens of context, bf16 (benchmarks/focus_generate.py)
 #   tests      the rest of tests/test_gpu.py and the HF model's attention backends
 #   e2e-*      the product end to end on CUDA (benchmarks/end_to_end.py), if time is left
 #
@@ -72,12 +74,14 @@ if [ "$REHEARSAL" = 1 ]; then  # the same steps, sized for a CPU
     E2E=(--tiny --iters 4)
     SPARSE=(--seq-lengths 1024 --groups 4 --top-k 1 --shapes 2x32 --repeats 1)
     RECIPE=(--smoke --iters 3 --warmup 1)
+    GENERATE=(--tiny --device cpu)
 else
     KERNELS=()
     FIT=(--device --gqa 1 4 --gates log)
     E2E=(--iters 30)
     SPARSE=(--dtype bf16 --groups 8 --top-k 1 2 --shapes 32x128 --seq-lengths 4096 32768)
     RECIPE=(--model 0.7b --iters 5 --warmup 3)
+    GENERATE=(--device cuda --dtype bf16 --contexts 4096 32768)
 fi
 
 # the image's torch within setup.py's range, and Triton for the fused kernels: else stop here
@@ -100,6 +104,7 @@ part kernels 80 python3 benchmarks/soft_gate_kernel.py "${KERNELS[@]}" --json "$
 part recipe 160 python3 benchmarks/recipe_speed.py --variants standard xsa focus focus+xsa \
     "${RECIPE[@]}" --json "$OUT/recipe.json"
 part sparse 60 python3 benchmarks/focus_sparse_speed.py "${SPARSE[@]}" --json "$OUT/sparse.json"
+part generate 40 python3 benchmarks/focus_generate.py "${GENERATE[@]}" --json "$OUT/generate.json"
 # -o addopts="": in this process, one GPU; pytest-xdist need not be there
 part tests 120 python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/test_gpu.py \
     -k "not rope_gqa_model_on_the_fused_kernels" \

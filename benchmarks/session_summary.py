@@ -93,7 +93,19 @@ def fit(rows: list) -> str:
     return text
 
 
+def generate(result: dict) -> str:
+    """The exported model in sparse mode against the standard one, at the longest context."""
+    longest = max(r["context"] for r in result["rows"])
+    return f"at {longest} tokens: " + ", ".join(
+        f"{r['model'].removeprefix('focus sparse ')} prefill {r['prefill_speedup']:.2f}x "
+        f"decode {r['decode_speedup']:.2f}x"
+        for r in result["rows"]
+        if r["context"] == longest and r["model"] != "standard"
+    )
+
+
 HEADLINES = {
+    "generate": generate,
     "fit": fit,
     "kernels": kernels,
     "e2e": e2e,
