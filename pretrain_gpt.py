@@ -16,16 +16,19 @@ from megatron_focus.data import reads_data_files
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    if not reads_data_files(args) and args.tensorboard_dir is None and args.save is None:
+    config = parse_args(argv)
+    if not reads_data_files(config) and config.tensorboard_dir is None and config.save is None:
         # The zero-download default run keeps its curves and checkpoints in one folder.
-        run = os.path.join("runs", f"{args.attention}-{time.strftime('%Y%m%d-%H%M%S')}")
-        args.tensorboard_dir = os.path.join(run, "tensorboard")
-        args.save = os.path.join(run, "checkpoints")
-        args.load = args.load or args.save  # resumable with the same command
+        run = os.path.join("runs", f"{config.attention}-{time.strftime('%Y%m%d-%H%M%S')}")
+        save = os.path.join(run, "checkpoints")
+        config = config.replace(
+            tensorboard_dir=os.path.join(run, "tensorboard"),
+            save=save,
+            load=config.load or save,  # resumable with the same command
+        )
     from megatron_focus.training.trainer import pretrain  # after parsing: --help stays fast
 
-    pretrain(args)
+    pretrain(config)
 
 
 if __name__ == "__main__":

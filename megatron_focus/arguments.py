@@ -7,18 +7,18 @@ import sys
 from typing import List, Optional
 
 from megatron_focus.flags import build_parser
+from megatron_focus.run_config import RunConfig
 from megatron_focus.validation import validate_args
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Optional[List[str]] = None) -> RunConfig:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.yaml_cfg is not None:
         args = _from_yaml(args, parser, sys.argv[1:] if argv is None else argv)
     if args.use_checkpoint_args:
         _use_checkpoint_args(args)
-    validate_args(args)
-    return args
+    return validate_args(args)
 
 
 def _from_yaml(

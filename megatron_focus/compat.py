@@ -544,11 +544,8 @@ def refuse(args: argparse.Namespace, spec: str = SPEC, classify=classify) -> Non
 
 
 def check_compat_args(args: argparse.Namespace) -> None:
-    """Refuse what is not offered, by feature and flag, in one message before anything is built;
-    apply Megatron-LM's other names."""
+    """Refuse what is not offered, by feature and flag, in one message before anything is built."""
     refuse(args)
-    if args.use_rotary_position_embeddings:
-        args.position_embedding_type = "rope"
     if args.use_distributed_optimizer and args.zero_stage == 0:
         raise ValueError(
             "--use-distributed-optimizer shards the optimizer state: not with --zero-stage 0"

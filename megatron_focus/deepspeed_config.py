@@ -148,12 +148,14 @@ def deepspeed_config(args: argparse.Namespace, data_parallel_size: int) -> dict:
     return config
 
 
-def take_json_settings(args: argparse.Namespace, data_parallel_size: int) -> None:
-    """At parsing: the JSON checked, and the ZeRO stage and precision it sets become the run's
-    (the flags' where it sets none)."""
+def json_settings(args: argparse.Namespace, data_parallel_size: int) -> dict:
+    """At validation: the JSON checked, and the ZeRO stage and precision the run takes from it
+    (the flags' where it sets none), by flag."""
     config = deepspeed_config(args, data_parallel_size)
-    args.zero_stage = config["zero_optimization"]["stage"]
-    args.bf16, args.fp16 = (config[key]["enabled"] for key in ("bf16", "fp16"))
+    return {
+        "zero_stage": config["zero_optimization"]["stage"],
+        **{key: config[key]["enabled"] for key in ("bf16", "fp16")},
+    }
 
 
 def _gradients_in_fp32(config: dict, args: argparse.Namespace) -> None:

@@ -1,7 +1,7 @@
 """What a run needs before it is launched: parameters, FLOPs, memory per GPU, and time.
 
 `tools/plan.py` is the command; this module is the arithmetic, so tests and scripts can call it.
-It takes the same flags as `pretrain_gpt.py` (the shared parser of `megatron_focus.arguments`,
+It takes the same flags as `pretrain_gpt.py` (the shared parser of `megatron_focus.flags`,
 validated by the same `validate_args` at the cluster's world size), plus a few about the cluster.
 
 Formulas (bytes; Psi = parameters held by one tensor-parallel rank, N_d = data-parallel size):
@@ -55,8 +55,9 @@ Formulas (bytes; Psi = parameters held by one tensor-parallel rank, N_d = data-p
 import argparse
 import json
 from dataclasses import asdict, dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
+from megatron_focus.run_config import RunConfig, frozen_flags
 from megatron_focus.variants import variant
 
 GB = 1e9  # decimal gigabytes, as GPU memory sizes are quoted (80 GB)
@@ -118,54 +119,59 @@ def add_planner_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
-def parse_plan_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    """pretrain_gpt.py's flags + the planner's, validated as a run on the whole cluster would be."""
+_PLANNER_FLAGS = [
+    a for a in add_planner_args(argparse.ArgumentParser())._actions if a.dest != "help"
+]
+CLUSTER_FLAGS = [action.dest for action in _PLANNER_FLAGS]
+Cluster = frozen_flags("Cluster", _PLANNER_FLAGS, __name__)  # the planner's own flags
+
+
+def parse_plan_args(argv: Optional[List[str]] = None) -> Tuple[RunConfig, Cluster]:
+    """pretrain_gpt.py's flags, validated as a run on the whole cluster would be, and the
+    cluster's."""
     from megatron_focus.data import reads_data_files
-    from megatron_focus.deepspeed_config import take_json_settings
     from megatron_focus.flags import build_parser
+    from megatron_focus.validation import validate_args
 
     parser = add_planner_args(build_parser())
     parser.prog = "plan.py"
     args = parser.parse_args(argv)
-    world = args.nodes * args.gpus_per_node
-    if args.nodes < 1 or args.gpus_per_node < 1 or args.gpu_memory_gb <= 0:
+    cluster = Cluster(**{name: getattr(args, name) for name in CLUSTER_FLAGS})
+    world = cluster.nodes * cluster.gpus_per_node
+    if cluster.nodes < 1 or cluster.gpus_per_node < 1 or cluster.gpu_memory_gb <= 0:
         raise PlanError("--nodes, --gpus-per-node and --gpu-memory-gb must be positive")
     if (args.tokenizer_model or args.vocab_file) and not reads_data_files(args):
-        args.data_path = ["(not read by the planner)"]  # only the vocabulary is read
-    _validate(args, world)
-    if args.context_parallel_size > 1:
+        # only the vocabulary is read
+        args = argparse.Namespace(**{**vars(args), "data_path": ["(not read by the planner)"]})
+    try:
+        config = validate_args(args, world_size=world)  # the ZeRO stage, bf16 from the JSON too
+    except ValueError as error:
+        raise PlanError(str(error)) from None
+    if config.context_parallel_size > 1:
         raise PlanError(
             "--context-parallel-size: the planner does not model context parallelism (each "
             "rank's activations shrink about C-fold, its keys and values do not); plan at "
             "--context-parallel-size 1"
         )
-    if world % args.tensor_model_parallel_size:
+    if world % config.tensor_model_parallel_size:
         raise PlanError(
             f"{world} GPUs do not split into --tensor-model-parallel-size "
-            f"{args.tensor_model_parallel_size} groups"
+            f"{config.tensor_model_parallel_size} groups"
         )
-    take_json_settings(args, world // args.tensor_model_parallel_size)  # ZeRO stage, bf16 from JSON
-    # The tokenizer's vocabulary: --vocab-size as given (NullTokenizer: and its end-of-document
-    # id), else read from the tokenizer files, else GPT-2's.
-    reads = args.tokenizer_type == "NullTokenizer" or (
-        args.vocab_size is None and (args.tokenizer_model or args.vocab_file)
+    return config.replace(vocab_size=_vocab_size(config)), cluster
+
+
+def _vocab_size(config: RunConfig) -> int:
+    """The tokenizer's vocabulary: --vocab-size as given (NullTokenizer: and its end-of-document
+    id), else read from the tokenizer files, else GPT-2's."""
+    reads = config.tokenizer_type == "NullTokenizer" or (
+        config.vocab_size is None and (config.tokenizer_model or config.vocab_file)
     )
     if reads:
         from megatron_focus.data.tokenizer import build_tokenizer, tokenizer_flags
 
-        args.vocab_size = build_tokenizer(args.tokenizer_type, **tokenizer_flags(args)).vocab_size
-    elif args.vocab_size is None:
-        args.vocab_size = DEFAULT_VOCAB
-    return args
-
-
-def _validate(args: argparse.Namespace, world: int) -> None:
-    from megatron_focus.validation import validate_args
-
-    try:
-        validate_args(args, world_size=world)
-    except ValueError as error:
-        raise PlanError(str(error)) from None
+        return build_tokenizer(config.tokenizer_type, **tokenizer_flags(config)).vocab_size
+    return DEFAULT_VOCAB if config.vocab_size is None else config.vocab_size
 
 
 # --- parameters -----------------------------------------------------------------------------------
@@ -199,42 +205,44 @@ class ParamCount:
         return self.sharded / tp + self.replicated
 
 
-def _shape(args: argparse.Namespace):
+def _shape(config: RunConfig):
     return (
-        args.hidden_size,
-        args.num_attention_heads,
-        args.num_query_groups,
-        args.kv_channels,
-        args.ffn_hidden_size,
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_query_groups,
+        config.kv_channels,
+        config.ffn_hidden_size,
     )
 
 
-def count_parameters(args: argparse.Namespace, vocab_size: int, tp: int = 1) -> ParamCount:
+def count_parameters(config: RunConfig, vocab_size: int, tp: int = 1) -> ParamCount:
     """The parameters of the model the flags build, with the vocabulary padded for `tp` ranks."""
     from megatron_focus.model.gpt import padded_vocab_size
 
-    h, heads, groups, d, ffn = _shape(args)
-    vocab = padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, tp)
-    bias = args.add_bias_linear
-    norm = 2 * h if args.normalization == "LayerNorm" else h
-    fc1_out = ffn * (2 if args.swiglu else 1)
+    h, heads, groups, d, ffn = _shape(config)
+    vocab = padded_vocab_size(vocab_size, config.make_vocab_size_divisible_by, tp)
+    bias = config.add_bias_linear
+    norm = 2 * h if config.normalization == "LayerNorm" else h
+    fc1_out = ffn * (2 if config.swiglu else 1)
     # Sharded: QKV (weight, bias), output projection weight, fc1 (weight, bias), fc2 weight.
-    qkv = h * (heads + 2 * groups) * d + (heads + 2 * groups) * d * (bias or args.add_qkv_bias)
+    qkv = h * (heads + 2 * groups) * d + (heads + 2 * groups) * d * (bias or config.add_qkv_bias)
     layer_sharded = qkv + heads * d * h + h * fc1_out + fc1_out * bias + ffn * h
     # Replicated: the two norms, the row-parallel biases (output projection, fc2), the variant's
     # own parameters (Focus's router).
-    settings = variant(args.attention).settings_from(args)
-    own = 0 if settings is None else settings.layer_params(args)
-    qk_norm = 2 * (2 * d if args.normalization == "LayerNorm" else d) if args.qk_layernorm else 0
+    settings = variant(config.attention).settings_from(config)
+    own = 0 if settings is None else settings.layer_params(config)
+    qk_norm = (
+        2 * (2 * d if config.normalization == "LayerNorm" else d) if config.qk_layernorm else 0
+    )
     layer_replicated = 2 * norm + 2 * h * bias + own + qk_norm
     word = vocab * h
     position = (
-        args.max_position_embeddings * h
-        if args.position_embedding_type == "learned_absolute"
+        config.max_position_embeddings * h
+        if config.position_embedding_type == "learned_absolute"
         else 0
     )
-    output = 0 if not args.untie_embeddings_and_output_weights else vocab * h
-    layers = args.num_layers
+    output = 0 if not config.untie_embeddings_and_output_weights else vocab * h
+    layers = config.num_layers
     return ParamCount(
         word_embedding=word,
         position_embedding=position,
@@ -252,36 +260,36 @@ def count_parameters(args: argparse.Namespace, vocab_size: int, tp: int = 1) -> 
 
 
 def activation_bytes_per_layer(
-    args: argparse.Namespace,
+    config: RunConfig,
     micro_batch: int,
     tp: int,
     sp: bool,
     materialized_attention: bool = False,
 ) -> float:
     """Activations one transformer layer keeps for the backward, one micro-batch (formula above)."""
-    h, heads, groups, d, ffn = _shape(args)
-    s, b = args.seq_length, micro_batch
-    e = 2 if (args.bf16 or args.fp16) else 4
+    h, heads, groups, d, ffn = _shape(config)
+    s, b = config.seq_length, micro_batch
+    e = 2 if (config.bf16 or config.fp16) else 4
     sbh = s * b * h
-    sp_region = 4 * e * sbh + (2 * sbh if args.hidden_dropout > 0 else 0)
+    sp_region = 4 * e * sbh + (2 * sbh if config.hidden_dropout > 0 else 0)
     tp_region = e * s * b * (heads * d + 2 * groups * d)  # Q, K, V
-    if args.position_embedding_type == "rope":  # pre-rotary Q, K: V's view keeps the QKV buffer
+    if config.position_embedding_type == "rope":  # pre-rotary Q, K: V's view keeps the QKV buffer
         tp_region += e * s * b * (heads * d + groups * d)
     tp_region += e * s * b * heads * d  # attention output, heads merged (the projection's input)
     if materialized_attention:  # softmax output (+ dropout mask and output)
         tp_region += e * heads * s * s * b
-        if args.attention_dropout > 0:
+        if config.attention_dropout > 0:
             tp_region += (1 + e) * heads * s * s * b
     else:  # flash / SDPA kernels keep their output and log-sum-exp, and recompute the scores
         tp_region += e * s * b * heads * d + 4 * s * b * heads
-    tp_region += (4 if args.swiglu else 2) * e * s * b * ffn
-    if variant(args.attention).xsa and e < 4:
+    tp_region += (4 if config.swiglu else 2) * e * s * b * ffn
+    if variant(config.attention).xsa and e < 4:
         tp_region += 4 * s * b * (heads * d + groups * d)
     return (sp_region / tp if sp else sp_region) + tp_region / tp
 
 
 def activation_bytes(
-    args: argparse.Namespace,
+    config: RunConfig,
     vocab: int,
     micro_batch: int,
     tp: int,
@@ -289,16 +297,18 @@ def activation_bytes(
     materialized_attention: bool = False,
 ) -> float:
     """All activations of one micro-batch: the layers, the final norm, embedding and logits."""
-    s, b, h = args.seq_length, micro_batch, args.hidden_size
-    e = 2 if (args.bf16 or args.fp16) else 4
-    layers = args.num_layers * activation_bytes_per_layer(args, b, tp, sp, materialized_attention)
-    around = 2 * e * s * b * h + (s * b * h if args.hidden_dropout > 0 else 0)
+    s, b, h = config.seq_length, micro_batch, config.hidden_size
+    e = 2 if (config.bf16 or config.fp16) else 4
+    layers = config.num_layers * activation_bytes_per_layer(
+        config, b, tp, sp, materialized_attention
+    )
+    around = 2 * e * s * b * h + (s * b * h if config.hidden_dropout > 0 else 0)
     around = around / tp if sp else around
     logits = (e + 4) * s * b * vocab / tp
     focus = 0.0
-    if variant(args.attention).focus:
-        chunk = min(args.focus_chunk_size, s)
-        focus = 12 * b * (args.num_attention_heads / tp) * chunk * s
+    if variant(config.attention).focus:
+        chunk = min(config.focus_chunk_size, s)
+        focus = 12 * b * (config.num_attention_heads / tp) * chunk * s
     return layers + around + logits + focus
 
 
@@ -348,7 +358,7 @@ def model_state_bytes(
 
 
 def memory(
-    args: argparse.Namespace,
+    config: RunConfig,
     world: int,
     tp: int,
     sp: bool,
@@ -360,26 +370,26 @@ def memory(
     from megatron_focus.model.gpt import padded_vocab_size
 
     dp = world // tp
-    params = count_parameters(args, args.vocab_size, tp)
+    params = count_parameters(config, config.vocab_size, tp)
     psi = params.per_tp_rank(tp)
-    mixed = bool(args.bf16 or args.fp16)
-    trained = params.num_layers * params.router_per_layer if args.retrofit else None
+    mixed = bool(config.bf16 or config.fp16)
+    trained = params.num_layers * params.router_per_layer if config.retrofit else None
     weights, grads, optim = model_state_bytes(psi, zero_stage, dp, mixed, trained)
-    vocab = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)
-    act = activation_bytes(args, vocab, micro_batch, tp, sp, materialized_attention)
+    vocab = padded_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, tp)
+    act = activation_bytes(config, vocab, micro_batch, tp, sp, materialized_attention)
     total = weights + grads + optim + act
     per_step = micro_batch * dp
     accumulation = (
-        args.global_batch_size // per_step if args.global_batch_size % per_step == 0 else 0
+        config.global_batch_size // per_step if config.global_batch_size % per_step == 0 else 0
     )
     note = ""
     if zero_stage == 3 and tp > 1:
         note = "ZeRO-3 runs with TP 1 only"
-    elif zero_stage == 3 and args.retrofit:
+    elif zero_stage == 3 and config.retrofit:
         note = "a retrofit loads weights only, which ZeRO-3 does not support"
     elif not accumulation:
         note = (
-            f"global batch {args.global_batch_size} does not split into micro-batch "
+            f"global batch {config.global_batch_size} does not split into micro-batch "
             f"{micro_batch} x {dp} data-parallel ranks"
         )
     return Memory(
@@ -401,16 +411,16 @@ def memory(
     )
 
 
-def tp_options(args: argparse.Namespace, world: int, gpus_per_node: int) -> List[int]:
+def tp_options(config: RunConfig, world: int, gpus_per_node: int) -> List[int]:
     """TP sizes the flags allow: within a node, dividing heads and world, fitting query groups."""
     out = []
     tp = 1
     while tp <= gpus_per_node:
         if (
             world % tp == 0
-            and args.num_attention_heads % tp == 0
-            and (args.num_query_groups % tp == 0 or tp % args.num_query_groups == 0)
-            and (tp == 1 or args.seq_length % tp == 0)
+            and config.num_attention_heads % tp == 0
+            and (config.num_query_groups % tp == 0 or tp % config.num_query_groups == 0)
+            and (tp == 1 or config.seq_length % tp == 0)
         ):
             out.append(tp)
         tp *= 2
@@ -436,41 +446,52 @@ class Plan:
         return json.dumps(asdict(self), indent=1)
 
 
-def peak_flops(args: argparse.Namespace) -> Optional[float]:
+def peak_flops(cluster: Cluster) -> Optional[float]:
     from megatron_focus.model.flops import PEAK_BF16_FLOPS
 
-    if args.peak_tflops:
-        return args.peak_tflops * 1e12
-    name = (args.gpu or "").upper()
+    if cluster.peak_tflops:
+        return cluster.peak_tflops * 1e12
+    name = (cluster.gpu or "").upper()
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k.upper() in name), None)
 
 
-def make_plan(args: argparse.Namespace) -> Plan:
+def make_plan(config: RunConfig, cluster: Cluster) -> Plan:
     from megatron_focus.model.flops import flops_per_token
     from megatron_focus.model.gpt import padded_vocab_size
 
-    world = args.nodes * args.gpus_per_node
-    tp = args.tensor_model_parallel_size
+    world = cluster.nodes * cluster.gpus_per_node
+    tp = config.tensor_model_parallel_size
     reserved = (
-        args.reserved_gb * GB if args.reserved_gb is not None else 0.1 * args.gpu_memory_gb * GB
+        cluster.reserved_gb * GB
+        if cluster.reserved_gb is not None
+        else 0.1 * cluster.gpu_memory_gb * GB
     )
-    usable = args.gpu_memory_gb * GB - reserved
-    vocab = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)
-    params = count_parameters(args, args.vocab_size, tp)
-    per_token = flops_per_token(args, vocab)
-    mat = args.materialized_attention
+    usable = cluster.gpu_memory_gb * GB - reserved
+    vocab = padded_vocab_size(config.vocab_size, config.make_vocab_size_divisible_by, tp)
+    params = count_parameters(config, config.vocab_size, tp)
+    per_token = flops_per_token(config, vocab)
+    mat = cluster.materialized_attention
 
     chosen = memory(
-        args, world, tp, args.sequence_parallel, args.zero_stage, args.micro_batch_size, usable, mat
+        config,
+        world,
+        tp,
+        config.sequence_parallel,
+        config.zero_stage,
+        config.micro_batch_size,
+        usable,
+        mat,
     )
     grid = []
-    for t in tp_options(args, world, args.gpus_per_node):
+    for t in tp_options(config, world, cluster.gpus_per_node):
         for sp in (False,) if t == 1 else (False, True):
             for stage in range(4):
-                grid.append(memory(args, world, t, sp, stage, args.micro_batch_size, usable, mat))
+                grid.append(
+                    memory(config, world, t, sp, stage, config.micro_batch_size, usable, mat)
+                )
 
     plan = Plan(
-        model=_describe(args, vocab),
+        model=_describe(config, vocab),
         parameters={
             "total": params.total,
             "embedding": params.embedding,
@@ -482,71 +503,73 @@ def make_plan(args: argparse.Namespace) -> Plan:
             "router_per_layer": params.router_per_layer,
             "per_tp_rank": params.per_tp_rank(tp),
             "padded_vocab_size": vocab,
-            "vocab_size": args.vocab_size,
+            "vocab_size": config.vocab_size,
         },
         flops_per_token=per_token,
         cluster={
-            "nodes": args.nodes,
-            "gpus_per_node": args.gpus_per_node,
+            "nodes": cluster.nodes,
+            "gpus_per_node": cluster.gpus_per_node,
             "gpus": world,
-            "gpu_memory_gb": args.gpu_memory_gb,
+            "gpu_memory_gb": cluster.gpu_memory_gb,
             "reserved_gb": reserved / GB,
             "usable_gb": usable / GB,
-            "gpu": args.gpu,
-            "peak_tflops": (peak_flops(args) or 0) / 1e12 or None,
+            "gpu": cluster.gpu,
+            "peak_tflops": (peak_flops(cluster) or 0) / 1e12 or None,
         },
         chosen=chosen.gb(),
         grid=[m.gb() for m in grid],
-        throughput=_throughput(args, per_token, world),
+        throughput=_throughput(config, cluster, per_token, world),
         fits=chosen.fits,
     )
     if not chosen.fits:
-        plan.advice = _advice(args, chosen, world, usable, mat)
+        plan.advice = _advice(config, cluster, chosen, world, usable, mat)
     return plan
 
 
-def _describe(args: argparse.Namespace, vocab: int) -> dict:
+def _describe(config: RunConfig, vocab: int) -> dict:
     return {
-        "num_layers": args.num_layers,
-        "hidden_size": args.hidden_size,
-        "num_attention_heads": args.num_attention_heads,
-        "kv_channels": args.kv_channels,
-        "num_query_groups": args.num_query_groups,
-        "ffn_hidden_size": args.ffn_hidden_size,
-        "swiglu": args.swiglu,
-        "normalization": args.normalization,
-        "position_embedding_type": args.position_embedding_type,
-        "tied_embeddings": not args.untie_embeddings_and_output_weights,
-        "bias_linear": args.add_bias_linear,
-        "attention": args.attention,
-        "seq_length": args.seq_length,
-        "micro_batch_size": args.micro_batch_size,
-        "global_batch_size": args.global_batch_size,
-        "train_iters": args.train_iters,
-        "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
-        "zero_stage": args.zero_stage,
-        "tensor_model_parallel_size": args.tensor_model_parallel_size,
-        "sequence_parallel": args.sequence_parallel,
+        "num_layers": config.num_layers,
+        "hidden_size": config.hidden_size,
+        "num_attention_heads": config.num_attention_heads,
+        "kv_channels": config.kv_channels,
+        "num_query_groups": config.num_query_groups,
+        "ffn_hidden_size": config.ffn_hidden_size,
+        "swiglu": config.swiglu,
+        "normalization": config.normalization,
+        "position_embedding_type": config.position_embedding_type,
+        "tied_embeddings": not config.untie_embeddings_and_output_weights,
+        "bias_linear": config.add_bias_linear,
+        "attention": config.attention,
+        "seq_length": config.seq_length,
+        "micro_batch_size": config.micro_batch_size,
+        "global_batch_size": config.global_batch_size,
+        "train_iters": config.train_iters,
+        "precision": "bf16" if config.bf16 else "fp16" if config.fp16 else "fp32",
+        "zero_stage": config.zero_stage,
+        "tensor_model_parallel_size": config.tensor_model_parallel_size,
+        "sequence_parallel": config.sequence_parallel,
         "padded_vocab_size": vocab,
     }
 
 
-def _throughput(args: argparse.Namespace, per_token: float, world: int) -> dict:
-    tokens = args.train_tokens or args.train_iters * args.global_batch_size * args.seq_length
-    peak = peak_flops(args)
+def _throughput(config: RunConfig, cluster: Cluster, per_token: float, world: int) -> dict:
+    tokens = (
+        cluster.train_tokens or config.train_iters * config.global_batch_size * config.seq_length
+    )
+    peak = peak_flops(cluster)
     out = {
         "train_tokens": tokens,
         "train_flops": tokens * per_token,
-        "tokens_per_iteration": args.global_batch_size * args.seq_length,
-        "assumed_mfu": args.assumed_mfu,
+        "tokens_per_iteration": config.global_batch_size * config.seq_length,
+        "assumed_mfu": cluster.assumed_mfu,
     }
     if peak:
-        rate = args.assumed_mfu * peak * world / per_token  # tokens/s at the assumed MFU
+        rate = cluster.assumed_mfu * peak * world / per_token  # tokens/s at the assumed MFU
         out["tokens_per_sec_at_assumed_mfu"] = rate
         out["days_at_assumed_mfu"] = tokens / rate / 86400
-    if args.target_days:
-        needed = tokens / (args.target_days * 86400)
-        out["target_days"] = args.target_days
+    if cluster.target_days:
+        needed = tokens / (cluster.target_days * 86400)
+        out["target_days"] = cluster.target_days
         out["tokens_per_sec_needed"] = needed
         out["tokens_per_sec_per_gpu_needed"] = needed / world
         out["tflops_per_gpu_needed"] = needed * per_token / world / 1e12
@@ -555,7 +578,9 @@ def _throughput(args: argparse.Namespace, per_token: float, world: int) -> dict:
     return out
 
 
-def _advice(args, chosen: Memory, world: int, usable: float, mat: bool) -> str:
+def _advice(
+    config: RunConfig, cluster: Cluster, chosen: Memory, world: int, usable: float, mat: bool
+) -> str:
     """What to change so that the run fits: one knob at a time, the closest alternatives first."""
     if chosen.note:
         head = chosen.note
@@ -564,22 +589,22 @@ def _advice(args, chosen: Memory, world: int, usable: float, mat: bool) -> str:
             f"needs {chosen.total / GB:.1f} GB per GPU (weights {chosen.weights / GB:.1f}, "
             f"gradients {chosen.gradients / GB:.1f}, optimizer {chosen.optimizer / GB:.1f}, "
             f"activations {chosen.activations / GB:.1f}) but {usable / GB:.1f} GB are usable "
-            f"(--gpu-memory-gb {args.gpu_memory_gb:g} minus reserved)"
+            f"(--gpu-memory-gb {cluster.gpu_memory_gb:g} minus reserved)"
         )
     options = []
     tp, sp, stage, mbs = chosen.tp, chosen.sp, chosen.zero_stage, chosen.micro_batch
     for s in range(stage + 1, 4):
-        if memory(args, world, tp, sp, s, mbs, usable, mat).fits:
+        if memory(config, world, tp, sp, s, mbs, usable, mat).fits:
             options.append(f"--zero-stage {s}")
             break
-    if tp > 1 and not sp and memory(args, world, tp, True, stage, mbs, usable, mat).fits:
+    if tp > 1 and not sp and memory(config, world, tp, True, stage, mbs, usable, mat).fits:
         options.append("--sequence-parallel")
-    for t in tp_options(args, world, args.gpus_per_node):
+    for t in tp_options(config, world, cluster.gpus_per_node):
         if t <= tp:
             continue
         stages = [st for st in dict.fromkeys((stage, 1, 2)) if st < 3]
         fit = next(
-            (st for st in stages if memory(args, world, t, True, st, mbs, usable, mat).fits), None
+            (st for st in stages if memory(config, world, t, True, st, mbs, usable, mat).fits), None
         )
         if fit is not None:
             options.append(
@@ -590,8 +615,8 @@ def _advice(args, chosen: Memory, world: int, usable: float, mat: bool) -> str:
     m = mbs // 2
     while m >= 1:
         if (
-            args.global_batch_size % (m * (world // tp)) == 0
-            and memory(args, world, tp, sp, stage, m, usable, mat).fits
+            config.global_batch_size % (m * (world // tp)) == 0
+            and memory(config, world, tp, sp, stage, m, usable, mat).fits
         ):
             options.append(f"--micro-batch-size {m}")
             break
@@ -699,14 +724,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     import sys
 
     try:
-        args = parse_plan_args(argv)
-        plan = make_plan(args)
+        config, cluster = parse_plan_args(argv)
+        plan = make_plan(config, cluster)
     except (PlanError, ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(format_plan(plan))
-    if args.json_path:
-        with open(args.json_path, "w") as f:
+    if cluster.json_path:
+        with open(cluster.json_path, "w") as f:
             f.write(plan.to_json())
     if not plan.fits:
         print(f"error: {plan.advice}", file=sys.stderr)

@@ -9,9 +9,10 @@ from typing import Optional
 
 from megatron_focus.compat import check_compat_args
 from megatron_focus.data import reads_data_files
-from megatron_focus.deepspeed_config import take_json_settings
+from megatron_focus.deepspeed_config import json_settings
 from megatron_focus.flags import SEQ_LENGTH
 from megatron_focus.global_batch import GlobalBatch
+from megatron_focus.run_config import RunConfig
 from megatron_focus.variants import VARIANTS, FocusConfig, settings_classes, variant
 
 
@@ -150,18 +151,27 @@ def _validate_recompute(args: argparse.Namespace) -> None:
 
 
 def validate_args(
-    args: argparse.Namespace, world_size: Optional[int] = None, training: bool = True
-) -> None:
-    """Fill derived defaults and refuse what cannot run, before any model is built;
-    `training=False` for a model that only evaluates (what only training refuses passes)."""
+    parsed: argparse.Namespace, world_size: Optional[int] = None, training: bool = True
+) -> RunConfig:
+    """The run's config: the parsed flags with their derived defaults, once what cannot run is
+    refused, before any model is built; `training=False` for a model that only evaluates (what
+    only training refuses passes). `parsed` itself is left as it was."""
     if world_size is None:  # as a launcher (torchrun, deepspeed) tells it
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args = argparse.Namespace(**vars(parsed))
+    _derive_and_check(args, world_size, training)
+    return RunConfig.of(vars(args))
+
+
+def _derive_and_check(args: argparse.Namespace, world_size: int, training: bool) -> None:
     if args.seq_length is None:
         args.seq_length = SEQ_LENGTH
     _check_ranges(args)
     _schedule(args, world_size)
     _fill_defaults(args)
     check_compat_args(args)
+    if args.use_rotary_position_embeddings:  # Megatron-LM's other name
+        args.position_embedding_type = "rope"
     tp = args.tensor_model_parallel_size
     for settings in settings_classes():  # every variant's flags, whatever the variant
         settings.from_args(args)
@@ -237,7 +247,8 @@ def validate_args(
             )
     _validate_architecture(args)
     _validate_training(args, world_size)
-    take_json_settings(args, data_parallel_size(args, world_size))  # before any data or model
+    # before any data or model: the ZeRO stage and precision the JSON sets become the run's
+    vars(args).update(json_settings(args, data_parallel_size(args, world_size)))
     if args.fp16 and not _gpu():
         raise ValueError(
             "--fp16 needs a GPU (DeepSpeed has no fp16 on the CPU): use --bf16 or fp32"

@@ -195,7 +195,6 @@ def _params_norm(argv):
     args = parse_args(argv)
     platform.init_distributed(args.tensor_model_parallel_size)
     platform.manual_seed(args.seed)
-    args.padded_vocab_size = 256
     model = build_model(args, 200)
     direct = sum(p.double().square().sum() for p in model.parameters()).sqrt().item()
     return params_norm(model).item(), direct

@@ -114,7 +114,7 @@ def test_recipe_commands_and_their_plans(model):
 
         # The planner reads the same flags: the paper's sizes, and room to spare on 80 GB GPUs.
         plan = make_plan(
-            parse_plan_args(
+            *parse_plan_args(
                 flags
                 + [
                     "--nodes",
@@ -265,7 +265,7 @@ def test_recipe_overrides_and_the_plan_command():
     ]
     from megatron_focus.planner import make_plan, parse_plan_args
 
-    assert make_plan(parse_plan_args(argv[1:])).fits  # 7b fits 40 GB GPUs too
+    assert make_plan(*parse_plan_args(argv[1:])).fits  # 7b fits 40 GB GPUs too
 
 
 def test_slurm_script_builds_the_hostfile_and_launches_every_node(tmp_path):
@@ -318,6 +318,7 @@ def test_slurm_script_builds_the_hostfile_and_launches_every_node(tmp_path):
 
 
 def _plan_args(*argv):
+    """The run's config and the cluster's flags."""
     from megatron_focus.planner import parse_plan_args
 
     return parse_plan_args(list(argv))
@@ -347,7 +348,10 @@ def test_planner_retrofit_keeps_state_for_the_routers_only():
         "--vocab-size",
         "4096",
     ]
-    full, retrofit = _plan_args(*flags), _plan_args(*flags, "--retrofit", "--load", "ckpt")
+    full, retrofit = (
+        _plan_args(*flags)[0],
+        _plan_args(*flags, "--retrofit", "--load", "ckpt")[0],
+    )
     routers = 2 * (64 * 16 + 4 * 16)
     a = memory(full, 1, 1, False, 1, 1, 1e12)
     r = memory(retrofit, 1, 1, False, 1, 1, 1e12)
@@ -487,7 +491,7 @@ def test_planner_memory_matches_a_hand_computation():
         "--gpu-memory-gb",
         "1",
     )
-    plan = make_plan(args)
+    plan = make_plan(*args)
     vocab = 1024  # 1000 padded to a multiple of 128 x TP 2
     word, position = vocab * 64, 32 * 64
     layer_sharded = (64 * 192 + 192) + 64 * 64 + (64 * 256 + 256) + 256 * 64  # QKV, proj, fc1, fc2
@@ -532,7 +536,7 @@ def test_activation_formula_is_korthikanti_for_gpt3():
     TP/SP forms."""
     from megatron_focus.planner import activation_bytes_per_layer
 
-    args = _plan_args(
+    config, _ = _plan_args(
         "--num-layers",
         "24",
         "--hidden-size",
@@ -551,7 +555,7 @@ def test_activation_formula_is_korthikanti_for_gpt3():
         (4, False, 10 + 24 / 4 + 5 * a * s / (h * 4)),
         (4, True, 34 / 4 + 5 * a * s / (h * 4)),
     ):
-        got = activation_bytes_per_layer(args, b, tp, sp, materialized_attention=True)
+        got = activation_bytes_per_layer(config, b, tp, sp, materialized_attention=True)
         assert got == pytest.approx(s * b * h * expected, rel=1e-12), (tp, sp)
 
 

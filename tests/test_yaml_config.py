@@ -62,8 +62,8 @@ def write(tmp_path, text):
 def test_a_yaml_file_is_the_command_line_it_holds(tmp_path, monkeypatch):
     monkeypatch.setenv("CKPT_ROOT", str(tmp_path))
     path = write(tmp_path, YAML)
-    from_yaml = vars(parse_args(["--yaml-cfg", path]))
-    by_flags = vars(parse_args(SAME + ["--save", f"{tmp_path}/run"]))
+    from_yaml = parse_args(["--yaml-cfg", path]).flags()
+    by_flags = parse_args(SAME + ["--save", f"{tmp_path}/run"]).flags()
     assert from_yaml.pop("yaml_cfg") == path and by_flags.pop("yaml_cfg") is None
     assert from_yaml == by_flags
 

@@ -5,12 +5,12 @@ rank, whose `module` is that rank's Megatron state dict (ZeRO stages 0-2 keep th
 there; stage 3 partitions the weights over its optimizer files, which DeepSpeed's `zero_to_fp32`
 reassembles), plus the model's record (`model_args.json`: its shape, its attention variant and the
 variant's recorded settings) and its tokenizer's (and a retrofit's trained-only checkpoint, the
-base it holds routers for). `native_args` turns the record back into `pretrain_gpt.py`'s
-arguments, `read_weights` returns the full model, `native_model` builds it: any registered
-variant, with or without an HF layer, evaluates (`evaluation/`) and exports (`hf/`) from these.
+base it holds routers for). `native_args` turns the record back into the run config of
+`pretrain_gpt.py`'s flags, `read_weights` returns the full model, `native_model` builds it: any
+registered variant, with or without an HF layer, evaluates (`evaluation/`) and exports (`hf/`) from
+these.
 """
 
-import argparse
 import os
 from typing import Dict, Optional
 
@@ -20,9 +20,11 @@ from tqdm import tqdm
 from megatron_focus.checkpoint import format as checkpoint_format
 from megatron_focus.checkpoint import integrity, safe_load, tp_layout
 from megatron_focus.data.tokenizer import build_tokenizer
+from megatron_focus.run_config import RunConfig, is_flag
 from megatron_focus.variants import variant
 
 StateDict = Dict[str, torch.Tensor]
+LAYOUT_KEYS = ("tensor_model_parallel_size", "padded_vocab_size")  # a run's, not its model's
 
 
 def checkpoint_tag_dir(load_dir: str, iteration: Optional[int] = None) -> str:
@@ -67,7 +69,7 @@ def checkpoint_vocabulary(
     return recorded.vocab_size, build_tokenizer(tokenizer_type, **files)
 
 
-def native_args(tag_dir: str, **settings) -> argparse.Namespace:
+def native_args(tag_dir: str, **settings) -> RunConfig:
     """`pretrain_gpt.py`'s arguments (TP = 1) for the model a checkpoint records, validated as a
     run's are: every key of its `model_args.json` (the shape, the attention variant, the variant's
     recorded settings) as recorded, so nothing is re-derived from a default; `settings` are the
@@ -85,21 +87,19 @@ def native_args(tag_dir: str, **settings) -> argparse.Namespace:
             f"model_args.json lacks {', '.join(missing)}: the checkpoint was "
             "saved by a megatron-focus that did not record them yet"
         )
-    args = build_parser().parse_args(
-        ["--seq-length", str(saved["max_position_embeddings"])]  # any length the model can take
+    unknown = [key for key in settings if not is_flag(key)]
+    if unknown:
+        raise TypeError(f"native_args: {unknown[0]!r} is no setting of pretrain_gpt.py")
+    parser = build_parser()
+    parser.set_defaults(  # the recorded model, as the flags' defaults
+        **{key: value for key, value in settings.items() if value is not None},
+        **{key: saved[key] for key in keys if key not in LAYOUT_KEYS},  # the run's split
+        # the record holds one group per head without GQA, as validation would make it
+        group_query_attention=saved["num_query_groups"] != saved["num_attention_heads"],
     )
-    for key, value in settings.items():
-        if not hasattr(args, key):
-            raise TypeError(f"native_args: {key!r} is no setting of pretrain_gpt.py")
-        if value is not None:
-            setattr(args, key, value)
-    for key in keys:
-        if key not in ("tensor_model_parallel_size", "padded_vocab_size"):  # the run's split
-            setattr(args, key, saved[key])
-    # the record holds one group per head without GQA, as validation would make it
-    args.group_query_attention = saved["num_query_groups"] != saved["num_attention_heads"]
-    validate_args(args, world_size=1, training=False)
-    return args
+    # any length the model can take
+    parsed = parser.parse_args(["--seq-length", str(saved["max_position_embeddings"])])
+    return validate_args(parsed, world_size=1, training=False)
 
 
 def read_weights(
@@ -139,8 +139,8 @@ def read_weights(
     return {**{k: w for k, w in base.items() if ".router." not in k}, **weights}
 
 
-def native_model(args: argparse.Namespace, vocab_size: int, weights: StateDict) -> torch.nn.Module:
-    """The native Megatron-Core model of `args` (TP = 1, eval mode) holding `weights`.
+def native_model(config: RunConfig, vocab_size: int, weights: StateDict) -> torch.nn.Module:
+    """The native Megatron-Core model of `config` (TP = 1, eval mode) holding `weights`.
 
     Needs torch.distributed and Megatron's parallel state for a world of one
     (`platform.init_distributed(1)`).
@@ -149,20 +149,20 @@ def native_model(args: argparse.Namespace, vocab_size: int, weights: StateDict) 
     from megatron_focus.model.gpt import build_model, padded_vocab_size
 
     platform.manual_seed(0)  # build_model initialises (then we overwrite) through Megatron's RNG
-    model = build_model(args, vocab_size)
-    padded = padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, 1)
-    model.load_state_dict(tp_layout.split(weights, 1, args.swiglu, padded)[0])
+    model = build_model(config, vocab_size)
+    padded = padded_vocab_size(vocab_size, config.model.make_vocab_size_divisible_by, 1)
+    model.load_state_dict(tp_layout.split(weights, 1, config.model.swiglu, padded)[0])
     return model.eval()
 
 
 def load_native_model(
     tag_dir: str, vocab_size: int, allow_unsafe: bool = False, **settings
 ) -> tuple:
-    """`(args, model)`: a checkpoint's native model as `native_args` and `native_model` make it,
-    merged to one process whatever its TP size or ZeRO stage."""
-    args = native_args(tag_dir, **settings)
+    """`(config, model)`: a checkpoint's native model as `native_args` and `native_model` make
+    it, merged to one process whatever its TP size or ZeRO stage."""
+    config = native_args(tag_dir, **settings)
     weights = read_weights(tag_dir, vocab_size, progress=False, allow_unsafe=allow_unsafe)
-    return args, native_model(args, vocab_size, weights)
+    return config, native_model(config, vocab_size, weights)
 
 
 @torch.no_grad()

@@ -37,6 +37,7 @@ from megatron_focus import platform
 from megatron_focus.checkpoint import format as checkpoint_format
 from megatron_focus.checkpoint import megatron_lm_args
 from megatron_focus.checkpoint.safe_load import load_file
+from megatron_focus.run_config import RunConfig
 
 # Megatron-LM's version of checkpoints of Megatron-Core models (`generate_state_dict`).
 CHECKPOINT_VERSION = 3.0
@@ -81,13 +82,13 @@ def common_state(folder: str, allow_unsafe: bool) -> dict:
         ) from None
 
 
-def megatron_args(args: argparse.Namespace, padded_vocab_size: int, consumed: int):
+def megatron_args(config: RunConfig, padded_vocab_size: int, consumed: int):
     """The 'args' record Megatron-LM checks and resumes from: this run's flags (Megatron's
     names), the model's fields as Megatron-LM names and derives them, and what it counts."""
     plain = (bool, int, float, str, type(None))
     record = {
         k: v
-        for k, v in vars(args).items()
+        for k, v in config.flags().items()
         if isinstance(v, plain)
         or (isinstance(v, (list, tuple)) and all(isinstance(x, plain) for x in v))
     }
@@ -95,7 +96,7 @@ def megatron_args(args: argparse.Namespace, padded_vocab_size: int, consumed: in
     world = torch.distributed.get_world_size()
     record.update(
         ckpt_format="torch_dist",
-        **megatron_lm_args.record(args),
+        **megatron_lm_args.record(config),
         padded_vocab_size=padded_vocab_size,
         consumed_train_samples=consumed,
         skipped_train_samples=0,
@@ -104,7 +105,7 @@ def megatron_args(args: argparse.Namespace, padded_vocab_size: int, consumed: in
         pipeline_model_parallel_size=1,
         data_parallel_size=world // tp,
         no_save_optim=True,  # the optimizer state is DeepSpeed's, beside this part
-        no_save_rng=args.no_save_rng or not platform.has_cuda(),
+        no_save_rng=config.no_save_rng or not platform.has_cuda(),
     )
     return argparse.Namespace(**record)
 

@@ -31,15 +31,16 @@ class Native:
                 f"{tag_dir} records no tokenizer (synthetic data or an "
                 "import without one): passkey prompts are text"
             )
-        args, self.model = load_native_model(
+        config, self.model = load_native_model(
             tag_dir, self.vocab, allow_unsafe=opts.allow_unsafe_checkpoints
         )
+        model = config.model
         self.device = next(self.model.parameters()).device
-        attention = variant(args.attention)
-        self.focus_groups = attention.settings_from(args).groups if attention.focus else None
+        attention = variant(model.attention)
+        self.focus_groups = attention.settings_from(model).groups if attention.focus else None
         self.positions = (
-            args.max_position_embeddings
-            if args.position_embedding_type == "learned_absolute"
+            model.max_position_embeddings
+            if model.position_embedding_type == "learned_absolute"
             else None
         )
 

@@ -120,16 +120,16 @@ def evaluate(model, batches, timer: AttentionTimer, sparse: bool, vocab_size: in
 
 def run(opts: argparse.Namespace, args: argparse.Namespace) -> None:
     """The table for `opts` (the tool's own flags) and `args` (pretrain_gpt.py's data and
-    evaluation flags)."""
+    evaluation flags, as parsed: validated at each length)."""
     platform.init_distributed(1)
     tag_dir = checkpoint_tag_dir(opts.load, opts.iteration)
     tokenizer = tokenizer_for(args, rank0=True)
     recorded = native_args(tag_dir)  # the checkpoint's model, as its model_args.json records it
-    attention = variant(recorded.attention)
-    focus = attention.settings_from(recorded) if attention.focus else None
+    attention = variant(recorded.model.attention)
+    focus = attention.settings_from(recorded.model) if attention.focus else None
     positions = (
-        recorded.max_position_embeddings
-        if recorded.position_embedding_type == "learned_absolute"
+        recorded.model.max_position_embeddings
+        if recorded.model.position_embedding_type == "learned_absolute"
         else None
     )
     lengths = opts.seq_lengths or [min(args.seq_length, positions or args.seq_length)]
@@ -142,15 +142,16 @@ def run(opts: argparse.Namespace, args: argparse.Namespace) -> None:
         )
     batches = {}
     for n in lengths:  # every length's data before the model: bad data fails first
-        args.seq_length = args.max_position_embeddings = n  # the model's are checked above
-        validate_args(args, world_size=1, training=False)  # the data and evaluation flags
-        _, valid = datasets_for(args, tokenizer)
+        at_length = {"seq_length": n, "max_position_embeddings": n}  # the model's: checked above
+        config = validate_args(  # the data and evaluation flags
+            argparse.Namespace(**{**vars(args), **at_length}), world_size=1, training=False
+        )
+        _, valid = datasets_for(config, tokenizer)
         if valid is None:
             raise ValueError("--split leaves no validation data, or --eval-iters is 0")
+        micro_batch = config.training.micro_batch_size
         batches[n] = list(
-            micro_batches(
-                valid, 0, args.eval_iters * args.micro_batch_size, args.micro_batch_size, 1, 0
-            )
+            micro_batches(valid, 0, config.logging.eval_iters * micro_batch, micro_batch, 1, 0)
         )
     # The checkpoint's model, merged to one process whatever its TP size or ZeRO stage.
     model = native_model(
@@ -160,7 +161,7 @@ def run(opts: argparse.Namespace, args: argparse.Namespace) -> None:
             tag_dir,
             tokenizer.vocab_size,
             progress=False,
-            allow_unsafe=args.allow_unsafe_checkpoints,
+            allow_unsafe=config.checkpoint.allow_unsafe_checkpoints,
         ),
     )
     timer = AttentionTimer(model)
@@ -169,18 +170,18 @@ def run(opts: argparse.Namespace, args: argparse.Namespace) -> None:
     if focus is not None:
         settings = [("soft", None)] + [("sparse", k) for k in range(1, focus.groups + 1)]
     else:
-        settings = [(recorded.attention, None)]
+        settings = [(recorded.model.attention, None)]
     for mode, top_k in settings:
         if focus is not None:
             set_focus_mode(model, mode, top_k)
         for n in lengths:
             row = evaluate(model, batches[n], timer, mode == "sparse", tokenizer.vocab_size)
-            if recorded.window_size is not None:  # a sliding window keeps its band
-                row["pairs_kept"] = window_share(n, recorded.window_size[0])
+            if recorded.model.window_size is not None:  # a sliding window keeps its band
+                row["pairs_kept"] = window_share(n, recorded.model.window_size[0])
             rows.append({"mode": mode, "top_k": top_k, "seq_length": n, **row})
 
-    sequences = args.eval_iters * args.micro_batch_size
-    print(f"{opts.load}: {recorded.attention}, {sequences} validation sequences per length")
+    sequences = config.logging.eval_iters * config.training.micro_batch_size
+    print(f"{opts.load}: {recorded.model.attention}, {sequences} validation sequences per length")
     kernels = None
     if focus is not None:
         kernels = chosen(model)
@@ -191,7 +192,7 @@ def run(opts: argparse.Namespace, args: argparse.Namespace) -> None:
             json.dump(
                 {
                     "load": opts.load,
-                    "attention": recorded.attention,
+                    "attention": recorded.model.attention,
                     "sequences": sequences,
                     "seq_lengths": lengths,
                     "focus_kernels": kernels,

@@ -5,10 +5,10 @@ folder in `config.json`. Both convert to and from an `Architecture`, so every ch
 be represented there, exactly?" is made once, here or in `families.py`, before any weight moves.
 """
 
-import argparse
 import dataclasses
 from typing import List, Optional, Tuple
 
+from megatron_focus.run_config import RunConfig
 from megatron_focus.variants import VARIANTS, FocusConfig, variant
 
 
@@ -161,10 +161,10 @@ class Architecture:
 
     def native_args(
         self, tensor_model_parallel_size: int = 1, make_vocab_size_divisible_by: int = 128
-    ) -> argparse.Namespace:
-        """`pretrain_gpt.py`'s arguments for this model, validated as a training run's are."""
+    ) -> RunConfig:
+        """The run config of `pretrain_gpt.py`'s flags for this model, validated as a training
+        run's are."""
         from megatron_focus.flags import build_parser
-        from megatron_focus.model.gpt import padded_vocab_size
         from megatron_focus.validation import validate_args
 
         args = build_parser().parse_args(
@@ -178,11 +178,7 @@ class Architecture:
                 str(self.max_position_embeddings),  # any length the model can take
             ]
         )
-        validate_args(args, world_size=tensor_model_parallel_size, training=False)
-        args.padded_vocab_size = padded_vocab_size(
-            self.vocab_size, make_vocab_size_divisible_by, tensor_model_parallel_size
-        )
-        return args
+        return validate_args(args, world_size=tensor_model_parallel_size, training=False)
 
 
 def _refuse_unmapped_settings(model_args: dict) -> None:

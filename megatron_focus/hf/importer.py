@@ -108,7 +108,7 @@ def import_from_hf(
         arch = dataclasses.replace(
             arch, attention=attention, xsa_layers=tuple(xsa_layers) if xsa_layers else None
         )
-    args = arch.native_args(tensor_model_parallel_size, make_vocab_size_divisible_by)
+    run = arch.native_args(tensor_model_parallel_size, make_vocab_size_divisible_by)
     rules = families.rules(family, arch, biases)
 
     weights = _hf_weights(hf_dir)
@@ -121,7 +121,7 @@ def import_from_hf(
     tokenizer_type, tokenizer_file = find_hf_tokenizer(hf_dir)
     native.write_checkpoint(
         save_dir,
-        args,
+        run,
         native_weights,
         arch.vocab_size,
         tokenizer_type,

@@ -18,6 +18,7 @@ from megatron_focus.checkpoint.native import StateDict
 from megatron_focus.data.tokenizer import HF_TOKENIZER_CONFIG
 from megatron_focus.hf.architecture import Architecture
 from megatron_focus.outputs import fresh_folder
+from megatron_focus.run_config import RunConfig
 
 
 def recorded_special_tokens(tag_dir: str) -> dict:
@@ -39,7 +40,7 @@ def read_architecture(
 
 def write_checkpoint(
     save_dir: str,
-    args,
+    config: RunConfig,
     weights: StateDict,
     vocab_size: int,
     tokenizer_type: Optional[str] = None,
@@ -48,9 +49,10 @@ def write_checkpoint(
     progress: bool = True,
     overwrite: bool = False,
 ) -> str:
-    """A weights-only checkpoint (iteration 0) of the model of `args` for `pretrain_gpt.py --load`.
+    """A weights-only checkpoint (iteration 0) of the model of `config` for `pretrain_gpt.py
+    --load`.
 
-    `args` are the model's validated `pretrain_gpt.py` arguments (`Architecture.native_args`), so
+    `config` is the model's validated run config (`Architecture.native_args`), so
     `model_args.json` is what a training run with the same flags writes. The weight files are what
     DeepSpeed's `load_checkpoint(load_module_only=True)` reads; the `weights_only` marker tells
     `training/checkpointing.py` to start the run's optimizer and schedule fresh. The tokenizer file,
@@ -61,7 +63,7 @@ def write_checkpoint(
     with fresh_folder(save_dir, overwrite) as partial:
         _write_checkpoint(
             partial,
-            args,
+            config,
             weights,
             vocab_size,
             tokenizer_type,
@@ -73,15 +75,25 @@ def write_checkpoint(
 
 
 def _write_checkpoint(
-    save_dir, args, weights, vocab_size, tokenizer_type, tokenizer_file, special_token_ids, progress
+    save_dir,
+    config,
+    weights,
+    vocab_size,
+    tokenizer_type,
+    tokenizer_file,
+    special_token_ids,
+    progress,
 ) -> None:
     import deepspeed
 
-    tp = args.tensor_model_parallel_size
+    from megatron_focus.model.gpt import padded_vocab_size
+
+    tp = config.parallel.tensor_model_parallel_size
+    padded = padded_vocab_size(vocab_size, config.model.make_vocab_size_divisible_by, tp)
     tag = checkpoint_format.tag_for(0)
     tag_dir = os.path.join(save_dir, tag)
     os.makedirs(tag_dir)
-    shards = tp_layout.split(weights, tp, args.swiglu, args.padded_vocab_size)
+    shards = tp_layout.split(weights, tp, config.model.swiglu, padded)
     for rank, shard in enumerate(tqdm(shards, desc="writing TP shards", disable=not progress)):
         torch.save(
             {
@@ -97,15 +109,13 @@ def _write_checkpoint(
         copied = os.path.basename(tokenizer_file)  # read relative to the checkpoint
         shutil.copyfile(tokenizer_file, os.path.join(tag_dir, copied))
         files["tokenizer_model"] = copied
-        config = os.path.join(os.path.dirname(tokenizer_file), HF_TOKENIZER_CONFIG)
-        if os.path.isfile(config):  # the special tokens and chat template travel with it
-            shutil.copyfile(config, os.path.join(tag_dir, HF_TOKENIZER_CONFIG))
+        beside = os.path.join(os.path.dirname(tokenizer_file), HF_TOKENIZER_CONFIG)
+        if os.path.isfile(beside):  # the special tokens and chat template travel with it
+            shutil.copyfile(beside, os.path.join(tag_dir, HF_TOKENIZER_CONFIG))
     checkpoint_format.TokenizerRecord(
         vocab_size, tokenizer_type, files, special_token_ids or {}
     ).write(tag_dir)
-    checkpoint_format.write_model_args(
-        tag_dir, checkpoint_format.model_args(args, args.padded_vocab_size)
-    )
+    checkpoint_format.write_model_args(tag_dir, checkpoint_format.model_args(config, padded))
     checkpoint_format.write_atomically(
         os.path.join(tag_dir, checkpoint_format.WEIGHTS_ONLY),
         json.dumps({"iteration": 0}, indent=1, sort_keys=True),

@@ -4,13 +4,13 @@ Light (no torch): the run's own throughput log (training/metrics.py) and the pla
 (planner.py) count with the same formula.
 """
 
-import argparse
+from megatron_focus.run_config import RunConfig
 
 # Dense bf16 peak of common training GPUs, for MFU; unknown devices report TFLOP/s only.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 
 
-def flops_per_token(args: argparse.Namespace, vocab_size: int) -> float:
+def flops_per_token(config: RunConfig, vocab_size: int) -> float:
     """Training FLOPs (forward + backward = 3 x forward) per token, as Megatron-LM counts them.
 
     Matmuls cost 2 FLOPs per weight per token; causal attention scores and the weighted sum
@@ -18,15 +18,16 @@ def flops_per_token(args: argparse.Namespace, vocab_size: int) -> float:
     A retrofit computes no gradients of its frozen weights, only of their inputs: its weight
     matmuls cost 2 x forward (the routers' own are negligible and not counted).
     """
+    model = config.model
     h, heads, groups, d = (
-        args.hidden_size,
-        args.num_attention_heads,
-        args.num_query_groups,
-        args.kv_channels,
+        model.hidden_size,
+        model.num_attention_heads,
+        model.num_query_groups,
+        model.kv_channels,
     )
     qkv_proj = h * (heads + 2 * groups) * d + heads * d * h
-    mlp = h * args.ffn_hidden_size * (3 if args.swiglu else 2)
-    matmul_weights = args.num_layers * (qkv_proj + mlp) + h * vocab_size
-    attention = args.num_layers * 2 * args.seq_length * heads * d
-    weight_passes = 2 if getattr(args, "retrofit", False) else 3
+    mlp = h * model.ffn_hidden_size * (3 if model.swiglu else 2)
+    matmul_weights = model.num_layers * (qkv_proj + mlp) + h * vocab_size
+    attention = model.num_layers * 2 * model.seq_length * heads * d
+    weight_passes = 2 if config.checkpoint.retrofit else 3
     return weight_passes * 2 * matmul_weights + 3 * attention

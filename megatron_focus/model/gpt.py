@@ -10,7 +10,6 @@ is how Megatron makes initialisation independent of the tensor-parallel size: fo
 TP=1 and TP=2 start from the same model.
 """
 
-import argparse
 import dataclasses
 import logging
 
@@ -23,6 +22,7 @@ from megatron.core.transformer import TransformerConfig
 
 from megatron_focus import platform
 from megatron_focus.model.specs import block_spec
+from megatron_focus.run_config import ModelConfig, RunConfig
 from megatron_focus.variants import variant
 
 # megatron-core 0.19 logs at every GPTModel that it takes only bug fixes from now on (its
@@ -44,11 +44,11 @@ def openai_gelu(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-def activation(args: argparse.Namespace):
+def activation(model: ModelConfig):
     """The MLP's activation: SiLU gating for SwiGLU, else GELU (exact or tanh) or squared ReLU."""
-    if args.swiglu:
+    if model.swiglu:
         return F.silu
-    return squared_relu if args.squared_relu else openai_gelu if args.openai_gelu else F.gelu
+    return squared_relu if model.squared_relu else openai_gelu if model.openai_gelu else F.gelu
 
 
 def padded_vocab_size(vocab_size: int, make_divisible_by: int, tp: int) -> int:
@@ -57,36 +57,39 @@ def padded_vocab_size(vocab_size: int, make_divisible_by: int, tp: int) -> int:
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
-def transformer_config(args: argparse.Namespace) -> TransformerConfig:
+def transformer_config(config: RunConfig) -> TransformerConfig:
+    model, parallel, training = config.model, config.parallel, config.training
     on_gpu = platform.has_cuda()
     return TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        normalization=args.normalization,
-        layernorm_epsilon=args.norm_epsilon,
-        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
-        qk_layernorm=args.qk_layernorm,
-        add_bias_linear=args.add_bias_linear,
-        add_qkv_bias=args.add_qkv_bias,
-        gated_linear_unit=args.swiglu,
-        activation_func=activation(args),
-        init_method_std=args.init_method_std,
-        window_size=args.window_size,
-        recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        sequence_parallel=args.sequence_parallel,
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        normalization=model.normalization,
+        layernorm_epsilon=model.norm_epsilon,
+        layernorm_zero_centered_gamma=model.apply_layernorm_1p,
+        qk_layernorm=model.qk_layernorm,
+        add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_qkv_bias,
+        gated_linear_unit=model.swiglu,
+        activation_func=activation(model),
+        init_method_std=model.init_method_std,
+        window_size=model.window_size,
+        recompute_granularity=training.recompute_granularity,
+        recompute_method=training.recompute_method,
+        recompute_num_layers=training.recompute_num_layers,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
         use_cpu_initialization=True,
-        bf16=args.bf16,  # the run's compute precision, as Megatron-LM records it (the fused
-        fp16=args.fp16,  # kernels' tiles depend on it); parameters are made in fp32 all the same
+        # the run's compute precision, as Megatron-LM records it (the fused kernels' tiles depend
+        # on it); parameters are made in fp32 all the same
+        bf16=training.bf16,
+        fp16=training.fp16,
         # Megatron's fused bias-GELU is the tanh approximation: the model would compute another
         # function on a GPU than on the CPU and in its HF export, so it stays off.
         bias_activation_fusion=False,
@@ -99,34 +102,34 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
     )
 
 
-def build_model(args: argparse.Namespace, vocab_size: int) -> GPTModel:
+def build_model(config: RunConfig, vocab_size: int) -> GPTModel:
     """The GPT model for this rank's tensor-parallel shard, on this rank's device."""
-    config = transformer_config(args)
-    attention = variant(args.attention)
+    flags = config.model
+    attention = variant(flags.attention)
     model = GPTModel(
-        config=config,
+        config=transformer_config(config),
         transformer_layer_spec=block_spec(
             attention,
-            args.normalization,
-            args.num_layers,
-            args.xsa_layers,
-            attention.settings_from(args),
-            qk_layernorm=args.qk_layernorm,
+            flags.normalization,
+            flags.num_layers,
+            flags.xsa_layers,
+            attention.settings_from(flags),
+            qk_layernorm=flags.qk_layernorm,
         ),
         vocab_size=padded_vocab_size(
             vocab_size,
-            args.make_vocab_size_divisible_by,
+            flags.make_vocab_size_divisible_by,
             parallel_state.get_tensor_model_parallel_world_size(),
         ),
-        max_sequence_length=args.max_position_embeddings,
+        max_sequence_length=flags.max_position_embeddings,
         pre_process=True,
         post_process=True,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base,
-        rope_scaling=args.use_rope_scaling,
-        rope_scaling_factor=args.rope_scaling_factor,
+        share_embeddings_and_output_weights=not flags.untie_embeddings_and_output_weights,
+        position_embedding_type=flags.position_embedding_type,
+        rotary_percent=flags.rotary_percent,
+        rotary_base=flags.rotary_base,
+        rope_scaling=flags.use_rope_scaling,
+        rope_scaling_factor=flags.rope_scaling_factor,
     )
     if platform.has_cuda():
         model.cuda(torch.cuda.current_device())

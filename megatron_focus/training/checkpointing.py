@@ -21,7 +21,6 @@ finished, and only then does `latest` move (itself written to a temporary file a
 crash mid-save leaves the previous checkpoint as latest and nothing that looks complete.
 """
 
-import argparse
 import contextlib
 import dataclasses
 import errno
@@ -64,6 +63,7 @@ from megatron_focus.checkpoint.saved import SavedCheckpoint
 from megatron_focus.data.sources import tokenizer_choice
 from megatron_focus.model.flops import flops_per_token
 from megatron_focus.model.gpt import padded_vocab_size
+from megatron_focus.run_config import RunConfig
 from megatron_focus.training import layouts, resume
 from megatron_focus.training.optimizer import in_unit, param_groups
 from megatron_focus.training.resume import ResumePlan
@@ -126,13 +126,13 @@ class Checkpointer:
     """The run's checkpoints: what it starts from (`plan`), what it records (`records`, known
     once the tokenizer is), loading and saving. Built by `prepare`."""
 
-    def __init__(self, args: argparse.Namespace, plan: ResumePlan):
+    def __init__(self, args: RunConfig, plan: ResumePlan):
         self.args, self.plan = args, plan
         self.records: Optional[Records] = None
         self.lock: Optional[FolderLock] = None
 
     @classmethod
-    def prepare(cls, args: argparse.Namespace) -> "Checkpointer":
+    def prepare(cls, args: RunConfig) -> "Checkpointer":
         """Before the data is built: the `--save` folder's preflight (which holds it for this
         job until `release`), then the resume plan."""
         lock = _preflight(args)
@@ -185,7 +185,7 @@ class Checkpointer:
         return _save(engine, self.args, self.records, iteration, consumed_samples)
 
 
-def _records(args: argparse.Namespace, plan: ResumePlan, vocab_size: int) -> Records:
+def _records(args: RunConfig, plan: ResumePlan, vocab_size: int) -> Records:
     """This run's records, once its tokenizer's vocabulary is known."""
     padded = padded_vocab_size(
         vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
@@ -198,9 +198,7 @@ def _records(args: argparse.Namespace, plan: ResumePlan, vocab_size: int) -> Rec
     )
 
 
-def _save(
-    engine, args: argparse.Namespace, records: Records, iteration: int, consumed_samples: int
-) -> str:
+def _save(engine, args: RunConfig, records: Records, iteration: int, consumed_samples: int) -> str:
     """Save on every rank; returns the checkpoint directory.
 
     Written under its partial name, checksummed, then renamed and made `latest`. A write that
@@ -427,7 +425,7 @@ def _hold(folder: str) -> Optional[FolderLock]:
     return lock
 
 
-def _preflight(args: argparse.Namespace) -> Optional[FolderLock]:
+def _preflight(args: RunConfig) -> Optional[FolderLock]:
     """What would fail at the first save, refused before any compute: a signal handler with
     nowhere to save, a `--save` that cannot be written or that another job saves into, a folder
     of complete checkpoints whose `latest` is gone (which would otherwise start from scratch and
@@ -495,7 +493,7 @@ def _load_weights_only(engine, args, checkpoint: SavedCheckpoint, may_miss) -> N
         engine.optimizer.refresh_fp32_params()
 
 
-def _resume_megatron_lm(engine, args: argparse.Namespace, checkpoint: SavedCheckpoint) -> tuple:
+def _resume_megatron_lm(engine, args: RunConfig, checkpoint: SavedCheckpoint) -> tuple:
     """A Megatron-LM run continued (`--no-load-optim`): its weights, iteration and consumed
     samples; the optimizer and LR schedule start afresh, the random states from the seed."""
     _load_weights_only(engine, args, checkpoint, may_miss=lambda name: False)
@@ -506,7 +504,7 @@ def _resume_megatron_lm(engine, args: argparse.Namespace, checkpoint: SavedCheck
     return iteration, iteration * args.global_batch_size if consumed is None else consumed
 
 
-def _load(engine, args: argparse.Namespace, plan: ResumePlan, padded_vocab_size: int) -> tuple:
+def _load(engine, args: RunConfig, plan: ResumePlan, padded_vocab_size: int) -> tuple:
     """Execute `plan`: restore model, optimizer, scheduler, RNG and data position; returns
     (iteration, consumed samples), (0, 0) where the run starts at iteration 0. What
     `resume.check` refuses has been refused before."""

@@ -14,7 +14,6 @@ DeepSpeed's own functions. bf16 and fp16 at stage 0 keep their layout (DeepSpeed
 mixed-precision optimizers there have no such path).
 """
 
-import argparse
 import os
 import re
 import shutil
@@ -30,12 +29,13 @@ from megatron.core import parallel_state
 
 from megatron_focus.checkpoint import universal
 from megatron_focus.checkpoint.format import read_layout, universal_dir
+from megatron_focus.run_config import RunConfig
 
 # The model-args keys that follow the layout rather than the model.
 LAYOUT_KEYS = ("tensor_model_parallel_size", "padded_vocab_size")
 
 
-def current(args: argparse.Namespace) -> dict:
+def current(args: RunConfig) -> dict:
     return {
         "tensor_model_parallel_size": args.tensor_model_parallel_size,
         "data_parallel_size": parallel_state.get_data_parallel_world_size(),
@@ -46,12 +46,12 @@ def current(args: argparse.Namespace) -> dict:
     }
 
 
-def record(args: argparse.Namespace, padded_vocab_size: int) -> dict:
+def record(args: RunConfig, padded_vocab_size: int) -> dict:
     """The layout record of this run's checkpoints: its layout and the vocabulary padded for it."""
     return {**current(args), "padded_vocab_size": padded_vocab_size}
 
 
-def change(args: argparse.Namespace, checkpoint_dir: str) -> Optional[dict]:
+def change(args: RunConfig, checkpoint_dir: str) -> Optional[dict]:
     """The checkpoint's layout if it differs from this run's, refused where no path exists."""
     layout = read_layout(checkpoint_dir)
     ours = current(args)
@@ -109,7 +109,7 @@ def describe_model(model: torch.nn.Module) -> None:
 
 def load(
     engine,
-    args: argparse.Namespace,
+    args: RunConfig,
     checkpoint_dir: str,
     layout: dict,
     trained_names: list,

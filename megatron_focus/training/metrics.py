@@ -6,7 +6,6 @@ As Megatron-LM's `training_log`, each of its curves is also written against the 
 (`<tag> vs samples`), and the run's arguments are written as text, one entry per argument.
 """
 
-import argparse
 import dataclasses
 import datetime
 import math
@@ -20,6 +19,7 @@ import torch.distributed as dist
 
 from megatron_focus import platform
 from megatron_focus.model.flops import PEAK_BF16_FLOPS
+from megatron_focus.run_config import RunConfig
 
 
 def peak_memory_bytes() -> tuple[str, int]:
@@ -73,7 +73,7 @@ class LogStep:
 
 
 class Reporter:
-    def __init__(self, args: argparse.Namespace, flops_token: float, total_samples: int):
+    def __init__(self, args: RunConfig, flops_token: float, total_samples: int):
         self.args = args
         self.total_samples = total_samples  # the ETA's: batches grow under --rampup-batch-size
         self.flops_token = flops_token
@@ -85,7 +85,7 @@ class Reporter:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=100)
-            for name, value in sorted(vars(args).items()):
+            for name, value in sorted(args.flags().items()):
                 self.writer.add_text(name, str(value), global_step=0)
         self.wandb = _wandb_run(args) if is_last_rank and args.wandb_project else None
         self.peak = None
@@ -194,7 +194,7 @@ class Reporter:
             self.wandb.finish()
 
 
-def _wandb_run(args: argparse.Namespace):
+def _wandb_run(args: RunConfig):
     """Megatron-LM's wandb run: the project and name given, the arguments as its config."""
     import wandb
 
@@ -205,7 +205,7 @@ def _wandb_run(args: argparse.Namespace):
         name=args.wandb_exp_name,
         entity=args.wandb_entity or None,
         dir=folder,
-        config={k: v for k, v in vars(args).items() if _plain(v)},
+        config={k: v for k, v in args.flags().items() if _plain(v)},
     )
 
 

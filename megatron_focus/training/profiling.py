@@ -7,17 +7,17 @@ Otherwise, as in Megatron-LM, they are bracketed by `cudaProfilerStart/Stop` for
 `nsys profile --capture-range=cudaProfilerApi`.
 """
 
-import argparse
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_focus import platform
+from megatron_focus.run_config import RunConfig
 
 
 class StepProfiler:
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: RunConfig):
         self.args = args
         self.on = args.profile and dist.get_rank() in args.profile_ranks
         self.torch_profiler: Optional[torch.profiler.profile] = None

@@ -25,7 +25,6 @@ A retrofit's trained-only checkpoint (`base_checkpoint.json`) resumes or fine-tu
 loaded first (`base`): its frozen weights, then the routers.
 """
 
-import argparse
 import dataclasses
 import os
 from typing import Optional
@@ -45,6 +44,7 @@ from megatron_focus.checkpoint.format import (
 )
 from megatron_focus.checkpoint.safe_load import check_safe_to_load, load_file
 from megatron_focus.checkpoint.saved import SavedCheckpoint
+from megatron_focus.run_config import RunConfig
 from megatron_focus.training import layouts
 from megatron_focus.training.optimizer import in_unit, schedule, steps_in
 from megatron_focus.variants import variant
@@ -74,7 +74,7 @@ class ResumePlan:
         return not router if self.base is not None else router and self.kind == ADDING_FOCUS
 
 
-def plan(args: argparse.Namespace) -> ResumePlan:
+def plan(args: RunConfig) -> ResumePlan:
     """The start `--load` (or `--pretrained-checkpoint`) asks for, its files verified; refuses a
     `--load` that holds no checkpoint where one is needed, and pickled code."""
     # Megatron's --pretrained-checkpoint: weights only, while --load holds no checkpoint.
@@ -144,11 +144,11 @@ def refuse_lost_latest(folder: str, ckpt_step: Optional[int]) -> None:
         )
 
 
-def _own_run(args: argparse.Namespace) -> bool:
+def _own_run(args: RunConfig) -> bool:
     return os.path.abspath(args.load) == os.path.abspath(args.save or "")
 
 
-def check(plan: ResumePlan, args: argparse.Namespace, ours: dict) -> None:
+def check(plan: ResumePlan, args: RunConfig, ours: dict) -> None:
     """Everything loading would refuse, refused before the data, model and engine are built: a
     model of another shape (`ours`: this run's model args), a layout change the checkpoint or the
     flags do not allow, a changed schedule."""
@@ -201,7 +201,7 @@ def check(plan: ResumePlan, args: argparse.Namespace, ours: dict) -> None:
         _check_schedule(saved["lr_scheduler"], args, checkpoint)
 
 
-def check_trained(plan: ResumePlan, args: argparse.Namespace, trained: list) -> None:
+def check_trained(plan: ResumePlan, args: RunConfig, trained: list) -> None:
     """Once the model is built and frozen, before the engine: refused, a resume whose
     checkpoint's optimizer state covers other parameters than this run trains (`trained`, their
     names), e.g. a soft-trained run continued in sparse mode, which freezes the routers:
@@ -250,7 +250,7 @@ def _trained_in(checkpoint_dir: str, allow_unsafe: bool) -> Optional[list]:
     return None if shapes is None else [name for group in shapes for name in group]
 
 
-def _check_weights_fit(args: argparse.Namespace, ours: dict, checkpoint: SavedCheckpoint) -> None:
+def _check_weights_fit(args: RunConfig, ours: dict, checkpoint: SavedCheckpoint) -> None:
     # A retrofit adding Focus, or a standard model's weights starting a variant's run: the
     # checkpoint has neither its attention nor its settings.
     saved = checkpoint.model_args
@@ -267,7 +267,7 @@ def _check_weights_fit(args: argparse.Namespace, ours: dict, checkpoint: SavedCh
     _refuse_weights_only_under_zero3(args)
 
 
-def _refuse_weights_only_under_zero3(args: argparse.Namespace) -> None:
+def _refuse_weights_only_under_zero3(args: RunConfig) -> None:
     if args.zero_stage == 3:
         raise ValueError(
             "loading weights only (an imported model, --finetune, --retrofit) is not "
@@ -293,7 +293,7 @@ def _shown(value):
     return f"{value:.6g}" if isinstance(value, float) else value
 
 
-def _check_schedule(saved: dict, args: argparse.Namespace, checkpoint_dir: str) -> None:
+def _check_schedule(saved: dict, args: RunConfig, checkpoint_dir: str) -> None:
     """Refuse, as Megatron-LM does, a resume whose schedule flags differ from the checkpoint's,
     unless the user chose whose values win (which Megatron's scheduler then applies)."""
     if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:

@@ -4,7 +4,6 @@ Read `pretrain` top to bottom; the helpers below it are the steps it names. One 
 laptop (one process, CPU, gloo), `torchrun` and the DeepSpeed launcher across nodes.
 """
 
-import argparse
 import contextlib
 import datetime
 import functools
@@ -37,6 +36,7 @@ from megatron_focus.parallel import (
     num_zeros_in_grad,
     params_norm,
 )
+from megatron_focus.run_config import RunConfig
 from megatron_focus.training.checkpointing import Checkpointer
 from megatron_focus.training.metrics import LogStep, Reporter
 from megatron_focus.training.optimizer import in_unit, param_groups, schedule, steps_in
@@ -44,7 +44,7 @@ from megatron_focus.training.profiling import StepProfiler
 from megatron_focus.variants import variant
 
 
-def pretrain(args: argparse.Namespace) -> dict:
+def pretrain(args: RunConfig) -> dict:
     """Train as the flags say; returns {"losses": [...], "validation": [(iteration, loss)...],
     "lr": [the LR at each log step]} for this rank (a Focus run adds its other mode's
     validation, e.g. "validation sparse")."""
@@ -66,7 +66,7 @@ def pretrain(args: argparse.Namespace) -> dict:
         checkpointer.release()  # the folder free for the next job, however this one ends
 
 
-def _train(args: argparse.Namespace, checkpointer: Checkpointer, rank0: bool, started: float):
+def _train(args: RunConfig, checkpointer: Checkpointer, rank0: bool, started: float):
     """`pretrain` once the run's checkpoints are prepared."""
     # Data first: a wrong path or a tokenizer that does not fit the data fails before any compute.
     tokenizer = tokenizer_for(args, rank0)
@@ -162,7 +162,7 @@ def _lost_a_rank(error: RuntimeError) -> bool:
     return any(words in str(error) for words in _PEER_LOST)
 
 
-def _stalled(args: argparse.Namespace, iteration: int, error: str) -> str:
+def _stalled(args: RunConfig, iteration: int, error: str) -> str:
     """The line a rank stops with when a collective lost a rank: itself, the iterations it
     completed, what gloo said, and the checkpoint a rerun resumes from."""
     latest = os.path.join(args.save, LATEST) if args.save else None
@@ -179,12 +179,12 @@ def _stalled(args: argparse.Namespace, iteration: int, error: str) -> str:
     )
 
 
-def _due(interval: Optional[int], iteration: int, args: argparse.Namespace) -> bool:
+def _due(interval: Optional[int], iteration: int, args: RunConfig) -> bool:
     """Every `interval` iterations (never without one), and at the last."""
     return (bool(interval) and iteration % interval == 0) or iteration == args.train_iters
 
 
-def _set_global_batch(engine, batch_size: int, args: argparse.Namespace) -> None:
+def _set_global_batch(engine, batch_size: int, args: RunConfig) -> None:
     """DeepSpeed's gradient accumulation for a global batch of `batch_size` samples (the micro
     batch stays), and what the LR schedule advances by after it."""
     # DeepSpeed's data-parallel ranks include the context-parallel ones (platform.py)
@@ -193,7 +193,7 @@ def _set_global_batch(engine, batch_size: int, args: argparse.Namespace) -> None
     engine.lr_scheduler.trains(batch_size)
 
 
-def _validation_batches(valid_data, args: argparse.Namespace):
+def _validation_batches(valid_data, args: RunConfig):
     """The same batches at every evaluation, read by workers that stay."""
     if valid_data is None:
         return None
@@ -225,7 +225,7 @@ def _save(checkpointer, engine, rank0: bool, iteration: int, consumed: int) -> N
 
 
 def train_step(
-    engine, batches: Iterator[dict], args: argparse.Namespace, count_zeros: bool = False
+    engine, batches: Iterator[dict], args: RunConfig, count_zeros: bool = False
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """One global batch: forward/backward per micro-batch, then DeepSpeed's optimizer step.
 
@@ -389,7 +389,7 @@ class _Progress:
 
 
 @torch.no_grad()
-def evaluate(engine, batches, args: argparse.Namespace) -> float:
+def evaluate(engine, batches, args: RunConfig) -> float:
     """Mean loss over `batches`, the first `--eval-iters` global batches of the validation split.
 
     Always the same samples, so validation curves of different runs and variants compare.
@@ -435,9 +435,7 @@ def lm_loss(engine, batch: dict, tokens: Optional[torch.Tensor] = None) -> torch
     return summed / count.clamp(min=1)
 
 
-def data_loader(
-    dataset, consumed: int, total: int, args: argparse.Namespace, persistent: bool = False
-):
+def data_loader(dataset, consumed: int, total: int, args: RunConfig, persistent: bool = False):
     """This rank's micro-batches of samples [consumed, total) (data/loader.py): tensor-parallel
     ranks of one replica read the same samples."""
     return micro_batches(
@@ -461,7 +459,7 @@ def _mean_over_data_parallel(value: torch.Tensor) -> torch.Tensor:
     return value / dist.get_world_size(group)
 
 
-def _deepspeed_engine(args: argparse.Namespace, model: torch.nn.Module, checkpointer: Checkpointer):
+def _deepspeed_engine(args: RunConfig, model: torch.nn.Module, checkpointer: Checkpointer):
     """AdamW without weight decay on biases and norms, Megatron's LR schedule, in DeepSpeed."""
     optimizer = torch.optim.AdamW(
         [
@@ -499,7 +497,7 @@ class _StepBySchedule:
     or, in a run of --train-samples, its samples, as Megatron-LM counts; DeepSpeed calls
     `step()` after each optimizer step it applies. The state records the unit (`steps_in`)."""
 
-    def __init__(self, scheduler: OptimizerParamScheduler, args: argparse.Namespace):
+    def __init__(self, scheduler: OptimizerParamScheduler, args: RunConfig):
         self.scheduler = scheduler
         self.unit, self.global_batch = steps_in(args), args.global_batch_size
         self.increment = 1
@@ -528,7 +526,7 @@ class _StopRequest:
     the whole process group or a single rank; the DataLoader workers leave the signal to this
     handler (data/loader.py)."""
 
-    def __init__(self, args: argparse.Namespace, started: float):
+    def __init__(self, args: RunConfig, started: float):
         self.asked = bool(args.exit_signal_handler or args.exit_duration_in_mins)
         self.received = False
         self.deadline = (
@@ -556,7 +554,7 @@ class _StopRequest:
         return bool(flag[0])
 
 
-def _print_banner(args: argparse.Namespace, model: torch.nn.Module, hooks, iteration: int) -> None:
+def _print_banner(args: RunConfig, model: torch.nn.Module, hooks, iteration: int) -> None:
     params = sum(p.numel() for p in model.parameters())
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"training {trained:,} of {params:,} parameters (TP rank 0)", flush=True)
@@ -583,7 +581,7 @@ def _print_banner(args: argparse.Namespace, model: torch.nn.Module, hooks, itera
     _print_where(args)  # before the first step too: where to look while it trains
 
 
-def _data_name(args: argparse.Namespace) -> str:
+def _data_name(args: RunConfig) -> str:
     if args.mqar:
         return (
             f"MQAR ({args.mqar_pairs} {'packed ' if args.mqar_packed else ''}pairs, "
@@ -605,7 +603,7 @@ def _data_name(args: argparse.Namespace) -> str:
     return " ".join(data_prefixes(args))
 
 
-def _print_where(args: argparse.Namespace) -> None:
+def _print_where(args: RunConfig) -> None:
     """Where the run's logs and checkpoints go (at its start, and again at its end)."""
     if args.tensorboard_dir:
         print(

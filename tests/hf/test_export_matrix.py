@@ -97,7 +97,7 @@ def _random_checkpoint(save_dir: str, flags: list, tokenizer_type: str, tokenize
     from megatron_focus.checkpoint import tp_layout
     from megatron_focus.data.tokenizer import build_tokenizer
     from megatron_focus.hf import native
-    from megatron_focus.model.gpt import build_model, padded_vocab_size
+    from megatron_focus.model.gpt import build_model
 
     platform.init_distributed(1)
     tokenizer = build_tokenizer(tokenizer_type, tokenizer_model)
@@ -108,7 +108,6 @@ def _random_checkpoint(save_dir: str, flags: list, tokenizer_type: str, tokenize
         + flags
     )
     vocab = tokenizer.vocab_size
-    args.padded_vocab_size = padded_vocab_size(vocab, args.make_vocab_size_divisible_by, 1)
     platform.manual_seed(0)
     model = build_model(args, vocab)
     weights = tp_layout.merge([model.state_dict()], args.swiglu, vocab)

@@ -527,7 +527,6 @@ def _saved_bytes_loss_and_grad(argvs):
     for argv in argvs:
         args = parse_args(argv)
         platform.manual_seed(args.seed)
-        args.padded_vocab_size = 128
         model = build_model(args, 100)
         tokens = torch.randint(
             0, 100, (2, args.seq_length), generator=torch.Generator().manual_seed(0)
