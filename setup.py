@@ -47,7 +47,12 @@ setup(
     description="Focus (learned sparse) and XSA (exclusive self) attention on Megatron-Core",
     packages=find_packages(include=["megatron_focus", "megatron_focus.*"]),
     # compat.py's records of Megatron-LM's parsers
-    package_data={"megatron_focus": ["megatron_lm_flags.txt", "megatron_lm_preprocess_flags.txt"]},
+    package_data={
+        "megatron_focus": [
+            "config/megatron_lm_flags.txt",
+            "config/megatron_lm_preprocess_flags.txt",
+        ]
+    },
     python_requires=">=3.10,<3.13",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,

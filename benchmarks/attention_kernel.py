@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_focus import platform
-from megatron_focus.model import focus_sparse
+from megatron_focus.model.focus import focus_sparse
 
 from timing import seconds
 

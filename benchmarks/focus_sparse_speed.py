@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 
 from megatron_focus import platform
-from megatron_focus.model import kernels
-from megatron_focus.model.focus import group_stats
-from megatron_focus.model.focus_gate import focus_attention
-from megatron_focus.model.focus_sparse import sparse_focus_attention
-from megatron_focus.model.groups import Routing
-from megatron_focus.model.sinkhorn import causal_sinkhorn
+from megatron_focus.model.focus.focus import group_stats
+from megatron_focus.model.focus.focus_gate import focus_attention
+from megatron_focus.model.focus.focus_sparse import sparse_focus_attention
+from megatron_focus.model.focus.groups import Routing
+from megatron_focus.model.focus.sinkhorn import causal_sinkhorn
+from megatron_focus.model.kernels import kernels
 
 from timing import timed
 

@@ -1,8 +1,8 @@
 """Whether each Triton kernel launch fits each GPU architecture: registers, spill bytes, shared
 memory against the per-block limit, and 64-bit addressing, as ptxas reports them for the cubin
 Triton builds for sm_80 (A100), sm_86 (A10, L4, L40S, RTX 30/40) and sm_90 (H100, H200), on any
-machine, GPU or not (model/triton_fit.py). On a GPU, `--device` adds the driver's own register
-and spill counts for the GPU's architecture, beside the prediction.
+machine, GPU or not (model/kernels/triton_fit.py). On a GPU, `--device` adds the driver's own
+register and spill counts for the GPU's architecture, beside the prediction.
 
     python benchmarks/kernel_fit.py [--archs sm80 sm86 sm90] [--head-dims 64 128 256]
         [--gqa 1 8] [--dtypes bf16] [--gates log sigmoid] [--documents] [--tokens 4096]
@@ -46,7 +46,7 @@ def parse() -> argparse.Namespace:
 
 
 def shapes(args):
-    from megatron_focus.model.triton_fit import Shape
+    from megatron_focus.model.kernels.triton_fit import Shape
 
     for head_dim in args.head_dims:
         for rep in args.gqa:
@@ -84,8 +84,8 @@ def main() -> int:
     if not hasattr(getattr(getattr(triton, "knobs", None), "nvidia", None), "dump_ptxas_log"):
         print(f"Triton {triton.__version__} cannot report ptxas here (3.9 can): nothing to fit")
         return 1 if args.strict else 0
-    from megatron_focus.model import triton_launch
-    from megatron_focus.model.triton_fit import all_launches, compile_for
+    from megatron_focus.model.kernels import triton_launch
+    from megatron_focus.model.kernels.triton_fit import all_launches, compile_for
 
     device_arch = None
     if args.device and torch.cuda.is_available():

@@ -67,11 +67,11 @@ def calls(opts, heads: int, head_dim: int, kv_heads: int) -> dict:
     """name -> a forward + backward of one layer's attention (or XSA alone), on q, k, v laid out
     as Megatron's SelfAttention hands them over (views of one fused QKV output, K a new tensor
     as RoPE's)."""
-    from megatron_focus.model.flex import flex_soft_focus
-    from megatron_focus.model.sinkhorn import causal_sinkhorn
-    from megatron_focus.model.triton_gate import triton_soft_focus
-    from megatron_focus.model.triton_sinkhorn import triton_causal_sinkhorn
-    from megatron_focus.model.triton_xsa import triton_exclusive_projection
+    from megatron_focus.model.focus.sinkhorn import causal_sinkhorn
+    from megatron_focus.model.kernels.flex import flex_soft_focus
+    from megatron_focus.model.kernels.triton_gate import triton_soft_focus
+    from megatron_focus.model.kernels.triton_sinkhorn import triton_causal_sinkhorn
+    from megatron_focus.model.kernels.triton_xsa import triton_exclusive_projection
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float16

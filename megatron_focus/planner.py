@@ -1,7 +1,7 @@
 """What a run needs before it is launched: parameters, FLOPs, memory per GPU, and time.
 
 `tools/plan.py` is the command; this module is the arithmetic, so tests and scripts can call it.
-It takes the same flags as `pretrain_gpt.py` (the shared parser of `megatron_focus.flags`,
+It takes the same flags as `pretrain_gpt.py` (the shared parser of `megatron_focus.config.flags`,
 validated by the same `validate_args` at the cluster's world size), plus a few about the cluster.
 
 Formulas (bytes; Psi = parameters held by one tensor-parallel rank, N_d = data-parallel size):
@@ -57,7 +57,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional, Tuple
 
-from megatron_focus.run_config import RunConfig, frozen_flags
+from megatron_focus.config.run_config import RunConfig, frozen_flags
 from megatron_focus.variants import variant
 
 GB = 1e9  # decimal gigabytes, as GPU memory sizes are quoted (80 GB)
@@ -129,9 +129,9 @@ Cluster = frozen_flags("Cluster", _PLANNER_FLAGS, __name__)  # the planner's own
 def parse_plan_args(argv: Optional[List[str]] = None) -> Tuple[RunConfig, Cluster]:
     """pretrain_gpt.py's flags, validated as a run on the whole cluster would be, and the
     cluster's."""
+    from megatron_focus.config.flags import build_parser
+    from megatron_focus.config.validation import validate_args
     from megatron_focus.data import reads_data_files
-    from megatron_focus.flags import build_parser
-    from megatron_focus.validation import validate_args
 
     parser = add_planner_args(build_parser())
     parser.prog = "plan.py"

@@ -23,8 +23,9 @@ a GPT model touches; `setup()` answers exactly those, with the CPU and gloo:
   which it saves and restores as well, so that state is empty.
 
 One process-wide setting applies on every machine: dynamo's recompile limit, raised for
-FlexAttention (`model/flex.py`, `RECOMPILE_LIMIT`). Every change is listed by `planned_patches()`
-before it is made, so a test can check that with CUDA present that setting is the only one.
+FlexAttention (`model/kernels/flex.py`, `RECOMPILE_LIMIT`). Every change is listed by
+`planned_patches()` before it is made, so a test can check that with CUDA present that setting is
+the only one.
 `setup()` is idempotent.
 
 The `mpu` adapter for DeepSpeed lives here too: DeepSpeed asks for the legacy names
@@ -113,7 +114,7 @@ def _cpu_current_device() -> torch.device:
 def _cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
     """Megatron's selection of a context-parallel rank's rotary positions (its chunks r and
     2C - 1 - r), without its pinned CUDA index."""
-    from megatron_focus.context_parallel import chunk_ids
+    from megatron_focus.parallel.context_parallel import chunk_ids
 
     size = cp_group.size()
     chunks = pos_emb.unflatten(seq_dim, (2 * size, -1))

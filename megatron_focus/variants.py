@@ -21,8 +21,9 @@ from typing import Dict, List, Optional, Tuple, Type
 
 from megatron_focus.settings import INFERENCE, MODEL, RUN, VariantSettings, setting
 
-FOCUS_GATES = ("log", "sigmoid")  # the soft gate on distant pairs: model/focus_gate.py
-FOCUS_KERNELS = ("auto", "triton", "flex", "chunked")  # the soft gate's kernel: model/kernels.py
+FOCUS_GATES = ("log", "sigmoid")  # the soft gate on distant pairs: model/focus/focus_gate.py
+# the soft gate's kernel: model/kernels/kernels.py
+FOCUS_KERNELS = ("auto", "triton", "flex", "chunked")
 FOCUS_MODES = ("soft", "sparse")  # the soft gate (training) or the hard top-k rule
 # the router trained, or controls that never learn: W_g and the centroids frozen at their draw
 # from the seed, or the centroids alone (docs/routing.md)
@@ -195,8 +196,8 @@ class FocusConfig(VariantSettings, prefix="focus"):
         return args.hidden_size * self.dim + self.groups * self.dim
 
 
-FOCUS_SELF_ATTENTION = "megatron_focus.model.focus:FocusSelfAttention"
-FOCUS_HOOKS = "megatron_focus.model.focus:FocusHooks"
+FOCUS_SELF_ATTENTION = "megatron_focus.model.focus.focus:FocusSelfAttention"
+FOCUS_HOOKS = "megatron_focus.model.focus.focus:FocusHooks"
 register(
     AttentionVariant(
         "standard", "megatron_focus.model.core_attention:CoreAttention", hf_attention="standard"
@@ -214,7 +215,7 @@ register(
 register(
     AttentionVariant(
         "focus",
-        "megatron_focus.model.focus:FocusAttention",
+        "megatron_focus.model.focus.focus:FocusAttention",
         settings=FocusConfig,
         self_attention=FOCUS_SELF_ATTENTION,
         without_focus="standard",
@@ -225,7 +226,7 @@ register(
 register(
     AttentionVariant(
         "focus+xsa",
-        "megatron_focus.model.focus:FocusXSAAttention",
+        "megatron_focus.model.focus.focus:FocusXSAAttention",
         settings=FocusConfig,
         self_attention=FOCUS_SELF_ATTENTION,
         xsa=True,

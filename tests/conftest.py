@@ -33,7 +33,7 @@ def embedded_cache(tmp_path_factory):
 @pytest.fixture
 def forbid_topk(monkeypatch):
     """Call it to make torch.topk raise from then on in the test: its order of tied entries
-    depends on k, so no Focus path may rank groups with it (model/groups.py)."""
+    depends on k, so no Focus path may rank groups with it (model/focus/groups.py)."""
     import torch
 
     def refuse(*args, **kwargs):

@@ -49,7 +49,7 @@ def gpu_launch_shapes(monkeypatch, module, capability=(9, 0)):
     interpreter."""
     import torch
 
-    from megatron_focus.model import triton_launch
+    from megatron_focus.model.kernels import triton_launch
 
     gate_tile = triton_launch.gate_tile
     monkeypatch.setattr(triton_launch, "capability_of", lambda t: capability)

@@ -102,8 +102,9 @@ def gpu_sparse_attention_launches(top_k: int, compiled_routing: bool, n: int = 2
     import torch.nn.attention.flex_attention as flex_attention
     from varlen import varlen_on_the_cpu
 
-    from megatron_focus.model import flex, focus_sparse, kernels
-    from megatron_focus.model.groups import Routing
+    from megatron_focus.model.focus import focus_sparse
+    from megatron_focus.model.focus.groups import Routing
+    from megatron_focus.model.kernels import flex, kernels
 
     from reference import assignments
 

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from megatron_focus import compat
+from megatron_focus.config import compat
 
 # Model flags of Megatron-LM's own launch scripts, shrunk (the sizes; the rest as shipped, but
 # for their precision: the CPU computes in fp32).

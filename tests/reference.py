@@ -3,7 +3,7 @@
 Every reference decides pair by pair (or with one dense mask) and computes in fp64; none calls
 the code under test. The group ranking here is its own: a group's rank is the number of groups
 with a larger assignment plus the number of equal ones with a lower index (the tie rule of
-megatron_focus/model/groups.py, by counting instead of sorting).
+megatron_focus/model/focus/groups.py, by counting instead of sorting).
 """
 
 import torch

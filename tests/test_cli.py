@@ -94,8 +94,8 @@ def test_errors_raised_in_libraries_keep_their_traceback(single_process):
 
 def test_megatron_compat_doc_is_generated_from_the_parser():
     """docs/megatron-compat.md is what tools/megatron_compat.py writes from today's parser."""
-    from megatron_focus.compat import compat_table, megatron_flags
-    from megatron_focus.flags import build_parser
+    from megatron_focus.config.compat import compat_table, megatron_flags
+    from megatron_focus.config.flags import build_parser
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     flags = megatron_flags()
@@ -133,7 +133,7 @@ def test_deepspeed_flags_are_deepspeeds_own():
 
     import deepspeed
 
-    from megatron_focus.flags import build_parser
+    from megatron_focus.config.flags import build_parser
 
     def described(parser, options):
         return {

@@ -45,10 +45,10 @@ def _loss_and_grads(argv, tokens):
     from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
     from megatron_focus import platform
-    from megatron_focus.arguments import parse_args
-    from megatron_focus.context_parallel import batch_on_this_rank
+    from megatron_focus.config.arguments import parse_args
     from megatron_focus.model.gpt import build_model
-    from megatron_focus.parallel import (
+    from megatron_focus.parallel.context_parallel import batch_on_this_rank
+    from megatron_focus.parallel.tensor_parallel import (
         gather_tensor_parallel,
         install_sequence_parallel_grad_allreduce,
     )
@@ -158,8 +158,9 @@ def _sinkhorn_across(scores, doc_start, iters, size, fused=False):
     cotangent."""
     import torch.distributed as dist
 
-    from megatron_focus import context_parallel, platform
-    from megatron_focus.model.sinkhorn import causal_sinkhorn
+    from megatron_focus import platform
+    from megatron_focus.model.focus.sinkhorn import causal_sinkhorn
+    from megatron_focus.parallel import context_parallel
 
     platform.init_distributed()
     group, rank = dist.group.WORLD, dist.get_rank()
@@ -167,7 +168,9 @@ def _sinkhorn_across(scores, doc_start, iters, size, fused=False):
     mine = scores[:, rows].clone().requires_grad_()
     docs = None if doc_start is None else doc_start[:, rows]
     if fused:
-        from megatron_focus.model.triton_sinkhorn import triton_causal_sinkhorn as causal_sinkhorn
+        from megatron_focus.model.kernels.triton_sinkhorn import (
+            triton_causal_sinkhorn as causal_sinkhorn,
+        )
     log_g = causal_sinkhorn(mine, iters, docs, (rows, group))
     cotangent = torch.linspace(-1, 1, scores.numel(), dtype=scores.dtype).view(scores.shape)
     (log_g * cotangent[:, rows]).sum().backward()
@@ -184,7 +187,7 @@ def _sinkhorn_across(scores, doc_start, iters, size, fused=False):
 def test_the_sinkhorn_scan_across_ranks_is_the_one_process_sinkhorn(documents):
     """float64: the scan across 4 ranks (8 chunks) gives the whole sequence's assignments and
     gradient, with documents starting inside, at and across chunk boundaries."""
-    from megatron_focus.model.sinkhorn import causal_sinkhorn
+    from megatron_focus.model.focus.sinkhorn import causal_sinkhorn
 
     n, groups = 24, 5
     scores = torch.randn(
@@ -213,7 +216,7 @@ def test_the_sinkhorn_kernels_across_ranks_are_the_one_process_sinkhorn(document
     three chunks), against the float64 PyTorch Sinkhorn of the whole sequence."""
     from interpreted import skip_unless_kernels_run
 
-    from megatron_focus.model.sinkhorn import causal_sinkhorn
+    from megatron_focus.model.focus.sinkhorn import causal_sinkhorn
 
     skip_unless_kernels_run()
     n, groups, iters = 160, 5, 4
@@ -278,7 +281,7 @@ def test_training_under_context_parallelism_resumes_at_another_size(embedded_cac
     ],
 )
 def test_unsupported_context_parallel_combinations_are_refused_by_name(flags, message, monkeypatch):
-    from megatron_focus.arguments import parse_args
+    from megatron_focus.config.arguments import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match=message):

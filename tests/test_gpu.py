@@ -8,10 +8,10 @@ Skipped without CUDA (CI has none); `benchmarks/gpu_session.sh` runs them on a l
 import pytest
 import torch
 
-from megatron_focus.model.focus_gate import focus_attention
-from megatron_focus.model.focus_sparse import sparse_focus_attention
-from megatron_focus.model.groups import Routing
-from megatron_focus.model.sinkhorn import causal_sinkhorn
+from megatron_focus.model.focus.focus_gate import focus_attention
+from megatron_focus.model.focus.focus_sparse import sparse_focus_attention
+from megatron_focus.model.focus.groups import Routing
+from megatron_focus.model.focus.sinkhorn import causal_sinkhorn
 
 from reference import assignments, dense_hard_rule, reference_focus
 
@@ -89,7 +89,7 @@ def test_fused_soft_focus_bf16_is_close_to_the_dense_reference(kernel, heads, kv
 
 
 def test_fused_xsa_bf16_is_close_to_the_pytorch_projection():
-    from megatron_focus.model.triton_xsa import triton_exclusive_projection
+    from megatron_focus.model.kernels.triton_xsa import triton_exclusive_projection
     from megatron_focus.model.xsa import exclusive_projection
 
     y = torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -274,7 +274,7 @@ def test_focus_model_step_on_flex_equals_chunked(single_process):
     """The GPT model as the trainer builds it (Megatron's permuted q, k, v views, the router's
     gathered assignments): one step's loss and gradients, flex against chunked, fp32."""
     from megatron_focus import platform
-    from megatron_focus.arguments import parse_args
+    from megatron_focus.config.arguments import parse_args
     from megatron_focus.model.gpt import build_model
 
     argv = [
@@ -321,9 +321,9 @@ def test_rope_gqa_model_on_the_fused_kernels_equals_chunked_bf16(single_process,
     and Sinkhorn) against the chunked gate: one step's loss and gradients within bf16's
     rounding."""
     from megatron_focus import platform
-    from megatron_focus.arguments import parse_args
-    from megatron_focus.model import kernels
+    from megatron_focus.config.arguments import parse_args
     from megatron_focus.model.gpt import build_model
+    from megatron_focus.model.kernels import kernels
 
     argv = (
         "--num-layers 2 --hidden-size 256 --num-attention-heads 8 --group-query-attention "

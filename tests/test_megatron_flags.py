@@ -10,10 +10,10 @@ import time
 import pytest
 
 from megatron_focus import cli
-from megatron_focus.arguments import parse_args
-from megatron_focus.compat import NO_EFFECT, REFUSED, classify, megatron_lm_actions
-from megatron_focus.flags import build_parser
-from megatron_focus.validation import validate_args
+from megatron_focus.config.arguments import parse_args
+from megatron_focus.config.compat import NO_EFFECT, REFUSED, classify, megatron_lm_actions
+from megatron_focus.config.flags import build_parser
+from megatron_focus.config.validation import validate_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Megatron-LM's defaults that this trainer cannot take, and why.
@@ -139,7 +139,7 @@ def test_megatron_lm_values_parse_as_megatron_lm_parses_them():
 def test_the_table_counts_a_no_form_as_its_flag():
     """`--no-X` of a refused X is refused (and of a no-op X a no-op), not honoured; flags that
     change nothing here are counted so."""
-    from megatron_focus.compat import compat_table, megatron_flags
+    from megatron_focus.config.compat import compat_table, megatron_flags
 
     table = compat_table(megatron_flags(), PARSER)
     status = dict(re.findall(r"^\| `(--[\w-]+)` \| ([a-z ]+) \|", table, re.M))

@@ -106,8 +106,8 @@ def test_a_setting_the_hf_layer_cannot_take_is_refused_by_name(monkeypatch):
 def _exported_as_standard():
     import dataclasses
 
-    from megatron_focus.arguments import parse_args
     from megatron_focus.checkpoint import format as checkpoint_format
+    from megatron_focus.config.arguments import parse_args
     from megatron_focus.hf.architecture import Architecture
     from megatron_focus.variants import register, variant
 
@@ -171,7 +171,7 @@ def test_the_planner_counts_a_variants_parameters(monkeypatch):
 def _counted_and_built():
     """(parameters per layer the variant adds as counted, as built) over standard attention."""
     from megatron_focus import platform
-    from megatron_focus.arguments import parse_args
+    from megatron_focus.config.arguments import parse_args
     from megatron_focus.model.gpt import build_model
     from megatron_focus.planner import count_parameters
 

@@ -8,7 +8,7 @@ import torch
 
 from megatron_focus.model.core_attention import CoreAttention
 from megatron_focus.model.hooks import VariantHooks
-from megatron_focus.parallel import sum_grad_over_tensor_parallel
+from megatron_focus.parallel.tensor_parallel import sum_grad_over_tensor_parallel
 from megatron_focus.settings import VariantSettings, setting
 from megatron_focus.variants import AttentionVariant, register
 

@@ -8,8 +8,8 @@ import contextlib
 import torch
 import torch.nn.attention.varlen  # noqa: F401  (registers the ops)
 
-from megatron_focus.model import kernels
-from megatron_focus.model.lse_merge import attention_backward
+from megatron_focus.model.kernels import kernels
+from megatron_focus.model.kernels.lse_merge import attention_backward
 
 
 def _sequences(cu_seqlens):

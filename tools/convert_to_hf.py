@@ -14,8 +14,8 @@ settings are not recorded: `--focus-top-k` and `--focus-attention-mode` set them
 """
 
 from megatron_focus import cli
-from megatron_focus.choices import TOKENIZER_TYPES
-from megatron_focus.flags import add_unsafe_checkpoints_flag
+from megatron_focus.config.choices import TOKENIZER_TYPES
+from megatron_focus.config.flags import add_unsafe_checkpoints_flag
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_focus import cli  # noqa: E402
-from megatron_focus.flags import add_unsafe_checkpoints_flag  # noqa: E402
+from megatron_focus.config.flags import add_unsafe_checkpoints_flag  # noqa: E402
 
 
 def parse() -> argparse.Namespace:

@@ -27,7 +27,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_focus import cli  # noqa: E402
-from megatron_focus.flags import build_parser  # noqa: E402
+from megatron_focus.config.flags import build_parser  # noqa: E402
 
 
 def parse() -> tuple[argparse.Namespace, argparse.Namespace]:

@@ -10,8 +10,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_focus.compat import compat_table, megatron_flags  # noqa: E402
-from megatron_focus.flags import build_parser  # noqa: E402
+from megatron_focus.config.compat import compat_table, megatron_flags  # noqa: E402
+from megatron_focus.config.flags import build_parser  # noqa: E402
 
 DOC = os.path.join(ROOT, "docs", "megatron-compat.md")
 

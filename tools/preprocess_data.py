@@ -9,8 +9,9 @@ Every flag of Megatron-LM's tools/preprocess_data.py is known: done as there, or
 have no effect here, or refused by name before any work.
 """
 
-from megatron_focus import cli, compat
-from megatron_focus.choices import TOKENIZER_TYPES
+from megatron_focus import cli
+from megatron_focus.config import compat
+from megatron_focus.config.choices import TOKENIZER_TYPES
 
 
 def build_parser() -> cli.Parser:

@@ -18,7 +18,7 @@ import argparse
 import dataclasses
 from typing import Callable, Dict, Optional, Tuple
 
-from megatron_focus import compat
+from megatron_focus.config import compat
 
 # The attention variant of every Megatron-LM checkpoint.
 STANDARD = {"attention": "standard", "xsa_layers": None}
@@ -148,7 +148,7 @@ def _value(record: argparse.Namespace, field: str, defaults: Dict[str, object]):
 
 def _choices() -> Dict[str, tuple]:
     """The values this trainer's model flags take, where they are few."""
-    from megatron_focus.flags import build_parser
+    from megatron_focus.config.flags import build_parser
 
     return {a.dest: a.choices for a in build_parser()._actions if a.dest in FIELDS and a.choices}
 

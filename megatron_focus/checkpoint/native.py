@@ -19,8 +19,8 @@ from tqdm import tqdm
 
 from megatron_focus.checkpoint import format as checkpoint_format
 from megatron_focus.checkpoint import integrity, safe_load, tp_layout
+from megatron_focus.config.run_config import RunConfig, is_flag
 from megatron_focus.data.tokenizer import build_tokenizer
-from megatron_focus.run_config import RunConfig, is_flag
 from megatron_focus.variants import variant
 
 StateDict = Dict[str, torch.Tensor]
@@ -74,8 +74,8 @@ def native_args(tag_dir: str, **settings) -> RunConfig:
     run's are: every key of its `model_args.json` (the shape, the attention variant, the variant's
     recorded settings) as recorded, so nothing is re-derived from a default; `settings` are the
     variant's unrecorded ones by key (`focus_top_k=1`; None: the flag's default)."""
-    from megatron_focus.flags import build_parser
-    from megatron_focus.validation import validate_args
+    from megatron_focus.config.flags import build_parser
+    from megatron_focus.config.validation import validate_args
 
     saved = checkpoint_format.saved_model_args(tag_dir)  # older ones at what they computed
     keys = checkpoint_format.SHAPE_KEYS

@@ -37,7 +37,7 @@ from megatron_focus import platform
 from megatron_focus.checkpoint import format as checkpoint_format
 from megatron_focus.checkpoint import megatron_lm_args
 from megatron_focus.checkpoint.safe_load import load_file
-from megatron_focus.run_config import RunConfig
+from megatron_focus.config.run_config import RunConfig
 
 # Megatron-LM's version of checkpoints of Megatron-Core models (`generate_state_dict`).
 CHECKPOINT_VERSION = 3.0

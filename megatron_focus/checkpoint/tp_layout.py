@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from megatron_focus.parallel import merge_shards, split_tensor
+from megatron_focus.parallel.tensor_parallel import merge_shards, split_tensor
 
 StateDict = Dict[str, torch.Tensor]
 

@@ -17,7 +17,7 @@ import sentencepiece
 import tokenizers
 from megatron.core.tokenizers import MegatronTokenizerBase
 
-from megatron_focus.choices import TOKENIZER_TYPES
+from megatron_focus.config.choices import TOKENIZER_TYPES
 
 # Without a `tokenizer_config.json` naming its eos token, tried in order: the first one in the
 # vocabulary marks document ends.

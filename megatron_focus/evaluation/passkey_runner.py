@@ -55,7 +55,7 @@ class Native:
         return self.model(tokens, positions, None)[..., : self.vocab]
 
     def set_mode(self, mode, top_k):
-        from megatron_focus.model.focus import set_focus_mode
+        from megatron_focus.model.focus.focus import set_focus_mode
 
         set_focus_mode(self.model, mode, top_k)
 

@@ -18,16 +18,16 @@ from megatron_focus.checkpoint.native import (
     native_model,
     read_weights,
 )
+from megatron_focus.config.validation import validate_args
 from megatron_focus.data.loader import micro_batches, to_device
 from megatron_focus.data.sources import datasets_for, tokenizer_for
-from megatron_focus.model.focus import (
+from megatron_focus.model.focus.focus import (
     FocusAttention,
     focus_statistics,
     recording_statistics,
     set_focus_mode,
 )
-from megatron_focus.model.kernels import chosen
-from megatron_focus.validation import validate_args
+from megatron_focus.model.kernels.kernels import chosen
 from megatron_focus.variants import variant
 
 

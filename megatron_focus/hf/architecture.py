@@ -8,7 +8,7 @@ be represented there, exactly?" is made once, here or in `families.py`, before a
 import dataclasses
 from typing import List, Optional, Tuple
 
-from megatron_focus.run_config import RunConfig
+from megatron_focus.config.run_config import RunConfig
 from megatron_focus.variants import VARIANTS, FocusConfig, variant
 
 
@@ -164,8 +164,8 @@ class Architecture:
     ) -> RunConfig:
         """The run config of `pretrain_gpt.py`'s flags for this model, validated as a training
         run's are."""
-        from megatron_focus.flags import build_parser
-        from megatron_focus.validation import validate_args
+        from megatron_focus.config.flags import build_parser
+        from megatron_focus.config.validation import validate_args
 
         args = build_parser().parse_args(
             self.flags()

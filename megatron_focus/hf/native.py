@@ -15,10 +15,10 @@ from tqdm import tqdm
 from megatron_focus.checkpoint import format as checkpoint_format
 from megatron_focus.checkpoint import tp_layout
 from megatron_focus.checkpoint.native import StateDict
+from megatron_focus.config.run_config import RunConfig
 from megatron_focus.data.tokenizer import HF_TOKENIZER_CONFIG
 from megatron_focus.hf.architecture import Architecture
 from megatron_focus.outputs import fresh_folder
-from megatron_focus.run_config import RunConfig
 
 
 def recorded_special_tokens(tag_dir: str) -> dict:

@@ -28,8 +28,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import divide
 from torch.utils.checkpoint import checkpoint
 
-from megatron_focus.context_parallel import chunk_ids, gather_sequence
-from megatron_focus.model.kernels import flash_attn_func, use_flash_attn
+from megatron_focus.model.kernels.kernels import flash_attn_func, use_flash_attn
+from megatron_focus.parallel.context_parallel import chunk_ids, gather_sequence
 
 
 class CoreAttention(MegatronModule):

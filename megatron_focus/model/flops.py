@@ -4,7 +4,7 @@ Light (no torch): the run's own throughput log (training/metrics.py) and the pla
 (planner.py) count with the same formula.
 """
 
-from megatron_focus.run_config import RunConfig
+from megatron_focus.config.run_config import RunConfig
 
 # Dense bf16 peak of common training GPUs, for MFU; unknown devices report TFLOP/s only.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}

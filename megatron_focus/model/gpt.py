@@ -21,8 +21,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from megatron_focus import platform
+from megatron_focus.config.run_config import ModelConfig, RunConfig
 from megatron_focus.model.specs import block_spec
-from megatron_focus.run_config import ModelConfig, RunConfig
 from megatron_focus.variants import variant
 
 # megatron-core 0.19 logs at every GPTModel that it takes only bug fixes from now on (its

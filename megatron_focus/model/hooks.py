@@ -2,7 +2,7 @@
 variant's kind.
 
 The defaults add nothing, so a variant that only changes what a layer computes writes none.
-Focus's (`model/focus.py: FocusHooks`) keeps its routers out of the optimizer where they must
+Focus's (`model/focus/focus.py: FocusHooks`) keeps its routers out of the optimizer where they must
 not learn, validates in its other mode as well, and reports its routing at log steps. A
 variant names its hooks class in its registration (`AttentionVariant.hooks`); each run makes
 one from the run's settings of the variant.

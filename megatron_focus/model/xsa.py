@@ -10,8 +10,8 @@ whole inside core attention) need nothing more.
 import torch
 
 from megatron_focus import platform
-from megatron_focus.model import kernels
 from megatron_focus.model.core_attention import CoreAttention
+from megatron_focus.model.kernels import kernels
 
 
 def exclusive_projection(y: torch.Tensor, v: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

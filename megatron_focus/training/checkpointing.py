@@ -60,10 +60,10 @@ from megatron_focus.checkpoint.format import (
 )
 from megatron_focus.checkpoint.lock import FolderInUse, FolderLock
 from megatron_focus.checkpoint.saved import SavedCheckpoint
+from megatron_focus.config.run_config import RunConfig
 from megatron_focus.data.sources import tokenizer_choice
 from megatron_focus.model.flops import flops_per_token
 from megatron_focus.model.gpt import padded_vocab_size
-from megatron_focus.run_config import RunConfig
 from megatron_focus.training import layouts, resume
 from megatron_focus.training.optimizer import in_unit, param_groups
 from megatron_focus.training.resume import ResumePlan

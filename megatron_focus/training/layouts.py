@@ -29,7 +29,7 @@ from megatron.core import parallel_state
 
 from megatron_focus.checkpoint import universal
 from megatron_focus.checkpoint.format import read_layout, universal_dir
-from megatron_focus.run_config import RunConfig
+from megatron_focus.config.run_config import RunConfig
 
 # The model-args keys that follow the layout rather than the model.
 LAYOUT_KEYS = ("tensor_model_parallel_size", "padded_vocab_size")

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_focus import platform
+from megatron_focus.config.run_config import RunConfig
 from megatron_focus.model.flops import PEAK_BF16_FLOPS
-from megatron_focus.run_config import RunConfig
 
 
 def peak_memory_bytes() -> tuple[str, int]:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_focus import platform
-from megatron_focus.run_config import RunConfig
+from megatron_focus.config.run_config import RunConfig
 
 
 class StepProfiler:

@@ -44,7 +44,7 @@ from megatron_focus.checkpoint.format import (
 )
 from megatron_focus.checkpoint.safe_load import check_safe_to_load, load_file
 from megatron_focus.checkpoint.saved import SavedCheckpoint
-from megatron_focus.run_config import RunConfig
+from megatron_focus.config.run_config import RunConfig
 from megatron_focus.training import layouts
 from megatron_focus.training.optimizer import in_unit, schedule, steps_in
 from megatron_focus.variants import variant

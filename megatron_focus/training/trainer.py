@@ -21,22 +21,23 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_focus import cli, context_parallel, platform
+from megatron_focus import cli, platform
 from megatron_focus.checkpoint.format import LATEST, latest_tag
+from megatron_focus.config.deepspeed_config import deepspeed_config
+from megatron_focus.config.global_batch import GlobalBatch
+from megatron_focus.config.run_config import RunConfig
 from megatron_focus.data.loader import micro_batches, to_device
 from megatron_focus.data.sources import data_prefixes, datasets_for, tokenizer_for
 from megatron_focus.deepspeed_builds import skip_unused_builds
-from megatron_focus.deepspeed_config import deepspeed_config
-from megatron_focus.global_batch import GlobalBatch
-from megatron_focus.model import kernels
 from megatron_focus.model.flops import flops_per_token
 from megatron_focus.model.gpt import build_model
-from megatron_focus.parallel import (
+from megatron_focus.model.kernels import kernels
+from megatron_focus.parallel import context_parallel
+from megatron_focus.parallel.tensor_parallel import (
     install_sequence_parallel_grad_allreduce,
     num_zeros_in_grad,
     params_norm,
 )
-from megatron_focus.run_config import RunConfig
 from megatron_focus.training.checkpointing import Checkpointer
 from megatron_focus.training.metrics import LogStep, Reporter
 from megatron_focus.training.optimizer import in_unit, param_groups, schedule, steps_in

@@ -14,7 +14,7 @@ import sys
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megatron_focus import compat
+from megatron_focus.config import compat
 from megatron_focus.data import preprocess as preprocess_module
 from megatron_focus.data.preprocess import preprocess
 from megatron_focus.data.sentencepiece_trainer import train_sentencepiece

@@ -92,9 +92,9 @@ def _random_checkpoint(save_dir: str, flags: list, tokenizer_type: str, tokenize
     """A checkpoint of the model of `flags` with random weights, its tokenizer recorded as a
     training run records it (by its absolute path)."""
     from megatron_focus import platform
-    from megatron_focus.arguments import parse_args
     from megatron_focus.checkpoint import format as checkpoint_format
     from megatron_focus.checkpoint import tp_layout
+    from megatron_focus.config.arguments import parse_args
     from megatron_focus.data.tokenizer import build_tokenizer
     from megatron_focus.hf import native
     from megatron_focus.model.gpt import build_model

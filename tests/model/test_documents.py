@@ -10,14 +10,14 @@ import pytest
 import torch
 from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
-from megatron_focus.model import kernels
 from megatron_focus.model.documents import document_starts
-from megatron_focus.model.flex import flex_soft_focus
-from megatron_focus.model.focus import group_stats
-from megatron_focus.model.focus_gate import focus_attention
-from megatron_focus.model.focus_sparse import sparse_focus_attention
-from megatron_focus.model.groups import Routing
-from megatron_focus.model.sinkhorn import causal_sinkhorn
+from megatron_focus.model.focus.focus import group_stats
+from megatron_focus.model.focus.focus_gate import focus_attention
+from megatron_focus.model.focus.focus_sparse import sparse_focus_attention
+from megatron_focus.model.focus.groups import Routing
+from megatron_focus.model.focus.sinkhorn import causal_sinkhorn
+from megatron_focus.model.kernels import kernels
+from megatron_focus.model.kernels.flex import flex_soft_focus
 
 # three packed rows of 64 tokens: documents of one token, shorter and longer than the window,
 # and a row that is one document

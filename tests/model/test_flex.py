@@ -13,9 +13,13 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 from megatron_focus import platform
-from megatron_focus.model import kernels
 from megatron_focus.model.documents import segments
-from megatron_focus.model.flex import (
+from megatron_focus.model.focus.focus_gate import attention_with_lse
+from megatron_focus.model.focus.focus_sparse import _route
+from megatron_focus.model.focus.groups import Routing
+from megatron_focus.model.focus.sinkhorn import causal_sinkhorn
+from megatron_focus.model.kernels import kernels
+from megatron_focus.model.kernels.flex import (
     block_indices,
     causal_block_mask,
     document_block_mask,
@@ -24,10 +28,6 @@ from megatron_focus.model.flex import (
     gate_score_mod,
     range_block_mask,
 )
-from megatron_focus.model.focus_gate import attention_with_lse
-from megatron_focus.model.focus_sparse import _route
-from megatron_focus.model.groups import Routing
-from megatron_focus.model.sinkhorn import causal_sinkhorn
 
 from reference import assignments, reference_focus
 
@@ -249,7 +249,7 @@ def test_compiled_flex_takes_a_new_gate_closure_without_recompiling():
     """The GPU kernel is compiled once per shape: each call builds a new score_mod closure over
     new assignments, which must not count against dynamo's recompile limit (past it, calls fall
     back to eager FlexAttention and its n x n scores). Compiled here for the CPU, forward only."""
-    from megatron_focus.model import flex
+    from megatron_focus.model.kernels import flex
 
     compiled = flex._compiled_flex()
     assert torch._dynamo.config.recompile_limit >= platform.RECOMPILE_LIMIT
@@ -333,7 +333,7 @@ def test_soft_gate_passes_inductors_backward_check(gate, groups, sink, packed):
 def test_soft_gate_compiled_by_cpu_inductor_equals_eager(gate, packed, monkeypatch):
     """The forward as inductor compiles it (the CPU backend compiles FlexAttention's forward
     without the log-sum-exp) equals the eager evaluation of the same score_mod and block mask."""
-    from megatron_focus.model import flex
+    from megatron_focus.model.kernels import flex
 
     q, k, v, log_g, gen = soft_inputs(2, 4, 2, 300, 16, 4, 5)
     kwargs = dict(window=16, gate_scale=0.7, scale=0.25, gate=gate, sink=2)

@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from megatron_focus.model.focus import group_stats
-from megatron_focus.model.focus_gate import focus_attention
-from megatron_focus.model.groups import Routing, rank_groups
-from megatron_focus.model.sinkhorn import causal_sinkhorn
+from megatron_focus.model.focus.focus import group_stats
+from megatron_focus.model.focus.focus_gate import focus_attention
+from megatron_focus.model.focus.groups import Routing, rank_groups
+from megatron_focus.model.focus.sinkhorn import causal_sinkhorn
 
 from reference import assignments, reference_focus, reference_ranking
 
@@ -244,7 +244,7 @@ FOCUS = ["--focus-window", "4", "--focus-groups", "4", "--focus-chunk-size", "16
 
 def _model(argv, vocab=256):
     from megatron_focus import platform
-    from megatron_focus.arguments import parse_args
+    from megatron_focus.config.arguments import parse_args
     from megatron_focus.model.gpt import build_model
 
     platform.manual_seed(1234)

@@ -6,11 +6,12 @@ import warnings
 import pytest
 import torch
 
-from megatron_focus.model import focus_sparse, kernels
-from megatron_focus.model.focus_gate import focus_attention
-from megatron_focus.model.focus_sparse import sparse_focus_attention
-from megatron_focus.model.groups import Routing
-from megatron_focus.model.lse_merge import merge_by_lse
+from megatron_focus.model.focus import focus_sparse
+from megatron_focus.model.focus.focus_gate import focus_attention
+from megatron_focus.model.focus.focus_sparse import sparse_focus_attention
+from megatron_focus.model.focus.groups import Routing
+from megatron_focus.model.kernels import kernels
+from megatron_focus.model.kernels.lse_merge import merge_by_lse
 
 from reference import assignments, dense_hard_rule
 
@@ -163,8 +164,12 @@ def test_model_in_sparse_mode_dispatch_equals_masked_rule(single_process, forbid
     """The model's two hard-rule paths, for every top-k of K = 8, with duplicated centroids (exact
     ties between groups 2j and 2j + 1 for every token) and the statistics computed alongside."""
     from megatron_focus import platform
-    from megatron_focus.arguments import parse_args
-    from megatron_focus.model.focus import focus_statistics, recording_statistics, set_focus_mode
+    from megatron_focus.config.arguments import parse_args
+    from megatron_focus.model.focus.focus import (
+        focus_statistics,
+        recording_statistics,
+        set_focus_mode,
+    )
     from megatron_focus.model.gpt import build_model
 
     platform.manual_seed(0)
@@ -592,7 +597,7 @@ def test_gpu_sparse_attention_launches_within_budget(top_k, budget):
 def test_the_merges_backward_is_its_chain_rule():
     """lse_merge.part_gradients: what autograd gives each part's output and log-sum-exp through
     merge_by_lse, an empty part included."""
-    from megatron_focus.model.lse_merge import part_gradients
+    from megatron_focus.model.kernels.lse_merge import part_gradients
 
     gen = torch.Generator().manual_seed(3)
     outs = [torch.randn(2, 5, 4, generator=gen, dtype=torch.float64) for _ in range(3)]

@@ -1,5 +1,5 @@
-"""The kernels a GPU chooses (model/kernels.py), run on the CPU: the fused Triton kernels under
-Triton's interpreter, through the whole model, against the CPU's choices; and the launches one
+"""The kernels a GPU chooses (model/kernels/kernels.py), run on the CPU: the fused Triton kernels
+under Triton's interpreter, through the whole model, against the CPU's choices; and the launches one
 Focus layer's routing makes per training step as a GPU would make them."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 from interpreted import skip_unless_kernels_run
 from launches import count_launches
 
-from megatron_focus.model import kernels
+from megatron_focus.model.kernels import kernels
 
 skip_unless_kernels_run()
 
@@ -43,7 +43,7 @@ def _on(device, choose):
 
 def model(argv):
     from megatron_focus import platform
-    from megatron_focus.arguments import parse_args
+    from megatron_focus.config.arguments import parse_args
     from megatron_focus.model.gpt import build_model
 
     platform.manual_seed(1234)
@@ -128,7 +128,7 @@ def test_one_layers_routing_launches_within_budget(single_process, monkeypatch):
     """Router (projection, scores, Sinkhorn, group ranking), forward and backward, as a GPU
     launches it: the Sinkhorn's one per iteration and one more each way (22 at 10 iterations;
     PyTorch's scans: about 300), at most 10 others."""
-    from megatron_focus.model import triton_sinkhorn
+    from megatron_focus.model.kernels import triton_sinkhorn
 
     argv = ["--attention", "focus"] + FOCUS + ["--focus-sinkhorn-iters", "10"]
     hidden = torch.randn(40, 2, 64, requires_grad=True)

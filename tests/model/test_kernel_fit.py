@@ -3,7 +3,7 @@
 context-parallel chunk's queries) compiled on this CPU for A100 (sm_80), A10/L4/L40S (sm_86) and
 H100/H200 (sm_90) by Triton's own toolchain, with zero spill bytes and shared memory within the
 architecture's per-block limit, every tensor addressed in 64 bits (benchmarks/kernel_fit.py,
-model/triton_fit.py); where no tile fits, the kernel choice falls back by name.
+model/kernels/triton_fit.py); where no tile fits, the kernel choice falls back by name.
 
 The interpreter tests prove the kernels' logic; these prove their fit. The compiles run in a
 process without TRITON_INTERPRET (the interpreter compiles nothing), and need a Triton whose
@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from megatron_focus.model import kernels
+from megatron_focus.model.kernels import kernels
 
 triton = pytest.importorskip("triton")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -103,8 +103,8 @@ def test_no_tile_is_a_named_fallback_not_an_error_at_the_first_step(monkeypatch)
 
 
 def test_a_layout_whose_tile_offsets_would_wrap_is_refused_by_name():
-    from megatron_focus.model.triton_fit import Shape, megatron_qkv
-    from megatron_focus.model.triton_gate import Plan
+    from megatron_focus.model.kernels.triton_fit import Shape, megatron_qkv
+    from megatron_focus.model.kernels.triton_gate import Plan
 
     q, k, v = megatron_qkv(Shape(128, 1))
     far = torch.empty(0, device="meta", dtype=v.dtype).as_strided(v.shape, (1, 128, 2**26, 1))

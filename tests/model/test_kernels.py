@@ -1,11 +1,11 @@
-"""model/kernels.py: the guarded private and version-specific torch calls, on this torch."""
+"""model/kernels/kernels.py: the guarded private and version-specific torch calls, on this torch."""
 
 import pytest
 import torch
 
-from megatron_focus.model import kernels
-from megatron_focus.model.focus_sparse import sparse_focus_attention
-from megatron_focus.model.groups import Routing
+from megatron_focus.model.focus.focus_sparse import sparse_focus_attention
+from megatron_focus.model.focus.groups import Routing
+from megatron_focus.model.kernels import kernels
 
 from reference import assignments, dense_hard_rule
 

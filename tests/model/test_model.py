@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_focus import platform
-from megatron_focus.arguments import parse_args
+from megatron_focus.config.arguments import parse_args
 from megatron_focus.model.gpt import padded_vocab_size
 
 
@@ -369,7 +369,7 @@ def test_what_is_not_offered_is_refused_by_name(flag, value, message):
 
 def test_megatron_flags_without_effect_or_done_by_deepspeed_are_accepted():
     """(Each of Megatron-LM's flags at its default: tests/test_megatron_flags.py.)"""
-    from megatron_focus.deepspeed_config import deepspeed_config
+    from megatron_focus.config.deepspeed_config import deepspeed_config
 
     args = parse_args(
         BASE

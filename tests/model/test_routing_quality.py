@@ -4,8 +4,8 @@ a dense fp64 reference that builds the probabilities and the rule's mask pair by
 import pytest
 import torch
 
-from megatron_focus.model.groups import Routing
-from megatron_focus.model.routing_quality import kept_mass
+from megatron_focus.model.focus.groups import Routing
+from megatron_focus.model.focus.routing_quality import kept_mass
 
 from reference import assignments, reference_ranking
 
@@ -101,9 +101,13 @@ def test_the_layers_statistic_is_kept_mass_on_its_sample(single_process):
     from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
     from megatron_focus import platform
-    from megatron_focus.arguments import parse_args
+    from megatron_focus.config.arguments import parse_args
     from megatron_focus.model.documents import document_starts
-    from megatron_focus.model.focus import FocusAttention, focus_statistics, recording_statistics
+    from megatron_focus.model.focus.focus import (
+        FocusAttention,
+        focus_statistics,
+        recording_statistics,
+    )
     from megatron_focus.model.gpt import build_model
 
     platform.manual_seed(0)

@@ -1,5 +1,5 @@
-"""The soft gate's fused Triton kernel (model/triton_gate.py), run by Triton's interpreter on CPU
-tensors: the kernels exactly as a GPU compiles them, one program after another.
+"""The soft gate's fused Triton kernel (model/kernels/triton_gate.py), run by Triton's interpreter
+on CPU tensors: the kernels exactly as a GPU compiles them, one program after another.
 
 Outputs and the gradients of q, k, v and the log-assignments against the dense float64
 reference (tests/reference.py; packed documents: each document alone through it) and against the
@@ -15,14 +15,14 @@ import pytest
 import torch
 from interpreted import gpu_launch_shapes, skip_unless_kernels_run
 
-from megatron_focus.model.focus_gate import focus_attention
-from megatron_focus.model.groups import Routing
-from megatron_focus.model.sinkhorn import causal_sinkhorn
+from megatron_focus.model.focus.focus_gate import focus_attention
+from megatron_focus.model.focus.groups import Routing
+from megatron_focus.model.focus.sinkhorn import causal_sinkhorn
 
 from reference import reference_focus
 
 skip_unless_kernels_run()
-triton_gate = pytest.importorskip("megatron_focus.model.triton_gate")
+triton_gate = pytest.importorskip("megatron_focus.model.kernels.triton_gate")
 
 CASES = [  # (b, heads, kv heads, n, d, K, window, sink, document lengths or None)
     (2, 4, 4, 37, 16, 4, 5, 0, None),  # MHA; n not a multiple of the block

@@ -1,17 +1,17 @@
-"""The causal Sinkhorn's Triton kernels (model/triton_sinkhorn.py) under Triton's interpreter on
-CPU tensors, against the PyTorch version (sinkhorn.causal_sinkhorn, itself tested for causality
-and balance in test_focus.py and for documents in test_documents.py): values and the gradient of
-the scores, in float64 for the reference; blocks of 16 tokens and spans of two blocks (one
-program each, carried from launch to launch) here, so lengths cross both."""
+"""The causal Sinkhorn's Triton kernels (model/kernels/triton_sinkhorn.py) under Triton's
+interpreter on CPU tensors, against the PyTorch version (sinkhorn.causal_sinkhorn, itself tested
+for causality and balance in test_focus.py and for documents in test_documents.py): values and
+the gradient of the scores, in float64 for the reference; blocks of 16 tokens and spans of two
+blocks (one program each, carried from launch to launch) here, so lengths cross both."""
 
 import pytest
 import torch
 from interpreted import gpu_launch_shapes, skip_unless_kernels_run
 
-from megatron_focus.model.sinkhorn import causal_sinkhorn
+from megatron_focus.model.focus.sinkhorn import causal_sinkhorn
 
 skip_unless_kernels_run()
-triton_sinkhorn = pytest.importorskip("megatron_focus.model.triton_sinkhorn")
+triton_sinkhorn = pytest.importorskip("megatron_focus.model.kernels.triton_sinkhorn")
 
 
 def starts(lengths, b):

@@ -1,17 +1,17 @@
-"""XSA's Triton kernel (model/triton_xsa.py) under Triton's interpreter on CPU tensors, against
-the PyTorch projection (xsa.exclusive_projection, itself tested against SPEC's formula): values
-and gradients, GQA ratios, lengths off the block, values below eps, half precision."""
+"""XSA's Triton kernel (model/kernels/triton_xsa.py) under Triton's interpreter on CPU tensors,
+against the PyTorch projection (xsa.exclusive_projection, itself tested against SPEC's formula):
+values and gradients, GQA ratios, lengths off the block, values below eps, half precision."""
 
 import pytest
 import torch
 from interpreted import gpu_launch_shapes, skip_unless_kernels_run
 from launches import count_launches
 
-from megatron_focus.model import kernels
+from megatron_focus.model.kernels import kernels
 from megatron_focus.model.xsa import XSAMixin, exclusive_projection
 
 skip_unless_kernels_run()
-triton_xsa = pytest.importorskip("megatron_focus.model.triton_xsa")
+triton_xsa = pytest.importorskip("megatron_focus.model.kernels.triton_xsa")
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,8 @@ import random
 import pytest
 from megatron.core import num_microbatches_calculator as calculators
 
-from megatron_focus.arguments import parse_args
-from megatron_focus.global_batch import GlobalBatch
+from megatron_focus.config.arguments import parse_args
+from megatron_focus.config.global_batch import GlobalBatch
 from megatron_focus.training.optimizer import schedule
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
@@ -216,7 +216,7 @@ def test_a_ramp_under_zero2_offload_is_refused(tmp_path):
     """ZeRO-1/2's CPU offload keeps the accumulation steps it was built with."""
     import json
 
-    from megatron_focus.deepspeed_config import deepspeed_config
+    from megatron_focus.config.deepspeed_config import deepspeed_config
 
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}))

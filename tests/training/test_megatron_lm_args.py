@@ -41,10 +41,10 @@ def _megatron_lm_run(script: str, tp: int, folder: str) -> dict:
     """Megatron-LM saves `script`'s model at TP `tp`; this trainer reads it (from the script's
     flags and from the record alone) and writes its own record of the same flags."""
     from megatron_focus import platform
-    from megatron_focus.arguments import parse_args
     from megatron_focus.checkpoint import format as checkpoint_format
     from megatron_focus.checkpoint import torch_dist
     from megatron_focus.checkpoint.saved import MEGATRON_LM, SavedCheckpoint
+    from megatron_focus.config.arguments import parse_args
     from megatron_focus.model.gpt import build_model
     from megatron_focus.training import resume
 

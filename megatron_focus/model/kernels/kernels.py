@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from megatron_focus.model.lse_merge import attention_backward
+from megatron_focus.model.kernels.lse_merge import attention_backward
 from megatron_focus.variants import FOCUS_KERNELS
 
 try:  # optional GPU extra: pip install megatron-focus[gpu]
@@ -225,7 +225,7 @@ def soft_gate(
         raise ValueError(
             f"--focus-kernel triton: the fused soft gate has no tile that fits this GPU "
             f"(compute capability {device_capability(device)}) at head dim {head_dim} in "
-            f"{dtype} (model/triton_launch.py); use auto, flex or chunked"
+            f"{dtype} (model/kernels/triton_launch.py); use auto, flex or chunked"
         )
     if requested == "auto":
         if device.type != "cuda" or dropout_p > 0:
@@ -235,14 +235,16 @@ def soft_gate(
         else:
             requested = "chunked" if context_parallel else "flex"
     if requested == "triton":
-        return Kernel("triton", "megatron_focus.model.triton_gate:triton_soft_focus")
+        return Kernel("triton", "megatron_focus.model.kernels.triton_gate:triton_soft_focus")
     if requested == "flex":
         return Kernel(
-            "flex", "megatron_focus.model.flex:flex_soft_focus", backward=device.type == "cuda"
+            "flex",
+            "megatron_focus.model.kernels.flex:flex_soft_focus",
+            backward=device.type == "cuda",
         )
     return Kernel(
         "chunked",
-        "megatron_focus.model.focus_gate:chunked_soft_focus",
+        "megatron_focus.model.focus.focus_gate:chunked_soft_focus",
         dropout=True,
         options=(("chunk_size", chunk_size),),
     )
@@ -256,7 +258,7 @@ def gate_fits(device: torch.device, head_dim: int, dtype, chunk: bool = False) -
     """Whether the fused soft gate has tiles for every pass on this GPU, for the whole sequence
     or a context-parallel `chunk` (its table is checked against each architecture's registers
     and shared memory: tests/model/test_kernel_fit.py)."""
-    from megatron_focus.model import triton_launch
+    from megatron_focus.model.kernels import triton_launch
 
     capability = device_capability(device)
     return all(
@@ -270,7 +272,9 @@ def xsa(device: torch.device) -> Kernel:
     """XSA's projection: one fused Triton kernel each way on a GPU (triton_xsa.py), PyTorch's
     ops elsewhere; called as xsa.exclusive_projection."""
     if device.type == "cuda" and has_triton():
-        return Kernel("triton", "megatron_focus.model.triton_xsa:triton_exclusive_projection")
+        return Kernel(
+            "triton", "megatron_focus.model.kernels.triton_xsa:triton_exclusive_projection"
+        )
     return Kernel("torch", "megatron_focus.model.xsa:exclusive_projection")
 
 
@@ -281,8 +285,10 @@ def sinkhorn(device: torch.device) -> Kernel:
     iterations would otherwise keep ~6 [b, s, K] tensors each); called as
     sinkhorn.causal_sinkhorn."""
     if device.type == "cuda" and has_triton():
-        return Kernel("triton", "megatron_focus.model.triton_sinkhorn:triton_causal_sinkhorn")
-    return Kernel("torch", "megatron_focus.model.sinkhorn:causal_sinkhorn", recompute=True)
+        return Kernel(
+            "triton", "megatron_focus.model.kernels.triton_sinkhorn:triton_causal_sinkhorn"
+        )
+    return Kernel("torch", "megatron_focus.model.focus.sinkhorn:causal_sinkhorn", recompute=True)
 
 
 def chosen(model: torch.nn.Module) -> dict:
@@ -300,8 +306,8 @@ def chosen(model: torch.nn.Module) -> dict:
 # per-query key ranges and the local band in one call each), on CUDA with torch's varlen flash
 # kernel for causal attention inside each bucket where its inputs fit (varlen_fits). All train
 # (focus_sparse).
-CPU_FLASH_LSE = Kernel("cpu-flash", "megatron_focus.model.kernels:cpu_attention_with_lse")
-FLEX_LSE = Kernel("flex", "megatron_focus.model.flex:flex_attention_with_lse", ranges=True)
+CPU_FLASH_LSE = Kernel("cpu-flash", "megatron_focus.model.kernels.kernels:cpu_attention_with_lse")
+FLEX_LSE = Kernel("flex", "megatron_focus.model.kernels.flex:flex_attention_with_lse", ranges=True)
 FLEX_VARLEN_LSE = dataclasses.replace(FLEX_LSE, name="flex+varlen", varlen=True)
 
 

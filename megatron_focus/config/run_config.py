@@ -12,7 +12,7 @@ import dataclasses
 import typing
 from typing import Any, Dict, List, Optional
 
-from megatron_focus.flags import build_parser
+from megatron_focus.config.flags import build_parser
 from megatron_focus.variants import settings_classes
 
 # The parser's argument groups each section holds; a variant's settings are the model's, and

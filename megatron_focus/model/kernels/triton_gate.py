@@ -43,9 +43,9 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_focus.model import triton_launch
-from megatron_focus.model.flex import TINY_AFFINITY
-from megatron_focus.model.triton_launch import Launch
+from megatron_focus.model.kernels import triton_launch
+from megatron_focus.model.kernels.flex import TINY_AFFINITY
+from megatron_focus.model.kernels.triton_launch import Launch
 
 TINY = tl.constexpr(TINY_AFFINITY)
 

@@ -39,17 +39,17 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_focus import platform
 from megatron_focus.checkpoint.format import current_name
-from megatron_focus.context_parallel import gather_sequence, positions
-from megatron_focus.model import kernels
 from megatron_focus.model.core_attention import CoreAttention
 from megatron_focus.model.documents import document_starts
-from megatron_focus.model.focus_gate import focus_attention
-from megatron_focus.model.focus_sparse import sparse_focus_attention
-from megatron_focus.model.groups import Routing
+from megatron_focus.model.focus.focus_gate import focus_attention
+from megatron_focus.model.focus.focus_sparse import sparse_focus_attention
+from megatron_focus.model.focus.groups import Routing
+from megatron_focus.model.focus.routing_quality import kept_mass
 from megatron_focus.model.hooks import VariantHooks
-from megatron_focus.model.routing_quality import kept_mass
+from megatron_focus.model.kernels import kernels
 from megatron_focus.model.xsa import XSAMixin
-from megatron_focus.parallel import sum_grad_over_tensor_parallel
+from megatron_focus.parallel.context_parallel import gather_sequence, positions
+from megatron_focus.parallel.tensor_parallel import sum_grad_over_tensor_parallel
 from megatron_focus.variants import FOCUS_MODES, FocusConfig
 
 # The kept mass's sample at log steps: the last queries of a micro-batch's first sequence (the

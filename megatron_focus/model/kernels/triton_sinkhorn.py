@@ -34,10 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_focus import context_parallel
-from megatron_focus.context_parallel import _in_order
-from megatron_focus.model import triton_launch
-from megatron_focus.model.triton_launch import Launch
+from megatron_focus.model.kernels import triton_launch
+from megatron_focus.model.kernels.triton_launch import Launch
+from megatron_focus.parallel import context_parallel
+from megatron_focus.parallel.context_parallel import _in_order
 
 LOG_MASS_FLOOR = tl.constexpr(-700.0)  # sinkhorn._LOG_MASS_FLOOR
 

@@ -13,7 +13,7 @@ of the probabilities of the distant keys plus that of the local keys and the sin
 
 import torch
 
-from megatron_focus.model.groups import Routing
+from megatron_focus.model.focus.groups import Routing
 
 # Score elements one chunk of queries holds (fp32: 64 MiB); every query sees every key
 CHUNK_ELEMENTS = 2**24

@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from megatron_focus.context_parallel import chunk_carries
+from megatron_focus.parallel.context_parallel import chunk_carries
 
 _LOG_MASS_FLOOR = -700.0
 

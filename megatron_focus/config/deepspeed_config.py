@@ -12,7 +12,7 @@ import json
 import os
 import warnings
 
-from megatron_focus.global_batch import GlobalBatch
+from megatron_focus.config.global_batch import GlobalBatch
 
 # Sections DeepSpeed would honour but this trainer sets itself: (why, what to use instead).
 NOT_HONOURED = {

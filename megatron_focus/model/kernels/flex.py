@@ -19,7 +19,7 @@ import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from megatron_focus import platform
-from megatron_focus.model.kernels import compiled
+from megatron_focus.model.kernels.kernels import compiled
 
 # g_i . g_j below this is 0 for every purpose (the clamp keeps log() and its gradient finite);
 # the same floor as focus_gate's chunked path.

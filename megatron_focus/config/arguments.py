@@ -6,9 +6,9 @@ import os
 import sys
 from typing import List, Optional
 
-from megatron_focus.flags import build_parser
-from megatron_focus.run_config import RunConfig
-from megatron_focus.validation import validate_args
+from megatron_focus.config.flags import build_parser
+from megatron_focus.config.run_config import RunConfig
+from megatron_focus.config.validation import validate_args
 
 
 def parse_args(argv: Optional[List[str]] = None) -> RunConfig:
@@ -25,7 +25,7 @@ def _from_yaml(
     given: argparse.Namespace, parser: argparse.ArgumentParser, argv: List[str]
 ) -> argparse.Namespace:
     """Megatron-LM's --yaml-cfg: the flags the file holds, and the launcher's beside them."""
-    from megatron_focus import yaml_config
+    from megatron_focus.config import yaml_config
 
     yaml_config.check_command_line(argv)
     args = parser.parse_args(yaml_config.yaml_argv(given.yaml_cfg, parser))

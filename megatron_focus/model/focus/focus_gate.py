@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from megatron_focus.model import kernels
-from megatron_focus.model.flex import TINY_AFFINITY
-from megatron_focus.model.groups import Routing
+from megatron_focus.model.focus.groups import Routing
+from megatron_focus.model.kernels import kernels
+from megatron_focus.model.kernels.flex import TINY_AFFINITY
 from megatron_focus.variants import FOCUS_GATES
 
 # The soft rule's kernels (kernels.soft_gate): the fused Triton one, FlexAttention's, or the

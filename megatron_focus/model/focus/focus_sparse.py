@@ -54,11 +54,11 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from megatron_focus import platform
-from megatron_focus.model import flex, kernels
 from megatron_focus.model.documents import segments
-from megatron_focus.model.focus_gate import attention_with_lse
-from megatron_focus.model.groups import Routing
-from megatron_focus.model.lse_merge import merge_by_lse, part_gradients
+from megatron_focus.model.focus.focus_gate import attention_with_lse
+from megatron_focus.model.focus.groups import Routing
+from megatron_focus.model.kernels import flex, kernels
+from megatron_focus.model.kernels.lse_merge import merge_by_lse, part_gradients
 
 
 def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,8 @@ import re
 
 import torch
 
-from megatron_focus.model import triton_gate, triton_launch, triton_sinkhorn, triton_xsa
-from megatron_focus.model.triton_launch import SHARED_MEMORY, TARGETS, Launch
+from megatron_focus.model.kernels import triton_gate, triton_launch, triton_sinkhorn, triton_xsa
+from megatron_focus.model.kernels.triton_launch import SHARED_MEMORY, TARGETS, Launch
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,12 +7,12 @@ import os
 import warnings
 from typing import Optional
 
-from megatron_focus.compat import check_compat_args
+from megatron_focus.config.compat import check_compat_args
+from megatron_focus.config.deepspeed_config import json_settings
+from megatron_focus.config.flags import SEQ_LENGTH
+from megatron_focus.config.global_batch import GlobalBatch
+from megatron_focus.config.run_config import RunConfig
 from megatron_focus.data import reads_data_files
-from megatron_focus.deepspeed_config import json_settings
-from megatron_focus.flags import SEQ_LENGTH
-from megatron_focus.global_batch import GlobalBatch
-from megatron_focus.run_config import RunConfig
 from megatron_focus.variants import VARIANTS, FocusConfig, settings_classes, variant
 
 
@@ -311,7 +311,7 @@ def _validate_focus(args: argparse.Namespace, training: bool) -> None:
         )
     import torch
 
-    from megatron_focus.model.kernels import soft_gate
+    from megatron_focus.model.kernels.kernels import soft_gate
 
     # fused kernels: no dropout nor context parallelism; Triton: installed, and interpreted on
     # the CPU
