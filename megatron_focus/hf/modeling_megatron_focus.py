@@ -13,7 +13,7 @@ outputs from them), as the native `CoreAttention` does; XSA overrides `project`,
 window's last keys only); XSA needs only the value of each new token itself, which is computed in
 the same step.
 
-Focus (megatron_focus/model/{sinkhorn,focus,focus_gate}.py): the router's causal Sinkhorn makes
+Focus (megatron_focus/model/focus/{sinkhorn,focus,focus_gate}.py): the router's causal Sinkhorn makes
 token i's assignment depend on tokens <= i only, through one K-vector per Sinkhorn iteration, the
 log-sum of exp(L) over the prefix. A Focus layer's cache entry (`FocusCacheLayer`, a DynamicLayer)
 keeps, per cached token, those prefix sums and the token's log-assignment, so decoding token by
@@ -196,14 +196,14 @@ class XSAAttention(Attention):
 
 
 # --- Focus ---------------------------------------------------------------------------------------
-# Each function mirrors the native code its docstring names (megatron_focus/model/...), the
+# Each function mirrors the native code its docstring names (megatron_focus/model/focus/...), the
 # reference that the tests compare this file with.
 
-_TINY_AFFINITY = 1e-30  # as megatron_focus/model/focus_gate.py
+_TINY_AFFINITY = 1e-30  # as megatron_focus/model/focus/focus_gate.py
 
 
 def causal_sinkhorn(scores, iters, counts, keep=None, prefix=None):
-    """Causal Sinkhorn in log space (megatron_focus/model/sinkhorn.py), continuing a prefix.
+    """Causal Sinkhorn in log space (megatron_focus/model/focus/sinkhorn.py), continuing a prefix.
 
     For the scores S `[b, s, K]` of s tokens, L^0 = log_softmax(S) over groups and, t = 1..iters,
 
@@ -239,7 +239,7 @@ def causal_sinkhorn(scores, iters, counts, keep=None, prefix=None):
 
 def rank_groups(log_g):
     """`[..., K]` group indices by decreasing assignment, the lowest index first among equals
-    (megatron_focus/model/groups.py): a token's top-1 group is the same for every top-k asked."""
+    (megatron_focus/model/focus/groups.py): a token's top-1 group is the same for every top-k asked."""
     return torch.sort(log_g, dim=-1, descending=True, stable=True).indices
 
 
@@ -252,7 +252,7 @@ def local_pairs(queries: int, keys: int, window: int, device):
 def soft_gate(log_g_q, log_g_k, local, gate_scale: float):
     """Additive logit bias `[b, s, keys]`: 0 local, lambda * log(g_i . g_j) distant.
 
-    The log-space gate of megatron_focus/model/focus_gate.py `soft_pair_bias`: an affinity of 0
+    The log-space gate of megatron_focus/model/focus/focus_gate.py `soft_pair_bias`: an affinity of 0
     removes the pair exactly (causality is the caller's mask).
     """
     affinity = torch.bmm(log_g_q.exp(), log_g_k.exp().transpose(1, 2))
@@ -264,7 +264,7 @@ def soft_gate(log_g_q, log_g_k, local, gate_scale: float):
 
 def sigmoid_gate(log_g_q, log_g_k, local, gate_scale: float):
     """The paper's gate, a factor `[b, s, keys]` on the logits: 1 local, sigmoid(lambda * g_i . g_j)
-    distant (megatron_focus/model/focus_gate.py `sigmoid_gate`, `--focus-gate sigmoid`)."""
+    distant (megatron_focus/model/focus/focus_gate.py `sigmoid_gate`, `--focus-gate sigmoid`)."""
     affinity = torch.bmm(log_g_q.exp(), log_g_k.exp().transpose(1, 2))
     return torch.where(local, 1.0, torch.sigmoid(gate_scale * affinity))
 
@@ -297,7 +297,7 @@ def partial_attention(q, k, v, allowed, scale: float):
 
 def merge_into(out, lse, queries, part_out, part_lse):
     """Adds a part's attention over other keys to the queries' running result, by log-sum-exp
-    (megatron_focus/model/lse_merge.py); `out` `[heads, s, d]`, `lse` `[heads, s]`."""
+    (megatron_focus/model/kernels/lse_merge.py); `out` `[heads, s, d]`, `lse` `[heads, s]`."""
     old = lse[:, queries]
     new = torch.logaddexp(old, part_lse)
     kept = torch.where(torch.isinf(new), 0.0, (old - new).exp())[..., None]
@@ -308,7 +308,7 @@ def merge_into(out, lse, queries, part_out, part_lse):
 
 def sparse_rule_attention(q, k, v, pairs, groups_q, buckets, window, top_k, block=512):
     """Attention over the pairs the hard top-k rule keeps, computing only those (the native
-    sparse dispatch's plan, megatron_focus/model/focus_sparse.py): the window's keys by blocks
+    sparse dispatch's plan, megatron_focus/model/focus/focus_sparse.py): the window's keys by blocks
     of queries, then the sinks' bucket and, group by group, the buckets of the groups among a
     query's top-k, for those queries alone; the parts merged by log-sum-exp.
 
@@ -340,9 +340,12 @@ def sparse_rule_attention(q, k, v, pairs, groups_q, buckets, window, top_k, bloc
         if held is not None:
             add(row, queries, *held, True)
 
+    # the window's blocks of queries about as long as it: each reads its own keys and the
+    # window's before them, so longer blocks would compute mostly pairs that are masked off
+    near_block = min(block, max(window, 64))
     for row in range(b):
-        for start in range(0, s, block):  # the window (each query's own key among them)
-            end = min(start + block, s)
+        for start in range(0, s, near_block):  # the window (each query's own key among them)
+            end = min(start + near_block, s)
             first, last = max(int(query_pos[start]) - window + 1, 0), int(query_pos[end - 1]) + 1
             keys = slice(first - offset, last - offset)
             key_pos = torch.arange(first, last, device=q.device)
@@ -459,7 +462,7 @@ class KeyBuckets:
 
 
 class Router(nn.Module):
-    """A layer's W_g and K centroids (megatron_focus/model/focus.py `Router`): token -> scores."""
+    """A layer's W_g and K centroids (megatron_focus/model/focus/focus.py `Router`): token -> scores."""
 
     def __init__(self, config: MegatronFocusConfig):
         super().__init__()
@@ -680,7 +683,7 @@ def focus_cache_layer(cache: Cache, layer_idx: int, config) -> FocusCacheLayer:
 
 
 class FocusAttention(Attention):
-    """Causal attention under the Focus pair rule (megatron_focus/model/focus.py): the router's
+    """Causal attention under the Focus pair rule (megatron_focus/model/focus/focus.py): the router's
     assignments gate distant pairs softly (`focus_attention_mode` "soft") or keep only those of
     the hard top-k rule ("sparse"); pairs in the local window are always kept."""
 
