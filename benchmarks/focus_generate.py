@@ -5,7 +5,9 @@ Both are `MegatronFocusForCausalLM` built from a config (random weights: speed d
 on them) and run as `generate()` runs them: the prompt prefilled through the cache in chunks of
 `--prefill-chunk` tokens, then one token per step. The models are interleaved in one process,
 context by context, so the machine's noise falls on all of them; each row's ratio is against the
-standard model measured beside it; "ideal" is the prefill's dense pairs over the pairs the rule
+standard model measured beside it, whose cache grows in place as Focus's does ("stock cache":
+the same model in transformers' own cache layers, which copy the whole cache at every step,
+as a transformers Llama's do); "ideal" is the prefill's dense pairs over the pairs the rule
 keeps with balanced groups, "of ideal" the measured speed-up's share of it. Cache bytes count
 every tensor the cache holds (keys, values, Focus's routing state; buckets as allocated).
 
@@ -83,11 +85,16 @@ def cache_bytes(cache) -> int:
 
 
 @torch.no_grad()
-def run(lm, tokens: torch.Tensor, chunk: int, steps: int) -> dict:
-    """Prefill `tokens` [1, n] through the cache, then `steps` greedy decoding steps."""
+def run(lm, tokens: torch.Tensor, chunk: int, steps: int, stock: bool = False) -> dict:
+    """Prefill `tokens` [1, n] through the cache, then `steps` greedy decoding steps; `stock`:
+    in transformers' own cache layers, which copy every cached key at each step (torch.cat),
+    where the model's own grow in place."""
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
 
     cache = DynamicCache(config=lm.config)
+    if stock:  # a subclass: the model keeps it as it is
+        cache.layers[:] = [type("Stock", (DynamicLayer,), {})() for _ in cache.layers]
     started = time.perf_counter()
     for start in range(0, tokens.shape[1], chunk):
         out = lm(tokens[:, start : start + chunk], past_key_values=cache, use_cache=True)
@@ -126,21 +133,27 @@ def main() -> None:
         tokens = torch.randint(
             0, SHAPE["vocab_size"], (1, context), generator=torch.Generator().manual_seed(1)
         ).to(device)
-        models = [("standard", None)] + [("focus", k) for k in args.top_k]
+        models = [("standard", None), ("standard", "stock")] + [("focus", k) for k in args.top_k]
         measured = {
             (name, k): run(
-                model(name, k or 1, context, device, dtype), tokens, args.prefill_chunk, args.steps
+                model(name, 1 if k in (None, "stock") else k, context, device, dtype),
+                tokens,
+                args.prefill_chunk,
+                args.steps,
+                stock=k == "stock",
             )
             for name, k in models
         }
         base = measured[("standard", None)]
         for (name, k), row in measured.items():
-            ideal = 1.0 if k is None else 1 / kept_share(context, k)
+            ideal = 1.0 if name == "standard" else 1 / kept_share(context, k)
             prefill_speedup = base["prefill_s"] / row["prefill_s"]
             rows.append(
                 {
                     "context": context,
-                    "model": name if k is None else f"focus sparse top-{k}",
+                    "model": {None: name, "stock": "standard, stock cache"}.get(
+                        k, f"focus sparse top-{k}"
+                    ),
                     **row,
                     "prefill_speedup": prefill_speedup,
                     "ideal_speedup": ideal,
@@ -149,12 +162,12 @@ def main() -> None:
                 }
             )
     print(
-        f"{'context':>8} {'model':<20} {'prefill s':>10} {'x std':>6} {'ideal':>6} "
+        f"{'context':>8} {'model':<22} {'prefill s':>10} {'x std':>6} {'ideal':>6} "
         f"{'of ideal':>8} {'decode tok/s':>13} {'x std':>6} {'cache MB':>9}"
     )
     for r in rows:
         print(
-            f"{r['context']:>8} {r['model']:<20} {r['prefill_s']:>10.2f} "
+            f"{r['context']:>8} {r['model']:<22} {r['prefill_s']:>10.2f} "
             f"{r['prefill_speedup']:>6.2f} {r['ideal_speedup']:>6.1f} {r['of_ideal']:>8.0%} "
             f"{r['decode_tok_s']:>13.1f} {r['decode_speedup']:>6.2f} {r['cache_mb']:>9.1f}"
         )

@@ -100,7 +100,7 @@ def generate(result: dict) -> str:
         f"{r['model'].removeprefix('focus sparse ')} prefill {r['prefill_speedup']:.2f}x "
         f"decode {r['decode_speedup']:.2f}x"
         for r in result["rows"]
-        if r["context"] == longest and r["model"] != "standard"
+        if r["context"] == longest and not r["model"].startswith("standard")
     )
 
 

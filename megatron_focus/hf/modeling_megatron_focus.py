@@ -9,21 +9,24 @@ names follow Llama's; a Focus layer adds `self_attn.router.{proj.weight,centroid
 An attention variant is a subclass of `Attention` that overrides `route` (what it computes from the
 layer's input besides q, k, v), `attend` (which pairs a query sees) or `project` (what a head
 outputs from them), as the native `CoreAttention` does; XSA overrides `project`, Focus `route` and
-`attend`. `generate()` keeps keys and values in a `DynamicCache` (with `sliding_window`, the
-window's last keys only); XSA needs only the value of each new token itself, which is computed in
-the same step.
+`attend`. `generate()` keeps keys and values in a `DynamicCache`, whose entries grow in place
+(`AppendingLayer`; with `sliding_window`, transformers' window layer); XSA needs only the value of
+each new token itself, which is computed in the same step.
 
-Focus (megatron_focus/model/focus/{sinkhorn,focus,focus_gate}.py): the router's causal Sinkhorn makes
-token i's assignment depend on tokens <= i only, through one K-vector per Sinkhorn iteration, the
-log-sum of exp(L) over the prefix. A Focus layer's cache entry (`FocusCacheLayer`, a DynamicLayer)
-keeps, per cached token, those prefix sums and the token's log-assignment, so decoding token by
-token gives the assignments of a full forward. `config.focus_attention_mode` ("soft" gate or
-"sparse" hard top-k rule) and `config.focus_top_k` are read at every forward: change them on a
-loaded model (`model.set_focus_mode("sparse")`), even between generation steps. The soft gate is
-the log-space one, or with `config.focus_gate = "sigmoid"` the paper's (an ablation setting).
-In sparse mode a layer computes only the pairs the rule keeps (`sparse_rule_attention`: the
-window, the sinks, and each group's distant keys for the queries ranking it in their top-k), in
-prefill and at every decoding step alike, and no `[queries, keys]` mask is built for it.
+Focus (megatron_focus/model/focus/{sinkhorn,focus,focus_gate}.py): the router's causal Sinkhorn
+makes token i's assignment depend on tokens <= i only, through one K-vector per Sinkhorn
+iteration, the log-sum of exp(L) over the prefix. A Focus layer's cache entry keeps, per cached
+token, those prefix sums, so decoding token by token gives the assignments of a full forward.
+`config.focus_attention_mode` ("soft" gate or "sparse" hard top-k rule) and
+`config.focus_top_k` are read at every forward: change them on a loaded model
+(`model.set_focus_mode("sparse")`); a cache filled in one mode goes on in that mode only. The
+soft gate is the log-space one, or with `config.focus_gate = "sigmoid"` the paper's (an ablation
+setting); its cache (`FocusCacheLayer`) keeps every key in token order and each token's
+log-assignment. In sparse mode a layer computes only the pairs the rule keeps
+(`sparse_rule_attention`: the window, the sinks, and each group's distant keys for the queries
+ranking it in their top-k), in prefill and at every decoding step alike, and its cache
+(`FocusSparseCacheLayer`) keeps the keys by top-1 group (`KeyBuckets`), so that a step reads its
+groups' keys in place.
 """
 
 import math
@@ -152,6 +155,7 @@ class Attention(nn.Module):
         if cache is not None:
             # a sliding-window layer (a DynamicCache made from a config with sliding_window)
             # returns only the last keys
+            cache_layer(cache, self.layer_idx, AppendingLayer)
             k, v = cache.update(k, v, self.layer_idx)
         y = self.project(self.attend(q, k, v, pairs, routing), own_v)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
@@ -239,7 +243,8 @@ def causal_sinkhorn(scores, iters, counts, keep=None, prefix=None):
 
 def rank_groups(log_g):
     """`[..., K]` group indices by decreasing assignment, the lowest index first among equals
-    (megatron_focus/model/focus/groups.py): a token's top-1 group is the same for every top-k asked."""
+    (megatron_focus/model/focus/groups.py): a token's top-1 group is the same for every top-k
+    asked."""
     return torch.sort(log_g, dim=-1, descending=True, stable=True).indices
 
 
@@ -252,8 +257,8 @@ def local_pairs(queries: int, keys: int, window: int, device):
 def soft_gate(log_g_q, log_g_k, local, gate_scale: float):
     """Additive logit bias `[b, s, keys]`: 0 local, lambda * log(g_i . g_j) distant.
 
-    The log-space gate of megatron_focus/model/focus/focus_gate.py `soft_pair_bias`: an affinity of 0
-    removes the pair exactly (causality is the caller's mask).
+    The log-space gate of megatron_focus/model/focus/focus_gate.py `soft_pair_bias`: an affinity
+    of 0 removes the pair exactly (causality is the caller's mask).
     """
     affinity = torch.bmm(log_g_q.exp(), log_g_k.exp().transpose(1, 2))
     log_gate = gate_scale * affinity.clamp_min(_TINY_AFFINITY).log()
@@ -275,9 +280,9 @@ FUSED_CPU_ATTENTION = getattr(torch.ops.aten, "_scaled_dot_product_flash_attenti
 
 
 def partial_attention(q, k, v, allowed, scale: float):
-    """softmax(q k^T * scale) v over the `allowed` pairs `[m, n]` only, in fp32, with its
-    log-sum-exp: q `[heads, m, d]`, k and v `[kv heads, n, d]` (GQA: heads share them in
-    groups). A query with no allowed key gets output 0 and log-sum-exp -inf."""
+    """softmax(q k^T * scale) v over the `allowed` pairs `[m, n]` only (None: all), in fp32,
+    with its log-sum-exp: q `[heads, m, d]`, k and v `[kv heads, n, d]` (GQA: heads share them
+    in groups). A query with no allowed key gets output 0 and log-sum-exp -inf."""
     kv_heads, n, d = k.shape
     heads, m = q.shape[:2]
     q, k, v = q.float(), k.float(), v.float()
@@ -285,11 +290,15 @@ def partial_attention(q, k, v, allowed, scale: float):
         k, v = (
             t[:, None].expand(-1, heads // kv_heads, -1, -1).reshape(1, heads, n, d) for t in (k, v)
         )
+        if allowed is None:
+            out, lse = FUSED_CPU_ATTENTION(q[None], k, v, scale=scale)
+            return out[0], lse[0]
         bias = torch.zeros(m, n).masked_fill(~allowed, float("-inf"))
         out, lse = FUSED_CPU_ATTENTION(q[None], k, v, attn_mask=bias[None, None], scale=scale)
         return out[0], lse[0].masked_fill(~allowed.any(-1), float("-inf"))
     scores = q.view(kv_heads, -1, m, d) @ k.transpose(-1, -2)[:, None] * scale
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
     lse = scores.logsumexp(-1)
     probs = (scores - lse.nan_to_num(neginf=0.0)[..., None]).exp()
     return (probs @ v[:, None]).view(heads, m, d), lse.view(heads, m)
@@ -327,9 +336,13 @@ def sparse_rule_attention(q, k, v, pairs, groups_q, buckets, window, top_k, bloc
 
     def add(row, queries, keys, values, key_pos, distant: bool):
         qp = query_pos[queries]
-        allowed = pairs.between(qp, key_pos, row)
-        near = key_pos[None, :] > qp[:, None] - window
-        allowed = allowed & (~near if distant else near)
+        if qp.numel() == 1 and (distant or pairs.real is None):
+            # a decoding step keeps every key it is given: a bucket's distant prefix holds no
+            # padding, and the window's keys end at the query's own
+            allowed = None
+        else:
+            near = key_pos[None, :] > qp[:, None] - window
+            allowed = pairs.between(qp, key_pos, row) & (~near if distant else near)
         part = partial_attention(q[row][:, queries], keys, values, allowed, scale)
         merge_into(out[row], lse[row], queries, *part)
 
@@ -462,7 +475,8 @@ class KeyBuckets:
 
 
 class Router(nn.Module):
-    """A layer's W_g and K centroids (megatron_focus/model/focus/focus.py `Router`): token -> scores."""
+    """A layer's W_g and K centroids (megatron_focus/model/focus/focus.py `Router`): token ->
+    scores."""
 
     def __init__(self, config: MegatronFocusConfig):
         super().__init__()
@@ -477,8 +491,9 @@ class Router(nn.Module):
 
 def appended(store, held: torch.Tensor, new: torch.Tensor, dim: int):
     """`held` and `new` along `dim`, written into `store` when `held` is its prefix and it has
-    room (else into a new store of twice the length): appending costs the new tokens alone,
-    where torch.cat copies every held one at every decoding step. Returns (store, the whole)."""
+    room (else into a new store an eighth longer than both): appending costs the new tokens
+    alone, where torch.cat copies every held one at every decoding step. Returns (store, the
+    whole)."""
     dim %= held.dim()  # the shapes are compared on every other axis
     n, m = held.shape[dim], new.shape[dim]
     prefix = (
@@ -490,14 +505,56 @@ def appended(store, held: torch.Tensor, new: torch.Tensor, dim: int):
     )
     if not prefix:
         shape = list(new.shape)
-        shape[dim] = 2 * (n + m)
+        shape[dim] = n + m + (n + m) // 8 + 16
         store = new.new_empty(shape)
         store.narrow(dim, 0, n).copy_(held)
     store.narrow(dim, n, m).copy_(new)
     return store, store.narrow(dim, 0, n + m)
 
 
-class FocusCacheLayer(DynamicLayer):
+class AppendingLayer(DynamicLayer):
+    """A layer's cache entry whose keys and values grow in place (`appended`), where
+    transformers' DynamicLayer copies the whole cache at every decoding step (torch.cat)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._stores = {}  # each cached tensor's store, with room to grow
+
+    def _append(self, name: str, new: torch.Tensor, dim: int) -> torch.Tensor:
+        held = getattr(self, name)
+        if held is None:
+            setattr(self, name, new)
+            return new
+        self._stores[name], whole = appended(self._stores.get(name), held, new, dim)
+        setattr(self, name, whole)
+        return whole
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            return super().update(key_states, value_states, *args, **kwargs)
+        return self._append("keys", key_states, -2), self._append("values", value_states, -2)
+
+    def reset(self):
+        self._stores = {}
+        super().reset()
+
+
+def cache_layer(cache: Cache, layer_idx: int, make) -> DynamicLayer:
+    """`cache`'s entry of layer `layer_idx`, made `make()` while it is still an empty stock
+    DynamicLayer: generate() and the model build DynamicCaches of those (from the config, or
+    grown lazily). Any other entry is returned as it is (a sliding window's, or one filled
+    before)."""
+    layers = cache.layers
+    while len(layers) <= layer_idx and cache.layer_class_to_replicate is not None:
+        layers.append(cache.layer_class_to_replicate())
+    if layer_idx >= len(layers):
+        return None
+    if type(layers[layer_idx]) is DynamicLayer and layers[layer_idx].get_seq_length() == 0:
+        layers[layer_idx] = make()
+    return layers[layer_idx]
+
+
+class FocusCacheLayer(AppendingLayer):
     """A Focus layer's cache entry in soft mode: keys and values, and the routing state of every
     cached token.
 
@@ -514,27 +571,11 @@ class FocusCacheLayer(DynamicLayer):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self._stores = {}  # each cached tensor's store, with room to grow (`appended`)
         self._clear_routing()
 
     def _clear_routing(self):
         for name in self.routing:
             setattr(self, name, None)
-
-    def _append(self, name: str, new: torch.Tensor, dim: int) -> torch.Tensor:
-        held = getattr(self, name)
-        if held is None:
-            setattr(self, name, new)
-            return new
-        self._stores[name], whole = appended(self._stores.get(name), held, new, dim)
-        setattr(self, name, whole)
-        return whole
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        """DynamicLayer's update, appending in place (`appended`) after the first tokens."""
-        if not self.is_initialized:
-            return super().update(key_states, value_states, *args, **kwargs)
-        return self._append("keys", key_states, -2), self._append("values", value_states, -2)
 
     def routing_prefix(self):
         """`[b, iters, K]`: the causal Sinkhorn's running log-sums after the cached tokens."""
@@ -552,7 +593,6 @@ class FocusCacheLayer(DynamicLayer):
 
     def reset(self):
         self._clear_routing()
-        self._stores = {}
         super().reset()
 
     def crop(self, length: int):
@@ -650,42 +690,36 @@ class FocusSparseCacheLayer(FocusCacheLayer):
 
 
 def focus_cache_layer(cache: Cache, layer_idx: int, config) -> FocusCacheLayer:
-    """`cache`'s entry of a Focus layer, made the mode's Focus cache layer on first use.
-
-    generate() and the model build DynamicCaches of plain DynamicLayers (from the config, or grown
-    lazily); a Focus layer's entry is swapped, while still empty, for one that also keeps routing
-    (in sparse mode, its keys by group). A cache filled in one mode cannot go on in the other.
-    """
-    layers = cache.layers
-    while len(layers) <= layer_idx and cache.layer_class_to_replicate is not None:
-        layers.append(cache.layer_class_to_replicate())
-    layer = layers[layer_idx] if layer_idx < len(layers) else None
+    """`cache`'s entry of a Focus layer: the mode's Focus cache layer, which also keeps routing
+    (in sparse mode, its keys by group). A cache filled in one mode cannot go on in the other."""
     mode = config.focus_attention_mode
-    if getattr(layer, "keeps_focus_routing", False):
-        if layer.mode != mode and layer.get_seq_length() > 0:
-            raise ValueError(
-                f"this cache holds Focus layer {layer_idx}'s keys for {layer.mode} mode; "
-                f"{mode} mode needs a new cache (generate() makes one)"
-            )
-        if layer.mode == mode:
-            return layer
-    elif not (type(layer) is DynamicLayer and layer.get_seq_length() == 0):
+
+    def make():
+        if mode == "sparse":
+            return FocusSparseCacheLayer(config.focus_groups, config.focus_window)
+        return FocusCacheLayer()
+
+    layer = cache_layer(cache, layer_idx, make)
+    if not getattr(layer, "keeps_focus_routing", False):  # duck-typed: see FocusCacheLayer
         raise ValueError(
             f"Focus layer {layer_idx} needs a DynamicCache entry to keep its routing "
             f"state, not {type(layer).__name__} (use the default cache_implementation)"
         )
-    layers[layer_idx] = (
-        FocusSparseCacheLayer(config.focus_groups, config.focus_window)
-        if mode == "sparse"
-        else FocusCacheLayer()
-    )
-    return layers[layer_idx]
+    if layer.mode == mode:
+        return layer
+    if layer.get_seq_length() > 0:
+        raise ValueError(
+            f"this cache holds Focus layer {layer_idx}'s keys for {layer.mode} mode; "
+            f"{mode} mode needs a new cache (generate() makes one)"
+        )
+    cache.layers[layer_idx] = make()
+    return cache.layers[layer_idx]
 
 
 class FocusAttention(Attention):
-    """Causal attention under the Focus pair rule (megatron_focus/model/focus/focus.py): the router's
-    assignments gate distant pairs softly (`focus_attention_mode` "soft") or keep only those of
-    the hard top-k rule ("sparse"); pairs in the local window are always kept."""
+    """Causal attention under the Focus pair rule (megatron_focus/model/focus/focus.py): the
+    router's assignments gate distant pairs softly (`focus_attention_mode` "soft") or keep only
+    those of the hard top-k rule ("sparse"); pairs in the local window are always kept."""
 
     def __init__(self, config: MegatronFocusConfig, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -721,18 +755,21 @@ class FocusAttention(Attention):
             layer.routing_prefix() if layer is not None else None,
         )
         groups = rank_groups(log_g)
+        if config.focus_attention_mode == "sparse":  # the new keys' buckets
+            if layer is not None:
+                layer.update_routing(sums=sums)
+            buckets = layer.buckets if layer is not None else KeyBuckets(config.focus_groups)
+            real = torch.ones(b, s, dtype=torch.bool, device=x.device) if keep is None else keep
+            ordinal = counts if keep is None else counts.masked_fill(~keep, 0)
+            sink = real & (ordinal <= config.focus_sink_tokens)  # the first real tokens
+            bucket = groups[..., 0].masked_fill(sink, buckets.sinks)
+            return groups, bucket.masked_fill(~real, -1), buckets
         real = (
             attention_mask[:, -(past + s) :].bool()
             if attention_mask is not None
             else torch.ones(b, past + s, dtype=torch.bool, device=x.device)
         )
         sinks = real & (real.long().cumsum(-1) <= config.focus_sink_tokens)
-        if config.focus_attention_mode == "sparse":
-            if layer is not None:
-                layer.update_routing(sums=sums)
-            buckets = layer.buckets if layer is not None else KeyBuckets(config.focus_groups)
-            bucket = groups[..., 0].masked_fill(sinks[:, past:], buckets.sinks)
-            return groups, bucket.masked_fill(~real[:, past:], -1), buckets
         cached = (
             layer.update_routing(log_g=log_g, groups=groups, sums=sums)
             if layer is not None
