@@ -57,13 +57,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--iters", type=int, default=800)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--micro-batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--focus-window", type=int, default=16)
-    p.add_argument("--focus-groups", type=int, default=4)
+    add_model_args(p)
     p.add_argument("--mqar-pairs", type=int, default=8)
     p.add_argument("--mqar-queries", type=int, default=None)
     p.add_argument(
@@ -74,7 +68,6 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument("--mqar-vocab-size", type=int, default=256)
     p.add_argument("--mqar-min-distance", type=int, default=64)
-    p.add_argument("--eval-iters", type=int, default=8)
     short = p.add_argument_group("length curriculum: a first stage at a short length")
     short.add_argument("--short-seq-length", type=int, default=None)
     short.add_argument("--short-iters", type=int, default=800)
@@ -106,6 +99,18 @@ def parse() -> argparse.Namespace:
                 if not os.path.exists(os.path.join(origin, "latest")):
                     raise SystemExit(f"error: --init-from: no checkpoint in {origin}")
     return opts
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model, training and evaluation flags this study shares with routing_study.py."""
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--micro-batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--focus-window", type=int, default=16)
+    p.add_argument("--focus-groups", type=int, default=4)
+    p.add_argument("--eval-iters", type=int, default=8)
 
 
 def run_name(variant: str, seed: int) -> str:
@@ -277,8 +282,28 @@ def train_and_evaluate(opts, variant: str, seed: int) -> dict:
     return {"variant": variant, "seed": seed, "rows": rows, "seconds": time.time() - start}
 
 
+def run_all(opts) -> list:
+    """Every variant and seed of `opts`, in turn: their evaluation rows."""
+    os.makedirs(opts.out, exist_ok=True)
+    results = []
+    for variant in opts.variants:
+        for seed in opts.seeds:
+            results.append(train_and_evaluate(opts, variant, seed))
+            print(f"{variant} seed {seed}: done in {results[-1]['seconds']:.0f} s", flush=True)
+    return results
+
+
+def router(variant: str) -> str:
+    """The router a variant trains: learned, or one of the frozen controls ("-": no router)."""
+    if not variant.startswith("focus"):
+        return "-"
+    frozen = [r for r in ("random-centroids", "random") if variant.endswith("-" + r)]
+    return frozen[0] if frozen else "learned"
+
+
 def summarise(results: list) -> list:
-    """One row per variant and mode: accuracy, loss and pairs kept, mean and range over seeds."""
+    """One row per variant and mode: accuracy, loss, perplexity, pairs kept and kept mass (None
+    where the mode keeps every pair), mean and range over seeds."""
     table = {}
     for result in results:
         for row in result["rows"]:
@@ -291,39 +316,78 @@ def summarise(results: list) -> list:
 
         def stats(key):
             values = [r[key] for r in rows]
+            if None in values:
+                return None
             return statistics.mean(values), min(values), max(values)
 
         out.append(
             {
                 "variant": variant,
+                "router": router(variant),
                 "mode": mode,
                 "seeds": len(rows),
-                "accuracy": stats("accuracy"),
-                "loss": stats("loss"),
-                "pairs_kept": stats("pairs_kept"),
+                **{key: stats(key) for key in ("accuracy", "loss", "ppl", "pairs_kept")},
+                "kept_mass": stats("kept_mass"),
                 "accuracy_per_seed": [r["accuracy"] for r in rows],
+                "loss_per_seed": [r["loss"] for r in rows],
             }
         )
     return out
 
 
-def plot(summary: list, path: str, title: str) -> None:
+def table(summary: list, metrics: list) -> str:
+    """variant, router, mode, each metric's mean ([min, max] over seeds when several), the pairs
+    kept and the kept mass."""
+    ranges = any(r["seeds"] > 1 for r in summary)
+    head = f"{'variant':<18}{'router':<18}{'mode':<14}"
+    for metric in metrics:
+        head += f"{metric:>10}" + (f"{'range':>18}" if ranges else "")
+    lines = [head + f"{'pairs kept':>12}{'kept mass':>11}"]
+    for r in summary:
+        line = f"{r['variant']:<18}{r['router']:<18}{r['mode']:<14}"
+        for metric in metrics:
+            mean, low, high = r[metric]
+            line += f"{mean:>10.3f}" + (f"{f'[{low:.3f}, {high:.3f}]':>18}" if ranges else "")
+        mass = "-" if r["kept_mass"] is None else f"{r['kept_mass'][0]:.3f}"
+        lines.append(line + f"{r['pairs_kept'][0]:>12.3f}{mass:>11}")
+    return "\n".join(lines)
+
+
+def plot(summary: list, path: str, title: str, metric: str = "accuracy") -> None:
+    """A bar per variant and mode (the mean of `metric`), a dot per seed, and the pairs kept
+    (and kept mass) above it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     labels = [f"{r['variant']}\n{r['mode']}" for r in summary]
-    means = [r["accuracy"][0] for r in summary]
+    means = [r[metric][0] for r in summary]
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(labels)), 4))
     ax.bar(range(len(labels)), means, color="tab:blue")
     for i, r in enumerate(summary):  # each seed, as the outcomes are often far apart
-        seeds = r["accuracy_per_seed"]
+        seeds = r[f"{metric}_per_seed"]
         ax.plot([i] * len(seeds), seeds, "o", color="black", markersize=3)
-        ax.text(i, max(seeds) + 0.03, f"kept {r['pairs_kept'][0]:.2f}", ha="center", fontsize=7)
+        kept = f"kept {r['pairs_kept'][0]:.2f}"
+        if r["kept_mass"] is not None:
+            kept += f"\nmass {r['kept_mass'][0]:.2f}"
+        ax.annotate(
+            kept,
+            (i, max(seeds)),
+            xytext=(0, 3),
+            textcoords="offset points",
+            ha="center",
+            fontsize=7,
+        )
     ax.set_xticks(range(len(labels)), labels, fontsize=7)
-    ax.set_ylabel("recall accuracy (mean; dots: seeds)")
-    ax.set_ylim(0, 1.1)
+    if metric == "accuracy":
+        ax.set_ylabel("recall accuracy (mean; dots: seeds)")
+        ax.set_ylim(0, 1.1)
+    else:  # losses differ by little: the axis starts near them
+        values = [v for r in summary for v in r[f"{metric}_per_seed"]]
+        pad = 0.2 * (max(values) - min(values)) or 0.1
+        ax.set_ylabel(f"validation {metric} (mean; dots: seeds)")
+        ax.set_ylim(min(values) - pad, max(values) + 2 * pad)
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -331,12 +395,7 @@ def plot(summary: list, path: str, title: str) -> None:
 
 def main() -> None:
     opts = parse()
-    os.makedirs(opts.out, exist_ok=True)
-    results = []
-    for variant in opts.variants:
-        for seed in opts.seeds:
-            results.append(train_and_evaluate(opts, variant, seed))
-            print(f"{variant} seed {seed}: done in {results[-1]['seconds']:.0f} s", flush=True)
+    results = run_all(opts)
     summary = summarise(results)
     metric = "accuracy" if opts.task == "mqar" else "loss"
     curriculum = (
@@ -349,13 +408,7 @@ def main() -> None:
         f"{opts.task}, seq {opts.seq_length}, {opts.iters} iterations{curriculum}, "
         f"seeds {opts.seeds}"
     )
-    print(f"{'variant':<14}{'mode':<16}{metric:>10}{'range':>16}{'pairs kept':>12}")
-    for r in summary:
-        mean, low, high = r[metric]
-        print(
-            f"{r['variant']:<14}{r['mode']:<16}{mean:>10.3f}{f'[{low:.3f}, {high:.3f}]':>16}"
-            f"{r['pairs_kept'][0]:>12.3f}"
-        )
+    print(table(summary, [metric]))
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump({"settings": vars(opts), "summary": summary, "runs": results}, f, indent=1)
