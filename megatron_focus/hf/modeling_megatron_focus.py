@@ -293,7 +293,7 @@ def partial_attention(q, k, v, allowed, scale: float):
         if allowed is None:
             out, lse = FUSED_CPU_ATTENTION(q[None], k, v, scale=scale)
             return out[0], lse[0]
-        bias = torch.zeros(m, n).masked_fill(~allowed, float("-inf"))
+        bias = torch.where(allowed, 0.0, float("-inf"))
         out, lse = FUSED_CPU_ATTENTION(q[None], k, v, attn_mask=bias[None, None], scale=scale)
         return out[0], lse[0].masked_fill(~allowed.any(-1), float("-inf"))
     scores = q.view(kv_heads, -1, m, d) @ k.transpose(-1, -2)[:, None] * scale
@@ -340,9 +340,11 @@ def sparse_rule_attention(q, k, v, pairs, groups_q, buckets, window, top_k, bloc
             # a decoding step keeps every key it is given: a bucket's distant prefix holds no
             # padding, and the window's keys end at the query's own
             allowed = None
+        elif distant:  # a bucket's keys, no padding among them: the distant ones are causal
+            allowed = key_pos[None, :] <= qp[:, None] - window
         else:
             near = key_pos[None, :] > qp[:, None] - window
-            allowed = pairs.between(qp, key_pos, row) & (~near if distant else near)
+            allowed = pairs.between(qp, key_pos, row) & near
         part = partial_attention(q[row][:, queries], keys, values, allowed, scale)
         merge_into(out[row], lse[row], queries, *part)
 
