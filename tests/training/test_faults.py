@@ -385,8 +385,10 @@ def test_a_signal_under_torchrun_saves_where_the_ranks_agree_and_resumes_exactly
     finally:
         _kill_tree(proc)
     assert "DataLoader worker" not in output and "ChildFailedError" not in output, output
-    # The ranks exit 0; torchrun, when it was signalled itself, then reports the signal it got.
-    assert proc.returncode == (0 if target == "one rank" else 1), output
+    # The ranks exit 0; torchrun, when it was signalled itself, then reports the signal it got
+    # (1), or, now and then, aborts in its own exit after doing so (a C++ thread of its store
+    # still running: "terminate called without an active exception"), which is torch's.
+    assert proc.returncode in ({0} if target == "one rank" else {1, -signal.SIGABRT}), output
     saved = re.findall(r"saved checkpoint .*/(iter_\d{7})", output)
     stopped = re.findall(r"exiting at iteration (\d+)", output)
     assert len(saved) == len(stopped) == 1 and int(stopped[0]) >= 3, output
