@@ -656,10 +656,10 @@ class FocusSparseCacheLayer(FocusCacheLayer):
     def crop(self, length: int):
         # transformers 5: tokens to remove (< 0), 0 none; 4: the length to keep, or < 0 as 5
         if length < 0:
-            keep = self.length + length
+            keep = max(self.length + length, 0)
         else:
             keep = self.length if length == 0 and CROP_REMOVES else length
-        if keep >= self.length:
+        if not self.is_initialized or keep >= self.length:
             return
         self.buckets.crop(keep)
         self.keys, self.values = self.buckets.gather(
