@@ -650,8 +650,9 @@ class FocusSparseCacheLayer(FocusCacheLayer):
 
     def reset(self):
         groups = self.buckets.sinks
-        super().reset()
-        self.buckets, self.length = KeyBuckets(groups), 0
+        super().reset()  # transformers 4 zeroes the window's keys in place: drop them instead
+        self.keys = self.values = None
+        self.is_initialized, self.buckets, self.length = False, KeyBuckets(groups), 0
 
     def crop(self, length: int):
         # transformers 5: tokens to remove (< 0), 0 none; 4: the length to keep, or < 0 as 5
