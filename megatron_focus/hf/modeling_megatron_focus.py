@@ -78,20 +78,25 @@ def llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rotate(
-    t: torch.Tensor, positions: torch.Tensor, base: float, scaling: dict = None
-) -> torch.Tensor:
-    """Megatron's (non-interleaved) rotary embedding of `t` `[b, heads, s, d]` at `positions`
-    `[b, s]`."""
-    d = t.shape[-1]
-    inv_freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float32, device=t.device) / d)
-    if scaling is not None:
-        inv_freq = llama3_scaled(inv_freq, scaling)
+def rotary(positions: torch.Tensor, config: MegatronFocusConfig, dtype) -> tuple:
+    """(cos, sin) `[b, 1, s, d]` of Megatron's (non-interleaved) rotary embedding at `positions`
+    `[b, s]`: computed once per forward, every layer's queries and keys rotate by them."""
+    d = config.head_dim
+    inv_freq = 1.0 / config.rotary_base ** (
+        torch.arange(0, d, 2, dtype=torch.float32, device=positions.device) / d
+    )
+    if config.llama3_rope_scaling is not None:
+        inv_freq = llama3_scaled(inv_freq, config.llama3_rope_scaling)
     angles = positions[:, None, :, None].float() * inv_freq  # [b, 1, s, d/2]
     angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate(t: torch.Tensor, rope: tuple) -> torch.Tensor:
+    """`t` `[b, heads, s, d]` rotated by `rotary`'s (cos, sin)."""
+    cos, sin = rope
     t1, t2 = t.chunk(2, dim=-1)
-    rotated = torch.cat([-t2, t1], dim=-1)
-    return t * angles.cos().to(t.dtype) + rotated * angles.sin().to(t.dtype)
+    return t * cos + torch.cat([-t2, t1], dim=-1) * sin
 
 
 def eager_attention_forward(
@@ -139,7 +144,7 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm, self.k_norm = norm(config, hd), norm(config, hd)
 
-    def forward(self, x, positions, pairs, cache, attention_mask=None):
+    def forward(self, x, rope, pairs, cache, attention_mask=None):
         b, s, _ = x.shape
         routing = self.route(x, cache, attention_mask)  # before the cache takes this step's keys
         q, k, v = (
@@ -148,9 +153,8 @@ class Attention(nn.Module):
         )
         if self.config.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.config.position_embedding_type == "rope":
-            base, scaling = self.config.rotary_base, self.config.llama3_rope_scaling
-            q, k = rotate(q, positions, base, scaling), rotate(k, positions, base, scaling)
+        if rope is not None:
+            q, k = rotate(q, rope), rotate(k, rope)
         own_v = v  # the values of this step's tokens, before the cached ones are prepended
         if cache is not None:
             # a sliding-window layer (a DynamicCache made from a config with sliding_window)
@@ -229,16 +233,23 @@ def causal_sinkhorn(scores, iters, counts, keep=None, prefix=None):
     for t in range(iters):
         terms = log_g if keep is None else log_g.masked_fill(~keep[..., None], float("-inf"))
         if prefix is None:
-            running = torch.logcumsumexp(terms, dim=1)
+            running = token_scan(terms)
+        elif s == 1:  # a decoding step: the prefix's sum and this token's
+            running = torch.logaddexp(prefix[:, t, None], terms)
         else:  # one scan over [the prefix's sum, these tokens]
-            terms = torch.cat([prefix[:, t, None], terms], dim=1)
-            running = torch.logcumsumexp(terms, dim=1)[:, 1:]
+            running = token_scan(torch.cat([prefix[:, t, None], terms], dim=1))[:, 1:]
         sums.append(running)
         # A padding token normalises by itself alone: finite, and never attended to.
         own = running if keep is None else torch.where(keep[..., None], running, log_g)
         log_g = torch.log_softmax(log_g - (own - log_counts), dim=-1)
     sums = torch.stack(sums, dim=2) if sums else scores.new_zeros(b, s, 0, groups)
     return log_g, sums
+
+
+def token_scan(terms):
+    """log sum_{j<=i} exp(terms_j) over the tokens of `[b, s, K]`, scanned along contiguous
+    memory (over a strided axis, the CPU's scan is about twice as slow)."""
+    return torch.logcumsumexp(terms.transpose(1, 2).contiguous(), dim=-1).transpose(1, 2)
 
 
 def rank_groups(log_g):
@@ -280,98 +291,137 @@ FUSED_CPU_ATTENTION = getattr(torch.ops.aten, "_scaled_dot_product_flash_attenti
 
 
 def partial_attention(q, k, v, allowed, scale: float):
-    """softmax(q k^T * scale) v over the `allowed` pairs `[m, n]` only (None: all), in fp32,
-    with its log-sum-exp: q `[heads, m, d]`, k and v `[kv heads, n, d]` (GQA: heads share them
-    in groups). A query with no allowed key gets output 0 and log-sum-exp -inf."""
-    kv_heads, n, d = k.shape
-    heads, m = q.shape[:2]
+    """softmax(q k^T * scale) v over the `allowed` pairs `[n or 1, m, keys]` only (None: all),
+    in fp32, with its log-sum-exp: q `[n, heads, m, d]`, k and v `[n, kv heads, keys, d]` (GQA:
+    heads share them in groups), n independent batches of queries. A query with no allowed key
+    gets output 0 and log-sum-exp -inf."""
+    n, kv_heads, keys, d = k.shape
+    heads, m = q.shape[1:3]
     q, k, v = q.float(), k.float(), v.float()
     if q.device.type == "cpu" and FUSED_CPU_ATTENTION is not None:
-        k, v = (
-            t[:, None].expand(-1, heads // kv_heads, -1, -1).reshape(1, heads, n, d) for t in (k, v)
-        )
+        if heads != kv_heads:
+            k, v = (
+                t[:, :, None].expand(-1, -1, heads // kv_heads, -1, -1).reshape(n, heads, keys, d)
+                for t in (k, v)
+            )
         if allowed is None:
-            out, lse = FUSED_CPU_ATTENTION(q[None], k, v, scale=scale)
-            return out[0], lse[0]
-        bias = torch.where(allowed, 0.0, float("-inf"))
-        out, lse = FUSED_CPU_ATTENTION(q[None], k, v, attn_mask=bias[None, None], scale=scale)
-        return out[0], lse[0].masked_fill(~allowed.any(-1), float("-inf"))
-    scores = q.view(kv_heads, -1, m, d) @ k.transpose(-1, -2)[:, None] * scale
+            return FUSED_CPU_ATTENTION(q, k, v, scale=scale)[:2]
+        bias = torch.where(allowed, 0.0, float("-inf"))[:, None]
+        out, lse = FUSED_CPU_ATTENTION(q, k, v, attn_mask=bias, scale=scale)[:2]
+        return out, lse.masked_fill(~allowed.any(-1)[:, None], float("-inf"))
+    scores = q.view(n, kv_heads, -1, m, d) @ k.transpose(-1, -2)[:, :, None] * scale
     if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
     lse = scores.logsumexp(-1)
     probs = (scores - lse.nan_to_num(neginf=0.0)[..., None]).exp()
-    return (probs @ v[:, None]).view(heads, m, d), lse.view(heads, m)
+    return (probs @ v[:, :, None]).view(n, heads, m, d), lse.view(n, heads, m)
 
 
 def merge_into(out, lse, queries, part_out, part_lse):
     """Adds a part's attention over other keys to the queries' running result, by log-sum-exp
-    (megatron_focus/model/kernels/lse_merge.py); `out` `[heads, s, d]`, `lse` `[heads, s]`."""
+    (megatron_focus/model/kernels/lse_merge.py); `out` `[heads, s, d]`, `lse` `[heads, s]`.
+    The running result is the window's, whose log-sum-exp is finite (it holds each query's own
+    key); a part's -inf (no key for that query) adds nothing."""
     old = lse[:, queries]
     new = torch.logaddexp(old, part_lse)
-    kept = torch.where(torch.isinf(new), 0.0, (old - new).exp())[..., None]
-    added = torch.where(torch.isinf(new), 0.0, (part_lse - new).exp())[..., None]
-    out[:, queries] = out[:, queries] * kept + part_out * added
+    out[:, queries] = (
+        out[:, queries] * (old - new).exp()[..., None]
+        + part_out * (part_lse - new).exp()[..., None]
+    )
     lse[:, queries] = new
+
+
+def window_attention(q, k, v, pairs, row, window: int, scale: float):
+    """Each query's attention over the keys within its window (its own among them), for batch
+    row `row`: q `[heads, s, d]`, k and v `[kv heads, n, d]` the last n keys in position order.
+
+    By blocks of B = min(window, s) queries, all in one call: block i's queries read the
+    window + B - 1 keys from the window before its first query to its last query, a strided
+    view of the keys (padded in front where the sequence starts); the pairs outside each
+    query's window are masked. Work: s * (window + B - 1) pairs."""
+    heads, s, d = q.shape
+    first = int(pairs.query_pos[0])  # the first query's position
+    offset = pairs.keys - k.shape[1]  # the position of k's first key
+    step = min(window, s)
+    blocks, span = -(-s // step), window + step - 1
+    front = max(window - 1 - (first - offset), 0)  # keys before the sequence's start
+    start = first - offset - (window - 1) + front
+    back = blocks * step - s
+
+    def padded(t, before, after):  # along the tokens' axis
+        return torch.nn.functional.pad(t, (0, 0, before, after)) if before or after else t
+
+    def by_block(t):  # [kv heads, keys, d] -> [blocks, kv heads, span, d]
+        t = padded(t[:, start:], front, back)
+        return t[None] if blocks == 1 else t.unfold(1, span, step).permute(1, 0, 3, 2)
+
+    queries = padded(q, 0, back).view(heads, blocks, step, d)
+    allowed = None  # a decoding step past the sequence's first window, without padding
+    if front or step > 1 or pairs.real is not None:
+        # block i's query a at position first + i*B + a, its key j at first + i*B - window + 1 + j
+        a, j = torch.arange(step, device=q.device)[:, None], torch.arange(span, device=q.device)
+        key_pos = first + step * torch.arange(blocks, device=q.device)[:, None] - window + 1 + j
+        in_window = (j >= a) & (j <= a + window - 1)  # [B, span]
+        present = (key_pos >= 0) & (key_pos < pairs.keys)  # beyond: the padded queries'
+        if pairs.real is not None:
+            present = present & pairs.real[row, key_pos.clamp(0, pairs.keys - 1)]
+        allowed = (in_window & present[:, None, :]) | (j == a + window - 1)
+    out, lse = partial_attention(queries.transpose(0, 1), by_block(k), by_block(v), allowed, scale)
+    return (
+        out.transpose(0, 1).reshape(heads, -1, d)[:, :s],
+        lse.transpose(0, 1).reshape(heads, -1)[:, :s],
+    )
 
 
 def sparse_rule_attention(q, k, v, pairs, groups_q, buckets, window, top_k, block=512):
     """Attention over the pairs the hard top-k rule keeps, computing only those (the native
-    sparse dispatch's plan, megatron_focus/model/focus/focus_sparse.py): the window's keys by blocks
-    of queries, then the sinks' bucket and, group by group, the buckets of the groups among a
-    query's top-k, for those queries alone; the parts merged by log-sum-exp.
+    sparse dispatch's plan, megatron_focus/model/focus/focus_sparse.py): the window's keys
+    (`window_attention`), then the sinks' bucket and, group by group, the buckets of the groups
+    among a query's top-k, for those queries alone, by blocks of `block`; the parts merged by
+    log-sum-exp.
 
     q `[b, heads, s, d]`; k, v `[b, kv heads, n, d]`: the last n keys in position order (at
     least the window's of every query; Focus layers take no sliding window); `groups_q` the
     queries' ranked groups `[b, s, K]`; `buckets` (`KeyBuckets`) every key beyond them. A
     bucket holds its keys in position order, so a query's distant keys in it are a prefix, read
-    in place. Work: about s * (block + window) pairs, plus top_k * s^2 / K; a decoding step
-    reads the window's keys, the sinks' and its groups'.
+    in place. Work: about s * 2 * window pairs, plus top_k * s^2 / K; a decoding step reads
+    the window's keys, the sinks' and its groups'.
     """
     b, heads, s, d = q.shape
-    offset = pairs.keys - k.shape[2]  # the position of k's first key
     query_pos, scale = pairs.query_pos, d**-0.5
-    out = torch.zeros(b, heads, s, d, dtype=torch.float32, device=q.device)
-    lse = torch.full((b, heads, s), float("-inf"), device=q.device)
-
-    def add(row, queries, keys, values, key_pos, distant: bool):
-        qp = query_pos[queries]
-        if qp.numel() == 1 and (distant or pairs.real is None):
-            # a decoding step keeps every key it is given: a bucket's distant prefix holds no
-            # padding, and the window's keys end at the query's own
-            allowed = None
-        elif distant:  # a bucket's keys, no padding among them: the distant ones are causal
-            allowed = key_pos[None, :] <= qp[:, None] - window
-        else:
-            near = key_pos[None, :] > qp[:, None] - window
-            allowed = pairs.between(qp, key_pos, row) & near
-        part = partial_attention(q[row][:, queries], keys, values, allowed, scale)
-        merge_into(out[row], lse[row], queries, *part)
-
-    def add_bucket(row, queries, bucket):
-        """`queries` (a slice or indices, by position) against the bucket's keys that are
-        distant for the last of them."""
-        held = buckets.read(row, bucket, int(query_pos[queries][-1]) - window + 1)
-        if held is not None:
-            add(row, queries, *held, True)
-
-    # the window's blocks of queries about as long as it: each reads its own keys and the
-    # window's before them, so longer blocks would compute mostly pairs that are masked off
-    near_block = min(block, max(window, 64))
+    rows = []
     for row in range(b):
-        for start in range(0, s, near_block):  # the window (each query's own key among them)
-            end = min(start + near_block, s)
-            first, last = max(int(query_pos[start]) - window + 1, 0), int(query_pos[end - 1]) + 1
-            keys = slice(first - offset, last - offset)
-            key_pos = torch.arange(first, last, device=q.device)
-            add(row, slice(start, end), k[row][:, keys], v[row][:, keys], key_pos, False)
-        add_bucket(row, slice(0, s), buckets.sinks)
+        out, lse = window_attention(q[row], k[row], v[row], pairs, row, window, scale)
+
+        def add_bucket(queries, bucket):
+            """`queries` (a slice or indices, by position) against the bucket's keys that are
+            distant for the last of them (a bucket holds no padding)."""
+            qp = query_pos[queries]
+            held = buckets.read(row, bucket, int(qp[-1]) - window + 1)
+            if held is None:
+                return
+            keys, values, key_pos = held
+            # a decoding step keeps every distant key it is given
+            allowed = (
+                None if qp.numel() == 1 else key_pos[None, None, :] <= qp[None, :, None] - window
+            )
+            part_out, part_lse = partial_attention(
+                q[row][None, :, queries], keys[None], values[None], allowed, scale
+            )
+            merge_into(out, lse, queries, part_out[0], part_lse[0])
+
+        add_bucket(slice(0, s), buckets.sinks)
         chosen = groups_q[row, :, :top_k]
-        for group in chosen.unique().tolist():
-            asking = (chosen == group).any(-1).nonzero()[:, 0]
-            for start in range(0, len(asking), block):
-                add_bucket(row, asking[start : start + block], group)
-    return out.to(q.dtype)
+        if s == 1:  # a decoding step: its own groups, each once
+            for group in chosen[0].tolist():
+                add_bucket(slice(0, 1), group)
+        else:
+            for group in chosen.unique().tolist():
+                asking = (chosen == group).any(-1).nonzero()[:, 0]
+                for start in range(0, len(asking), block):
+                    add_bucket(asking[start : start + block], group)
+        rows.append(out)
+    return torch.stack(rows).to(q.dtype)
 
 
 class KeyBuckets:
@@ -492,26 +542,33 @@ class Router(nn.Module):
 
 
 def appended(store, held: torch.Tensor, new: torch.Tensor, dim: int):
-    """`held` and `new` along `dim`, written into `store` when `held` is its prefix and it has
-    room (else into a new store an eighth longer than both): appending costs the new tokens
-    alone, where torch.cat copies every held one at every decoding step. Returns (store, the
-    whole)."""
+    """`held` and `new` along `dim`, written into `store` behind `held` when `held` is a slice
+    of it along `dim` with room behind (else into a new store an eighth longer than both):
+    appending costs the new tokens alone, where torch.cat copies every held one at every
+    decoding step. Returns (store, the whole: a slice of the store)."""
     dim %= held.dim()  # the shapes are compared on every other axis
     n, m = held.shape[dim], new.shape[dim]
-    prefix = (
-        store is not None
-        and held.data_ptr() == store.data_ptr()
-        and held.stride() == store.stride()
-        and all(a == b for i, (a, b) in enumerate(zip(held.shape, store.shape)) if i != dim)
-        and store.shape[dim] >= n + m
-    )
-    if not prefix:
+    start = slice_start(store, held, dim)
+    if start is None or start + n + m > store.shape[dim]:
         shape = list(new.shape)
         shape[dim] = n + m + (n + m) // 8 + 16
-        store = new.new_empty(shape)
+        store, start = new.new_empty(shape), 0
         store.narrow(dim, 0, n).copy_(held)
-    store.narrow(dim, n, m).copy_(new)
-    return store, store.narrow(dim, 0, n + m)
+    store.narrow(dim, start + n, m).copy_(new)
+    return store, store.narrow(dim, start, n + m)
+
+
+def slice_start(store, held: torch.Tensor, dim: int):
+    """Where `held` starts in `store` if it is `store.narrow(dim, start, n)`, else None."""
+    if (
+        store is None
+        or held.untyped_storage().data_ptr() != store.untyped_storage().data_ptr()
+        or held.stride() != store.stride()
+        or any(a != b for i, (a, b) in enumerate(zip(held.shape, store.shape)) if i != dim)
+    ):
+        return None
+    start, rest = divmod(held.storage_offset() - store.storage_offset(), store.stride(dim))
+    return start if rest == 0 and start >= 0 else None
 
 
 class AppendingLayer(DynamicLayer):
@@ -638,11 +695,13 @@ class FocusSparseCacheLayer(FocusCacheLayer):
         if not self.is_initialized:
             self.keys, self.values = key_states[..., :0, :], value_states[..., :0, :]
             self.device, self.is_initialized = key_states.device, True
-        keys = torch.cat([self.keys, key_states], dim=-2)
-        values = torch.cat([self.values, value_states], dim=-2)
+        keys, values = (
+            self._append("keys", key_states, -2),
+            self._append("values", value_states, -2),
+        )
         self.length += key_states.shape[-2]
-        self.keys = keys[..., -self.window :, :].clone()
-        self.values = values[..., -self.window :, :].clone()
+        # the next step's held keys: a slice of the store, which grows behind it
+        self.keys, self.values = keys[..., -self.window :, :], values[..., -self.window :, :]
         return keys, values
 
     def get_seq_length(self, *args) -> int:
@@ -762,11 +821,13 @@ class FocusAttention(Attention):
             if layer is not None:
                 layer.update_routing(sums=sums)
             buckets = layer.buckets if layer is not None else KeyBuckets(config.focus_groups)
-            real = torch.ones(b, s, dtype=torch.bool, device=x.device) if keep is None else keep
-            ordinal = counts if keep is None else counts.masked_fill(~keep, 0)
-            sink = real & (ordinal <= config.focus_sink_tokens)  # the first real tokens
-            bucket = groups[..., 0].masked_fill(sink, buckets.sinks)
-            return groups, bucket.masked_fill(~real, -1), buckets
+            sink = counts <= config.focus_sink_tokens  # the first real tokens
+            bucket = groups[..., 0]
+            if keep is not None:
+                bucket = bucket.masked_fill(keep & sink, buckets.sinks).masked_fill(~keep, -1)
+            elif past < config.focus_sink_tokens:
+                bucket = bucket.masked_fill(sink, buckets.sinks)
+            return groups, bucket, buckets
         real = (
             attention_mask[:, -(past + s) :].bool()
             if attention_mask is not None
@@ -847,8 +908,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, pairs, cache, attention_mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), positions, pairs, cache, attention_mask)
+    def forward(self, x, rope, pairs, cache, attention_mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), rope, pairs, cache, attention_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -921,9 +982,12 @@ class MegatronFocusModel(MegatronFocusPreTrainedModel):
             position_ids = torch.arange(past, past + s, device=x.device).expand(b, s)
         if self.config.position_embedding_type == "learned_absolute":
             x = x + self.embed_positions(position_ids)
+        rope = None
+        if self.config.position_embedding_type == "rope":
+            rope = rotary(position_ids, self.config, x.dtype)
         pairs = CausalPairs(s, past, attention_mask, x.device, self.config.sliding_window)
         for layer in self.layers:
-            x = layer(x, position_ids, pairs, cache if use_cache else None, attention_mask)
+            x = layer(x, rope, pairs, cache if use_cache else None, attention_mask)
         return BaseModelOutputWithPast(
             last_hidden_state=self.norm(x), **{CACHE_FIELD: cache if use_cache else None}
         )

@@ -63,7 +63,8 @@ def test_sparse_prefill_equals_the_dense_hard_rule(
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
 
 
-def test_sparse_prefill_with_left_padding_equals_each_row_alone():
+@pytest.mark.parametrize("window", [5, 6])  # 6: the last block of queries padded
+def test_sparse_prefill_with_left_padding_equals_each_row_alone(window):
     """Padded keys are never attended to and the sinks are the first real tokens: each row's
     real tokens compute what the row computes unpadded."""
     hf = _hf()
@@ -76,10 +77,10 @@ def test_sparse_prefill_with_left_padding_equals_each_row_alone():
     ranked = hf.rank_groups(log_g)
     pairs = hf.CausalPairs(40, 0, attention_mask, q.device)
     buckets = _buckets(hf, k, v, ranked, sinks, real)
-    out = hf.sparse_rule_attention(q, k, v, pairs, ranked, buckets, 5, 2, block=6)
+    out = hf.sparse_rule_attention(q, k, v, pairs, ranked, buckets, window, 2, block=6)
     for row, start in enumerate(pad):
         alone = [t[row : row + 1, ..., start:, :] for t in (q, k, v)]
-        ref = dense_hard_rule(*alone, log_g[row : row + 1, start:], 5, 2, 8**-0.5, sink=2)
+        ref = dense_hard_rule(*alone, log_g[row : row + 1, start:], window, 2, 8**-0.5, sink=2)
         torch.testing.assert_close(out[row : row + 1, :, start:], ref, rtol=1e-6, atol=1e-6)
 
 
@@ -119,3 +120,44 @@ def test_decoding_steps_equal_the_prefill():
             1,
         )
         torch.testing.assert_close(step, whole[:, :, i : i + 1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk,window,extra", [(7, 5, 0), (4, 9, 2), (16, 3, 5), (45, 6, 0)])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-cpu", "explicit"])
+def test_chunked_prefill_equals_one_pass(chunk, window, extra, fused, monkeypatch):
+    """A prompt prefilled in chunks through a cache (`generate()`'s long prompts): each chunk's
+    queries see the keys before them only as the window's held keys (and `extra` more) and the
+    buckets filled so far; the rows of one pass."""
+    hf = _hf()
+    if not fused:
+        monkeypatch.setattr(hf, "FUSED_CPU_ATTENTION", None)
+    q, k, v, log_g = _inputs(1, 4, 2, 45, 8, 4, "random", seed=chunk)
+    ranked = hf.rank_groups(log_g)
+    sinks = (torch.arange(45) < 2)[None]
+    args = (window, 2)
+    whole = hf.sparse_rule_attention(
+        q,
+        k,
+        v,
+        hf.CausalPairs(45, 0, None, q.device),
+        ranked,
+        _buckets(hf, k, v, ranked, sinks),
+        *args,
+    )
+    buckets = hf.KeyBuckets(4)
+    bucket = ranked[..., 0].masked_fill(sinks, buckets.sinks)
+    for start in range(0, 45, chunk):
+        end = min(start + chunk, 45)
+        now = slice(start, end)
+        buckets.append(k[:, :, now], v[:, :, now], torch.arange(start, end), bucket[:, now])
+        held = slice(max(start - window + 1 - extra, 0), end)
+        part = hf.sparse_rule_attention(
+            q[:, :, now],
+            k[:, :, held],
+            v[:, :, held],
+            hf.CausalPairs(end - start, start, None, q.device),
+            ranked[:, now],
+            buckets,
+            *args,
+        )
+        torch.testing.assert_close(part, whole[:, :, now], rtol=1e-5, atol=1e-6)
