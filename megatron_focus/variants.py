@@ -47,8 +47,12 @@ class AttentionVariant:
     `xsa`: XSA on the output; `--xsa-layers` may keep it to some layers, the others then use
     `without_xsa`. `without_focus`: the variant without routers, a retrofit's start.
     `hf_attention`: the HF model's layer kind that computes the same (None: no HF export).
-    `hooks`: "package.module:Class" of what the variant adds to a run beyond its layers (a
-    `model.hooks.VariantHooks`: frozen parameters, other validation modes, statistics).
+    `hf_layer`: "module:Class" of the HF model's layer the variant ships instead (an
+    `Attention` subclass of `hf/modeling_megatron_focus.py`, in a file needing only torch and
+    transformers), exported with its file as the layer kind of the variant's name, its settings
+    in `config.json` under their recorded keys. `hooks`: "package.module:Class" of what the
+    variant adds to a run beyond its layers (a `model.hooks.VariantHooks`: frozen parameters,
+    other validation modes, statistics).
     """
 
     name: str
@@ -60,6 +64,14 @@ class AttentionVariant:
     without_focus: Optional[str] = None
     hf_attention: Optional[str] = None
     hooks: str = "megatron_focus.model.hooks:VariantHooks"
+    hf_layer: Optional[str] = None
+
+    def __post_init__(self):
+        if self.hf_layer is not None and self.hf_attention is not None:
+            raise ValueError(
+                f"attention variant {self.name!r}: hf_attention names a layer of the HF model, "
+                "hf_layer ships one of its own; give one of them"
+            )
 
     @property
     def focus(self) -> bool:
@@ -72,6 +84,14 @@ class AttentionVariant:
 
     def self_attention_class(self) -> type:
         return _load(self.self_attention)
+
+    @property
+    def hf_kind(self) -> Optional[str]:
+        """What the exported `config.json` calls the variant's layers (None: no HF export)."""
+        return self.name if self.hf_layer is not None else self.hf_attention
+
+    def hf_layer_class(self) -> type:
+        return _load(self.hf_layer)
 
     def settings_from(self, args: argparse.Namespace) -> Optional[VariantSettings]:
         """The variant's settings as the run's flags give them (None: it has none)."""

@@ -6,9 +6,10 @@ be represented there, exactly?" is made once, here or in `families.py`, before a
 """
 
 import dataclasses
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from megatron_focus.config.run_config import RunConfig
+from megatron_focus.settings import VariantSettings
 from megatron_focus.variants import VARIANTS, FocusConfig, variant
 
 
@@ -40,14 +41,20 @@ class Architecture:
     use_rope_scaling: bool = False  # Llama 3.1's RoPE frequency scaling, by rope_scaling_factor
     rope_scaling_factor: float = 8.0
     focus: Optional[FocusConfig] = None  # exactly when the attention variant routes
+    # The settings of a variant that ships its HF layer (`hf_layer`), has settings and does not
+    # route (a router's are `focus`): all of them go into the HF config, under their keys.
+    settings: Optional[VariantSettings] = None
 
     def __post_init__(self):
-        if variant(self.attention).hf_attention is None:
+        attention = variant(self.attention)
+        if attention.hf_kind is None:
             raise NotImplementedError(
                 f"--attention {self.attention}: the HF model has no layer that computes it"
             )
-        if (self.focus is not None) != variant(self.attention).focus:
+        if (self.focus is not None) != attention.focus:
             raise ValueError(f"--attention {self.attention} with Focus settings {self.focus}")
+        if (self.settings is not None) != _carries_settings(attention):
+            raise ValueError(f"--attention {self.attention} with settings {self.settings}")
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"unknown normalization {self.normalization!r}")
         if self.position_embedding_type not in ("learned_absolute", "rope", "none"):
@@ -65,9 +72,17 @@ class Architecture:
     def layer_attention(self) -> List[str]:
         """Each layer's attention as the HF model names it, first layer first."""
         return [
-            variant(self.attention).on_layer(number, self.xsa_layers).hf_attention
+            variant(self.attention).on_layer(number, self.xsa_layers).hf_kind
             for number in range(1, self.num_layers + 1)
         ]
+
+    def shipped_layers(self) -> Dict[str, str]:
+        """{layer kind: "module:Class"} of the HF layers this model's variants ship."""
+        return {
+            kind: variant(kind).hf_layer
+            for kind in dict.fromkeys(self.layer_attention())
+            if variant(kind).hf_layer is not None
+        }
 
     @classmethod
     def from_model_args(
@@ -85,7 +100,11 @@ class Architecture:
         from megatron_focus.checkpoint.format import with_unrecorded_defaults
 
         model_args = with_unrecorded_defaults(model_args)  # what older checkpoints computed
-        own = [f.name for f in dataclasses.fields(cls) if f.name not in ("vocab_size", "focus")]
+        own = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.name not in ("vocab_size", "focus", "settings")
+        ]
         missing = [name for name in own if name not in model_args]
         if missing:
             raise ValueError(
@@ -100,9 +119,11 @@ class Architecture:
             if kwargs[name] is not None:
                 kwargs[name] = tuple(kwargs[name])
         if variant(kwargs["attention"]).focus:
-            kwargs["focus"] = FocusConfig.from_model_args(
+            kwargs["focus"] = variant(kwargs["attention"]).settings.from_model_args(
                 model_args, top_k=focus_top_k, attention_mode=focus_attention_mode
             )
+        if _carries_settings(variant(kwargs["attention"])):
+            kwargs["settings"] = variant(kwargs["attention"]).settings.from_model_args(model_args)
         return cls(vocab_size=vocab_size, **kwargs)
 
     def flags(self) -> List[str]:
@@ -157,6 +178,8 @@ class Architecture:
             flags += ["--window-size", ",".join(map(str, self.window_size))]
         if self.focus is not None:
             flags += self.focus.flags()
+        if self.settings is not None:
+            flags += self.settings.flags()
         return [str(flag) for flag in flags]
 
     def native_args(
@@ -186,8 +209,10 @@ def _refuse_unmapped_settings(model_args: dict) -> None:
     that variant's settings and no others: a variant recording a setting its HF layer has no
     place for is refused by the setting's name (exported, it would come back at a default)."""
     attention = variant(model_args["attention"])
-    if attention.hf_attention is None:
+    if attention.hf_kind is None:
         return  # refused by name when the Architecture is built
+    if attention.hf_layer is not None:
+        return  # its own layer, whose config carries all its settings
     if attention.hf_attention not in VARIANTS:
         raise NotImplementedError(
             f"--attention {attention.name}: the HF model has no {attention.hf_attention!r} layer"
@@ -200,3 +225,9 @@ def _refuse_unmapped_settings(model_args: dict) -> None:
             f"{attention.hf_attention!r} layer has no setting for: not exported, as it would "
             "load at a default"
         )
+
+
+def _carries_settings(attention) -> bool:
+    """The variant ships its HF layer and has settings other than Focus's (`focus` carries
+    those)."""
+    return attention.hf_layer is not None and attention.settings is not None and not attention.focus

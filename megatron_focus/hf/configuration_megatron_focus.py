@@ -4,7 +4,9 @@ Copied next to the weights by `tools/convert_to_hf.py`; needs only transformers.
 the ones that decide what the native Megatron-Core model computes: its family (norm, MLP
 activation, biases, positions), its attention shape (GQA, head size), each layer's attention
 variant (`layer_attention`) and, for Focus layers, the `focus_*` settings (`pretrain_gpt.py`'s
-`--focus-*` flags). `focus_attention_mode` ("soft" gate or "sparse" hard top-k rule) and
+`--focus-*` flags). An attention variant that ships its own layer adds its layer kind
+(`variant_layers`, the folder's file and class of each) and its settings, under their recorded
+keys (docs/extending.md). `focus_attention_mode` ("soft" gate or "sparse" hard top-k rule) and
 `focus_top_k` are inference settings: set them on a loaded model's config at any time.
 """
 
@@ -44,6 +46,9 @@ DEFAULTS = dict(
     llama3_rope_scaling=None,
     max_position_embeddings=2048,
     layer_attention=None,  # one variant per layer; default all "standard"
+    # the layer kinds attention variants ship beside this code: {kind: "file.Class"}, registered
+    # by the folder's modeling_megatron_focus_variants.py
+    variant_layers=None,
     sliding_window=None,  # standard / xsa layers: query i sees keys i - w < j <= i
     # Focus (layers "focus" / "focus+xsa"): K groups, routing dim d_g, local window w,
     # temperature, causal Sinkhorn iterations, lambda of the soft gate and its form; then the
@@ -76,6 +81,8 @@ class MegatronFocusConfig(PretrainedConfig):
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.layer_attention is None:
             self.layer_attention = ["standard"] * self.num_hidden_layers
+        if self.variant_layers is None:
+            self.variant_layers = {}
         self._check()
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
@@ -87,10 +94,11 @@ class MegatronFocusConfig(PretrainedConfig):
         ):
             if value not in choices:
                 raise ValueError(f"{field}={value!r}; expected one of {choices}")
-        unknown = set(self.layer_attention) - set(ATTENTION_VARIANTS)
+        kinds = ATTENTION_VARIANTS + tuple(self.variant_layers)
+        unknown = set(self.layer_attention) - set(kinds)
         if unknown or len(self.layer_attention) != self.num_hidden_layers:
             raise ValueError(
-                f"layer_attention must name one of {ATTENTION_VARIANTS} per layer "
+                f"layer_attention must name one of {kinds} per layer "
                 f"({self.num_hidden_layers}), got {self.layer_attention}"
             )
         if self.sliding_window is not None and (

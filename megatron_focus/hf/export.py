@@ -4,11 +4,18 @@ Writes `config.json`, the weights as safetensors (sharded above `max_shard_size`
 `generation_config.json` and the tokenizer; for the custom class also its code, with `auto_map`,
 so `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` loads it. The model
 class is chosen, and the tokenizer checked, before any weight is read.
+
+An attention variant that ships its HF layer (`AttentionVariant.hf_layer`) has its layer's file
+copied beside the model's code, and `modeling_megatron_focus_variants.py` written, which
+registers each such layer under its kind and is what `auto_map` names: the folder loads in a
+process that knows nothing of the variant.
 """
 
 import json
 import os
-from typing import Optional
+import shutil
+import sys
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -21,6 +28,7 @@ from megatron_focus.hf.tokenizer import (
     save_hf_tokenizer,
 )
 from megatron_focus.outputs import check_fresh, fresh_folder
+from megatron_focus.variants import variant
 
 
 def export_to_hf(
@@ -48,6 +56,7 @@ def export_to_hf(
     vocab_size, tokenizer = checkpoint_vocabulary(tag_dir, tokenizer_type, tokenizer_model)
     arch = native.read_architecture(tag_dir, vocab_size, focus_top_k, focus_attention_mode)
     family, why = families.choose_family(arch)
+    layers = _shipped_layers(arch.shipped_layers())
 
     with fresh_folder(save_dir, overwrite) as partial:
         if tokenizer is not None:
@@ -66,12 +75,14 @@ def export_to_hf(
         if progress:
             print(f"{tag_dir} -> {families.HF_CLASS[family]}: {why}", flush=True)
         rules = families.rules(family, arch, families.HFBiases.of(arch))
-        weights = native_to_hf(
-            read_weights(tag_dir, arch.vocab_size, progress, allow_unsafe), rules, progress
-        )
-        model = _model_holding(family, config, weights)
+        native_weights = read_weights(tag_dir, arch.vocab_size, progress, allow_unsafe)
+        rules += families.shipped_layer_rules(arch, rules, native_names=native_weights)
+        weights = native_to_hf(native_weights, rules, progress)
+        del native_weights
+        model = _model_holding(family, config, weights, {k: c for k, (c, _) in layers.items()})
         model.save_pretrained(partial, max_shard_size=max_shard_size)
         _write_rope_for_transformers4(os.path.join(partial, "config.json"))
+        _ship_layers(partial, layers)
     return families.HF_CLASS[family]
 
 
@@ -115,8 +126,89 @@ def _write_rope_for_transformers4(config_path: str) -> None:
         json.dump(config, f, indent=2, sort_keys=True)
 
 
-def _model_holding(family: str, config, weights: dict):
-    """The HF model built around `weights` (no second copy, no random initialisation)."""
+# The folder's module registering the layers variants ship, and the files it may not replace
+VARIANT_MODELING = "modeling_megatron_focus_variants"
+MODEL_CODE = ("configuration_megatron_focus", "modeling_megatron_focus", VARIANT_MODELING)
+
+
+def _shipped_layers(shipped: Dict[str, str]) -> Dict[str, Tuple[type, str]]:
+    """{kind: (class, file)} of the HF layers the variants ship (`shipped`: {kind:
+    "module:Class"}), each imported and its file checked before any weight is read. A layer's
+    file imports the model's code relatively (in the folder; absolutely in the package) and
+    nothing else of the folder: transformers copies a remote-code module's relative imports,
+    and 4.x only those that the module `auto_map` names imports itself."""
+    from transformers.dynamic_module_utils import get_relative_imports
+
+    out = {}
+    for kind, layer in shipped.items():
+        cls = variant(kind).hf_layer_class()
+        source = sys.modules[cls.__module__].__file__
+        name = families.shipped_file(layer)[0]  # as the config's variant_layers says
+        if os.path.basename(source) != f"{name}.py":
+            raise ValueError(
+                f"--attention {kind}: its HF layer {layer} is not in a module file of its own "
+                f"({source})"
+            )
+        if name in MODEL_CODE:
+            raise ValueError(
+                f"--attention {kind}: its HF layer's file {source} takes the name of the HF "
+                "model's own code; rename it"
+            )
+        others = sorted(set(get_relative_imports(source)) - set(MODEL_CODE))
+        if others:
+            raise ValueError(
+                f"--attention {kind}: its HF layer's file {source} imports "
+                f".{', .'.join(others)}, which the exported folder would not hold; keep the "
+                "layer in one file"
+            )
+        out[kind] = cls, source
+    return out
+
+
+def _ship_layers(folder: str, layers: Dict[str, Tuple[type, str]]) -> None:
+    """Copy the file of each layer of `layers` ({kind: (class, file)}) into `folder`, write the
+    module registering them and name it in `config.json`'s `auto_map`."""
+    if not layers:
+        return
+    lines = [
+        f"from .{MODEL_CODE[0]} import MegatronFocusConfig",
+        f"from .{MODEL_CODE[1]} import ATTENTION",
+        f"from .{MODEL_CODE[1]} import MegatronFocusForCausalLM as _MegatronFocusForCausalLM",
+    ]
+    registered = []
+    for kind, (cls, source) in layers.items():
+        name = os.path.splitext(os.path.basename(source))[0]
+        shutil.copyfile(source, os.path.join(folder, f"{name}.py"))
+        lines.append(f"from .{name} import {cls.__name__}")
+        registered.append(f"ATTENTION[{json.dumps(kind)}] = {cls.__name__}")
+    with open(os.path.join(folder, f"{VARIANT_MODELING}.py"), "w") as f:
+        f.write(VARIANT_MODELING_CODE.format(code="\n".join(lines + [""] + registered)))
+    config_path = os.path.join(folder, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["auto_map"]["AutoModelForCausalLM"] = f"{VARIANT_MODELING}.MegatronFocusForCausalLM"
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+
+
+VARIANT_MODELING_CODE = '''"""The megatron-focus HF model with the layers its attention variants
+ship beside its code (`variant_layers` in config.json), each registered under its layer kind.
+Written by tools/convert_to_hf.py."""
+
+{code}
+
+
+class MegatronFocusForCausalLM(_MegatronFocusForCausalLM):
+    """The model, building the layer kinds registered here too (saved again, it keeps them)."""
+
+
+__all__ = ["MegatronFocusConfig", "MegatronFocusForCausalLM"]
+'''
+
+
+def _model_holding(family: str, config, weights: dict, layers: Dict[str, type]):
+    """The HF model built around `weights` (no second copy, no random initialisation), the
+    variants' own `layers` ({kind: class}) registered with its layer kinds."""
     from transformers import (
         GenerationConfig,
         GPT2LMHeadModel,
@@ -126,7 +218,9 @@ def _model_holding(family: str, config, weights: dict):
     )
 
     from megatron_focus.hf.configuration_megatron_focus import MegatronFocusConfig
-    from megatron_focus.hf.modeling_megatron_focus import MegatronFocusForCausalLM
+    from megatron_focus.hf.modeling_megatron_focus import ATTENTION, MegatronFocusForCausalLM
+
+    ATTENTION.update(layers)
 
     cls = {
         families.LLAMA: LlamaForCausalLM,

@@ -35,13 +35,15 @@ heads, then all keys, then all values, transposed. (4) transposed (GPT-2's Conv1
 """
 
 import dataclasses
+import re
 from typing import List, Optional, Tuple
 
 import torch
 
 from megatron_focus.hf.architecture import Architecture
 from megatron_focus.hf.mapping import Rule, copy, merge_qkv, split_qkv, transposed, zero_bias
-from megatron_focus.variants import INFERENCE, MODEL, FocusConfig
+from megatron_focus.settings import VariantSettings
+from megatron_focus.variants import INFERENCE, MODEL, VARIANTS, FocusConfig, variant
 
 LLAMA, QWEN2, MISTRAL, GPT2, CUSTOM = "llama", "qwen2", "mistral", "gpt2", "megatron_focus"
 HF_CLASS = {
@@ -239,6 +241,7 @@ def hf_config(family: str, arch: Architecture, special_tokens: dict):
         # HF counts a window's keys (as Mistral's sliding_window), Megatron the ones before i
         sliding_window=None if arch.window_size is None else arch.window_size[0] + 1,
         **_focus_config(arch.focus),
+        **_shipped_layers_config(arch),
         **special_tokens,
     )
 
@@ -305,6 +308,35 @@ def _rope_scaling(rope: Optional[dict]) -> dict:
 def _focus_config(focus: Optional[FocusConfig]) -> dict:
     """MegatronFocusConfig's `focus_*` fields (its defaults without Focus: they are then unused)."""
     return {} if focus is None else focus.keys(MODEL, INFERENCE)
+
+
+def shipped_file(layer: str) -> Tuple[str, str]:
+    """(module file name, class name) of a shipped HF layer's "module:Class" in the folder."""
+    module, _, name = layer.partition(":")
+    return module.rpartition(".")[2], name
+
+
+def _shipped_layers_config(arch: Architecture) -> dict:
+    """MegatronFocusConfig's `variant_layers` ({kind: "file.Class"} of the layers the variants
+    ship beside the model's code) and those variants' settings under their recorded keys; a key
+    the config already uses for a setting of its own is refused by name."""
+    from megatron_focus.hf.configuration_megatron_focus import MegatronFocusConfig
+
+    layers = arch.shipped_layers()
+    if not layers:
+        return {}
+    settings = {} if arch.settings is None else arch.settings.keys(MODEL, INFERENCE)
+    own = MegatronFocusConfig().to_dict()
+    taken = [key for key in settings if key in own or hasattr(MegatronFocusConfig, key)]
+    if taken:
+        raise NotImplementedError(
+            f"--attention {arch.attention} records {', '.join(taken)}, which the HF config "
+            "already uses for a setting of its own: not exported"
+        )
+    return {
+        "variant_layers": {kind: ".".join(shipped_file(layer)) for kind, layer in layers.items()},
+        **settings,
+    }
 
 
 def _require(ok: bool, why: str) -> None:
@@ -411,17 +443,43 @@ def _from_custom(config) -> Architecture:
     from megatron_focus.hf.configuration_megatron_focus import ATTENTION_VARIANTS
 
     kinds = config.layer_attention
-    unknown = sorted(set(kinds) - set(ATTENTION_VARIANTS))
+    shipped = [v.name for v in VARIANTS.values() if v.hf_layer is not None]
+    unknown = sorted(set(kinds) - set(ATTENTION_VARIANTS) - set(shipped))
+    declared = getattr(config, "variant_layers", None) or {}
+    unregistered = [kind for kind in unknown if kind in declared]
+    if unregistered:
+        raise ValueError(
+            f"layer_attention {', '.join(map(repr, unregistered))}: the layer of attention "
+            f"variant {unregistered[0]!r} ({declared[unregistered[0]]}), which is not "
+            "registered here; register it (MEGATRON_FOCUS_VARIANTS) to import the model"
+        )
     if unknown:
         raise ValueError(
             f"layer_attention {', '.join(map(repr, unknown))}: a layer kind the importer does not "
-            f"know; it knows {', '.join(ATTENTION_VARIANTS)}"
+            f"know; it knows {', '.join([*ATTENTION_VARIANTS, *shipped])}"
         )
-    focus = [kind.startswith("focus") for kind in kinds]
-    # Native Focus is all layers or none; --xsa-layers picks the XSA ones among them.
-    _require(all(focus) or not any(focus), f"Focus on some layers only ({kinds})")
-    xsa = [i + 1 for i, kind in enumerate(kinds) if kind.endswith("xsa")]
-    attention = ("focus+xsa" if xsa else "focus") if any(focus) else ("xsa" if xsa else "standard")
+    settings = focus_settings = None
+    if set(kinds) - set(ATTENTION_VARIANTS):  # a variant's own layers
+        _require(len(set(kinds)) == 1, f"layers of several kinds ({kinds})")
+        attention, xsa = kinds[0], []
+        settings = _shipped_settings(config, variant(attention))
+        if variant(attention).focus:
+            settings, focus_settings = None, settings
+    else:
+        focus = [kind.startswith("focus") for kind in kinds]
+        # Native Focus is all layers or none; --xsa-layers picks the XSA ones among them.
+        _require(all(focus) or not any(focus), f"Focus on some layers only ({kinds})")
+        xsa = [i + 1 for i, kind in enumerate(kinds) if kind.endswith("xsa")]
+        attention = (
+            ("focus+xsa" if xsa else "focus") if any(focus) else ("xsa" if xsa else "standard")
+        )
+        if any(focus):
+            focus_settings = FocusConfig(
+                **{
+                    name: getattr(config, f"focus_{name}")
+                    for name in FocusConfig.names(MODEL, INFERENCE)
+                }
+            )
     _require(float(config.rotary_base).is_integer(), "a rotary_base that is not an integer")
     return Architecture(
         vocab_size=config.vocab_size,
@@ -449,18 +507,63 @@ def _from_custom(config) -> Architecture:
         **_rope_scaling(
             config.llama3_rope_scaling and {"rope_type": "llama3", **config.llama3_rope_scaling}
         ),
-        focus=FocusConfig(
-            **{
-                name: getattr(config, f"focus_{name}")
-                for name in FocusConfig.names(MODEL, INFERENCE)
-            }
+        focus=focus_settings,
+        settings=settings,
+    )
+
+
+def _shipped_settings(config, attention) -> Optional[VariantSettings]:
+    """The settings of a variant shipping its layer, as the HF config holds them under their
+    keys; a model setting it lacks is refused by name (it would come back at a default)."""
+    if attention.settings is None:
+        return None
+    cls = attention.settings
+    missing = [cls.key(name) for name in cls.names(MODEL) if not hasattr(config, cls.key(name))]
+    if missing:
+        raise ValueError(
+            f"the HF config lacks {', '.join(missing)}, which --attention {attention.name} "
+            "records: not imported, as it would come back at a default"
         )
-        if any(focus)
-        else None,
+    return cls(
+        **{
+            name: getattr(config, cls.key(name))
+            for name in cls.names(MODEL, INFERENCE)
+            if hasattr(config, cls.key(name))
+        }
     )
 
 
 # --- weights -------------------------------------------------------------------------------------
+
+# A shipped HF layer holds its core attention's own tensors under their native names, as Focus's
+# layer holds its router: decoder.layers.i.self_attention.core_attention.X is
+# model.layers.i.self_attn.X
+_NATIVE_OWN = re.compile(r"decoder\.layers\.(\d+)\.self_attention\.core_attention\.(.+)")
+_HF_OWN = re.compile(r"model\.layers\.(\d+)\.self_attn\.(.+)")
+
+
+def shipped_layer_rules(
+    arch: Architecture, taken: List[Rule], native_names=(), hf_names=()
+) -> List[Rule]:
+    """The rules of the tensors of the layers `arch`'s variants ship that `taken` leaves, named
+    from the weights at hand (`native_names` exporting, `hf_names` importing): a layer's own
+    tensors are the variant's to name, and the HF model built around them refuses, by name, any
+    its layer does not hold or lacks."""
+    kinds = arch.shipped_layers()
+    layers = {i for i, kind in enumerate(arch.layer_attention()) if kind in kinds}
+    native_taken = {rule.native for rule in taken}
+    hf_taken = {name for rule in taken for name in rule.hf}
+    out = []
+    for name in native_names:
+        match = _NATIVE_OWN.fullmatch(name)
+        if match and int(match[1]) in layers and name not in native_taken:
+            out.append(copy(name, f"model.layers.{match[1]}.self_attn.{match[2]}"))
+    for name in hf_names:
+        match = _HF_OWN.fullmatch(name)
+        if match and int(match[1]) in layers and name not in hf_taken:
+            native = f"decoder.layers.{match[1]}.self_attention.core_attention.{match[2]}"
+            out.append(copy(native, name))
+    return out
 
 
 def rules(family: str, arch: Architecture, biases: HFBiases) -> List[Rule]:

@@ -11,6 +11,10 @@ holds the base model (attention standard, or xsa), exactly as an import with `--
 --attention focus --retrofit --load CKPT`, whose weights-only load initialises the routers
 (absent from the checkpoint) and trains only them. An exported Focus model (megatron_focus with
 routers) imports with its routers and Focus settings.
+
+A model whose layers an attention variant ships (its own layer kind in `layer_attention`) imports
+as that variant, with the settings its HF config holds under their recorded keys, when the variant
+is registered; it is refused by name when it is not.
 """
 
 import dataclasses
@@ -95,6 +99,11 @@ def import_from_hf(
     config = _hf_config(hf_dir)
     family, arch, biases = families.from_hf_config(config)
     retrofit = None
+    if attention is not None and arch.shipped_layers() and attention != arch.attention:
+        raise ValueError(
+            f"the HF model's layers are --attention {arch.attention}'s own: importing it as "
+            f"--attention {attention} would drop them; import it as {arch.attention}"
+        )
     if attention is not None:
         routed = variant(attention).focus
         if arch.focus is not None and not routed:
@@ -112,6 +121,7 @@ def import_from_hf(
     rules = families.rules(family, arch, biases)
 
     weights = _hf_weights(hf_dir)
+    rules += families.shipped_layer_rules(arch, rules, hf_names=weights)
     if arch.tied:  # the output layer is the embedding; HF may store it a second time
         weights.pop("lm_head.weight", None)
     native_weights = hf_to_native(weights, rules, progress)

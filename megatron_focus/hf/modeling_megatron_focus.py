@@ -873,6 +873,8 @@ class FocusXSAAttention(FocusAttention):
     project = XSAAttention.project
 
 
+# Each layer kind of `config.layer_attention`; an exported folder's
+# modeling_megatron_focus_variants.py adds those its attention variants ship (docs/extending.md).
 ATTENTION = {
     "standard": Attention,
     "xsa": XSAAttention,
