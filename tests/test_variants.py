@@ -7,6 +7,10 @@ import glob
 import json
 import math
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 
 import pytest
 import torch
@@ -51,7 +55,8 @@ def test_a_registered_variant_trains_checkpoints_and_exports(embedded_cache, tmp
 def test_a_variant_with_a_setting_and_a_parameter(embedded_cache, tmp_path, monkeypatch):
     """Its setting is a flag, recorded in model_args.json and compared on resume; its parameter
     trains and resumes with the rest of the model; its hooks' statistics reach TensorBoard; both
-    evaluation tools run the model its record describes, though the HF model cannot."""
+    evaluation tools run the model its record describes; it exports with its HF layer and its
+    setting, and the folder imports back as it (test_a_variant_ships_its_hf_layer)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     monkeypatch.setenv("MEGATRON_FOCUS_VARIANTS", "toy_temperature")
@@ -73,8 +78,7 @@ def test_a_variant_with_a_setting_and_a_parameter(embedded_cache, tmp_path, monk
     logged = [events.Scalars(f"temperature/layer{n:02d}/t")[-1].value for n in (1, 2)]
     assert logged == pytest.approx([2 ** math.tanh(w) for w in learned], rel=1e-5)
 
-    with pytest.raises(Exception, match="--attention temperature: the HF model has no layer"):
-        run_distributed(_export_and_compare, 1, ckpt, str(tmp_path / "hf"))
+    _a_variant_ships_its_hf_layer(ckpt, tmp_path, monkeypatch)
 
     built, ppl, passkey = run_distributed(_evaluated, 1, ckpt, embedded_cache, str(tmp_path))
     assert built == [(2.0, w) for w in learned]  # the recorded bound, not the flag's default 4
@@ -113,7 +117,10 @@ def _exported_as_standard():
 
     register(
         dataclasses.replace(
-            variant("temperature"), name="temperature-as-standard", hf_attention="standard"
+            variant("temperature"),
+            name="temperature-as-standard",
+            hf_attention="standard",
+            hf_layer=None,
         )
     )
     args = parse_args(["--attention", "temperature-as-standard", "--temperature-bound", "2"])
@@ -121,6 +128,186 @@ def _exported_as_standard():
     assert record["temperature_bound"] == 2.0
     try:
         Architecture.from_model_args(record, 100)
+    except NotImplementedError as refused:
+        return str(refused)
+
+
+# A process that has never heard of the variant (no MEGATRON_FOCUS_VARIANTS, nothing of tests/ or
+# megatron_focus on its path) loads an exported folder: its logits, those of the model saved again
+# and loaded from there, and those with every TemperatureAttention's bound at the flag's default.
+ALONE = """
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM, __version__
+folder, tokens, resaved, out = sys.argv[1:]
+tokens = torch.tensor(json.loads(tokens))
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+model.save_pretrained(resaved)
+again = AutoModelForCausalLM.from_pretrained(resaved, trust_remote_code=True).eval()
+layers = [m for m in model.modules() if type(m).__name__ == "TemperatureAttention"]
+with torch.no_grad():
+    logits, resaved_logits = model(tokens).logits, again(tokens).logits
+    bounds = [m.bound for m in layers]
+    for m in layers:
+        m.bound = 4.0
+    default = model(tokens).logits
+ours = ("megatron_focus", "toy_temperature", "toy_temperature_hf")
+json.dump(dict(
+    transformers=__version__, cls=type(model).__name__, bounds=bounds,
+    config_bound=model.config.temperature_bound,
+    imported=sorted(m for m in sys.modules if m.split(".")[0] in ours),
+    logits=logits.tolist(), resaved=resaved_logits.tolist(), default=default.tolist(),
+), open(out, "w"))
+"""
+
+
+def _loaded_alone(folder, work, transformers_dir=None):
+    """ALONE's report of `folder`, under the venv's transformers or `transformers_dir`'s."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("MEGATRON_FOCUS_VARIANTS", "PYTHONPATH")
+    }
+    if transformers_dir is not None:
+        env["PYTHONPATH"] = transformers_dir
+    out, resaved = os.path.join(work, "alone.json"), tempfile.mkdtemp(dir=work, prefix="resaved")
+    subprocess.run(
+        [sys.executable, "-c", ALONE, folder, json.dumps(TOKENS.tolist()), resaved, out],
+        cwd=work,
+        env=env,
+        check=True,
+    )
+    with open(out) as f:
+        return json.load(f)
+
+
+def _a_variant_ships_its_hf_layer(ckpt, tmp_path, monkeypatch):
+    """The temperature checkpoint (bound 2) exports with its HF layer file: a process knowing
+    nothing of the variant (transformers 5, and 4.57 where MEGATRON_FOCUS_TRANSFORMERS4 names
+    it) computes the native logits; the folder imports back (its w set far from 0, where the
+    bound matters) to a checkpoint recording the bound it holds, which exports alike again;
+    without the variant registered, the import is refused by name."""
+    hf, edited = str(tmp_path / "temperature-hf"), str(tmp_path / "temperature-hf-edited")
+    back, again = str(tmp_path / "temperature-back"), str(tmp_path / "temperature-hf-again")
+    first = run_distributed(_exported, 1, ckpt, hf)
+    with open(os.path.join(hf, "config.json")) as f:
+        config = json.load(f)
+    assert config["temperature_bound"] == 2.0 and config["layer_attention"] == ["temperature"] * 2
+    assert config["variant_layers"] == {"temperature": "toy_temperature_hf.TemperatureAttention"}
+    assert config["auto_map"]["AutoModelForCausalLM"] == (
+        "modeling_megatron_focus_variants.MegatronFocusForCausalLM"
+    )
+    transformers4 = os.environ.get("MEGATRON_FOCUS_TRANSFORMERS4")
+    for transformers_dir in [None] + ([transformers4] if transformers4 else []):
+        alone = _loaded_alone(hf, str(tmp_path), transformers_dir)
+        assert alone["transformers"].startswith("4." if transformers_dir else "5.")
+        assert alone["imported"] == [] and alone["cls"] == "MegatronFocusForCausalLM"
+        assert alone["config_bound"] == 2.0 and alone["bounds"] == [2.0, 2.0]
+        torch.testing.assert_close(torch.tensor(alone["logits"]), first, rtol=0, atol=1e-4)
+        assert alone["resaved"] == alone["logits"]
+
+    _with_temperature_weights(hf, edited, [1.5, -1.0])
+    flags, recorded, native = run_distributed(_imported_and_exported, 1, edited, back, again)
+    assert flags[flags.index("--attention") + 1] == "temperature"
+    assert flags[flags.index("--temperature-bound") + 1] == "2.0"
+    assert recorded == 2.0
+    alone = _loaded_alone(again, str(tmp_path))
+    assert alone["bounds"] == [2.0, 2.0]
+    torch.testing.assert_close(torch.tensor(alone["logits"]), native, rtol=0, atol=1e-4)
+    # the bound matters: at the flag's default the model computes something else
+    assert (torch.tensor(alone["default"]) - native).abs().max() > 1e-3
+
+    without = str(tmp_path / "temperature-hf-without-bound")
+    shutil.copytree(hf, without)
+    with open(os.path.join(without, "config.json"), "w") as f:
+        json.dump({k: v for k, v in config.items() if k != "temperature_bound"}, f)
+    assert run_distributed(_refused_import, 1, without, str(tmp_path / "without")) == (
+        "the HF config lacks temperature_bound, which --attention temperature records: not "
+        "imported, as it would come back at a default"
+    )
+    with monkeypatch.context() as unregistered:
+        unregistered.delenv("MEGATRON_FOCUS_VARIANTS")
+        message = run_distributed(_refused_import, 1, hf, str(tmp_path / "unregistered"))
+    assert message == (
+        "layer_attention 'temperature': the layer of attention variant 'temperature' "
+        "(toy_temperature_hf.TemperatureAttention), which is not registered here; register it "
+        "(MEGATRON_FOCUS_VARIANTS) to import the model"
+    )
+
+
+def _with_temperature_weights(hf, edited, ws):
+    """A copy of the folder `hf` whose layer i holds `ws[i]` as its w."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(hf, edited)
+    path = os.path.join(edited, "model.safetensors")
+    weights = load_file(path)
+    for i, w in enumerate(ws):
+        weights[f"model.layers.{i}.self_attn.w"] = torch.tensor([w])
+    save_file(weights, path, metadata={"format": "pt"})
+
+
+def _exported(ckpt, hf):
+    """The native logits of `ckpt`, exported to `hf`."""
+    from megatron_focus.hf import export_to_hf, native_logits
+
+    export_to_hf(ckpt, hf, progress=False)
+    return native_logits(ckpt, TOKENS)
+
+
+def _imported_and_exported(hf, ckpt, again):
+    """(the model flags, the bound model_args.json records, the native logits) of `hf` imported
+    as `ckpt`, which is exported to `again`."""
+    from megatron_focus.hf import import_from_hf
+
+    flags = import_from_hf(hf, ckpt, progress=False)
+    with open(os.path.join(ckpt, "iter_0000000", "model_args.json")) as f:
+        recorded = json.load(f)["temperature_bound"]
+    return flags, recorded, _exported(ckpt, again)
+
+
+def _refused_import(hf, ckpt):
+    from megatron_focus.hf import import_from_hf
+
+    try:
+        import_from_hf(hf, ckpt, progress=False)
+    except ValueError as refused:
+        return str(refused)
+
+
+def test_a_setting_the_hf_config_already_has_is_refused_by_name():
+    """A variant shipping its HF layer writes its settings into the HF config under their keys:
+    one the config already uses for its own (here `head_dim`) is refused, naming it."""
+    assert run_distributed(_exported_with_a_taken_key, 1) == (
+        "--attention head-variant records head_dim, which the HF config already uses for a "
+        "setting of its own: not exported"
+    )
+
+
+def _exported_with_a_taken_key():
+    import dataclasses
+
+    from megatron_focus.checkpoint import format as checkpoint_format
+    from megatron_focus.config.arguments import parse_args
+    from megatron_focus.hf import families
+    from megatron_focus.hf.architecture import Architecture
+    from megatron_focus.settings import VariantSettings, setting
+    from megatron_focus.variants import AttentionVariant, register
+
+    @dataclasses.dataclass(frozen=True)
+    class HeadConfig(VariantSettings, prefix="head"):
+        dim: int = setting(8, "a setting whose key is the HF config's head_dim")
+
+    register(
+        AttentionVariant(
+            "head-variant",
+            "megatron_focus.model.core_attention:CoreAttention",
+            settings=HeadConfig,
+            hf_layer="toy_temperature_hf:TemperatureAttention",
+        )
+    )
+    record = checkpoint_format.model_args(parse_args([]), 128)
+    arch = Architecture.from_model_args({**record, "attention": "head-variant", "head_dim": 8}, 100)
+    try:
+        families.hf_config(families.CUSTOM, arch, {})
     except NotImplementedError as refused:
         return str(refused)
 

@@ -1,6 +1,7 @@
 """A variant with a setting and a parameter of its own (docs/extending.md): each layer learns a
 temperature for its attention scores, kept within [1/bound, bound] by `--temperature-bound`,
-reported at log steps by its hooks. Loaded by MEGATRON_FOCUS_VARIANTS=toy_temperature."""
+reported at log steps by its hooks, exported with its HF layer (tests/toy_temperature_hf.py).
+Loaded by MEGATRON_FOCUS_VARIANTS=toy_temperature."""
 
 import dataclasses
 
@@ -57,5 +58,6 @@ register(
         "toy_temperature:TemperatureAttention",
         settings=TemperatureConfig,
         hooks="toy_temperature:TemperatureHooks",
+        hf_layer="toy_temperature_hf:TemperatureAttention",
     )
 )
