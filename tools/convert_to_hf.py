@@ -11,6 +11,9 @@ A Focus model's routers and settings (recorded in the checkpoint) are exported; 
 settings are not recorded: `--focus-top-k` and `--focus-attention-mode` set them in the HF config
 (default 2 and soft), and `model.set_focus_mode("sparse", top_k=1)` (or
 `model.config.focus_attention_mode = "sparse"`) changes them on the loaded model.
+
+An attention variant that ships its HF layer (`hf_layer`, docs/extending.md) exports with that
+layer's file and its recorded settings; one that names no HF layer is refused by name.
 """
 
 from megatron_focus import cli
