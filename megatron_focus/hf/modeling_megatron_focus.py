@@ -373,7 +373,7 @@ def window_attention(q, k, v, pairs, row, window: int, scale: float):
     )
 
 
-def sparse_rule_attention(q, k, v, pairs, groups_q, buckets, window, top_k, block=512):
+def sparse_rule_attention(q, k, v, pairs, groups_q, buckets, window, top_k, block=256):
     """Attention over the pairs the hard top-k rule keeps, computing only those (the native
     sparse dispatch's plan, megatron_focus/model/focus/focus_sparse.py): the window's keys
     (`window_attention`), then the sinks' bucket and, group by group, the buckets of the groups
@@ -701,7 +701,11 @@ class FocusSparseCacheLayer(FocusCacheLayer):
         )
         self.length += key_states.shape[-2]
         # the next step's held keys: a slice of the store, which grows behind it
-        self.keys, self.values = keys[..., -self.window :, :], values[..., -self.window :, :]
+        held = keys[..., -self.window :, :], values[..., -self.window :, :]
+        if key_states.shape[-2] > 1:  # a chunk's store is the chunk's size: keep the window alone
+            held = tuple(t.clone() for t in held)
+            self._stores.pop("keys"), self._stores.pop("values")
+        self.keys, self.values = held
         return keys, values
 
     def get_seq_length(self, *args) -> int:
