@@ -96,11 +96,16 @@ def fit(rows: list) -> str:
 def generate(result: dict) -> str:
     """The exported model in sparse mode against the standard one, at the longest context."""
     longest = max(r["context"] for r in result["rows"])
-    return f"at {longest} tokens: " + ", ".join(
-        f"{r['model'].removeprefix('focus sparse ')} prefill {r['prefill_speedup']:.2f}x "
-        f"decode {r['decode_speedup']:.2f}x"
-        for r in result["rows"]
-        if r["context"] == longest and not r["model"].startswith("standard")
+    rows = [r for r in result["rows"] if r["context"] == longest]
+    return (
+        f"at {longest} tokens: "
+        + ", ".join(
+            f"{r['model'].removeprefix('focus sparse ')} prefill {r['prefill_speedup']:.2f}x "
+            f"decode {r['decode_speedup']:.2f}x"
+            for r in rows
+            if not r["model"].startswith("standard")
+        )
+        + f" (decode bound {rows[0]['decode_bound']:.2f}x)"
     )
 
 
