@@ -16,10 +16,12 @@ every tensor the cache holds (keys, values, Focus's routing state; buckets as al
 
     python benchmarks/focus_generate.py                      # 4K, 16K, 32K tokens of context
     python benchmarks/focus_generate.py --contexts 4096 --json out.json
+    python benchmarks/focus_generate.py --repeats 3          # medians of three interleaved runs
 """
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -116,12 +118,20 @@ def run(lm, tokens: torch.Tensor, chunk: int, steps: int, stock: bool = False) -
     }
 
 
+def median_run(runs: list) -> dict:
+    """Each measure's median over the repeats."""
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768])
     p.add_argument("--top-k", type=int, nargs="+", default=[1, 2])
     p.add_argument("--prefill-chunk", type=int, default=4096)
-    p.add_argument("--steps", type=int, default=16, help="decoding steps timed per model")
+    p.add_argument("--steps", type=int, default=64, help="decoding steps timed per model")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="runs of every model, interleaved; medians"
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run (CI)")
@@ -136,26 +146,24 @@ def main() -> None:
         tokens = torch.randint(
             0, SHAPE["vocab_size"], (1, context), generator=torch.Generator().manual_seed(1)
         ).to(device)
-        models = [("standard", None), ("standard", "stock")] + [("focus", k) for k in args.top_k]
-        measured = {
-            (name, k): run(
-                model(name, 1 if k in (None, "stock") else k, context, device, dtype),
-                tokens,
-                args.prefill_chunk,
-                args.steps,
-                stock=k == "stock",
-            )
-            for name, k in models
-        }
-        base = measured[("standard", None)]
-        # the most any sparse rule could give at this context: the standard model's step
-        # with attention over the window's keys alone, what Focus's step costs at least
-        floor = run(
-            model("standard", 1, context, device, dtype),
-            tokens[:, : SHAPE["focus_window"]],
-            args.prefill_chunk,
-            args.steps,
-        )
+        models = [("standard", None), ("standard", "stock")]
+        models += [("focus", k) for k in args.top_k] + [("standard", "floor")]
+        runs = {key: [] for key in models}
+        for _ in range(args.repeats):  # interleaved, so the machine's noise falls on all
+            for name, k in models:
+                runs[(name, k)].append(
+                    run(
+                        model(name, k if isinstance(k, int) else 1, context, device, dtype),
+                        # "floor": the standard model's step with attention over the window's
+                        # keys alone, what a sparse rule's step costs at least
+                        tokens[:, : SHAPE["focus_window"]] if k == "floor" else tokens,
+                        args.prefill_chunk,
+                        args.steps,
+                        stock=k == "stock",
+                    )
+                )
+        measured = {key: median_run(each) for key, each in runs.items()}
+        floor, base = measured.pop(("standard", "floor")), measured[("standard", None)]
         bound = floor["decode_tok_s"] / base["decode_tok_s"]
         for (name, k), row in measured.items():
             ideal = 1.0 if name == "standard" else 1 / kept_share(context, k)
@@ -186,7 +194,13 @@ def main() -> None:
             f"{r['cache_mb']:>9.1f}"
         )
     if args.json:
-        config = {"shape": SHAPE, "prefill_chunk": args.prefill_chunk, "device": args.device}
+        config = {
+            "shape": SHAPE,
+            "prefill_chunk": args.prefill_chunk,
+            "steps": args.steps,
+            "repeats": args.repeats,
+            "device": args.device,
+        }
         with open(args.json, "w") as f:
             json.dump({**config, "dtype": args.dtype, "rows": rows}, f, indent=1)
 
