@@ -210,7 +210,7 @@ class XSAAttention(Attention):
 _TINY_AFFINITY = 1e-30  # as megatron_focus/model/focus/focus_gate.py
 
 
-def causal_sinkhorn(scores, iters, counts, keep=None, prefix=None):
+def causal_sinkhorn(scores, iters, keep=None, prefix=None):
     """Causal Sinkhorn in log space (megatron_focus/model/focus/sinkhorn.py), continuing a prefix.
 
     For the scores S `[b, s, K]` of s tokens, L^0 = log_softmax(S) over groups and, t = 1..iters,
@@ -218,7 +218,8 @@ def causal_sinkhorn(scores, iters, counts, keep=None, prefix=None):
         token side:  L'_i  = L^{t-1}_i - (log sum_{j<=i} exp(L^{t-1}_j) - log c_i)
         group side:  L^t_i = log_softmax(L'_i)
 
-    with c_i (`counts` `[b, s]`) the number of tokens up to i. The sum over j <= i is all token i
+    with c_i the number of tokens up to i. log c_i is the same for every group, so the group
+    side's softmax cancels it: only the sums are computed. The sum over j <= i is all token i
     needs of earlier tokens: `prefix` `[b, iters, K]` holds it, per iteration, for the tokens
     before these s (None: there are none), and the scan continues from it. `keep` `[b, s]`
     (False: padding) leaves tokens out of the sums.
@@ -227,29 +228,39 @@ def causal_sinkhorn(scores, iters, counts, keep=None, prefix=None):
     `[b, s, iters, K]`, whose last row is the next call's `prefix`.
     """
     b, s, groups = scores.shape
-    log_counts = counts.to(scores.dtype).log().unsqueeze(-1)
     log_g = torch.log_softmax(scores, dim=-1)
+    padding = None if keep is None else ~keep[..., None]
+    before = () if prefix is None else prefix[:, :, None].unbind(1)  # per iteration `[b, 1, K]`
     sums = []
     for t in range(iters):
-        terms = log_g if keep is None else log_g.masked_fill(~keep[..., None], float("-inf"))
-        if prefix is None:
-            running = token_scan(terms)
-        elif s == 1:  # a decoding step: the prefix's sum and this token's
-            running = torch.logaddexp(prefix[:, t, None], terms)
-        else:  # one scan over [the prefix's sum, these tokens]
-            running = token_scan(torch.cat([prefix[:, t, None], terms], dim=1))[:, 1:]
+        if s == 1 and prefix is not None:  # a decoding step: the prefix's sum and this token's
+            terms = log_g if padding is None else log_g.masked_fill(padding, float("-inf"))
+            running = torch.logaddexp(before[t], terms)
+        else:
+            running = log_prefix_sums(log_g, padding, before[t] if before else None)
         sums.append(running)
         # A padding token normalises by itself alone: finite, and never attended to.
-        own = running if keep is None else torch.where(keep[..., None], running, log_g)
-        log_g = torch.log_softmax(log_g - (own - log_counts), dim=-1)
+        own = running if padding is None else torch.where(padding, log_g, running)
+        log_g = torch.log_softmax(log_g - own, dim=-1)
     sums = torch.stack(sums, dim=2) if sums else scores.new_zeros(b, s, 0, groups)
     return log_g, sums
 
 
-def token_scan(terms):
-    """log sum_{j<=i} exp(terms_j) over the tokens of `[b, s, K]`, scanned along contiguous
-    memory (over a strided axis, the CPU's scan is about twice as slow)."""
-    return torch.logcumsumexp(terms.transpose(1, 2).contiguous(), dim=-1).transpose(1, 2)
+_LOG_MASS_FLOOR = -700.0  # as sinkhorn.py: float64's exp underflows below -745
+
+
+def log_prefix_sums(log_g, padding=None, prefix=None):
+    """log(exp(prefix) + sum_{j<=i} exp(log_g_j)) over the tokens of `[b, s, K]`, padding left
+    out, as megatron_focus/model/focus/sinkhorn.py `log_prefix_sums`: float64 cumulative sums
+    of the masses, a log-mass below -700 counted as -700 (faster than logcumsumexp on the
+    CPU). `prefix` `[b, 1, K]`: the log-sum before these tokens (None: there are none)."""
+    masses = log_g.double().clamp_min(_LOG_MASS_FLOOR).exp()
+    if padding is not None:
+        masses = masses.masked_fill(padding, 0.0)
+    sums = masses.cumsum(dim=1)
+    if prefix is not None:
+        sums = sums + prefix.double().exp()
+    return sums.log().to(log_g.dtype)
 
 
 def rank_groups(log_g):
@@ -319,30 +330,34 @@ def partial_attention(q, k, v, allowed, scale: float):
 
 def merge_into(out, lse, queries, part_out, part_lse):
     """Adds a part's attention over other keys to the queries' running result, by log-sum-exp
-    (megatron_focus/model/kernels/lse_merge.py); `out` `[heads, s, d]`, `lse` `[heads, s]`.
-    The running result is the window's, whose log-sum-exp is finite (it holds each query's own
-    key); a part's -inf (no key for that query) adds nothing."""
+    (megatron_focus/model/kernels/lse_merge.py); `out` `[heads, s, d]`, `lse` `[heads, s]`,
+    `queries` indices or a slice of the s (None: all, in place). The running result is the
+    window's, whose log-sum-exp is finite (it holds each query's own key); a part's -inf (no
+    key for that query) adds nothing. The part's share of the merged softmax is
+    exp(part_lse - logaddexp(lse, part_lse)) = sigmoid(part_lse - lse)."""
+    if queries is None:
+        share = torch.sigmoid(part_lse - lse)
+        out.lerp_(part_out, share[..., None])
+        torch.logaddexp(lse, part_lse, out=lse)
+        return
     old = lse[:, queries]
-    new = torch.logaddexp(old, part_lse)
-    out[:, queries] = (
-        out[:, queries] * (old - new).exp()[..., None]
-        + part_out * (part_lse - new).exp()[..., None]
-    )
-    lse[:, queries] = new
+    share = torch.sigmoid(part_lse - old)
+    out[:, queries] = torch.lerp(out[:, queries], part_out, share[..., None])
+    lse[:, queries] = torch.logaddexp(old, part_lse)
 
 
 def window_attention(q, k, v, pairs, row, window: int, scale: float):
     """Each query's attention over the keys within its window (its own among them), for batch
     row `row`: q `[heads, s, d]`, k and v `[kv heads, n, d]` the last n keys in position order.
 
-    By blocks of B = min(window, s) queries, all in one call: block i's queries read the
+    By blocks of B = min(window / 4, s) queries, all in one call: block i's queries read the
     window + B - 1 keys from the window before its first query to its last query, a strided
     view of the keys (padded in front where the sequence starts); the pairs outside each
     query's window are masked. Work: s * (window + B - 1) pairs."""
     heads, s, d = q.shape
     first = int(pairs.query_pos[0])  # the first query's position
     offset = pairs.keys - k.shape[1]  # the position of k's first key
-    step = min(window, s)
+    step = min(max(window // 4, 1), s)  # a quarter window: fewer masked pairs, calls still few
     blocks, span = -(-s // step), window + step - 1
     front = max(window - 1 - (first - offset), 0)  # keys before the sequence's start
     start = first - offset - (window - 1) + front
@@ -389,26 +404,38 @@ def sparse_rule_attention(q, k, v, pairs, groups_q, buckets, window, top_k, bloc
     """
     b, heads, s, d = q.shape
     query_pos, scale = pairs.query_pos, d**-0.5
+    if s == 1 and pairs.real is None:
+        return decoding_rule_attention(q, k, v, pairs.keys - 1, groups_q, buckets, window, top_k)
     rows = []
     for row in range(b):
         out, lse = window_attention(q[row], k[row], v[row], pairs, row, window, scale)
 
         def add_bucket(queries, bucket):
             """`queries` (a slice or indices, by position) against the bucket's keys that are
-            distant for the last of them (a bucket holds no padding)."""
+            distant for the last of them (a bucket holds no padding): those distant for the
+            first query too unmasked, the rest under a mask."""
             qp = query_pos[queries]
             held = buckets.read(row, bucket, int(qp[-1]) - window + 1)
             if held is None:
                 return
             keys, values, key_pos = held
-            # a decoding step keeps every distant key it is given
-            allowed = (
-                None if qp.numel() == 1 else key_pos[None, None, :] <= qp[None, :, None] - window
-            )
-            part_out, part_lse = partial_attention(
-                q[row][None, :, queries], keys[None], values[None], allowed, scale
-            )
-            merge_into(out, lse, queries, part_out[0], part_lse[0])
+
+            def attend_part(part, allowed):
+                part_out, part_lse = partial_attention(
+                    q[row][None, :, queries],
+                    keys[None, :, part],
+                    values[None, :, part],
+                    allowed,
+                    scale,
+                )
+                merge_into(out, lse, queries, part_out[0], part_lse[0])
+
+            shared = int(torch.searchsorted(key_pos, int(qp[0]) - window + 1))
+            if shared:  # distant for the first query: for every query
+                attend_part(slice(0, shared), None)
+            if shared < len(key_pos):
+                tail = key_pos[None, None, shared:] <= qp[None, :, None] - window
+                attend_part(slice(shared, None), tail)
 
         add_bucket(slice(0, s), buckets.sinks)
         chosen = groups_q[row, :, :top_k]
@@ -422,6 +449,23 @@ def sparse_rule_attention(q, k, v, pairs, groups_q, buckets, window, top_k, bloc
                     add_bucket(asking[start : start + block], group)
         rows.append(out)
     return torch.stack(rows).to(q.dtype)
+
+
+def decoding_rule_attention(q, k, v, position, groups_q, buckets, window, top_k):
+    """`sparse_rule_attention` of a decoding step without padding, at `position`: every row's
+    window is k's last `window` keys, attended in one call, and every key a bucket gives is
+    kept, so no part needs a mask; each part merges into the window's result in place."""
+    scale = q.shape[-1] ** -0.5
+    out, lse = partial_attention(q, k[:, :, -window:], v[:, :, -window:], None, scale)
+    for row, chosen in enumerate(groups_q[:, 0, :top_k].tolist()):
+        for bucket in [buckets.sinks, *chosen]:
+            held = buckets.read(row, bucket, position - window + 1)
+            if held is not None:
+                part_out, part_lse = partial_attention(
+                    q[row, None], held[0][None], held[1][None], None, scale
+                )
+                merge_into(out[row], lse[row], None, part_out[0], part_lse[0])
+    return out.to(q.dtype)
 
 
 class KeyBuckets:
@@ -802,21 +846,18 @@ class FocusAttention(Attention):
         layer = focus_cache_layer(cache, self.layer_idx, config) if cache is not None else None
         past = layer.get_seq_length() if layer is not None else 0
         keep = None
-        if attention_mask is not None and not attention_mask.all():
+        if attention_mask is not None:  # padding (the model drops a mask of ones)
             if attention_mask.shape[-1] != past + s:
                 raise ValueError(
                     f"attention_mask covers {attention_mask.shape[-1]} tokens, the "
                     f"cache and the input {past + s}"
                 )
             keep = attention_mask.bool()
-        if keep is None:
-            counts = torch.arange(past + 1, past + s + 1, device=x.device).expand(b, s)
-        else:  # tokens counted by the causal Sinkhorn: the unpadded ones
-            counts, keep = keep.long().cumsum(-1)[:, past:].clamp_min(1), keep[:, past:]
+        if keep is not None:
+            keep = keep[:, past:]
         log_g, sums = causal_sinkhorn(
             self.router(x),
             config.focus_sinkhorn_iters,
-            counts,
             keep,
             layer.routing_prefix() if layer is not None else None,
         )
@@ -825,11 +866,14 @@ class FocusAttention(Attention):
             if layer is not None:
                 layer.update_routing(sums=sums)
             buckets = layer.buckets if layer is not None else KeyBuckets(config.focus_groups)
-            sink = counts <= config.focus_sink_tokens  # the first real tokens
             bucket = groups[..., 0]
-            if keep is not None:
-                bucket = bucket.masked_fill(keep & sink, buckets.sinks).masked_fill(~keep, -1)
+            if keep is not None:  # the first real tokens are the sinks
+                sink = keep & (
+                    attention_mask.long().cumsum(-1)[:, past:] <= config.focus_sink_tokens
+                )
+                bucket = bucket.masked_fill(sink, buckets.sinks).masked_fill(~keep, -1)
             elif past < config.focus_sink_tokens:
+                sink = torch.arange(past, past + s, device=x.device) < config.focus_sink_tokens
                 bucket = bucket.masked_fill(sink, buckets.sinks)
             return groups, bucket, buckets
         real = (
@@ -991,6 +1035,8 @@ class MegatronFocusModel(MegatronFocusPreTrainedModel):
         rope = None
         if self.config.position_embedding_type == "rope":
             rope = rotary(position_ids, self.config, x.dtype)
+        if attention_mask is not None and attention_mask.all():
+            attention_mask = None  # no padding (generate() passes ones): no layer reads it
         pairs = CausalPairs(s, past, attention_mask, x.device, self.config.sliding_window)
         for layer in self.layers:
             x = layer(x, rope, pairs, cache if use_cache else None, attention_mask)

@@ -84,14 +84,19 @@ def test_sparse_prefill_with_left_padding_equals_each_row_alone(window):
         torch.testing.assert_close(out[row : row + 1, :, start:], ref, rtol=1e-6, atol=1e-6)
 
 
-def test_decoding_steps_equal_the_prefill():
+@pytest.mark.parametrize("b,top_k", [(1, 1), (3, 2)])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-cpu", "explicit"])
+def test_decoding_steps_equal_the_prefill(b, top_k, fused, monkeypatch):
     """One query at a time, its key filed before it attends, reading in position order only the
-    window's keys (a cache's view): the prefill's rows."""
+    window's keys (a cache's view): the prefill's rows. Without padding a step takes its own
+    path (`decoding_rule_attention`), each row with its own groups."""
     hf = _hf()
+    if not fused:
+        monkeypatch.setattr(hf, "FUSED_CPU_ATTENTION", None)
     window = 3
-    q, k, v, log_g = _inputs(1, 4, 2, 30, 8, 4, "random", seed=5)
+    q, k, v, log_g = _inputs(b, 4, 2, 30, 8, 4, "random", seed=5)
     ranked = hf.rank_groups(log_g)
-    sinks = (torch.arange(30) < 1)[None]
+    sinks = (torch.arange(30) < 1).expand(b, 30)
     whole = hf.sparse_rule_attention(
         q,
         k,
@@ -100,7 +105,7 @@ def test_decoding_steps_equal_the_prefill():
         ranked,
         _buckets(hf, k, v, ranked, sinks),
         window,
-        1,
+        top_k,
     )
     buckets = hf.KeyBuckets(4)
     bucket = ranked[..., 0].masked_fill(sinks, buckets.sinks)
@@ -117,7 +122,7 @@ def test_decoding_steps_equal_the_prefill():
             ranked[:, i : i + 1],
             buckets,
             window,
-            1,
+            top_k,
         )
         torch.testing.assert_close(step, whole[:, :, i : i + 1], rtol=1e-5, atol=1e-6)
 
