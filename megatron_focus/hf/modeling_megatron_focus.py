@@ -170,7 +170,7 @@ class Attention(nn.Module):
 
     def attend(self, q, k, v, pairs, routing=None):
         """Per-head outputs `[b, heads, s, d]` over the `CausalPairs` the keys `k` allow."""
-        return self.softmax_attention(q, k, v, additive(pairs.dense(k.shape[2]), q.dtype))
+        return self.softmax_attention(q, k, v, pairs.additive(k.shape[2], q.dtype))
 
     def softmax_attention(self, q, k, v, bias):
         """softmax(q k^T / sqrt(d) + bias) v `[b, heads, s, d]` on the configured backend."""
@@ -328,22 +328,27 @@ def partial_attention(q, k, v, allowed, scale: float):
     return (probs @ v[:, :, None]).view(n, heads, m, d), lse.view(n, heads, m)
 
 
+def lse_merge(out, lse, part_out, part_lse):
+    """Two softmax attentions over disjoint keys as one, by log-sum-exp
+    (megatron_focus/model/kernels/lse_merge.py): (out `[..., d]`, lse `[...]`). `lse` must be
+    finite (the window's holds each query's own key; a bucket's unmasked part every query's
+    keys); a part's -inf (no key for that query) adds nothing. The part's share of the merged
+    softmax is exp(part_lse - logaddexp(lse, part_lse)) = sigmoid(part_lse - lse)."""
+    share = torch.sigmoid(part_lse - lse)
+    return torch.lerp(out, part_out, share[..., None]), torch.logaddexp(lse, part_lse)
+
+
 def merge_into(out, lse, queries, part_out, part_lse):
-    """Adds a part's attention over other keys to the queries' running result, by log-sum-exp
-    (megatron_focus/model/kernels/lse_merge.py); `out` `[heads, s, d]`, `lse` `[heads, s]`,
-    `queries` indices or a slice of the s (None: all, in place). The running result is the
-    window's, whose log-sum-exp is finite (it holds each query's own key); a part's -inf (no
-    key for that query) adds nothing. The part's share of the merged softmax is
-    exp(part_lse - logaddexp(lse, part_lse)) = sigmoid(part_lse - lse)."""
+    """`lse_merge` of a part into the queries' running result `out` `[heads, s, d]`, `lse`
+    `[heads, s]`, in place; `queries` indices or a slice of the s (None: all)."""
     if queries is None:
         share = torch.sigmoid(part_lse - lse)
         out.lerp_(part_out, share[..., None])
         torch.logaddexp(lse, part_lse, out=lse)
         return
-    old = lse[:, queries]
-    share = torch.sigmoid(part_lse - old)
-    out[:, queries] = torch.lerp(out[:, queries], part_out, share[..., None])
-    lse[:, queries] = torch.logaddexp(old, part_lse)
+    out[:, queries], lse[:, queries] = lse_merge(
+        out[:, queries], lse[:, queries], part_out, part_lse
+    )
 
 
 def window_attention(q, k, v, pairs, row, window: int, scale: float):
@@ -419,23 +424,25 @@ def sparse_rule_attention(q, k, v, pairs, groups_q, buckets, window, top_k, bloc
             if held is None:
                 return
             keys, values, key_pos = held
-
-            def attend_part(part, allowed):
-                part_out, part_lse = partial_attention(
-                    q[row][None, :, queries],
-                    keys[None, :, part],
-                    values[None, :, part],
-                    allowed,
-                    scale,
-                )
-                merge_into(out, lse, queries, part_out[0], part_lse[0])
-
+            q_asking = q[row][None, :, queries]
+            # the keys distant for the first query are every query's: no mask
             shared = int(torch.searchsorted(key_pos, int(qp[0]) - window + 1))
-            if shared:  # distant for the first query: for every query
-                attend_part(slice(0, shared), None)
+            parts = []
+            if shared:
+                parts.append(
+                    partial_attention(
+                        q_asking, keys[None, :, :shared], values[None, :, :shared], None, scale
+                    )
+                )
             if shared < len(key_pos):
                 tail = key_pos[None, None, shared:] <= qp[None, :, None] - window
-                attend_part(slice(shared, None), tail)
+                parts.append(
+                    partial_attention(
+                        q_asking, keys[None, :, shared:], values[None, :, shared:], tail, scale
+                    )
+                )
+            part_out, part_lse = parts[0] if len(parts) == 1 else lse_merge(*parts[0], *parts[1])
+            merge_into(out, lse, queries, part_out[0], part_lse[0])
 
         add_bucket(slice(0, s), buckets.sinks)
         chosen = groups_q[row, :, :top_k]
@@ -1069,7 +1076,7 @@ class CausalPairs:
         self.query_pos = torch.arange(past, self.keys, device=device)
         self.window = window
         self.real = None if attention_mask is None else attention_mask[:, -self.keys :].bool()
-        self._dense = None
+        self._dense = self._additive = None
 
     def between(self, query_pos: torch.Tensor, key_pos: torch.Tensor, row=None) -> torch.Tensor:
         """`[queries, keys]` for batch row `row`, or `[b or 1, queries, keys]` for every row."""
@@ -1088,6 +1095,12 @@ class CausalPairs:
             every = torch.arange(self.keys, device=self.query_pos.device)
             self._dense = self.between(self.query_pos, every)[:, None]
         return self._dense[..., -keys:]
+
+    def additive(self, keys: int, dtype) -> torch.Tensor:
+        """`additive(dense(keys), dtype)`, built once per forward for every standard layer."""
+        if self._additive is None or self._additive[0] != (keys, dtype):
+            self._additive = (keys, dtype), additive(self.dense(keys), dtype)
+        return self._additive[1]
 
 
 class MegatronFocusForCausalLM(MegatronFocusPreTrainedModel, GenerationMixin):
