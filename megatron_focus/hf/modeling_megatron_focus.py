@@ -859,9 +859,7 @@ class FocusAttention(Attention):
                     f"attention_mask covers {attention_mask.shape[-1]} tokens, the "
                     f"cache and the input {past + s}"
                 )
-            keep = attention_mask.bool()
-        if keep is not None:
-            keep = keep[:, past:]
+            keep = attention_mask[:, past:].bool()  # these tokens' (False: padding)
         log_g, sums = causal_sinkhorn(
             self.router(x),
             config.focus_sinkhorn_iters,
