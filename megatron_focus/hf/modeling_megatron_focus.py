@@ -340,12 +340,7 @@ def lse_merge(out, lse, part_out, part_lse):
 
 def merge_into(out, lse, queries, part_out, part_lse):
     """`lse_merge` of a part into the queries' running result `out` `[heads, s, d]`, `lse`
-    `[heads, s]`, in place; `queries` indices or a slice of the s (None: all)."""
-    if queries is None:
-        share = torch.sigmoid(part_lse - lse)
-        out.lerp_(part_out, share[..., None])
-        torch.logaddexp(lse, part_lse, out=lse)
-        return
+    `[heads, s]`, in place; `queries` indices or a slice of the s."""
     out[:, queries], lse[:, queries] = lse_merge(
         out[:, queries], lse[:, queries], part_out, part_lse
     )
@@ -471,7 +466,7 @@ def decoding_rule_attention(q, k, v, position, groups_q, buckets, window, top_k)
                 part_out, part_lse = partial_attention(
                     q[row, None], held[0][None], held[1][None], None, scale
                 )
-                merge_into(out[row], lse[row], None, part_out[0], part_lse[0])
+                merge_into(out[row], lse[row], slice(None), part_out[0], part_lse[0])
     return out.to(q.dtype)
 
 
