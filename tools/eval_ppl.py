@@ -18,7 +18,9 @@ positions up to their position table.
 
 Without --data-path it reads the embedded corpus (the default of pretrain_gpt.py). The model is
 rebuilt from the checkpoint's own settings and merged to one process, whatever its TP size.
-Without --seq-lengths it evaluates at --seq-length (capped at a learned position table).
+Without --seq-lengths it evaluates at --seq-length (capped at a learned position table), and
+without that at the checkpoint's own length (its --max-position-embeddings, which a run sets
+to its --seq-length unless given).
 """
 
 import argparse
@@ -40,7 +42,7 @@ def parse() -> tuple[argparse.Namespace, argparse.Namespace]:
         nargs="+",
         default=None,
         metavar="N",
-        help="context lengths to evaluate at (default: --seq-length)",
+        help="context lengths to evaluate at (default: --seq-length, else the checkpoint's)",
     )
     p.add_argument("--json", metavar="PATH")
     opts, rest = p.parse_known_args()

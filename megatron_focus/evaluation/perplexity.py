@@ -132,7 +132,10 @@ def run(opts: argparse.Namespace, args: argparse.Namespace) -> None:
         if recorded.model.position_embedding_type == "learned_absolute"
         else None
     )
-    lengths = opts.seq_lengths or [min(args.seq_length, positions or args.seq_length)]
+    # without a length, the checkpoint's: its position count, which a run sets to its
+    # --seq-length unless given (capped at a learned position table)
+    default = args.seq_length or recorded.model.max_position_embeddings
+    lengths = opts.seq_lengths or [min(default, positions or default)]
     too_long = [n for n in lengths if positions is not None and n > positions]
     if too_long:
         raise ValueError(
