@@ -181,7 +181,9 @@ class Attention(nn.Module):
             function = eager_attention_forward
         else:  # transformers 4
             function = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
-        bias = bias.expand(q.shape[0], -1, -1, -1).contiguous()  # flex indexes it by batch
+        bias = bias.expand(q.shape[0], -1, -1, -1)  # a view: a mask per row costs no copy
+        if backend == "flex_attention":  # which reads it as a tensor of its own
+            bias = bias.contiguous()
         out, _ = function(self, q, k, v, bias, dropout=0.0, scaling=q.shape[-1] ** -0.5)
         return out.transpose(1, 2)
 
