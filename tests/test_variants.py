@@ -273,6 +273,48 @@ def _refused_import(hf, ckpt):
         return str(refused)
 
 
+def test_two_shipped_layers_of_one_class_name_register_each(tmp_path, monkeypatch):
+    """Two variants' HF layers whose classes share a name, in files of their own: the folder's
+    module registers each kind with its own class; two files of one name are refused by name
+    (the second copy would replace the first)."""
+    import importlib
+
+    from megatron_focus.hf import export
+
+    source = open(os.path.join(ROOT, "tests", "toy_temperature_hf.py")).read()
+    layers = {}
+    for kind, directory in (("first", "a"), ("second", "b")):
+        os.makedirs(tmp_path / directory)
+        path = str(tmp_path / directory / f"{kind}_layer.py")
+        with open(path, "w") as f:
+            f.write(source + f"\nTemperatureAttention.which = {kind!r}\n")
+        monkeypatch.syspath_prepend(str(tmp_path / directory))
+        layers[kind] = importlib.import_module(f"{kind}_layer").TemperatureAttention, path
+    folder = tmp_path / "folder_pkg"
+    os.makedirs(folder)
+    for name in export.MODEL_CODE[:2]:
+        shutil.copyfile(
+            os.path.join(ROOT, "megatron_focus", "hf", f"{name}.py"), folder / f"{name}.py"
+        )
+    (folder / "__init__.py").write_text("")
+    (folder / "config.json").write_text(json.dumps({"auto_map": {}}))
+    export._ship_layers(str(folder), layers)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    shipped = importlib.import_module(f"folder_pkg.{export.VARIANT_MODELING}")
+    model_code = sys.modules["folder_pkg.modeling_megatron_focus"]
+    attention = model_code.ATTENTION
+    assert issubclass(shipped.MegatronFocusForCausalLM, model_code.MegatronFocusForCausalLM)
+    assert attention["first"].which == "first" and attention["second"].which == "second"
+
+    os.makedirs(tmp_path / "c")
+    clash = str(tmp_path / "c" / "first_layer.py")
+    shutil.copyfile(layers["second"][1], clash)
+    with pytest.raises(ValueError, match="files of one name.*first_layer.py.*rename one"):
+        export._ship_layers(
+            str(tmp_path), {"first": layers["first"], "other": (layers["second"][0], clash)}
+        )
+
+
 def test_a_setting_the_hf_config_already_has_is_refused_by_name():
     """A variant shipping its HF layer writes its settings into the HF config under their keys:
     one the config already uses for its own (here `head_dim`) is refused, naming it."""

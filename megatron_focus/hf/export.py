@@ -175,12 +175,18 @@ def _ship_layers(folder: str, layers: Dict[str, Tuple[type, str]]) -> None:
         f"from .{MODEL_CODE[1]} import ATTENTION",
         f"from .{MODEL_CODE[1]} import MegatronFocusForCausalLM as _MegatronFocusForCausalLM",
     ]
-    registered = []
-    for kind, (cls, source) in layers.items():
+    registered, files = [], {}
+    for number, (kind, (cls, source)) in enumerate(layers.items()):
         name = os.path.splitext(os.path.basename(source))[0]
+        if files.setdefault(name, source) != source:  # one would overwrite the other
+            raise ValueError(
+                f"the HF layers of two variants are in files of one name, {files[name]} and "
+                f"{source}; rename one"
+            )
         shutil.copyfile(source, os.path.join(folder, f"{name}.py"))
-        lines.append(f"from .{name} import {cls.__name__}")
-        registered.append(f"ATTENTION[{json.dumps(kind)}] = {cls.__name__}")
+        # each class under a name of its own: two files may name their classes alike
+        lines.append(f"from .{name} import {cls.__name__} as _Layer{number}")
+        registered.append(f"ATTENTION[{json.dumps(kind)}] = _Layer{number}")
     with open(os.path.join(folder, f"{VARIANT_MODELING}.py"), "w") as f:
         f.write(VARIANT_MODELING_CODE.format(code="\n".join(lines + [""] + registered)))
     config_path = os.path.join(folder, "config.json")
