@@ -29,6 +29,8 @@ import time
 
 import torch
 
+from timing import synchronize
+
 SHAPE = dict(  # 4 layers, hidden 256, 8 heads, RoPE, RMSNorm, SwiGLU; Focus K 8, window 128
     num_hidden_layers=4,
     hidden_size=256,
@@ -75,12 +77,6 @@ def kept_keys(context: int, top_k: int) -> float:
     return (window + (context - window) * top_k / groups) / context
 
 
-def synchronize(device: torch.device) -> None:
-    """Timings end when the device's work does (a GPU runs asynchronously)."""
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
-
-
 def cache_bytes(cache) -> int:
     """The bytes of every tensor the cache's layers hold (Focus's buckets' as allocated)."""
 
@@ -113,13 +109,13 @@ def run(lm, tokens: torch.Tensor, chunk: int, steps: int, stock: bool = False) -
     started = time.perf_counter()
     for start in range(0, tokens.shape[1], chunk):
         out = lm(tokens[:, start : start + chunk], past_key_values=cache, use_cache=True)
-    synchronize(tokens.device)
+    synchronize()
     prefill = time.perf_counter() - started
     token = out.logits[:, -1:].argmax(-1)
     started = time.perf_counter()
     for _ in range(steps):
         token = lm(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-    synchronize(tokens.device)
+    synchronize()
     decode = time.perf_counter() - started
     return {
         "prefill_s": prefill,

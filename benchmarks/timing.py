@@ -35,8 +35,9 @@ class Timing:
     device: float
 
 
-def _sync() -> None:
-    """Waits for a GPU's queued kernels (nothing to wait for on the CPU)."""
+def synchronize() -> None:
+    """Waits for a GPU's queued kernels (nothing to wait for on the CPU): a clock read after it
+    counts their work."""
     if platform.has_cuda():
         torch.cuda.synchronize()
 
@@ -45,7 +46,7 @@ def timed(fn, event=None) -> Timing:
     """fn()'s host and device time (`event`: the event class, CUDA's on a GPU)."""
     event = event or (torch.cuda.Event if platform.has_cuda() else HostEvent)
     start, end = event(enable_timing=True), event(enable_timing=True)
-    _sync()
+    synchronize()
     launched = time.perf_counter()
     start.record()
     fn()
@@ -57,8 +58,8 @@ def timed(fn, event=None) -> Timing:
 
 def seconds(fn) -> float:
     """Seconds that fn() takes; on a GPU, its queued kernels included (synchronised around)."""
-    _sync()
+    synchronize()
     start = time.perf_counter()
     fn()
-    _sync()
+    synchronize()
     return time.perf_counter() - start
