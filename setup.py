@@ -24,7 +24,7 @@ EXTRAS = {
     # ruff: pinned, as its format differs between releases (.ci/run checks lint and format)
     "test": [
         "pytest>=8",
-        "pytest-xdist>=3.5",
+        "pytest-xdist>=3.8",  # --no-loadscope-reorder
         "hypothesis>=6.100",
         "matplotlib>=3.8",
         "ruff==0.17.6",

@@ -1,3 +1,4 @@
+import collections
 import os
 import sys
 
@@ -10,6 +11,14 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests/distributed.py
 # it is imported, so it is set before any test imports it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files with the most slow tests first, the rest in their order: pytest-xdist hands
+    each file whole to one of its workers in this order (pytest.ini), so the long files start
+    early and neither worker is left alone with one at the end."""
+    slow = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])  # stable: each file's tests stay in order
 
 
 @pytest.fixture(scope="session")
