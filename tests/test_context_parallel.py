@@ -1,5 +1,6 @@
 """Context parallelism gives one process's loss and every gradient (the routers' included), for
-every variant, both Focus modes, with and without packed documents (CPU, gloo)."""
+every variant, both Focus modes, with and without packed documents, and one process's Focus
+statistics, the kept mass among them (CPU, gloo)."""
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ CASES = {
     + DOCUMENTS,
 }
 EOD = 3
+MASS_SAMPLE = 12  # the kept mass's last queries: every context-parallel rank holds some
 
 
 def _tokens():
@@ -39,13 +41,15 @@ def _tokens():
 
 
 def _loss_and_grads(argv, tokens):
-    """The mean token loss and every gradient (whole, summed over the context-parallel ranks)."""
+    """The mean token loss, every gradient (whole, summed over the context-parallel ranks) and
+    the Focus layers' statistics (TensorBoard's `focus/...`)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
     from megatron_focus import platform
     from megatron_focus.config.arguments import parse_args
+    from megatron_focus.model.focus.focus import focus_statistics, recording_statistics
     from megatron_focus.model.gpt import build_model
     from megatron_focus.parallel.context_parallel import batch_on_this_rank
     from megatron_focus.parallel.tensor_parallel import (
@@ -70,9 +74,14 @@ def _loss_and_grads(argv, tokens):
         batch["attention_mask"] = torch.stack([m[0] for m in masks])
         batch["position_ids"] = torch.stack([m[2] for m in masks])
     batch = batch_on_this_rank(batch)
-    per_token = model(
-        batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"]
-    )
+    with recording_statistics(model, MASS_SAMPLE):
+        per_token = model(
+            batch["tokens"],
+            batch["position_ids"],
+            batch.get("attention_mask"),
+            labels=batch["labels"],
+        )
+    stats = {name: float(value) for name, value in focus_statistics(model).items()}
     loss = per_token.sum() / tokens.numel()  # this rank's share of the mean
     loss.backward()
     cp_group = parallel_state.get_context_parallel_group()
@@ -85,7 +94,7 @@ def _loss_and_grads(argv, tokens):
         dist.all_reduce(grad, group=cp_group)
         grads[name] = grad
     parallel_state.destroy_model_parallel()
-    return loss.item(), grads
+    return loss.item(), grads, stats
 
 
 def _layouts(tokens, layouts, cases=CASES):
@@ -121,35 +130,39 @@ def results():
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("layout", ["cp2", "cp4", "tp2-cp2", "tp2-cp2-sp"])
 def test_context_parallel_matches_one_process(results, case, layout):
-    ref_loss, ref_grads = results[case]["cp1"]
-    loss, grads = results[case][layout]
-    assert abs(loss - ref_loss) < 1e-5
-    assert grads.keys() == ref_grads.keys()
-    routers = [name for name in grads if ".router." in name]
+    _assert_as_one_process(results[case]["cp1"], results[case][layout], case)
+    routers = [name for name in results[case][layout][1] if ".router." in name]
     assert bool(routers) == ("focus" in case and "sparse" not in case)
+
+
+def _assert_as_one_process(reference, run, case):
+    """`run` (loss, gradients, statistics) is one process's `reference`."""
+    (ref_loss, ref_grads, ref_stats), (loss, grads, stats) = reference, run
+    assert abs(loss - ref_loss) < 1e-5, case
+    assert grads.keys() == ref_grads.keys(), case
     for name, ref in ref_grads.items():
         assert grads[name].shape == ref.shape, name
         torch.testing.assert_close(grads[name], ref, rtol=1e-4, atol=1e-6, msg=name)
+    assert stats.keys() == ref_stats.keys(), case
+    assert any(name.endswith("kept-mass") for name in stats) == ("focus" in case), case
+    assert stats == pytest.approx(ref_stats, rel=1e-5, abs=1e-6), case
 
 
 FUSED = ["--focus-kernel", "triton"]  # interpreted on the CPU (tests/conftest.py)
 
 
 def test_the_fused_soft_gate_at_each_ranks_offsets_matches_one_process():
-    """The Triton soft gate takes each rank's query chunks at their positions: cp2's loss and
-    every gradient equal one process's chunked kernel (documents across chunk edges, sinks; RoPE
-    and GQA with XSA on top)."""
+    """The Triton soft gate takes each rank's query chunks at their positions: cp2's loss,
+    every gradient and statistic equal one process's chunked kernel (documents across chunk
+    edges, sinks; RoPE and GQA with XSA on top)."""
     from interpreted import skip_unless_kernels_run
 
     skip_unless_kernels_run()  # Triton's interpreter runs the kernels on the CPU
     cases = {case: CASES[case] for case in ("focus-documents-sinks", "focus+xsa-rope-gqa")}
     layouts = {"cp1": [], "cp2-fused": ["--context-parallel-size", "2", *FUSED]}
     for case, runs in run_distributed(_layouts, 2, _tokens(), layouts, cases).items():
-        (ref_loss, ref_grads), (loss, grads) = runs["cp1"], runs["cp2-fused"]
-        assert abs(loss - ref_loss) < 1e-5, case
-        assert grads.keys() == ref_grads.keys() and any(".router." in name for name in grads)
-        for name, ref in ref_grads.items():
-            torch.testing.assert_close(grads[name], ref, rtol=1e-4, atol=1e-6, msg=name)
+        _assert_as_one_process(runs["cp1"], runs["cp2-fused"], case)
+        assert any(".router." in name for name in runs["cp2-fused"][1])
 
 
 def _sinkhorn_across(scores, doc_start, iters, size, fused=False):

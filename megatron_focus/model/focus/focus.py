@@ -271,7 +271,7 @@ class FocusAttention(CoreAttention):
             rows = None if self.cp_group is None else self.router.positions(query.shape[0])
             doc_start = document_starts(attention_mask, query.shape[1], rows)
         routing = self.router(hidden_states, doc_start)
-        if self.router.record_stats and self.mass_sample != 0 and self.cp_group is None:
+        if self.router.record_stats and self.mass_sample != 0:
             self.router.stats["kept-mass"] = self.sampled_kept_mass(query, key, routing)
         return super().forward(query, key, value, None, routing=routing, **kwargs)
 
@@ -280,7 +280,11 @@ class FocusAttention(CoreAttention):
         """The dense attention's mass the hard rule keeps at the layer's top-k (routing_quality),
         on `mass_sample` last queries of the first sequence (None: every query of every one).
         Under TP the mean over every rank's heads (a rank holds as many as any other); under
-        context parallelism it is not computed (a rank holds two chunks of the queries only)."""
+        context parallelism every rank gathers the whole sequence's queries, keys and routing
+        (at log steps only) and computes one process's value."""
+        if self.cp_group is not None:
+            query, key = (gather_sequence(t, 0, self.cp_group) for t in (query, key))
+            routing = gather_routing(routing, self.cp_group)
         sequences = slice(None) if self.mass_sample is None else slice(0, 1)
         rows = slice(None) if self.mass_sample is None else slice(-self.mass_sample, None)
         q, k = (t[:, sequences].permute(1, 2, 0, 3) for t in (query[rows], key))
