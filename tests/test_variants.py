@@ -275,11 +275,12 @@ def _refused_import(hf, ckpt):
 
 def test_two_shipped_layers_of_one_class_name_register_each(tmp_path, monkeypatch):
     """Two variants' HF layers whose classes share a name, in files of their own: the folder's
-    module registers each kind with its own class; two files of one name are refused by name
-    (the second copy would replace the first)."""
+    module registers each kind with its own class; two files of one name (in two packages) are
+    refused by name before any weight is read (the second copy would replace the first)."""
     import importlib
 
     from megatron_focus.hf import export
+    from megatron_focus.variants import VARIANTS, AttentionVariant
 
     source = open(os.path.join(ROOT, "tests", "toy_temperature_hf.py")).read()
     layers = {}
@@ -306,13 +307,19 @@ def test_two_shipped_layers_of_one_class_name_register_each(tmp_path, monkeypatc
     assert issubclass(shipped.MegatronFocusForCausalLM, model_code.MegatronFocusForCausalLM)
     assert attention["first"].which == "first" and attention["second"].which == "second"
 
-    os.makedirs(tmp_path / "c")
-    clash = str(tmp_path / "c" / "first_layer.py")
-    shutil.copyfile(layers["second"][1], clash)
-    with pytest.raises(ValueError, match="files of one name.*first_layer.py.*rename one"):
-        export._ship_layers(
-            str(tmp_path), {"first": layers["first"], "other": (layers["second"][0], clash)}
+    shipped_layers = {}
+    for package in ("pa", "pc"):
+        os.makedirs(tmp_path / package)
+        (tmp_path / package / "__init__.py").write_text("")
+        shutil.copyfile(layers["first"][1], tmp_path / package / "first_layer.py")
+        kind = f"{package}-variant"
+        shipped_layers[kind] = f"{package}.first_layer:TemperatureAttention"
+        core = "megatron_focus.model.core_attention:CoreAttention"
+        monkeypatch.setitem(
+            VARIANTS, kind, AttentionVariant(kind, core, hf_layer=shipped_layers[kind])
         )
+    with pytest.raises(ValueError, match="files of one name.*pa.first_layer.py.*rename one"):
+        export._shipped_layers(shipped_layers)
 
 
 def test_a_setting_the_hf_config_already_has_is_refused_by_name():

@@ -162,6 +162,13 @@ def _shipped_layers(shipped: Dict[str, str]) -> Dict[str, Tuple[type, str]]:
                 "layer in one file"
             )
         out[kind] = cls, source
+    files = {}
+    for _, source in out.values():  # the folder holds each under its file name
+        if files.setdefault(os.path.basename(source), source) != source:
+            raise ValueError(
+                f"the HF layers of two variants are in files of one name, "
+                f"{files[os.path.basename(source)]} and {source}; rename one"
+            )
     return out
 
 
@@ -175,14 +182,9 @@ def _ship_layers(folder: str, layers: Dict[str, Tuple[type, str]]) -> None:
         f"from .{MODEL_CODE[1]} import ATTENTION",
         f"from .{MODEL_CODE[1]} import MegatronFocusForCausalLM as _MegatronFocusForCausalLM",
     ]
-    registered, files = [], {}
+    registered = []
     for number, (kind, (cls, source)) in enumerate(layers.items()):
         name = os.path.splitext(os.path.basename(source))[0]
-        if files.setdefault(name, source) != source:  # one would overwrite the other
-            raise ValueError(
-                f"the HF layers of two variants are in files of one name, {files[name]} and "
-                f"{source}; rename one"
-            )
         shutil.copyfile(source, os.path.join(folder, f"{name}.py"))
         # each class under a name of its own: two files may name their classes alike
         lines.append(f"from .{name} import {cls.__name__} as _Layer{number}")
