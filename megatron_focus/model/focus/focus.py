@@ -280,18 +280,20 @@ class FocusAttention(CoreAttention):
         """The dense attention's mass the hard rule keeps at the layer's top-k (routing_quality),
         on `mass_sample` last queries of the first sequence (None: every query of every one).
         Under TP the mean over every rank's heads (a rank holds as many as any other); under
-        context parallelism every rank gathers the whole sequence's queries, keys and routing
+        context parallelism every rank gathers the sampled sequences' queries, keys and routing
         (at log steps only) and computes one process's value."""
+        sequences = slice(None) if self.mass_sample is None else slice(0, 1)
+        query, key = query[:, sequences], key[:, sequences]
+        routing = Routing(*(None if t is None else t[sequences] for t in routing))
         if self.cp_group is not None:
             query, key = (gather_sequence(t, 0, self.cp_group) for t in (query, key))
             routing = gather_routing(routing, self.cp_group)
-        sequences = slice(None) if self.mass_sample is None else slice(0, 1)
         rows = slice(None) if self.mass_sample is None else slice(-self.mass_sample, None)
-        q, k = (t[:, sequences].permute(1, 2, 0, 3) for t in (query[rows], key))
+        q, k = (t.permute(1, 2, 0, 3) for t in (query[rows], key))
         mass = kept_mass(
             q,
             k,
-            Routing(*(None if t is None else t[sequences] for t in routing)),
+            routing,
             self.focus.window,
             self.softmax_scale,
             self.focus.sink_tokens,
