@@ -606,6 +606,42 @@ def test_attention_backends_compute_what_eager_computes(backend):
     assert sorted(set(calls)) == [0, 1, 2, 3] and len(calls) == 3 * 4 + 3 * (4 - focus_layers)
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "flex_attention"])
+def test_a_batch_mask_is_copied_per_row_for_flex_alone(backend, monkeypatch):
+    """The standard and XSA layers hand the attention function a broadcast view of one row's
+    additive mask (no copy per batch row); flex_attention, which reads the mask as a tensor of
+    its own, gets one contiguous mask per row from every layer. The function under the
+    backend's name records the masks and computes eager attention (compiled FlexAttention with a
+    mask aborts on this CPU: see above), so the logits are eager's."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from megatron_focus.hf.modeling_megatron_focus import eager_attention_forward
+
+    masks = []
+
+    def recording(module, q, k, v, mask, **kwargs):
+        masks.append((module.layer_idx, mask))
+        return eager_attention_forward(module, q, k, v, mask, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._local_mapping, backend, recording)
+    torch.manual_seed(0)
+    model = _every_variant_model().eval()
+    tokens = torch.cat([TOKENS, TOKENS.flip(0)])[:, :12] % 200  # a batch of 4
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        expected = model(tokens).logits
+        model.config._attn_implementation = backend
+        logits = model(tokens).logits
+    assert [layer for layer, _ in masks] == [0, 1, 2, 3]  # Focus's soft gate: a mask per row
+    for layer, mask in masks:
+        assert mask.shape == (4, 1, 12, 12)
+        if backend == "flex_attention":
+            assert mask.is_contiguous(), layer
+        elif layer < 2:  # the standard and the XSA layer: one row's causal mask
+            assert mask.stride(0) == 0, layer
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
+
+
 # Four variants x both families, Mistral's window and Llama 3.1's RoPE: what a serving stack
 # pinned to transformers 4 (vLLM, TGI, lm-evaluation-harness) loads.
 IN_TRANSFORMERS4 = [
