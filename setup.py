@@ -17,6 +17,7 @@ INSTALL_REQUIRES = [
     "pyarrow>=15",
     "tqdm>=4.66",
     "pyyaml>=6",  # --yaml-cfg
+    "psutil>=5.9",  # the checkpoint folder's lock: is its holder's process alive
 ]
 
 EXTRAS = {
@@ -56,4 +57,8 @@ setup(
     python_requires=">=3.10,<3.13",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
+    # torchrun loads it at start: a refusal's exit is final, not restarted (launchers.py)
+    entry_points={
+        "torchrun.handlers": ["megatron-focus = megatron_focus.launchers:torchrun_plugin"]
+    },
 )

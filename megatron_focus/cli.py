@@ -4,13 +4,16 @@ An error this project raises while checking the user's input (a flag, a file, a 
 config) ends the command with `error: <message>` and exit code 2; a run stopped by its own
 safety checks (non-finite losses, a save that could not be written) exits 1. Any error raised
 elsewhere (a library, a bug) keeps its traceback. Ctrl-C ends a command with one line (the
-first rank's) and exit code 130.
+first rank's) and exit code 130. Under a launcher the line is told once per job, and a refusal
+is final: torchrun does not restart it (`launchers.py`).
 """
 
 import argparse
 import difflib
 import os
 import sys
+
+from megatron_focus import launchers
 
 
 class Stopped(RuntimeError):
@@ -26,6 +29,14 @@ USER_ERRORS = (
     Stopped,
 )
 STOPPED = (FloatingPointError, Stopped)
+
+
+def agreed(error: Exception) -> Exception:
+    """`error`, marked as raised alike on every rank (after a collective): rank 0 tells it."""
+    error.agreed = True
+    return error
+
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -49,8 +60,12 @@ def run(main, *args, interrupted: str = "interrupted (Ctrl-C)"):
     except USER_ERRORS as e:
         if not _raised_here(e):
             raise
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(1 if isinstance(e, STOPPED) else 2)
+        launchers.end(
+            f"error: {e}",
+            1 if isinstance(e, STOPPED) else 2,
+            agreed=getattr(e, "agreed", False),
+            grouped=_distributed() is not None,
+        )
     except KeyboardInterrupt:
         if os.environ.get("RANK", "0") == "0":
             print(interrupted, file=sys.stderr, flush=True)
