@@ -95,15 +95,15 @@ def fresh_world() -> dict:
     return {k: v for k, v in os.environ.items() if k not in names}
 
 
-def launch(argv, *launcher, **popen):
+def launch(argv, *launcher, env=None, **popen):
     """`pretrain_gpt.py argv` as a job of its own (under `launcher`, e.g. torchrun's command;
-    else this Python) in a fresh world, its output piped as text."""
+    else this Python) in a fresh world (and `env`'s variables), its output piped as text."""
     return subprocess.Popen(
         [*(launcher or [sys.executable]), "pretrain_gpt.py", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=fresh_world(),
+        env={**fresh_world(), **(env or {})},
         cwd=ROOT,
         **popen,
     )

@@ -23,6 +23,7 @@ import glob
 import json
 import os
 import re
+import uuid
 from typing import Optional
 
 from megatron_focus.checkpoint.safe_load import load_file
@@ -88,14 +89,15 @@ LOCK = "job.lock"
 
 
 TAG = re.compile(r"iter_\d{7}")
-# A save in progress, renamed to its tag once every rank has written it.
+# A save in progress, renamed to its tag once every rank has written it; named for the job
+# writing it (`partial_tag`), so that no two jobs ever write into one.
 PARTIAL = ".partial"
 # A checkpoint of another layout converted for this run's (`universal.py`), removed once loaded.
 UNIVERSAL = ".universal"
 # What an interrupted save or layout conversion leaves: never complete, never `latest`.
 DEBRIS = re.compile(
-    rf"iter_\d{{7}}({re.escape(PARTIAL)}|{re.escape(UNIVERSAL)})"
-    rf"|({re.escape(LATEST)}|{re.escape(MEGATRON_TRACKER)})\.tmp"
+    rf"iter_\d{{7}}({re.escape(PARTIAL)}(\.[0-9a-f]+)?|{re.escape(UNIVERSAL)})"
+    rf"|({re.escape(LATEST)}|{re.escape(MEGATRON_TRACKER)})(\.[^/]+)?\.tmp"
 )
 
 
@@ -107,9 +109,13 @@ def iteration_of(tag: str) -> int:
     return int(tag[len("iter_") :])
 
 
-def partial_tag(tag: str) -> str:
-    """The name a save of `tag` is written under until it is complete."""
-    return tag + PARTIAL
+def partial_tag(tag: str, job: str) -> str:
+    """The name job `job`'s save of `tag` is written under until it is complete."""
+    return f"{tag}{PARTIAL}.{job[:12]}"
+
+
+def tag_of_partial(name: str) -> str:
+    return name.split(PARTIAL)[0]
 
 
 def universal_dir(folder: str, tag: str) -> str:
@@ -172,9 +178,9 @@ def read_model_file(path: str, allow_unsafe: bool, mmap: bool = False) -> dict:
 def write_atomically(path: str, text: str) -> None:
     """Every file of the checkpoint format is written so: whole under its name, or not at all (a
     failed write, e.g. on a full disk, removes its temporary file and raises naming it)."""
-    tmp = f"{path}.tmp"
+    tmp = f"{path}.{uuid.uuid4().hex[:12]}.tmp"  # two writers of one file never share it
     try:
-        with open(tmp, "w") as f:
+        with open(tmp, "x") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

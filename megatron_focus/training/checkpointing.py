@@ -45,7 +45,6 @@ from megatron_focus.checkpoint.format import (
     LATEST,
     MEGATRON_TRACKER,
     NO_OPTIMIZER,
-    PARTIAL,
     TokenizerRecord,
     iteration_of,
     latest_tag,
@@ -54,11 +53,12 @@ from megatron_focus.checkpoint.format import (
     partial_tag,
     read_model_file,
     tag_for,
+    tag_of_partial,
     write_atomically,
     write_layout,
     write_model_args,
 )
-from megatron_focus.checkpoint.lock import FolderInUse, FolderLock
+from megatron_focus.checkpoint.lock import FolderInUse, FolderLock, FolderLost
 from megatron_focus.checkpoint.saved import SavedCheckpoint
 from megatron_focus.config.run_config import RunConfig
 from megatron_focus.data.sources import tokenizer_choice
@@ -129,20 +129,21 @@ class Checkpointer:
     def __init__(self, args: RunConfig, plan: ResumePlan):
         self.args, self.plan = args, plan
         self.records: Optional[Records] = None
-        self.lock: Optional[FolderLock] = None
+        self.lock: Optional[FolderLock] = None  # rank 0's
+        self.job: Optional[str] = None  # the lock's job identity, on every rank
 
     @classmethod
     def prepare(cls, args: RunConfig) -> "Checkpointer":
         """Before the data is built: the `--save` folder's preflight (which holds it for this
         job until `release`), then the resume plan."""
-        lock = _preflight(args)
+        lock, job = _preflight(args)
         try:
             checkpointer = cls(args, resume.plan(args))
         except BaseException:
             if lock is not None:
                 lock.release()
             raise
-        checkpointer.lock = lock
+        checkpointer.lock, checkpointer.job = lock, job
         return checkpointer
 
     def release(self) -> None:
@@ -150,6 +151,11 @@ class Checkpointer:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+
+    def lost(self) -> bool:
+        """Whether this job's lock was taken over, as its renewal last saw (rank 0's answer;
+        False elsewhere): the run stops, and its save refuses to write."""
+        return self.lock is not None and self.lock.lost
 
     def check(self, vocab_size: int) -> None:
         """Once the tokenizer's vocabulary is known: this run's records, and, before any
@@ -180,9 +186,16 @@ class Checkpointer:
         iteration 0."""
         return _load(engine, self.args, self.plan, self.padded_vocab_size)
 
+    def confirm(self) -> None:
+        """Collective: raises `FolderLost` on every rank if the `--save` folder is no longer
+        this job's."""
+        _agree(None, None, self.args.save, self.lock)
+
     def save(self, engine, iteration: int, consumed_samples: int) -> str:
-        """Save on every rank (collective); returns the checkpoint directory."""
-        return _save(engine, self.args, self.records, iteration, consumed_samples)
+        """Save on every rank (collective); returns the checkpoint directory. Refused
+        (`FolderLost`, on every rank, nothing written) if the folder is no longer this job's."""
+        self.confirm()
+        return _save(engine, self.args, self.records, iteration, consumed_samples, self)
 
 
 def _records(args: RunConfig, plan: ResumePlan, vocab_size: int) -> Records:
@@ -198,36 +211,39 @@ def _records(args: RunConfig, plan: ResumePlan, vocab_size: int) -> Records:
     )
 
 
-def _save(engine, args: RunConfig, records: Records, iteration: int, consumed_samples: int) -> str:
+def _save(
+    engine, args: RunConfig, records: Records, iteration: int, consumed_samples: int, held
+) -> str:
     """Save on every rank; returns the checkpoint directory.
 
-    Written under its partial name, checksummed, then renamed and made `latest`. A write that
-    fails on any rank (a full disk, a lost permission) removes the partial folder and raises
-    `SaveFailed` on every rank, the previous checkpoint still `latest`.
+    Written under a partial name of this job's own, checksummed, then renamed and made
+    `latest`. A write that fails on any rank (a full disk, a lost permission) removes the partial
+    folder and raises `SaveFailed` on every rank, the previous checkpoint still `latest`; a folder
+    that is no longer this job's (`held.lock`, rank 0's) raises `FolderLost` before the rename.
     """
     tag = tag_for(iteration)
-    partial, final = os.path.join(args.save, partial_tag(tag)), os.path.join(args.save, tag)
+    partial = os.path.join(args.save, partial_tag(tag, held.job))
+    final = os.path.join(args.save, tag)
     rank0 = dist.get_rank() == 0
-    if rank0:
-        os.makedirs(args.save, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)  # debris of an earlier crashed save
-        if args.ckpt_format == "torch_dist":  # Megatron's part first, into the empty folder
-            os.makedirs(partial)
+    if rank0 and args.ckpt_format == "torch_dist":  # Megatron's part first, into an empty folder
+        os.makedirs(partial)
     dist.barrier()
     client_state = {
         "iteration": iteration,
         "consumed_samples": consumed_samples,
         **({} if args.no_save_rng else {"rng": rng_state()}),
     }
+
+    def agree(failure):
+        _agree(failure, partial, args.save, held.lock)
+
     if args.ckpt_format == "torch_dist":
-        _agree(
+        agree(
             _attempt(
                 lambda: _save_torch_dist(
                     engine, args, records, iteration, consumed_samples, partial
                 )
-            ),
-            partial,
-            args.save,
+            )
         )
     trained_only = records.retrofit_base is not None
     optimizer = _optimizer_left_out(engine) if args.no_save_optim else contextlib.nullcontext()
@@ -235,7 +251,7 @@ def _save(engine, args: RunConfig, records: Records, iteration: int, consumed_sa
         failure = _attempt(
             lambda: engine.save_checkpoint(
                 args.save,
-                tag=partial_tag(tag),
+                tag=os.path.basename(partial),
                 client_state=client_state,
                 save_latest=False,
                 exclude_frozen_parameters=trained_only,
@@ -243,22 +259,14 @@ def _save(engine, args: RunConfig, records: Records, iteration: int, consumed_sa
         )
     if failure:
         dist.barrier()  # the one DeepSpeed's save ends with, which the other ranks are in
-    _agree(failure, partial, args.save)
-    _agree(
-        _attempt(lambda: records.write(partial, args.no_save_optim)) if rank0 else None,
-        partial,
-        args.save,
-    )
+    agree(failure)
+    agree(_attempt(lambda: records.write(partial, args.no_save_optim)) if rank0 else None)
     digests = integrity.digests(partial)
-    _agree(
-        _attempt(lambda: integrity.write(partial, digests)) if rank0 else None,
-        partial,
-        args.save,
-    )
-    _agree(
-        _attempt(lambda: _publish(partial, final, args.save, args.ckpt_format)) if rank0 else None,
-        partial,
-        args.save,
+    agree(_attempt(lambda: integrity.write(partial, digests)) if rank0 else None)
+    agree(
+        _attempt(lambda: _publish(partial, final, args.save, args.ckpt_format, held.lock))
+        if rank0
+        else None
     )
     return final
 
@@ -280,12 +288,16 @@ def _save_torch_dist(engine, args, records: Records, iteration: int, consumed: i
         raise _write_error(e, os.path.join(folder, torch_dist.CONFIG_FNAME)) from e
 
 
-def _publish(partial: str, final: str, save_dir: str, ckpt_format: str) -> None:
+def _publish(
+    partial: str, final: str, save_dir: str, ckpt_format: str, lock: Optional[FolderLock]
+) -> None:
     """The complete checkpoint under its own name, then `latest` (and, for torch_dist,
-    Megatron-LM's pointer) naming it."""
+    Megatron-LM's pointer) naming it; each step only while the folder is still this job's."""
+    lock.confirm()
     shutil.rmtree(final, ignore_errors=True)
     os.replace(partial, final)
     tag = os.path.basename(final)
+    lock.confirm()
     write_atomically(os.path.join(save_dir, LATEST), tag)
     if ckpt_format == "torch_dist":
         write_atomically(os.path.join(save_dir, MEGATRON_TRACKER), str(iteration_of(tag)))
@@ -339,10 +351,11 @@ def _write_error(error: Exception, path: str) -> OSError:
     return OSError(errno.EIO, f"torch could not write it ({str(error).splitlines()[0]})", path)
 
 
-def _attempt(write) -> Optional[OSError]:
+def _attempt(write) -> Optional[Exception]:
+    """What `write` raised, if it failed writing (or found the folder another job's)."""
     try:
         write()
-    except OSError as e:
+    except (OSError, FolderLost) as e:
         return e
     return None
 
@@ -364,24 +377,47 @@ def described(failure: OSError, folder: str) -> tuple:
     return f"{cause} ({what}: {failure.filename or folder})", remedy
 
 
-def _agree(failure: Optional[OSError], partial: str, save_dir: str) -> None:
-    """Collective: if the save failed on any rank, every rank raises `SaveFailed`."""
+def _agree(
+    failure: Optional[Exception], partial: Optional[str], save_dir: str, lock: Optional[FolderLock]
+) -> None:
+    """Collective, after each step of a save (and before its first): if the folder is no
+    longer this job's (rank 0 asks `lock`), every rank raises `FolderLost`; if the step failed
+    on any rank, `SaveFailed`. Either way this save's own partial folder is removed."""
+    if isinstance(failure, FolderLost):
+        failure, lost = None, str(failure)
+    else:
+        lost = _lost_message(lock)
     failures = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, failure and described(failure, partial))
-    failed = [(rank, what) for rank, what in enumerate(failures) if what]
-    if not failed:
+    dist.all_gather_object(failures, (lost, failure and described(failure, partial)))
+    lost = failures[0][0]
+    failed = [(rank, what) for rank, (_, what) in enumerate(failures) if what]
+    if not (lost or failed):
         return
-    if dist.get_rank() == 0:
-        shutil.rmtree(partial, ignore_errors=True)
+    if dist.get_rank() == 0 and partial is not None:
+        shutil.rmtree(partial, ignore_errors=True)  # this job's own, whoever holds the folder
+    if lost:
+        raise cli.agreed(FolderLost(lost))
     previous = latest_tag(save_dir) if os.path.isfile(os.path.join(save_dir, LATEST)) else None
     rank, (what, remedy) = failed[0]
-    raise SaveFailed(
-        f"saving {os.path.basename(partial)[: -len(PARTIAL)]} failed on rank "
-        f"{rank}: {what}; "
-        + (f"{previous} stays the latest checkpoint" if previous else "no checkpoint was saved")
-        + f": {remedy} or give --save another folder, then rerun"
-        + (" with --load to resume" if previous else "")
+    raise cli.agreed(
+        SaveFailed(
+            f"saving {tag_of_partial(os.path.basename(partial))} failed on rank {rank}: {what}; "
+            + (f"{previous} stays the latest checkpoint" if previous else "no checkpoint was saved")
+            + f": {remedy} or give --save another folder, then rerun"
+            + (" with --load to resume" if previous else "")
+        )
     )
+
+
+def _lost_message(lock: Optional[FolderLock]) -> Optional[str]:
+    """Why the folder is no longer this job's, or None while it is (or where `lock` is None:
+    ranks other than 0)."""
+    try:
+        if lock is not None:
+            lock.confirm()
+    except FolderLost as e:
+        return str(e)
+    return None
 
 
 def _check_writable(flag: str, folder: str) -> None:
@@ -410,35 +446,41 @@ def _remove_debris(folder: str) -> None:
         print(f"removed what an interrupted run left in {folder}: {', '.join(debris)}", flush=True)
 
 
-def _hold(folder: str) -> Optional[FolderLock]:
-    """Collective: rank 0 takes `folder`'s lock, one per job (None on the other ranks); if
-    another job holds it, every rank raises, naming that job."""
-    lock, refusal = None, [None]
+def _hold(folder: str) -> tuple:
+    """Collective: rank 0 takes `folder`'s lock, one per job, and says so if it took over a
+    stale one; returns (the lock: rank 0's, None on the other ranks; its job identity, on every
+    rank). If another job holds it, every rank raises, naming that job."""
+    lock, told = None, [None, None]
     if dist.get_rank() == 0:
         try:
             lock = FolderLock.take(folder)
+            told = [None, lock.job]
+            if lock.took_over:
+                print(lock.took_over, flush=True)
         except FolderInUse as e:
-            refusal = [str(e)]
-    dist.broadcast_object_list(refusal, src=0)
-    if refusal[0]:
-        raise FolderInUse(refusal[0])
-    return lock
+            told = [str(e), None]
+    dist.broadcast_object_list(told, src=0)
+    refusal, job = told
+    if refusal:
+        raise cli.agreed(FolderInUse(refusal))
+    return lock, job
 
 
-def _preflight(args: RunConfig) -> Optional[FolderLock]:
+def _preflight(args: RunConfig) -> tuple:
     """What would fail at the first save, refused before any compute: a signal handler with
     nowhere to save, a `--save` that cannot be written or that another job saves into, a folder
     of complete checkpoints whose `latest` is gone (which would otherwise start from scratch and
-    overwrite them). Returns the `--save` folder's lock (rank 0's; None elsewhere)."""
+    overwrite them). Returns the `--save` folder's lock (rank 0's; None elsewhere) and its job
+    identity (None without --save)."""
     if args.exit_signal_handler and not args.save:
         raise ValueError(
             "--exit-signal-handler saves a checkpoint when a signal stops the run: give --save "
             "(without one, the stopped run would look finished)"
         )
     if not args.save:
-        return None
+        return None, None
     _check_writable("--save", args.save)
-    lock = _hold(args.save)  # before the debris: a live job's save in progress is not debris
+    lock, job = _hold(args.save)  # before the debris: a live job's save is not debris
     try:
         if lock is not None:
             _remove_debris(args.save)
@@ -447,7 +489,7 @@ def _preflight(args: RunConfig) -> Optional[FolderLock]:
         if lock is not None:
             lock.release()
         raise
-    return lock
+    return lock, job
 
 
 def _checked_file(

@@ -86,7 +86,7 @@ def _train(args: RunConfig, checkpointer: Checkpointer, rank0: bool, started: fl
     reporter = Reporter(args, flops_per_token(args, checkpointer.padded_vocab_size), total)
     if rank0:
         _print_banner(args, model, hooks, iteration)
-    stop = _StopRequest(args, started)
+    stop = _StopRequest(args, started, checkpointer.lost)
     if args.manual_gc:  # collections at chosen steps, the same on every rank
         gc.disable()
         gc.collect()
@@ -135,6 +135,8 @@ def _train(args: RunConfig, checkpointer: Checkpointer, rank0: bool, started: fl
                 progress.read()
                 if args.save and not saved:
                     save(iteration, consumed)
+                elif args.save:
+                    checkpointer.confirm()  # a job whose folder was taken over does not end as done
                 if rank0:
                     print(f" exiting at iteration {iteration}", flush=True)
                 break
@@ -525,9 +527,11 @@ class _StopRequest:
     `any_rank()` tells every rank if one of them has one, so all save at the same iteration and
     stop together. A scheduler (SLURM's preemption, torchrun passing on its own signal) may signal
     the whole process group or a single rank; the DataLoader workers leave the signal to this
-    handler (data/loader.py)."""
+    handler (data/loader.py). Asked every step anyway, it also stops a job whose `--save` folder
+    was taken over (`lost`): its save then refuses to write."""
 
-    def __init__(self, args: RunConfig, started: float):
+    def __init__(self, args: RunConfig, started: float, lost):
+        self.lost = lost
         self.asked = bool(args.exit_signal_handler or args.exit_duration_in_mins)
         self.received = False
         self.deadline = (
@@ -550,7 +554,7 @@ class _StopRequest:
         if not self.asked:  # neither flag given: nothing to reduce
             return False
         late = self.deadline is not None and time.time() >= self.deadline
-        flag = torch.tensor([int(self.received or late)])
+        flag = torch.tensor([int(self.received or late or self.lost())])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag[0])
 
