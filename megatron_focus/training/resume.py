@@ -201,6 +201,13 @@ def check(plan: ResumePlan, args: RunConfig, ours: dict) -> None:
         _check_schedule(saved["lr_scheduler"], args, checkpoint)
 
 
+# The flags that freeze weights, and which.
+_FREEZING = (
+    "--focus-attention-mode sparse freezes the routers, --retrofit all but the routers, "
+    "--focus-router random the routers' projection and centroids"
+)
+
+
 def check_trained(plan: ResumePlan, args: RunConfig, trained: list) -> None:
     """Once the model is built and frozen, before the engine: refused, a resume whose
     checkpoint's optimizer state covers other parameters than this run trains (`trained`, their
@@ -219,12 +226,15 @@ def check_trained(plan: ResumePlan, args: RunConfig, trained: list) -> None:
         if names
     )
     if plan.load_optimizer:
+        # which side froze them, and so which flags continue the checkpoint as it was
+        froze = "this run's flags freeze" if frozen else "the run that saved it froze"
+        same = "drop that flag" if frozen else "resume with that run's flag"
         raise ValueError(
             f"{plan.checkpoint.path}: its optimizer state covers other weights than this run "
-            f"trains ({differ}; e.g. --focus-attention-mode sparse freezes the routers): start "
-            "from its weights with --finetune (or --pretrained-checkpoint), or continue its "
-            "iteration and data position with --no-load-optim; the optimizer and LR schedule "
-            "start afresh"
+            f"trains ({differ}): {froze} them ({_FREEZING}). To continue it as it was, {same}; "
+            "else start from its weights with --finetune (or --pretrained-checkpoint), or "
+            "continue its iteration and data position with --no-load-optim, the optimizer and "
+            "LR schedule starting afresh"
         )
     if args.zero_stage == 3:
         raise ValueError(

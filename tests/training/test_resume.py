@@ -140,8 +140,9 @@ def test_a_soft_run_continued_in_sparse_mode_is_refused_or_starts_its_optimizer_
     train(1, tiny_argv(embedded_cache, *focus, "--save", ckpt, "--exit-interval", "2"))
     refused = (
         r"iter_0000002: its optimizer state covers other weights than this run trains \(this "
-        r"run freezes 4: decoder.layers.0.self_attention.core_attention.router.centroids, .*"
-        r"--finetune .*--no-load-optim"
+        r"run freezes 4: decoder.layers.0.self_attention.core_attention.router.centroids, .*\): "
+        r"this run's flags freeze them \(--focus-attention-mode sparse freezes the routers, .*"
+        r"To continue it as it was, drop that flag; .*--finetune .*--no-load-optim"
     )
     with pytest.raises(Exception, match=refused):
         train(1, tiny_argv(embedded_cache, *sparse))
@@ -163,6 +164,14 @@ def test_a_soft_run_continued_in_sparse_mode_is_refused_or_starts_its_optimizer_
     ]
     before, after = _routers(ckpt, "iter_0000002"), _routers(ckpt, "iter_0000004")
     assert len(before) == 4 and all(torch.equal(before[n], after[n]) for n in before)
+    # the other way: a sparse run's checkpoint continued in soft mode, whose routers would train
+    with pytest.raises(
+        Exception,
+        match=r"iter_0000004: .*\(this run trains 4: .*\): the run that saved it froze them "
+        r"\(--focus-attention-mode sparse freezes the routers, .*\)\. To continue it as it was, "
+        r"resume with that run's flag; else start from its weights with --finetune",
+    ):
+        train(1, tiny_argv(embedded_cache, *focus, "--load", ckpt))
     finetuned = train(
         1,
         tiny_argv(
