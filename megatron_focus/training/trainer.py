@@ -583,6 +583,8 @@ def _print_banner(args: RunConfig, model: torch.nn.Module, hooks, iteration: int
     line = [hooks.banner()] + ([f"kernels: {chosen}"] if chosen else [])
     if any(line):
         print(" | ".join(filter(None, line)), flush=True)
+    for warning in kernels.warnings(model):
+        print(f"warning: {warning}", flush=True)
     _print_where(args)  # before the first step too: where to look while it trains
 
 

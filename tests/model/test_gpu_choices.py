@@ -174,3 +174,15 @@ def test_context_parallelism_takes_the_kernels_that_accept_a_query_offset(monkey
     bf16 = dict(head_dim=256, dtype=torch.bfloat16)
     assert kernels.soft_gate("auto", cuda, **bf16).name == "triton"
     assert kernels.soft_gate("auto", cuda, context_parallel=True, **bf16).name == "chunked"
+
+
+def test_attention_dropout_on_a_gpu_says_in_a_warning_what_it_costs(single_process, monkeypatch):
+    """The fused soft gate has no dropout: Megatron-LM's default --attention-dropout 0.1 runs
+    Focus's layers on the chunked path, and the banner says so in a warning line."""
+    gpu_choices(monkeypatch)
+    net = model(["--attention", "focus", *FOCUS, "--attention-dropout", "0.1"])
+    assert kernels.chosen(net)["soft gate"] == "chunked"
+    (warning,) = kernels.warnings(net)
+    assert warning.startswith("--attention-dropout 0.1: the fused Focus kernel has no attention")
+    assert "--attention-dropout 0, as recent LLM recipes train, runs the fused kernel" in warning
+    assert kernels.warnings(model(["--attention", "focus", *FOCUS])) == []

@@ -172,6 +172,7 @@ class Kernel:
     ranges: bool = False  # attention with log-sum-exp: per-query key ranges in one call
     varlen: bool = False  # ... and causal attention over packed sequences (cu_seqlens), one call
     options: tuple = ()  # (keyword, value) pairs every call gets
+    warning: str = ""  # why a faster kernel was passed over, for the run's banner
 
     def __call__(self, *args, **kwargs):
         module, function = self.function.split(":")
@@ -227,7 +228,15 @@ def soft_gate(
             f"(compute capability {device_capability(device)}) at head dim {head_dim} in "
             f"{dtype} (model/kernels/triton_launch.py); use auto, flex or chunked"
         )
+    warning = ""
     if requested == "auto":
+        if device.type == "cuda" and dropout_p > 0:
+            warning = (
+                f"--attention-dropout {dropout_p:g}: the fused Focus kernel has no attention "
+                "dropout, so Focus's layers run the chunked soft gate, several times slower on "
+                "a GPU (docs/benchmarks.md); --attention-dropout 0, as recent LLM recipes train, "
+                "runs the fused kernel"
+            )
         if device.type != "cuda" or dropout_p > 0:
             requested = "chunked"
         elif has_triton() and fits:
@@ -247,6 +256,7 @@ def soft_gate(
         "megatron_focus.model.focus.focus_gate:chunked_soft_focus",
         dropout=True,
         options=(("chunk_size", chunk_size),),
+        warning=warning,
     )
 
 
@@ -291,14 +301,24 @@ def sinkhorn(device: torch.device) -> Kernel:
     return Kernel("torch", "megatron_focus.model.focus.sinkhorn:causal_sinkhorn", recompute=True)
 
 
-def chosen(model: torch.nn.Module) -> dict:
-    """The kernels a model's layers chose, by operation (the first layer's): for banners."""
-    names = {}
+def _kernels(model: torch.nn.Module):
     for module in model.modules():
         for operation, kernel in vars(module).items():
             if isinstance(kernel, Kernel):
-                names.setdefault(operation.replace("_", " "), kernel.name)
+                yield operation.replace("_", " "), kernel
+
+
+def chosen(model: torch.nn.Module) -> dict:
+    """The kernels a model's layers chose, by operation (the first layer's): for banners."""
+    names = {}
+    for operation, kernel in _kernels(model):
+        names.setdefault(operation, kernel.name)
     return names
+
+
+def warnings(model: torch.nn.Module) -> list:
+    """Why the model's layers passed over a faster kernel, each reason once."""
+    return list(dict.fromkeys(kernel.warning for _, kernel in _kernels(model) if kernel.warning))
 
 
 # Attention with its log-sum-exp, the sparse path's parts, called as cpu_attention_with_lse:
