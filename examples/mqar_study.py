@@ -15,6 +15,9 @@ queried values predicted) and the share of causal pairs kept. Variants:
               the control: routers that never learn (--focus-router random: W_g and the
               centroids frozen as drawn from the seed); -random-centroids freezes the centroids
               alone
+  focus-distilled, focus+xsa-distilled
+              routers trained by distillation from the dense attention (--focus-distill-coeff
+              1), after a dense warm-up of a fifth of --iters (--focus-dense-warmup-iters)
 
 `--task corpus` trains on the embedded text corpus instead and reports validation loss, the
 question for attention sinks on text. Prints a table, writes JSON and a plot.
@@ -133,9 +136,15 @@ def variant_flags(name: str, opts) -> list:
         base = name.removesuffix("-" + router)
         if base != name and base in ("focus", "focus+xsa"):
             return VARIANTS[base] + ["--focus-router", router]
+    base = name.removesuffix("-distilled")
+    if base != name and base in ("focus", "focus+xsa"):  # a fifth of the budget dense first
+        return VARIANTS[base] + [
+            "--focus-distill-coeff", "1", "--focus-dense-warmup-iters", str(opts.iters // 5)
+        ]  # fmt: skip
     raise SystemExit(
         f"error: unknown variant {name!r}: standard, window, focus, focus+xsa, focus-sinkS, "
-        "focus-random, focus+xsa-random (or -random-centroids)"
+        "focus-random, focus+xsa-random (or -random-centroids), focus-distilled, "
+        "focus+xsa-distilled"
     )
 
 
@@ -298,6 +307,8 @@ def router(variant: str) -> str:
     if not variant.startswith("focus"):
         return "-"
     frozen = [r for r in ("random-centroids", "random") if variant.endswith("-" + r)]
+    if variant.endswith("-distilled"):
+        return "distilled"
     return frozen[0] if frozen else "learned"
 
 

@@ -10,6 +10,8 @@ the dense attention's probability those pairs hold). Variants, as in mqar_study.
   window        sliding-window attention over Focus's local window alone (--window-size w-1,0)
   focus         Focus with its learned router
   focus-random  the control: a router that never learns (--focus-router random)
+  focus-distilled  a router trained by distillation from the dense attention after a dense
+                warm-up of a fifth of the budget (docs/routing.md)
 
 (any other mqar_study.py variant is accepted too: focus+xsa, focus+xsa-random, ...). Prints one
 table (mean over seeds, [min, max] when several), writes JSON and a plot of the validation loss.

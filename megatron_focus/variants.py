@@ -193,6 +193,23 @@ class FocusConfig(VariantSettings, prefix="focus"):
     chunk_size: int = setting(
         128, "queries per chunk of the soft-gate attention (memory ~ chunk x seq)", RUN, at_least=1
     )
+    distill_coeff: float = setting(
+        0.0,
+        "weight of the routers' distillation loss: each query's assignment pulled toward the "
+        "groups of the distant keys its dense attention attends to, KL(M_t || g_t); it trains "
+        "the routers alone (their input and the attention detached), in every mode, sparse "
+        "included (docs/routing.md); 0: off",
+        RUN,
+        at_least=0,
+    )
+    dense_warmup_iters: int = setting(
+        0,
+        "iterations from the run's start (a resume keeps its checkpoint's) in which Focus's "
+        "layers attend densely, as standard attention, the routers learning only by "
+        "distillation; then --focus-attention-mode's rule",
+        RUN,
+        at_least=0,
+    )
     kernel: str = setting(
         "auto",
         "soft gate's kernel: triton (fused Triton kernel), flex (FlexAttention score_mod) or "
@@ -210,6 +227,17 @@ class FocusConfig(VariantSettings, prefix="focus"):
             )
         if self.tau <= 0:
             raise ValueError(f"{self.flag('tau')} {self.tau}: must be above 0")
+        if self.distill_coeff > 0 and self.router == "random":
+            raise ValueError(
+                f"{self.flag('distill_coeff')} {self.distill_coeff} trains the routers, which "
+                f"{self.flag('router')} random keeps frozen: drop one of them"
+            )
+        if self.dense_warmup_iters and not self.distill_coeff:
+            raise ValueError(
+                f"{self.flag('dense_warmup_iters')} {self.dense_warmup_iters}: the routers learn "
+                f"nothing while the layers attend densely but by distillation: give "
+                f"{self.flag('distill_coeff')} (e.g. 1)"
+            )
 
     def layer_params(self, args: argparse.Namespace) -> int:
         """W_g (hidden -> d_g) and the K centroids of one layer's router."""

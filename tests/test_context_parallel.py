@@ -25,6 +25,11 @@ CASES = {
     + FOCUS
     + DOCUMENTS,
     "focus+xsa-rope-gqa": FAMILIES["llama-gqa"] + ["--attention", "focus+xsa"] + FOCUS,
+    # the routers' distillation: each rank's queries against every key, its share of the loss
+    "focus-distill-documents-sinks": FAMILIES["gpt2"]
+    + ["--attention", "focus", "--focus-sink-tokens", "1", "--focus-distill-coeff", "1"]
+    + FOCUS
+    + DOCUMENTS,
     "focus+xsa-sparse-documents": FAMILIES["gpt2"]
     + ["--attention", "focus+xsa", "--focus-attention-mode", "sparse"]
     + FOCUS

@@ -34,6 +34,11 @@ CASES = {
     "llama-gqa-focus-sparse-documents": FAMILIES["llama-gqa"]
     + FOCUS
     + ["--focus-attention-mode", "sparse", "--reset-attention-mask", "--reset-position-ids"],
+    # the routers' distillation: each rank's heads' share of the target summed, the routers'
+    # gradients from it those of one process (W_g's summed over the sequence's slices under SP)
+    "llama-gqa-focus-distill-documents": FAMILIES["llama-gqa"]
+    + FOCUS
+    + ["--focus-distill-coeff", "1", "--reset-attention-mask", "--reset-position-ids"],
     # fewer key/value groups than TP ranks: Megatron gives each rank a copy of the one group
     "llama-mqa-xsa": FAMILIES["llama"]
     + ["--group-query-attention", "--num-query-groups", "1"]

@@ -86,6 +86,9 @@ NO_OPTIMIZER = "no_optimizer"
 BASE_FILE = "base_checkpoint.json"
 # In the --save folder while a job saves there: the job's host, pid and start time (`lock.py`).
 LOCK = "job.lock"
+# A variant's schedule, where the run has one: the iteration it counts from and its settings
+# (Focus's dense warm-up: {"start": 0, "dense_warmup_iters": 500}).
+SCHEDULE_FILE = "schedule.json"
 
 
 TAG = re.compile(r"iter_\d{7}")
@@ -216,6 +219,18 @@ def with_unrecorded_defaults(saved: dict) -> dict:
     if saved.get("attention") in VARIANTS:
         saved = {**variant(saved["attention"]).before_recorded(), **saved}
     return saved
+
+
+def write_schedule(checkpoint_dir: str, schedule: dict) -> None:
+    write_atomically(
+        os.path.join(checkpoint_dir, SCHEDULE_FILE), json.dumps(schedule, indent=1, sort_keys=True)
+    )
+
+
+def read_schedule(checkpoint_dir: str) -> dict:
+    """A checkpoint's schedule record ({}: its run had none)."""
+    path = os.path.join(checkpoint_dir, SCHEDULE_FILE)
+    return read_json(checkpoint_dir, SCHEDULE_FILE) if os.path.isfile(path) else {}
 
 
 def write_layout(checkpoint_dir: str, layout: dict) -> None:

@@ -26,6 +26,12 @@ class VariantHooks:
         """Before the optimizer sees the parameters: `requires_grad` off for those that must not
         learn in this run (`retrofit`: only what the variant adds to a pretrained model learns)."""
 
+    @contextlib.contextmanager
+    def training(self, model: torch.nn.Module, iteration: int, start: int) -> Iterator[None]:
+        """The training step after `iteration` runs inside the block: a variant with a schedule
+        counted from iteration `start` (resume.variant_schedule) sets its phase for it."""
+        yield
+
     def other_modes(self) -> Tuple[str, ...]:
         """Modes validated beside the run's own, each logged as "validation MODE"."""
         return ()

@@ -57,6 +57,7 @@ from megatron_focus.checkpoint.format import (
     write_atomically,
     write_layout,
     write_model_args,
+    write_schedule,
 )
 from megatron_focus.checkpoint.lock import FolderInUse, FolderLock, FolderLost
 from megatron_focus.checkpoint.saved import SavedCheckpoint
@@ -107,6 +108,7 @@ class Records:
     tokenizer: TokenizerRecord
     layout: dict
     retrofit_base: Optional[dict] = None
+    schedule: Optional[dict] = None  # a variant's (resume.variant_schedule)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -119,6 +121,8 @@ class Records:
             write_atomically(os.path.join(folder, NO_OPTIMIZER), "saved with --no-save-optim\n")
         write_model_args(folder, self.model_args)
         write_layout(folder, self.layout)
+        if self.schedule is not None:
+            write_schedule(folder, self.schedule)
         self.tokenizer.write(folder)
 
 
@@ -208,6 +212,7 @@ def _records(args: RunConfig, plan: ResumePlan, vocab_size: int) -> Records:
         TokenizerRecord.of_run(vocab_size, *tokenizer_choice(args)),
         layouts.record(args, padded),
         plan.retrofit_base,
+        resume.variant_schedule(plan, args),
     )
 
 

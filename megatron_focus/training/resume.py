@@ -40,6 +40,7 @@ from megatron_focus.checkpoint.format import (
     check_compatible,
     complete_tags,
     iteration_of,
+    read_schedule,
     resume_tag,
 )
 from megatron_focus.checkpoint.safe_load import check_safe_to_load, load_file
@@ -66,6 +67,9 @@ class ResumePlan:
     load_optimizer: bool = True
     load_rng: bool = True
     retrofit_base: Optional[dict] = None
+    # The iteration a variant's schedule counts from (Focus's dense warm-up): a resumed
+    # checkpoint's record's, else where this run starts.
+    schedule_start: int = 0
 
     def may_miss(self, name: str) -> bool:
         """A weight the checkpoint need not hold: the routers when adding Focus; every other
@@ -114,6 +118,9 @@ def plan(args: RunConfig) -> ResumePlan:
         base_load, base_tag = os.path.split(base_path or path)
         retrofit_base = {"load": base_load, "tag": base_tag}
     layout = layouts.change(args, path) if kind == RESUME else None
+    start = 0
+    if kind == RESUME:
+        start = read_schedule(path).get("start", iteration_of(os.path.basename(path)))
     return ResumePlan(
         kind,
         checkpoint,
@@ -122,7 +129,37 @@ def plan(args: RunConfig) -> ResumePlan:
         load_optimizer=not args.no_load_optim,
         load_rng=not args.no_load_rng and layout is None,
         retrofit_base=retrofit_base,
+        schedule_start=start,
     )
+
+
+def variant_schedule(plan: ResumePlan, args: RunConfig) -> Optional[dict]:
+    """The schedule this run's checkpoints record (None: it has none): Focus's dense warm-up."""
+    settings = variant(args.attention).settings_from(args)
+    iters = getattr(settings, "dense_warmup_iters", 0)
+    return {"start": plan.schedule_start, "dense_warmup_iters": iters} if iters else None
+
+
+def _check_warmup(plan: ResumePlan, args: RunConfig) -> None:
+    """A resume that would change the dense warm-up its checkpoint is in (or has ahead of it):
+    refused, so that a resume neither skips nor stretches it."""
+    saved = read_schedule(plan.checkpoint.path)
+    if not saved.get("dense_warmup_iters"):
+        return  # a schedule the run adds begins at the checkpoint's iteration
+    iteration = iteration_of(os.path.basename(plan.checkpoint.path))
+    ours = (variant_schedule(plan, args) or {}).get("dense_warmup_iters", 0)
+    start, theirs = saved["start"], saved["dense_warmup_iters"]
+
+    def ahead(iters):  # the warm-up's iterations from the checkpoint on
+        return range(max(iteration, start), start + iters)
+
+    if ahead(ours) != ahead(theirs) and (len(ahead(ours)) or len(ahead(theirs))):
+        raise ValueError(
+            f"{plan.checkpoint.path} is at iteration {iteration} of a run with a dense warm-up "
+            f"of {theirs} iterations from iteration {start}; this run asks "
+            f"--focus-dense-warmup-iters {ours}: resume with --focus-dense-warmup-iters "
+            f"{theirs}, or start anew from its weights with --finetune"
+        )
 
 
 # A Megatron-LM checkpoint is read at any TP size, each weight's shape checked as it loads.
@@ -159,6 +196,7 @@ def check(plan: ResumePlan, args: RunConfig, ours: dict) -> None:
     if plan.kind != RESUME:
         return
     checkpoint, layout = plan.checkpoint.path, plan.layout
+    _check_warmup(plan, args)
     if plan.checkpoint.megatron_lm:
         if plan.load_optimizer:
             raise ValueError(

@@ -29,6 +29,7 @@ from megatron_focus.config.run_config import RunConfig
 from megatron_focus.data.loader import micro_batches, to_device
 from megatron_focus.data.sources import data_prefixes, datasets_for, tokenizer_for
 from megatron_focus.deepspeed_builds import skip_unused_builds
+from megatron_focus.model.auxiliary import AuxiliaryLoss
 from megatron_focus.model.flops import flops_per_token
 from megatron_focus.model.gpt import build_model
 from megatron_focus.model.kernels import kernels
@@ -105,7 +106,9 @@ def _train(args: RunConfig, checkpointer: Checkpointer, rank0: bool, started: fl
             batch_size = global_batch.running(consumed)
             _set_global_batch(engine, batch_size, args)
             log_now = (iteration + 1) % args.log_interval == 0 or iteration + 1 == args.train_iters
-            with hooks.recording(engine.module) if log_now else contextlib.nullcontext():
+            recording = hooks.recording(engine.module) if log_now else contextlib.nullcontext()
+            start = checkpointer.plan.schedule_start
+            with recording, hooks.training(engine.module, iteration, start):
                 loss, zeros = train_step(
                     engine, batches, args, log_now and args.log_num_zeros_in_grad
                 )
@@ -244,6 +247,7 @@ def train_step(
     """
     engine.train()
     micro = engine.gradient_accumulation_steps()
+    AuxiliaryLoss.scale = _auxiliary_scale(engine)
     step = [next(batches) for _ in range(micro)]
     per_token = None
     if args.calculate_per_token_loss:  # DeepSpeed divides by the micro-batches and DP x CP ranks
@@ -412,6 +416,17 @@ def evaluate(engine, batches, args: RunConfig) -> float:
     finally:
         engine.train()
     return (_mean_over_data_parallel(total) / _mean_over_data_parallel(count)).item()
+
+
+def _auxiliary_scale(engine) -> float:
+    """The gradient an auxiliary loss receives in a micro-batch's backward (model/auxiliary.py):
+    what the main loss is scaled by, by `lm_loss` (the context-parallel size) and by DeepSpeed's
+    backward (1 / gradient accumulation steps, and fp16's loss scale)."""
+    scale = parallel_state.get_context_parallel_world_size() / engine.gradient_accumulation_steps()
+    if engine.fp16_enabled():
+        optimizer = engine.optimizer
+        scale *= float(getattr(optimizer, "cur_scale", getattr(optimizer, "loss_scale", 1.0)))
+    return scale
 
 
 def lm_loss(engine, batch: dict, tokens: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -39,8 +39,10 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_focus import platform
 from megatron_focus.checkpoint.format import current_name
+from megatron_focus.model.auxiliary import AuxiliaryLoss
 from megatron_focus.model.core_attention import CoreAttention
 from megatron_focus.model.documents import document_starts
+from megatron_focus.model.focus.distill import distant_groups, distillation_loss
 from megatron_focus.model.focus.focus_gate import focus_attention
 from megatron_focus.model.focus.focus_sparse import sparse_focus_attention
 from megatron_focus.model.focus.groups import Routing
@@ -48,7 +50,7 @@ from megatron_focus.model.focus.routing_quality import kept_mass
 from megatron_focus.model.hooks import VariantHooks
 from megatron_focus.model.kernels import kernels
 from megatron_focus.model.xsa import XSAMixin
-from megatron_focus.parallel.context_parallel import gather_sequence, positions
+from megatron_focus.parallel.context_parallel import chunk_ids, gather_sequence, positions
 from megatron_focus.parallel.tensor_parallel import sum_grad_over_tensor_parallel
 from megatron_focus.variants import FOCUS_MODES, FocusConfig
 
@@ -79,8 +81,11 @@ class Router(torch.nn.Module):
         """The sequence positions of this context-parallel rank's `length` tokens."""
         return positions(length, self.cp_group.rank(), self.cp_group.size(), device)
 
-    def forward(self, hidden_states: torch.Tensor, doc_start=None) -> Routing:
-        """`doc_start` [b, s]: each token's document start, with packed documents (documents.py)."""
+    def forward(self, hidden_states: torch.Tensor, doc_start=None, shared: bool = True) -> Routing:
+        """`doc_start` [b, s]: each token's document start, with packed documents (documents.py).
+        `shared`: the routing feeds this rank's heads, whose gradients are summed over the
+        tensor-parallel ranks, and its statistics are recorded; else (the distillation's) every
+        rank computes the same loss from it."""
         r = self.proj(hidden_states)
         if self.sequence_parallel:
             # Each rank then sends back the full gradient of its slice: split, not reduce-scatter.
@@ -94,7 +99,7 @@ class Router(torch.nn.Module):
         else:
             log_g = self.sinkhorn(*inputs)
         routing = Routing.of(log_g, doc_start)
-        if self.record_stats:
+        if self.record_stats and shared:
             with torch.no_grad():
                 self.stats = group_stats(
                     gather_routing(routing, self.cp_group),
@@ -102,7 +107,7 @@ class Router(torch.nn.Module):
                     self.focus.window,
                     self.focus.sink_tokens,
                 )
-        if self.tp > 1:
+        if self.tp > 1 and shared:
             routing = routing._replace(log_g=sum_grad_over_tensor_parallel(log_g))
         return routing
 
@@ -254,6 +259,7 @@ class FocusAttention(CoreAttention):
         )
         self.sparse = kernels.lse_attention(device)
         self.mass_sample: Optional[int] = 0  # the kept mass's queries (`recording_statistics`)
+        self.dense = False  # attend as standard attention (a dense warm-up, FocusHooks)
 
     @classmethod
     def spec(cls, focus: FocusConfig) -> ModuleSpec:
@@ -270,10 +276,63 @@ class FocusAttention(CoreAttention):
         if attention_mask is not None:
             rows = None if self.cp_group is None else self.router.positions(query.shape[0])
             doc_start = document_starts(attention_mask, query.shape[1], rows)
-        routing = self.router(hidden_states, doc_start)
+        if self.dense:  # the routing serves the distillation alone
+            with torch.no_grad():
+                routing = self.router(hidden_states, doc_start)
+        else:
+            routing = self.router(hidden_states, doc_start)
         if self.router.record_stats and self.mass_sample != 0:
             self.router.stats["kept-mass"] = self.sampled_kept_mass(query, key, routing)
-        return super().forward(query, key, value, None, routing=routing, **kwargs)
+        mask = attention_mask if self.dense else None  # Focus's rule takes documents as routed
+        out = super().forward(query, key, value, mask, routing=routing, **kwargs)
+        if self.training and self.focus.distill_coeff > 0 and torch.is_grad_enabled():
+            loss = self.distillation_loss(query, key, hidden_states, doc_start)
+            if self.router.record_stats:  # one process's: the context-parallel shares summed
+                whole = loss.detach().clone()
+                if self.cp_group is not None:
+                    dist.all_reduce(whole, group=self.cp_group)
+                self.router.stats["distill-loss"] = whole
+            out = AuxiliaryLoss.apply(out, loss * self.focus.distill_coeff)
+        return out
+
+    def distillation_loss(self, query, key, hidden_states, doc_start) -> torch.Tensor:
+        """The routers' distillation loss on this micro-batch (distill.py): this rank's
+        share of it, the shares of the context-parallel ranks adding up to one process's; the
+        router run again on the detached hidden state, so that only it learns from the loss."""
+        log_g = self.router(hidden_states.detach(), doc_start, shared=False).log_g
+        q, k = (t.detach().permute(1, 2, 0, 3) for t in (query, key))
+        keys = Routing.of(log_g.detach(), doc_start)
+        if self.cp_group is not None:  # every key: the whole sequence's, from every rank
+            k = gather_sequence(k, 2, self.cp_group)
+            keys = gather_routing(keys, self.cp_group)
+        keys_g = torch.nn.functional.one_hot(keys.groups[..., 0], log_g.shape[-1]).float()
+        docs = keys.doc_start
+        focus, parts = self.focus, []
+        chunks = [(slice(None), 0)]
+        if self.cp_group is not None:  # this rank's two chunks, at their positions
+            size = q.shape[2] // 2
+            chunks = [
+                (slice(slot * size, (slot + 1) * size), index * size)
+                for slot, index in enumerate(chunk_ids(self.cp_group.rank(), self.cp_group.size()))
+            ]
+        for rows, offset in chunks:
+            end = offset + q[:, :, rows].shape[2]
+            parts.append(
+                distant_groups(
+                    q[:, :, rows], k[:, :, :end], keys_g[:, :end], focus.window,
+                    self.softmax_scale, focus.sink_tokens,
+                    None if docs is None else docs[:, :end], offset,
+                )
+            )  # fmt: skip
+        sums, masses = (torch.cat(part, dim=1) for part in zip(*parts))
+        if self.router.tp > 1:  # every rank's heads
+            for t in (sums, masses):
+                dist.all_reduce(t, group=get_tensor_model_parallel_group())
+        heads = self.heads * self.router.tp
+        total = masses.sum() / heads
+        if self.cp_group is not None:
+            dist.all_reduce(total, group=self.cp_group)
+        return distillation_loss(log_g, sums, masses, heads, total)
 
     @torch.no_grad()
     def sampled_kept_mass(self, query, key, routing: Routing) -> torch.Tensor:
@@ -307,12 +366,17 @@ class FocusAttention(CoreAttention):
         return {"routing": gather_routing(routing, self.cp_group)}
 
     def attend_rows(self, q, k, v, attention_mask, offset: int, routing: Routing):
+        if self.dense:
+            return CoreAttention.attend_rows(self, q, k, v, attention_mask, offset)
         return self.attend(q, k, v, attention_mask, routing, offset)
 
-    def attend(self, q, k, v, attention_mask, routing, offset: int = 0):
+    def attend(self, q, k, v, attention_mask, routing=None, offset: int = 0):
         """`offset`: the queries are positions [offset, offset + nq) of the keys' sequence
         (context parallelism's chunks, which take the hard rule by masked chunks in sparse
-        mode: the sparse dispatch attends whole sequences)."""
+        mode: the sparse dispatch attends whole sequences). Dense (a warm-up): standard
+        attention under Megatron's mask."""
+        if self.dense:
+            return CoreAttention.attend(self, q, k, v, attention_mask)
         focus, sparse = self.focus, self.focus.attention_mode == "sparse"
         whole = self.cp_group is None
         if sparse and whole:  # kept pairs only
@@ -356,14 +420,32 @@ class FocusHooks(VariantHooks):
     settings: FocusConfig
 
     def banner(self) -> str:
-        return f"Focus {self.settings.gate} gate"
+        settings, parts = self.settings, [f"Focus {self.settings.gate} gate"]
+        if settings.distill_coeff:
+            parts.append(f"routers distilled (x{settings.distill_coeff:g})")
+        if settings.dense_warmup_iters:
+            parts.append(f"dense warm-up of {settings.dense_warmup_iters} iterations")
+        return ", ".join(parts)
 
     def freeze(self, model: torch.nn.Module, retrofit: bool) -> None:
         if retrofit:
             train_routers_only(model)
-        elif self.settings.attention_mode == "sparse":
-            freeze_routers(model)
+        elif self.settings.attention_mode == "sparse" and not self.settings.distill_coeff:
+            freeze_routers(model)  # (distilled, they learn in sparse mode too)
         freeze_router_controls(model, self.settings.router)
+
+    @contextlib.contextmanager
+    def training(self, model: torch.nn.Module, iteration: int, start: int):
+        """Dense attention in the warm-up's steps (validation keeps the run's modes)."""
+        dense = start <= iteration < start + self.settings.dense_warmup_iters
+        layers = [m for m in model.modules() if isinstance(m, FocusAttention)]
+        for layer in layers:
+            layer.dense = dense
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.dense = False
 
     def other_modes(self) -> Tuple[str, ...]:
         return tuple(m for m in FOCUS_MODES if m != self.settings.attention_mode)
@@ -383,14 +465,21 @@ class FocusHooks(VariantHooks):
         return focus_statistics(model)
 
     def summary(self, values: dict) -> str:
-        """The worst layer's largest group and the mean share of pairs kept."""
+        """The worst layer's largest group, the mean share of pairs kept, and where measured the
+        mean share of the dense attention's mass they keep and the distillation loss."""
         if not values:
             return ""
         largest = max(v for k, v in values.items() if k.endswith("largest-group"))
-        kept = [v for k, v in values.items() if k.endswith("pairs-kept")]
-        return (
-            f" | focus largest group: {largest:.3f} | focus pairs kept: {sum(kept) / len(kept):.3f}"
-        )
+        line = f" | focus largest group: {largest:.3f}"
+        for name, label in (
+            ("pairs-kept", "pairs kept"),
+            ("kept-mass", "kept mass"),
+            ("distill-loss", "router loss"),
+        ):
+            found = [v for k, v in values.items() if k.endswith(name)]
+            if found:
+                line += f" | focus {label}: {sum(found) / len(found):.3f}"
+        return line
 
 
 def train_routers_only(model: torch.nn.Module) -> None:
