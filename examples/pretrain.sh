@@ -99,7 +99,9 @@ LAUNCHER="${LAUNCHER:-$d_launcher}" FOCUS_GROUPS="${FOCUS_GROUPS:-$d_focus_group
 SAVE_INTERVAL="${SAVE_INTERVAL:-$d_save_interval}" EVAL_INTERVAL="${EVAL_INTERVAL:-$d_eval_interval}"
 EVAL_ITERS="${EVAL_ITERS:-$d_eval_iters}" LOG_INTERVAL="${LOG_INTERVAL:-$d_log_interval}"
 DS_CONFIG="${DS_CONFIG:-$ROOT/examples/ds_zero${ZERO}_bf16.json}"
-RUN_NAME="${RUN_NAME:-$MODEL-${ATTENTION/+/-}-seed$SEED}"
+# a smoke run gets a folder of its own: the real recipe's stays for the real run
+if [[ "${SMOKE:-0}" == 1 ]]; then smoke=-smoke; else smoke=""; fi
+RUN_NAME="${RUN_NAME:-$MODEL-${ATTENTION/+/-}-seed$SEED$smoke}"
 RUN_DIR="${RUN_DIR:-runs/$RUN_NAME}"
 CKPT="${CKPT:-$RUN_DIR/checkpoints}" TB="${TB:-$RUN_DIR/tensorboard}"
 # The dataset index cache must be one folder every rank of every node sees (rank 0 writes it):

@@ -11,7 +11,7 @@
 #
 # What you bring (nothing is downloaded here):
 #   HF_DIR  the model as `save_pretrained` writes it, with its tokenizer.json, e.g.
-#           `huggingface-cli download gpt2 --local-dir gpt2`
+#           `hf download gpt2 --local-dir gpt2`
 #   PG19    a copy of PG-19 with `train/` and `validation/` folders of .parquet or .jsonl files
 #           holding a `text` field (e.g. the `deepmind/pg19` dataset)
 #
@@ -55,7 +55,9 @@ if [[ "${SMOKE:-0}" == 1 ]]; then
   d_iters=6 d_seq=64 d_gbs=4 d_mbs=2 d_launcher=python d_gpus=1 d_ds_config="" d_window=16
   d_eval_iters=2 d_eval_interval=3
 fi
-RUN_DIR="${RUN_DIR:-runs/retrofit-$MODEL}"
+# a smoke run gets a folder of its own: the real recipe's stays for the real run
+if [[ "${SMOKE:-0}" == 1 ]]; then smoke=-smoke; else smoke=""; fi
+RUN_DIR="${RUN_DIR:-runs/retrofit-$MODEL$smoke}"
 DATA_DIR="${DATA_DIR:-$RUN_DIR/data}"
 TRAIN_ITERS="${TRAIN_ITERS:-$d_iters}" SEQ="${SEQ:-$d_seq}" GBS="${GBS:-$d_gbs}"
 MBS="${MBS:-$d_mbs}" LR="${LR:-$d_lr}" FOCUS_GROUPS="${FOCUS_GROUPS:-$d_groups}"

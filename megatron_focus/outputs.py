@@ -3,7 +3,10 @@
 A tool's result (an HF export, an imported checkpoint) is written into a temporary sibling
 folder and renamed to its name at the end: a failure leaves what was there before, untouched,
 and nothing that looks complete. A folder that already holds files is replaced only when the
-user says so (`--overwrite`), and then only once the new one is complete.
+user says so (`--overwrite`), and then only once the new one is complete. What it holds gets
+the permissions the user's umask gives new files (a temporary folder is made owner-only, and
+some writers make their files so): teammates on a shared cluster read a model as they read any
+file.
 """
 
 import contextlib
@@ -39,6 +42,7 @@ def fresh_folder(path: str, overwrite: bool = False) -> Iterator[str]:
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
+    honour_umask(partial)
     if os.path.isdir(path):  # empty, or --overwrite: moved aside, then removed
         old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=os.path.dirname(path))
         os.rename(path, os.path.join(old, "replaced"))
@@ -46,3 +50,23 @@ def fresh_folder(path: str, overwrite: bool = False) -> Iterator[str]:
         shutil.rmtree(old)
     else:
         os.rename(partial, path)
+
+
+def umask() -> int:
+    """The process's umask (read by setting it and putting it back)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def honour_umask(folder: str) -> None:
+    """`folder` and everything in it as if created under the umask: folders 0777 & ~umask,
+    files 0666 & ~umask (keeping an executable's execute bits)."""
+    mask = umask()
+    for root, folders, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                execute = os.stat(path).st_mode & 0o111
+                os.chmod(path, (0o666 | (execute and 0o111)) & ~mask)

@@ -403,6 +403,12 @@ CASES = [
     ),
     Case(
         P,
+        "a data path given with its .bin",
+        TINY + ["--data-path", "{data}.bin", *DATA[2:]],
+        r"without the suffix: --data-path .*_text_document$",
+    ),
+    Case(
+        P,
         "a tokenizer model that does not exist",
         TINY + DATA[:4] + ["--tokenizer-model", "{tmp}/none.model"],
         r"none.model",

@@ -202,6 +202,20 @@ def test_recipe_smoke_runs_on_the_cpu(model, attention, tmp_path, embedded_cache
         assert "--sequence-parallel" in stdout and "TP 2, DP 1, ZeRO 1" in stdout
 
 
+def test_a_smoke_run_keeps_out_of_the_real_runs_folder():
+    """SMOKE=1 writes to a folder of its own: the real recipe's, left alone, does not hold a
+    tiny model it would refuse as another model's."""
+    real, _, _ = _dry_run("0.7b", "focus")
+    smoke, _, _ = _dry_run("0.7b", "focus", SMOKE=1)
+    assert real["RUN_DIR"] == "runs/0.7b-focus-seed1234"
+    assert smoke["RUN_DIR"] == "runs/0.7b-focus-seed1234-smoke"
+    retrofit = subprocess.run(
+        ["bash", "-c", 'source <(sed -n "/smoke/p" examples/retrofit.sh); echo "$RUN_DIR"'],
+        env=_env(SMOKE=1, MODEL="gpt2"), capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert retrofit.stdout.strip() == "runs/retrofit-gpt2-smoke"
+
+
 def test_recipe_refuses_bad_settings():
     out = _script(SCRIPT, DRY_RUN=1, MODEL="3b")
     assert out.returncode == 2 and "MODEL=3b: choose 0.7b, 1.4b, 2.7b or 7b" in out.stderr

@@ -3,11 +3,11 @@
 Download a FineWeb sample first (sample/10BT is tens of GB of parquet; sample/100BT is the XSA
 paper's FineWeb-100BT):
 
-    huggingface-cli download HuggingFaceFW/fineweb --repo-type dataset \
+    hf download HuggingFaceFW/fineweb --repo-type dataset \
         --include "sample/10BT/*" --local-dir fineweb
 
 GPT-2's tokenizer (the XSA paper's; get its tokenizer.json with
-`huggingface-cli download openai-community/gpt2 tokenizer.json --local-dir gpt2`):
+`hf download openai-community/gpt2 tokenizer.json --local-dir gpt2`):
 
     python tools/prepare_fineweb.py --input 'fineweb/sample/10BT/*.parquet' \
         --output-prefix data/fineweb-gpt2 \

@@ -180,7 +180,7 @@ class FolderLock:
         path, took_over = os.path.join(folder, LOCK), None
         while True:
             try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)  # the umask
                 break
             except FileExistsError:
                 found = _read(path)

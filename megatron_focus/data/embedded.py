@@ -12,6 +12,7 @@ import tempfile
 from megatron_focus.data.corpus import write_stdlib_corpus
 from megatron_focus.data.preprocess import output_prefix_for, preprocess
 from megatron_focus.data.sentencepiece_trainer import train_sentencepiece
+from megatron_focus.outputs import honour_umask
 
 NAME = "embedded-v1"  # bump when the recipe below changes, so old caches are not reused
 VOCAB_SIZE = 4096  # ~3.5 chars/token on this corpus; small enough for a tiny model's embedding
@@ -53,7 +54,7 @@ def ensure_embedded_data(cache_dir: str) -> tuple[str, str]:
             [corpus], os.path.join(tmp, "stdlib"), TOKENIZER_TYPE, tmp_model, append_eod=True
         )
         print(f"[embedded data] {stats.docs} documents, {stats.tokens} tokens")
-        os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only
+        honour_umask(tmp)  # mkdtemp makes it owner-only
         try:
             os.rename(tmp, final)
         except OSError:

@@ -26,6 +26,12 @@ def check_indexed_dataset(prefix: str, vocab_size: int) -> None:
     bin_path, idx_path = get_bin_path(prefix), get_idx_path(prefix)
     missing = [p for p in (bin_path, idx_path) if not os.path.isfile(p)]
     if missing:
+        stem, suffix = os.path.splitext(prefix)
+        if suffix in (".bin", ".idx") and os.path.isfile(stem + ".bin"):
+            raise FileNotFoundError(
+                f"--data-path {prefix}: a data path is the prefix of the .bin/.idx pair, "
+                f"without the suffix: --data-path {stem}"
+            )
         raise FileNotFoundError(
             f"--data-path {prefix}: missing {' and '.join(missing)}; a data path is the "
             "prefix of a .bin/.idx pair from tools/preprocess_data.py, e.g. <out>_text_document"

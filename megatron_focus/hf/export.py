@@ -83,7 +83,46 @@ def export_to_hf(
         model.save_pretrained(partial, max_shard_size=max_shard_size)
         _write_rope_for_transformers4(os.path.join(partial, "config.json"))
         _ship_layers(partial, layers)
+        _write_model_card(partial, save_dir, family, arch, tag_dir, tokenizer is not None)
     return families.HF_CLASS[family]
+
+
+def _write_model_card(folder, save_dir, family, arch, tag_dir: str, has_tokenizer: bool) -> None:
+    """The folder's README.md: what it is and how it loads. A custom class's folder needs
+    `trust_remote_code=True` for its tokenizer too: transformers 5's `AutoTokenizer` reads the
+    model's config first, which is this folder's own code, and without the flag asks on the
+    terminal whether to run it."""
+    custom = family == families.CUSTOM
+    flag = ", trust_remote_code=True" if custom else ""
+    name = os.path.basename(os.path.normpath(save_dir))
+    lines = [
+        "---",
+        "library_name: transformers",
+        "tags: [megatron-focus]",
+        "---",
+        "",
+        f"# {families.HF_CLASS[family]} exported by megatron-focus",
+        "",
+        f"Attention: `{arch.attention}`, {arch.num_layers} layers, hidden {arch.hidden_size}, "
+        f"{arch.num_attention_heads} heads; from checkpoint `{os.path.basename(tag_dir)}`.",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f'model = AutoModelForCausalLM.from_pretrained("{name}"{flag})',
+    ]
+    if has_tokenizer:
+        lines.append(f'tokenizer = AutoTokenizer.from_pretrained("{name}"{flag})')
+    lines.append("```")
+    if custom:
+        lines += [
+            "",
+            "The model's code is in this folder (`modeling_megatron_focus.py`; it needs only torch "
+            "and transformers): both calls take `trust_remote_code=True`, the tokenizer's too "
+            "(`AutoTokenizer` reads the model's config, which is that code).",
+        ]
+    with open(os.path.join(folder, "README.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def _family_loading_the_tokenizer(family, why, config, arch, special_tokens, tokenizer, folder):
