@@ -10,10 +10,25 @@ file.
 """
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
 from typing import Iterator
+
+
+def check_writable(flag: str, folder: str) -> None:
+    """That `folder` can be created and written, without creating it (the first write will)."""
+    existing = os.path.abspath(folder)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    try:
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {folder}: cannot write there ({e.strerror})") from None
 
 
 def check_fresh(path: str, overwrite: bool) -> None:

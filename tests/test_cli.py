@@ -146,3 +146,44 @@ def test_deepspeed_flags_are_deepspeeds_own():
     theirs = deepspeed.add_config_arguments(argparse.ArgumentParser())
     options = {o for a in theirs._actions for o in a.option_strings} - {"-h", "--help"}
     assert described(build_parser(), options) == described(theirs, options) and options
+
+
+@pytest.mark.parametrize(
+    "argv, error",
+    [
+        (["--num-layers", "0"], "--num-layers 0: must be at least 1"),
+        (["--num-attention-heads", "6", "--tensor-model-parallel-size", "4"], "not divisible"),
+        (["--attention", "focus", "--focus-groups", "0"], "--focus-groups 0"),
+        (
+            ["--data-path", "{tmp}/none_text_document", "--tokenizer-type",
+             "SentencePieceTokenizer", "--tokenizer-model", "{tmp}/none.model"],
+            "--tokenizer-model {tmp}/none.model: no such file",
+        ),
+        (
+            ["--data-path", "{tmp}/none_text_document", "--tokenizer-type", "NullTokenizer",
+             "--vocab-size", "100"],
+            "--data-path {tmp}/none_text_document: missing",
+        ),
+        (["--load", "{tmp}/no-run"], "--load {tmp}/no-run: no checkpoint there"),
+        (["--save", "/proc/no-such"], "--save /proc/no-such: cannot write there"),
+    ],
+    ids=["range", "divisibility", "focus", "tokenizer", "data", "load", "save"],
+)  # fmt: skip
+def test_a_refusal_needs_no_library_loaded(tmp_path, argv, error):
+    """Refusals of flags and paths come before torch, DeepSpeed or Megatron-Core is imported
+    (each takes seconds to load): the command answers at once."""
+    import subprocess
+    import sys
+
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    code = (
+        "import sys, pretrain_gpt\n"
+        f"try:\n    pretrain_gpt.main({argv!r})\nexcept pretrain_gpt.cli.USER_ERRORS as e:\n"
+        "    print('error:', e)\n"
+        "print(sorted(m for m in ('torch', 'deepspeed', 'megatron') if m in sys.modules))"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+    lines = out.stdout.strip().splitlines()
+    assert error.format(tmp=tmp_path) in lines[0], out.stdout + out.stderr[-2000:]
+    assert lines[-1] == "[]", out.stdout

@@ -13,13 +13,18 @@ from megatron_focus.config.flags import SEQ_LENGTH
 from megatron_focus.config.global_batch import GlobalBatch
 from megatron_focus.config.run_config import RunConfig
 from megatron_focus.data import reads_data_files
+from megatron_focus.data.paths import check_data_prefix, check_tokenizer_files, data_prefixes
+from megatron_focus.outputs import check_writable
 from megatron_focus.variants import VARIANTS, FocusConfig, settings_classes, variant
 
 
 def _gpu() -> bool:
-    from megatron_focus import platform  # here, not at import: --help needs no torch
+    """Whether this process has a GPU, asked of torch alone (~2 s to import), not of
+    `platform.has_cuda`, whose module brings Megatron-Core (several seconds more) for a refusal
+    that needs none of it."""
+    import torch  # here, not at import: --help and the flags' refusals need no torch
 
-    return platform.has_cuda()
+    return torch.cuda.is_available()
 
 
 AT_LEAST = {
@@ -304,6 +309,8 @@ def _validate_focus(args: argparse.Namespace, training: bool) -> None:
             "--retrofit trains the routers alone, which --focus-router random freezes: nothing "
             "would train (random-centroids trains W_g)"
         )
+    if not variant(args.attention).focus or focus.kernel == "auto":
+        return  # (auto takes a kernel that runs: nothing to refuse, nor torch to import)
     if focus.kernel == "flex" and not _gpu():
         raise ValueError(
             "--focus-kernel flex needs a GPU: FlexAttention has no CPU backward "
@@ -313,8 +320,8 @@ def _validate_focus(args: argparse.Namespace, training: bool) -> None:
 
     from megatron_focus.model.kernels.kernels import soft_gate
 
-    # fused kernels: no dropout nor context parallelism; Triton: installed, and interpreted on
-    # the CPU
+    # a kernel asked by name: fused ones take no dropout nor context parallelism; Triton is
+    # installed, and interpreted on the CPU
     soft_gate(
         focus.kernel,
         torch.device("cuda" if _gpu() else "cpu"),
@@ -434,6 +441,27 @@ def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:
     return world_size // (args.tensor_model_parallel_size * args.context_parallel_size)
 
 
+def _check_paths(args: argparse.Namespace) -> None:
+    """The files and folders the flags name, on the file system alone (data/paths.py): what a
+    run would refuse once its libraries had loaded, refused in a fraction of a second."""
+    if reads_data_files(args) and args.tokenizer_type is not None:
+        check_tokenizer_files(
+            args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file
+        )
+        for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+            flag = "--" + name.replace("_", "-")
+            for prefix in data_prefixes(getattr(args, name), flag):
+                check_data_prefix(prefix, flag)
+    own_run = args.load and os.path.abspath(args.load) == os.path.abspath(args.save or "")
+    for name in ("load", "pretrained_checkpoint"):
+        folder = getattr(args, name)
+        if folder and not os.path.isdir(folder) and not (name == "load" and own_run):
+            flag = "--" + name.replace("_", "-")
+            raise FileNotFoundError(f"{flag} {folder}: no checkpoint there (no such folder)")
+    if args.save:
+        check_writable("--save", args.save)
+
+
 def _validate_training(args: argparse.Namespace, world_size: int) -> None:
     if args.zero_stage == 3 and args.tensor_model_parallel_size > 1:
         raise ValueError("ZeRO stage 3 is supported with --tensor-model-parallel-size 1 only")
@@ -487,6 +515,7 @@ def _validate_training(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--retrofit adds Focus routers: it needs --attention {focus}")
     if (args.retrofit or args.finetune) and not args.load:
         raise ValueError("--retrofit and --finetune need --load (the pretrained checkpoint)")
+    _check_paths(args)
     if args.distributed_backend == "nccl" and not _gpu():
         raise ValueError("--distributed-backend nccl needs GPUs; without one the backend is gloo")
     if args.profile:

@@ -22,6 +22,7 @@ from megatron.core.datasets.utils import Split
 from megatron.core.tokenizers import MegatronTokenizerBase
 
 from megatron_focus.data.indexed import check_indexed_dataset
+from megatron_focus.data.paths import check_blend_words
 
 _SPLIT_RE = re.compile(r"\d+(\.\d*)?(,\d+(\.\d*)?){0,2}")
 
@@ -38,13 +39,7 @@ def blend_of(data_path: list, flag: str = "--data-path") -> tuple[list, Optional
     or weighted pairs (`w1 p1 w2 p2 ...`), as (prefixes, weights or None); malformed weights
     refused by value."""
     if _number(data_path[0]) is None:
-        for i in range(0, len(data_path) - 1, 2):  # `heavy p1 light p2`: words for weights?
-            if not _is_prefix(data_path[i]) and _is_prefix(data_path[i + 1]):
-                raise ValueError(
-                    f"{flag} {data_path[i]}: neither a blend weight (a number) nor a data "
-                    f"prefix (no {data_path[i]}.bin/.idx); a blend alternates weights and "
-                    "prefixes: w1 p1 w2 p2 ..."
-                )
+        check_blend_words(list(data_path), flag)
         return list(data_path), None
     if len(data_path) % 2:
         raise ValueError(
@@ -62,10 +57,6 @@ def blend_of(data_path: list, flag: str = "--data-path") -> tuple[list, Optional
     if not any(_number(w) for w in weights):
         raise ValueError(f"{flag}: every blend weight is 0")
     return list(prefixes), [_number(w) for w in weights]
-
-
-def _is_prefix(path: str) -> bool:
-    return os.path.isfile(path + ".bin") and os.path.isfile(path + ".idx")
 
 
 def build_datasets(

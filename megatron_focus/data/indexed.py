@@ -16,6 +16,8 @@ from megatron.core.datasets.indexed_dataset import (
     get_idx_path,
 )
 
+from megatron_focus.data.paths import check_data_prefix
+
 SCAN_CHUNK_TOKENS = 1 << 24
 _HEADER = struct.Struct(f"<{len(_INDEX_HEADER)}sQBQQ")
 
@@ -24,18 +26,7 @@ def check_indexed_dataset(prefix: str, vocab_size: int) -> None:
     """Raise FileNotFoundError/ValueError unless `prefix` is a complete dataset within
     `vocab_size`."""
     bin_path, idx_path = get_bin_path(prefix), get_idx_path(prefix)
-    missing = [p for p in (bin_path, idx_path) if not os.path.isfile(p)]
-    if missing:
-        stem, suffix = os.path.splitext(prefix)
-        if suffix in (".bin", ".idx") and os.path.isfile(stem + ".bin"):
-            raise FileNotFoundError(
-                f"--data-path {prefix}: a data path is the prefix of the .bin/.idx pair, "
-                f"without the suffix: --data-path {stem}"
-            )
-        raise FileNotFoundError(
-            f"--data-path {prefix}: missing {' and '.join(missing)}; a data path is the "
-            "prefix of a .bin/.idx pair from tools/preprocess_data.py, e.g. <out>_text_document"
-        )
+    check_data_prefix(prefix)
     if os.path.getsize(bin_path) == 0:
         raise ValueError(f"{bin_path} is empty: the dataset has no tokens")
     _check_idx_size(idx_path)

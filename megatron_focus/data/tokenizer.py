@@ -18,6 +18,7 @@ import tokenizers
 from megatron.core.tokenizers import MegatronTokenizerBase
 
 from megatron_focus.config.choices import TOKENIZER_TYPES
+from megatron_focus.data.paths import check_tokenizer_files
 
 # Without a `tokenizer_config.json` naming its eos token, tried in order: the first one in the
 # vocabulary marks document ends.
@@ -307,21 +308,12 @@ def build_tokenizer(
                 "the end-of-document id)"
             )
         return NullTokenizer(tokenizer_type, vocab_size)
+    check_tokenizer_files(tokenizer_type, tokenizer_model, vocab_file, merge_file)
     if tokenizer_type == "GPT2BPETokenizer":
-        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
-            if path is None or not os.path.isfile(path):
-                raise FileNotFoundError(
-                    f"--tokenizer-type GPT2BPETokenizer needs {flag}: "
-                    f"{path or 'not given'}" + (": no such file" if path else "")
-                )
         return GPT2BPETokenizer(tokenizer_type, vocab_file, merge_file)
-    if tokenizer_model is None:
-        raise ValueError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model")
     path = str(tokenizer_model)
     if tokenizer_type == "HuggingFaceTokenizer" and os.path.isdir(path):
         path = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--tokenizer-model {path}: no such file (type {tokenizer_type})")
     cls = {"HuggingFaceTokenizer": HuggingFaceTokenizer, "Llama2Tokenizer": Llama2Tokenizer}.get(
         tokenizer_type, SentencePieceTokenizer
     )

@@ -28,7 +28,6 @@ import json
 import os
 import random
 import shutil
-import tempfile
 from typing import Optional
 
 import numpy as np
@@ -65,6 +64,7 @@ from megatron_focus.config.run_config import RunConfig
 from megatron_focus.data.sources import tokenizer_choice
 from megatron_focus.model.flops import flops_per_token
 from megatron_focus.model.gpt import padded_vocab_size
+from megatron_focus.outputs import check_writable
 from megatron_focus.training import layouts, resume
 from megatron_focus.training.optimizer import in_unit, param_groups
 from megatron_focus.training.resume import ResumePlan
@@ -425,20 +425,6 @@ def _lost_message(lock: Optional[FolderLock]) -> Optional[str]:
     return None
 
 
-def _check_writable(flag: str, folder: str) -> None:
-    """That `folder` can be created and written, without creating it (the first save will)."""
-    existing = os.path.abspath(folder)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    try:
-        if not os.path.isdir(existing):
-            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as e:
-        raise ValueError(f"{flag} {folder}: cannot write there ({e.strerror})") from None
-
-
 def _remove_debris(folder: str) -> None:
     debris = sorted(name for name in os.listdir(folder) if DEBRIS.fullmatch(name))
     for name in debris:
@@ -484,7 +470,7 @@ def _preflight(args: RunConfig) -> tuple:
         )
     if not args.save:
         return None, None
-    _check_writable("--save", args.save)
+    check_writable("--save", args.save)
     lock, job = _hold(args.save)  # before the debris: a live job's save is not debris
     try:
         if lock is not None:
