@@ -12,6 +12,7 @@ import time
 
 from megatron_focus import cli
 from megatron_focus.config.arguments import parse_args
+from megatron_focus.config.validation import check_paths
 from megatron_focus.data import reads_data_files
 
 
@@ -26,6 +27,7 @@ def main(argv=None) -> None:
             save=save,
             load=config.load or save,  # resumable with the same command
         )
+    check_paths(config)
     from megatron_focus.training.trainer import pretrain  # after parsing: --help stays fast
 
     pretrain(config)

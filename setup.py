@@ -57,8 +57,8 @@ setup(
     python_requires=">=3.10,<3.13",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
-    # torchrun loads it at start: a refusal's exit is final, not restarted (launchers.py)
-    entry_points={
-        "torchrun.handlers": ["megatron-focus = megatron_focus.launchers:torchrun_plugin"]
-    },
+    # torchrun loads it at start: a refusal's exit is final, not restarted (launchers.py); a
+    # module of its own, as every process that imports torchelastic's rendezvous loads it
+    py_modules=["megatron_focus_torchrun"],
+    entry_points={"torchrun.handlers": ["megatron-focus = megatron_focus_torchrun:plugin"]},
 )

@@ -11,7 +11,7 @@ and tell their own line only if the job is still running then (an error of their
 torchrun restarts a failed worker group up to `--max-restarts` times, whatever the failure, and
 then exits 1 with its own report. A refusal fails the same way every time; the refusing worker
 declares it final in torchelastic's error file (`declare_final`), and the torchrun plugin this
-package installs (`torchrun_plugin`, the `torchrun.handlers` entry point that torchrun loads at
+package installs (megatron_focus_torchrun.py, the `torchrun.handlers` entry point torchrun loads at
 start) makes torchrun's agent honour that declaration: no restart, and the job exits with the
 worker's own code (2), as under the DeepSpeed launcher, which passes a worker's code on.
 """
@@ -85,14 +85,6 @@ def _final_code(result) -> "int | None":
     return None
 
 
-def _is_torchrun() -> bool:
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    return os.path.basename(sys.argv[0] if sys.argv else "") == "torchrun" or getattr(
-        spec, "name", None
-    ) in ("torch.distributed.run", "torch.distributed.launch")
-
-
 def honour_final_failures(agent_class) -> None:
     """Make `agent_class` (torchrun's local agent) end the job with a worker's own exit code,
     unrestarted, when that worker declared its failure final."""
@@ -111,23 +103,11 @@ def honour_final_failures(agent_class) -> None:
     agent_class._monitor_workers = _monitor_workers
 
 
-def _not_a_rendezvous(params):
-    raise ValueError(
-        "megatron-focus registers no rendezvous backend: use --rdzv-backend c10d (or static)"
-    )
+def honour_final_failures_in_torchrun() -> None:
+    """torchrun's own agent honours final failures (the entry point's work, in torchrun)."""
+    try:
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-
-def torchrun_plugin():
-    """The `torchrun.handlers` entry point, loaded by every process that imports torchelastic's
-    rendezvous: in torchrun itself, its agent made to honour final failures. Returns the
-    rendezvous handler factory the entry point group asks for (none of ours is selectable)."""
-    if _is_torchrun():
-        try:
-            from torch.distributed.elastic.agent.server.local_elastic_agent import (
-                LocalElasticAgent,
-            )
-
-            honour_final_failures(LocalElasticAgent)
-        except (ImportError, AttributeError):  # another torch's agent: restarts as it would
-            pass
-    return _not_a_rendezvous
+        honour_final_failures(LocalElasticAgent)
+    except (ImportError, AttributeError):  # another torch's agent: restarts as it would
+        pass

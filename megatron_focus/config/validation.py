@@ -441,9 +441,11 @@ def data_parallel_size(args: argparse.Namespace, world_size: int) -> int:
     return world_size // (args.tensor_model_parallel_size * args.context_parallel_size)
 
 
-def _check_paths(args: argparse.Namespace) -> None:
-    """The files and folders the flags name, on the file system alone (data/paths.py): what a
-    run would refuse once its libraries had loaded, refused in a fraction of a second."""
+def check_paths(args) -> None:
+    """The files and folders a training run's flags name, on the file system alone
+    (data/paths.py): what the run would refuse once its libraries had loaded, refused in a
+    fraction of a second. Apart from `validate_args`: a plan or a model built from the flags
+    elsewhere (the planner, an export) reads none of them."""
     if reads_data_files(args) and args.tokenizer_type is not None:
         check_tokenizer_files(
             args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file
@@ -515,7 +517,6 @@ def _validate_training(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(f"--retrofit adds Focus routers: it needs --attention {focus}")
     if (args.retrofit or args.finetune) and not args.load:
         raise ValueError("--retrofit and --finetune need --load (the pretrained checkpoint)")
-    _check_paths(args)
     if args.distributed_backend == "nccl" and not _gpu():
         raise ValueError("--distributed-backend nccl needs GPUs; without one the backend is gloo")
     if args.profile:

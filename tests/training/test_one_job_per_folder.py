@@ -112,12 +112,21 @@ def test_a_live_holder_refuses_naming_itself(tmp_path, holder, live_pid):
     assert path.read_text() == before
 
 
+def _wait_for(condition, timeout=10.0):
+    """A signal is delivered when its process next runs: on a busy machine, a moment later."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 def test_a_suspended_holder_is_named_as_such(tmp_path, live_pid):
     from megatron_focus.checkpoint.lock import FolderInUse, FolderLock
 
     _lock_of(tmp_path, socket.gethostname(), live_pid, renewed_ago=1000)
     os.kill(live_pid, signal.SIGSTOP)
     try:
+        _wait_for(lambda: psutil.Process(live_pid).status() == psutil.STATUS_STOPPED)
         with pytest.raises(
             FolderInUse, match=rf"it is suspended: resume it \(kill -CONT {live_pid}"
         ):
