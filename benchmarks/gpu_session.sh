@@ -5,12 +5,14 @@
 #   environment  torch within setup.py's range and Triton importable, or the session stops
 #   correct    a RoPE (and a QK-norm) GQA 4:1 model in bf16 on the fused kernels against the
 #              chunked gate: loss and gradients (tests/test_gpu.py)
+#   kernels    the fused soft gate, a plain FlashAttention-2 in Triton at the gate's tiles, XSA
+#              and the Sinkhorn against SDPA (flash): forward, and forward + backward, medians
+#              of interleaved repeats, at the 0.7B recipe's layer (6 heads of 256) and 32x128
+#              GQA 4 (targets: the gate at most 1.5x and 1.3x SDPA forward + backward)
+#   recipe     step time, tokens/s, MFU and peak memory of standard, xsa, focus and focus+xsa
+#              at the 0.7B recipe's shape (steady iterations; target: focus at most 1.15x)
 #   fit        each kernel as the driver loads it on this GPU (registers, spills) beside the
 #              CPU compile's prediction (benchmarks/kernel_fit.py --device)
-#   kernels    the fused soft gate, XSA and the Sinkhorn against SDPA (flash), forward +
-#              backward, at the 0.7B recipe's layer (6 heads of 256) and 32x128 GQA 4
-#   recipe     step time, tokens/s, MFU and peak memory of standard, xsa, focus and focus+xsa
-#              at the 0.7B recipe's shape (two steady iterations each)
 #   sparse     sparse Focus against dense causal attention at 4K and 32K tokens, 32x128, bf16
 #   generate   the exported model in sparse mode against the standard one: prefill and decoding
 #              at 4K and 32K tokens of context, bf16 (benchmarks/focus_generate.py)
@@ -97,12 +99,12 @@ if ! tail -1 "$OUT/parts.tsv" | grep -qP '\t0\t'; then
 fi
 part correct 120 python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/test_gpu.py \
     -k "rope_gqa_model_on_the_fused_kernels"
+part kernels 100 python3 benchmarks/soft_gate_kernel.py "${KERNELS[@]}" --json "$OUT/kernels.json"
+part recipe 160 python3 benchmarks/recipe_speed.py --variants standard xsa focus focus+xsa \
+    "${RECIPE[@]}" --json "$OUT/recipe.json"
 # the compiler, not the interpreter: without TRITON_INTERPRET
 part fit 90 env -u TRITON_INTERPRET python3 benchmarks/kernel_fit.py "${FIT[@]}" \
     --json "$OUT/fit.json"
-part kernels 80 python3 benchmarks/soft_gate_kernel.py "${KERNELS[@]}" --json "$OUT/kernels.json"
-part recipe 160 python3 benchmarks/recipe_speed.py --variants standard xsa focus focus+xsa \
-    "${RECIPE[@]}" --json "$OUT/recipe.json"
 part sparse 60 python3 benchmarks/focus_sparse_speed.py "${SPARSE[@]}" --json "$OUT/sparse.json"
 part generate 40 python3 benchmarks/focus_generate.py "${GENERATE[@]}" --json "$OUT/generate.json"
 # -o addopts="": in this process, one GPU; pytest-xdist need not be there

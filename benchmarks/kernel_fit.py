@@ -1,6 +1,7 @@
-"""Whether each Triton kernel launch fits each GPU architecture: registers, spill bytes, shared
-memory against the per-block limit, and 64-bit addressing, as ptxas reports them for the cubin
-Triton builds for sm_80 (A100), sm_86 (A10, L4, L40S, RTX 30/40) and sm_90 (H100, H200), on any
+"""Whether each Triton kernel launch fits each GPU architecture: registers, spill bytes (and
+spill instructions inside the kernel's loops, which decide the fit), shared memory against the
+per-block limit, and 64-bit addressing, as ptxas and the SASS report them for the cubin Triton
+builds for sm_80 (A100), sm_86 (A10, L4, L40S, RTX 30/40) and sm_90 (H100, H200), on any
 machine, GPU or not (model/kernels/triton_fit.py). On a GPU, `--device` adds the driver's own
 register and spill counts for the GPU's architecture, beside the prediction.
 
@@ -42,7 +43,89 @@ def parse() -> argparse.Namespace:
     p.add_argument("--device", action="store_true", help="also the GPU driver's counts")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--strict", action="store_true", help="exit 1 unless every launch fits")
+    p.add_argument(
+        "--search",
+        action="store_true",
+        help="find each pass's tile instead: the first candidate (FlashAttention-2's shapes "
+        "first) that fits at every GQA ratio given, with and without documents, and for a "
+        "context-parallel chunk; prints triton_launch.py's table",
+    )
     return p.parse_args()
+
+
+# Tile candidates per pass, in order of preference: FlashAttention-2's shapes first.
+CANDIDATES = {
+    "forward": ("128x64x8x2", "128x32x8x2", "64x64x8x2", "64x32x8x2", "64x64x4x2", "64x32x4x2",
+                "32x32x4x2", "16x32x4x1", "16x16x4x1"),
+    "keys": ("32x128x8x2", "16x128x8x2", "32x64x8x2", "16x64x8x2", "32x64x4x2", "16x64x4x2",
+             "16x32x8x2", "16x32x4x2", "16x32x4x1", "16x16x4x1"),
+    "queries": ("128x32x8x2", "64x32x8x2", "64x16x8x2", "64x32x4x2", "64x16x4x2", "32x32x4x1",
+                "32x16x4x2", "16x32x4x1", "16x16x4x1"),
+}  # fmt: skip
+
+
+def _fits_everywhere(arch, pass_, tile, args, dtype, gate, head_dim, chunk) -> bool:
+    """Whether `tile` fits pass `pass_` at every GQA ratio, with and without documents."""
+    from megatron_focus.model.kernels import triton_launch
+    from megatron_focus.model.kernels.triton_fit import Shape, compile_for, gate_launches
+
+    name = f"gate {pass_}" + (" (chunk)" if chunk else "")
+    table = triton_launch.gate_tile
+    triton_launch.gate_tile = lambda p, *rest, **kw: tile  # every pass: only `name` is read
+    try:
+        capability = (triton_launch.TARGETS[arch] // 10, triton_launch.TARGETS[arch] % 10)
+        for rep in args.gqa:
+            for documents in (False, True):
+                shape = Shape(head_dim, rep, dtype, gate == "log", documents, args.kv_heads,
+                              args.tokens, args.batch)  # fmt: skip
+                launch = dict(gate_launches(shape, capability)).get(name)
+                if launch is None or not compile_for(launch, arch).fits:
+                    return False
+        return True
+    finally:
+        triton_launch.gate_tile = table
+
+
+def search(args) -> int:
+    """Print, per architecture and gate, {head dim: (forward, keys, queries)} and the chunk
+    tiles where the whole sequence's do not fit a chunk (triton_launch.py's two tables)."""
+    from megatron_focus.model.kernels.triton_launch import _tile
+
+    passes = ("forward", "keys", "queries")
+    chunks = {}
+    for arch in args.archs:
+        for gate in args.gates:
+            for dtype in args.dtypes:
+                row = {}
+                for head_dim in args.head_dims:
+                    chosen = []
+                    for pass_ in passes:
+                        fit = [
+                            c for c in CANDIDATES[pass_]
+                            if _fits_everywhere(arch, pass_, _tile(c), args, DTYPES[dtype], gate,
+                                                head_dim, chunk=False)
+                        ][:1]  # fmt: skip
+                        chosen.append(fit[0] if fit else None)
+                        if fit and not _fits_everywhere(
+                            arch, pass_, _tile(fit[0]), args, DTYPES[dtype], gate, head_dim, True
+                        ):
+                            chunks[(arch, gate, head_dim, pass_)] = next(
+                                (c for c in CANDIDATES[pass_]
+                                 if _fits_everywhere(arch, pass_, _tile(c), args, DTYPES[dtype],
+                                                     gate, head_dim, True)), None,
+                            )  # fmt: skip
+                        print(f"{arch} {gate} {dtype} d{head_dim} {pass_}: {chosen[-1]}",
+                              flush=True)  # fmt: skip
+                    row[head_dim] = tuple(chosen)
+                print(f"    ({arch!r}, {gate!r}): {{")
+                for head_dim, tiles in row.items():
+                    print(f"        {head_dim}: {tiles!r},")
+                print("    },", flush=True)
+    print("_CHUNK_TILES = {")
+    for key, tile in chunks.items():
+        print(f"    {key!r}: {tile!r},")
+    print("}")
+    return 0
 
 
 def shapes(args):
@@ -87,12 +170,16 @@ def main() -> int:
     from megatron_focus.model.kernels import triton_launch
     from megatron_focus.model.kernels.triton_fit import all_launches, compile_for
 
+    if args.search:
+        args.archs = args.archs or list(triton_launch.TARGETS)
+        return search(args)
     device_arch = None
     if args.device and torch.cuda.is_available():
         device_arch = triton_launch.arch(torch.cuda.get_device_capability())
     args.archs = args.archs or ([device_arch] if device_arch else list(triton_launch.TARGETS))
     rows, seen = [], set()
-    header = f"{'arch':5} {'shape':28} {'kernel':25} {'regs':>4} {'spill':>6} {'shared':>15}"
+    header = f"{'arch':5} {'shape':28} {'kernel':25} {'regs':>4} {'spill':>6} {'in loops':>8}"
+    header += f" {'shared':>15}"
     print(header + " 64-bit fits" + ("  device regs/spills" if device_arch else ""))
     for arch in args.archs:
         for shape in shapes(args):
@@ -106,7 +193,7 @@ def main() -> int:
                 row.update(fits=fit.fits, constants=launch.constants, options=launch.options)
                 line = (
                     f"{arch:5} {str(shape):28} {name:25} {fit.registers:4d} "
-                    f"{fit.spill_stores:6d} {fit.shared:7d}/{fit.limit:7d} "
+                    f"{fit.spill_stores:6d} {fit.loop_spills:8d} {fit.shared:7d}/{fit.limit:7d} "
                     f"{'yes' if fit.wide_addresses else 'NO':>6} {'yes' if fit.fits else 'NO':>4}"
                 )
                 if arch == device_arch:

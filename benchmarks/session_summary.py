@@ -73,12 +73,14 @@ def recipe(result: dict) -> str:
 
 
 def kernels(result: dict) -> str:
+    """Forward + backward against SDPA (and the gate against the reference kernel)."""
     return ", ".join(
         f"{r['shape']} {r['kernel']} {r['x_sdpa']:.2f}x"
+        + (f" ({r['x_reference']:.2f}x ref)" if r["kernel"] == "triton soft gate" else "")
         if "x_sdpa" in r
         else f"{r['shape']} {r.get('kernel', '')} failed"
         for r in result["results"]
-        if r.get("kernel") != "sdpa causal"
+        if r.get("kernel") not in ("sdpa causal", "flash reference")
     )
 
 

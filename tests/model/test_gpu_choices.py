@@ -167,11 +167,16 @@ def test_context_parallelism_takes_the_kernels_that_accept_a_query_offset(monkey
     assert kernels.soft_gate("auto", cuda, head_dim=64).name == "flex"
     with pytest.raises(ValueError, match="FlexAttention's soft gate takes no query offset"):
         kernels.soft_gate("flex", cuda, context_parallel=True)
-    # an A10/L40S at head dim 256: tiles for the whole sequence, none that fits a chunk
+    # an A10/L40S at head dim 256 where the table had tiles for the whole sequence and none
+    # for a chunk's keys pass (none is missing today: triton_launch's _CHUNK_TILES)
+    from megatron_focus.model.kernels import triton_launch
+
     monkeypatch.undo()
     monkeypatch.setattr(kernels, "has_triton", lambda: True)
     monkeypatch.setattr(kernels, "device_capability", lambda device: (8, 6))
     bf16 = dict(head_dim=256, dtype=torch.bfloat16)
+    assert kernels.soft_gate("auto", cuda, context_parallel=True, **bf16).name == "triton"
+    monkeypatch.setitem(triton_launch._CHUNK_TILES, ("sm86", "log", 256, "keys"), None)
     assert kernels.soft_gate("auto", cuda, **bf16).name == "triton"
     assert kernels.soft_gate("auto", cuda, context_parallel=True, **bf16).name == "chunked"
 

@@ -44,11 +44,24 @@ def assert_all_fit(rows):
     assert rows and not misfits, "\n".join(misfits)
 
 
+def test_the_recipes_launches_fit(tmp_path):
+    """The recipes' shapes on an H100 and an A100 (head dims 128 and 256, GQA 1 and 4, the log
+    gate): the suite's share of the matrix below, which CI runs whole in a step of its own."""
+    rows = kernel_fit(tmp_path, "--archs", "sm90", "--head-dims", 128, 256, "--gqa", 1, 4,
+                      "--gates", "log")  # fmt: skip
+    rows += kernel_fit(tmp_path, "--archs", "sm80", "--head-dims", 128, "--gqa", 4,
+                       "--gates", "log")  # fmt: skip
+    assert {r["arch"] for r in rows} == {"sm80", "sm90"}
+    assert_all_fit(rows)
+
+
 @pytest.mark.slow
+@pytest.mark.fit_matrix
 @pytest.mark.parametrize("arch", ["sm80", "sm86", "sm90"])
 def test_every_launch_fits_each_architecture(tmp_path, arch):
     """bf16 at head dims 64, 128, 256, GQA 1 and 8 (Triton compiles an argument equal to 1
-    apart), both gates."""
+    apart), both gates: some 90 compiles an architecture, minutes each (`pytest -m
+    fit_matrix`, CI's step after the suite)."""
     rows = kernel_fit(tmp_path, "--archs", arch, "--gqa", 1, 8)
     kinds = {r["kernel"] for r in rows}
     assert kinds == {
@@ -62,6 +75,7 @@ def test_every_launch_fits_each_architecture(tmp_path, arch):
 
 
 @pytest.mark.slow
+@pytest.mark.fit_matrix
 def test_documents_and_other_gqa_ratios_in_fp16_fit_the_a100(tmp_path):
     """sm_80 has the fewest registers to spare (ptxas gives up at 255): packed documents (a
     load and a mask more), GQA 2 and 4 in fp16."""

@@ -68,13 +68,18 @@ def grads(out, leaves, cotangent):
     return torch.autograd.grad(out, leaves, cotangent)
 
 
-@pytest.mark.parametrize("gate", ["log", "sigmoid"])
+# the log gate at lambda 1 (no logarithm: weights scaled by the affinity), at another lambda,
+# the paper's sigmoid gate
+GATES = [("log", 1.0), ("log", 0.7), ("sigmoid", 0.7)]
+
+
+@pytest.mark.parametrize("gate, gate_scale", GATES, ids=["log", "log-0.7", "sigmoid"])
 @pytest.mark.parametrize("b, heads, kv, n, d, groups, window, sink, docs", CASES)
 def test_kernel_equals_dense_float64_reference(
-    b, heads, kv, n, d, groups, window, sink, docs, gate
+    b, heads, kv, n, d, groups, window, sink, docs, gate, gate_scale
 ):
     leaves, doc_start, gen = inputs(b, heads, kv, n, d, groups, docs, n + window)
-    kwargs = dict(window=window, gate_scale=0.7, scale=d**-0.5, gate=gate, sink=sink)
+    kwargs = dict(window=window, gate_scale=gate_scale, scale=d**-0.5, gate=gate, sink=sink)
     out = triton_gate.triton_soft_focus(*leaves, doc_start=doc_start, **kwargs)
     want = reference(*leaves, doc_start, **kwargs)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
@@ -108,7 +113,7 @@ def test_kernel_equals_the_chunked_path(
         else t
         for t in leaves
     )
-    kwargs = dict(window=window, gate_scale=1.3, scale=d**-0.5, sink=sink)
+    kwargs = dict(window=window, gate_scale=1.0 if gpu_blocks else 1.3, scale=d**-0.5, sink=sink)
     out = triton_gate.triton_soft_focus(q, k, v, log_g, doc_start=doc_start, **kwargs)
     routing = Routing.of(log_g, doc_start)
     chunked = focus_attention(
@@ -153,7 +158,7 @@ def test_kernel_reads_each_input_by_its_own_strides(qk_norm, gpu_blocks, monkeyp
     s, b, kv, rep, d, groups = 70, 2, 2, 4, 16, 4
     q, k, v = megatron_layout(s, b, kv, rep, d, gen, qk_norm)
     log_g = causal_sinkhorn(torch.randn(b, s, groups, generator=gen) * 3, 5).requires_grad_()
-    kwargs = dict(window=6, gate_scale=1.1, scale=d**-0.5, sink=1)
+    kwargs = dict(window=6, gate_scale=1.0, scale=d**-0.5, sink=1)
     out = triton_gate.triton_soft_focus(q, k, v, log_g, **kwargs)
     chunked = focus_attention(
         q, k, v, Routing.of(log_g), top_k=None, chunk_size=16, kernel="chunked", **kwargs
@@ -176,8 +181,9 @@ OFFSET_CASES = [  # (case of CASES, first query position, queries)
 
 @pytest.mark.parametrize("gpu_blocks", [False, True], ids=["small-blocks", "gpu-blocks"])
 @pytest.mark.parametrize("case, offset, queries", OFFSET_CASES)
+@pytest.mark.parametrize("gate_scale", [1.0, 0.7])
 def test_queries_at_an_offset_are_those_rows_of_the_whole_sequence(
-    case, offset, queries, gpu_blocks, monkeypatch
+    case, offset, queries, gpu_blocks, gate_scale, monkeypatch
 ):
     """Context parallelism's chunks: queries at positions [offset, offset + queries) against
     the keys before them give those rows of the dense float64 reference of the whole sequence,
@@ -188,7 +194,7 @@ def test_queries_at_an_offset_are_those_rows_of_the_whole_sequence(
     leaves, doc_start, gen = inputs(b, heads, kv, n, d, groups, docs, offset)
     q, k, v, log_g = leaves
     end = offset + queries
-    kwargs = dict(window=window, gate_scale=0.7, scale=d**-0.5, sink=sink)
+    kwargs = dict(window=window, gate_scale=gate_scale, scale=d**-0.5, sink=sink)
     out = triton_gate.triton_soft_focus(
         q[:, :, offset:end], k[:, :, :end], v[:, :, :end], log_g,
         doc_start=doc_start, offset=offset, **kwargs,
@@ -230,7 +236,7 @@ def test_half_precision_inputs_accumulate_in_float32(dtype):
     """Half-precision q, k, v: outputs and gradients in that dtype, within its rounding of the
     float64 reference on the same (rounded) inputs."""
     leaves, doc_start, gen = inputs(1, 4, 2, 40, 16, 4, None, 3, dtype)
-    kwargs = dict(window=6, gate_scale=0.7, scale=0.25, sink=1)
+    kwargs = dict(window=6, gate_scale=1.0, scale=0.25, sink=1)
     out = triton_gate.triton_soft_focus(*leaves, doc_start=doc_start, **kwargs)
     assert out.dtype == dtype
     wide = [t.detach().double().requires_grad_() for t in leaves]
@@ -262,3 +268,31 @@ def test_memory_kept_for_backward_is_linear_in_sequence_length():
 
     small, large = saved_bytes(64), saved_bytes(256)
     assert large / small < 4.5  # 4x the tokens: linear; an n x n tensor would make it 16x
+
+
+@pytest.mark.parametrize("gate_scale", [1.0, 0.7])
+def test_a_huge_score_on_a_vanishing_affinity_neither_overflows_nor_underflows(gate_scale):
+    """At lambda 1 the weights are exp2(raw - m) * a, m the largest raw score: a distant pair
+    whose raw score dwarfs every other's but whose groups differ (affinity near the gate's
+    floor) is where the largest weight falls furthest below 1. Outputs and gradients stay the
+    float64 reference's."""
+    gen = torch.Generator().manual_seed(11)
+    b, heads, n, d, groups, window = 1, 2, 40, 16, 4, 4
+    q = torch.randn(b, heads, n, d, generator=gen)
+    k, v = (torch.randn(b, heads, n, d, generator=gen) for _ in range(2))
+    q[:, :, 30] = 6.0  # query 30 (group 2) and key 3 (group 3) align: raw score 6 * 6 * 16 / 4
+    k[:, :, 3] = 6.0
+    # each token in one group: an affinity of ~3e-28 across groups, just above the gate's floor
+    one_hot = torch.full((b, n, groups), -64.0)
+    one_hot[0, torch.arange(n), torch.arange(n) % groups] = 0.0
+    leaves = [t.requires_grad_() for t in (q, k, v, one_hot)]
+    kwargs = dict(window=window, gate_scale=gate_scale, scale=d**-0.5)
+    out = triton_gate.triton_soft_focus(*leaves, **kwargs)
+    want = reference(*leaves, None, **kwargs)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    cotangent = torch.randn(out.shape, generator=gen)
+    for name, got, ref in zip(
+        "qkvg", grads(out, leaves, cotangent), grads(want, leaves, cotangent)
+    ):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5, msg=name)

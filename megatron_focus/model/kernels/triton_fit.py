@@ -1,11 +1,18 @@
 """Whether the Triton kernels fit real GPUs, found without one: each launch the launchers make
 (on meta tensors laid out as the model lays them out) compiled for sm_80, sm_86 and sm_90 by
-Triton's own toolchain, and its ptxas report read: registers, spill bytes, shared memory against
-the architecture's per-block limit.
+Triton's own toolchain, its ptxas report read (registers, spill bytes, shared memory against the
+architecture's per-block limit) and its SASS (spill instructions inside its loops, and each
+loop's instructions by class: the speed proxy of benchmarks/kernel_sass.py).
+
+A launch fits when no loop of it touches spilled registers and its shared memory is within the
+limit: a few bytes spilled outside the loops (pointers and sizes kept across a kernel's runs of
+blocks) are stored and reloaded once a program, next to the hundreds of tile loads it makes,
+while a tile small enough to spill nothing at all costs every iteration (FlashAttention-2's
+tiles at head dim 128 sit at the register edge, the reference's own included).
 
 The interpreter proves the kernels' logic; this proves their fit (tests/model/test_kernel_fit.py
-holds every launch to zero spills; benchmarks/kernel_fit.py prints the table, and on a GPU the
-driver's own counts beside it).
+holds every launch to it; benchmarks/kernel_fit.py prints the table, and on a GPU the driver's
+own counts beside it).
 """
 
 import contextlib
@@ -22,15 +29,16 @@ from megatron_focus.model.kernels.triton_launch import SHARED_MEMORY, TARGETS, L
 @dataclasses.dataclass(frozen=True)
 class Fit:
     registers: int
-    spill_stores: int
+    spill_stores: int  # bytes, ptxas's count
     spill_loads: int
+    loop_spills: int  # spill loads and stores inside the kernel's loops (SASS instructions)
     shared: int  # bytes of shared memory per block
     limit: int  # the architecture's per-block shared memory
     wide_addresses: bool  # every tensor argument offset from its base in 64 bits
 
     @property
     def fits(self) -> bool:
-        return self.spill_stores == 0 and self.spill_loads == 0 and self.shared <= self.limit
+        return self.loop_spills == 0 and self.shared <= self.limit
 
 
 def _specialize(launch: Launch, backend):
@@ -53,8 +61,8 @@ def _specialize(launch: Launch, backend):
     return signature, constexprs, attrs, options
 
 
-def compile_for(launch: Launch, arch: str) -> Fit:
-    """Compile `launch` for `arch` ("sm80", "sm86", "sm90") and read ptxas's report."""
+def _compiled(launch: Launch, arch: str) -> tuple:
+    """(Triton's compiled kernel, ptxas's report) of `launch` for `arch`."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -75,7 +83,13 @@ def compile_for(launch: Launch, arch: str) -> Fit:
             )
     finally:
         knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile = before
-    report = log.getvalue()
+    return compiled, log.getvalue()
+
+
+def compile_for(launch: Launch, arch: str) -> Fit:
+    """Compile `launch` for `arch` ("sm80", "sm86", "sm90") and read ptxas's report."""
+    compiled, report = _compiled(launch, arch)
+    loops = sass_loops(_disassembled(compiled))
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     registers = re.search(r"Used (\d+) registers", report)
     if spills is None or registers is None:
@@ -84,6 +98,7 @@ def compile_for(launch: Launch, arch: str) -> Fit:
         int(registers.group(1)),
         int(spills.group(1)),
         int(spills.group(2)),
+        sum(loop.counts.get("local", 0) for loop in loops),
         compiled.metadata.shared,
         SHARED_MEMORY[arch],
         _wide_addresses(launch, compiled.asm["ttir"]),
@@ -99,6 +114,99 @@ def _wide_addresses(launch: Launch, ttir: str) -> bool:
             if set(re.findall(pattern, ttir)) - {"i64"}:
                 return False
     return True
+
+
+# SASS opcodes by the unit or kind of work they are, for counting a loop's instructions.
+SASS_CLASSES = {
+    "mma": ("HMMA", "HGMMA", "IMMA", "QGMMA"),
+    "fp32": ("FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "FSETP", "FSWZADD", "FCHK", "FMNMX3"),
+    "mufu": ("MUFU",),
+    "convert": ("F2FP", "F2F", "I2F", "F2I", "I2FP", "F2IP", "FRND"),
+    "shared": ("LDS", "LDSM", "STS", "STSM", "LDGSTS"),
+    "global": ("LDG", "STG", "UBLKCP", "UTMALDG", "UTMASTG"),
+    "local": ("LDL", "STL"),  # spilled registers
+    "shuffle": ("SHFL",),
+    "barrier": ("BAR", "DEPBAR", "LDGDEPBAR", "WARPSYNC", "MEMBAR", "FENCE", "SYNCS",
+                "WARPGROUP", "ARRIVES", "ERRBAR", "NOP"),
+}  # fmt: skip
+
+
+def sass_class(opcode: str) -> str:
+    """The class of a SASS opcode (its name before the first dot): uniform-datapath (U...) and
+    the rest of the integer, predicate and move instructions count as "alu"."""
+    for name, opcodes in SASS_CLASSES.items():
+        if opcode in opcodes:
+            return name
+    return "alu"
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """One loop of a kernel's SASS: its instructions (nested loops' left out) by class, and how
+    deep it is nested (0: outermost)."""
+
+    start: int
+    end: int
+    depth: int
+    counts: dict
+
+    @property
+    def instructions(self) -> int:
+        return sum(self.counts.values())
+
+
+def sass_of(launch: Launch, arch: str) -> str:
+    """The SASS of `launch` compiled for `arch`."""
+    return _disassembled(_compiled(launch, arch)[0])
+
+
+def _disassembled(compiled) -> str:
+    """A compiled kernel's SASS, by the Triton wheel's cuobjdump."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        return subprocess.run(
+            [os.path.join(tools, "cuobjdump"), "-sass", cubin.name],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+
+
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)[^;]*;")
+_BRANCH_TO = re.compile(r"\bBRA\s+(?:\S+,\s*)?(?:`\()?(?:\.L_x_\d+)?\)?`?\s*0x([0-9a-f]+)")
+
+
+def sass_loops(sass: str) -> list:
+    """The loops of a kernel's SASS (a backward branch closes one), outermost first in address
+    order, each counting its own instructions."""
+    instructions, back = [], []
+    for line in sass.splitlines():
+        found = _INSTRUCTION.search(line)
+        if not found:
+            continue
+        address, opcode = int(found.group(1), 16), found.group(2)
+        instructions.append((address, opcode))
+        target = re.search(r"\bBRA\b[^;]*?0x([0-9a-f]+)\s*;", line)
+        if opcode == "BRA" and target and int(target.group(1), 16) < address:
+            back.append((int(target.group(1), 16), address))
+    spans = sorted(set(back), key=lambda span: (span[0], -span[1]))
+    loops = []
+    for start, end in spans:
+        inner = [(a, b) for a, b in spans if start <= a and b <= end and (a, b) != (start, end)]
+        outer = [(a, b) for a, b in spans if a <= start and end <= b and (a, b) != (start, end)]
+        counts = {}
+        for address, opcode in instructions:
+            if start <= address <= end and not any(a <= address <= b for a, b in inner):
+                kind = sass_class(opcode)
+                counts[kind] = counts.get(kind, 0) + 1
+        loops.append(Loop(start, end, len(outer), counts))
+    return loops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +247,8 @@ def gate_launches(shape: Shape, capability) -> list:
     sequence and for a context-parallel chunk (its last half's queries: compiled apart) where a
     chunk has tiles (else none: a chunk's kernel choice falls back)."""
     q, k, v = megatron_qkv(shape)
-    g = torch.empty(shape.batch, shape.tokens, shape.groups, device="meta")
+    g = torch.empty(shape.batch, shape.tokens, triton_gate.GROUPS_PADDED, device="meta",
+                    dtype=shape.dtype)  # fmt: skip
     docs = torch.zeros(shape.batch, shape.tokens, device="meta", dtype=torch.int32)
     gate = "log" if shape.log_gate else "sigmoid"
     chunk_fits = all(

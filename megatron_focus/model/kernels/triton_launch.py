@@ -45,61 +45,48 @@ class Tile:
 
 
 # The soft gate's tiles, for bf16 and fp16: (arch, gate) -> {head dim: (forward, keys,
-# queries)}, each "rows x keys x warps x stages". Found by compiling candidates largest first
-# and keeping the first with zero spills and shared memory within the architecture's limit, by
-# Triton 3.9 (the CPU's) and 3.6 (CUDA torch 2.11's), at GQA 1, 2 and 8 (GQA 1 compiles apart:
-# Triton specializes an argument equal to 1), with and without documents
-# (benchmarks/kernel_fit.py reports them; tests/model/test_kernel_fit.py holds them). The
-# paper's sigmoid gate keeps more in its backward. fp32 has none: even 16 x 16 tiles spill a few
-# bytes on sm_80 (kernel_fit.py --dtypes fp32).
+# queries)}, each "rows x keys x warps x stages" (the keys pass: queries a step x keys a
+# program). Found by `benchmarks/kernel_fit.py --search`: candidates in order, FlashAttention-2's
+# shapes first (forward 128 x 64, keys pass 32 x 128, queries pass 128 x 32, 8 warps), keeping
+# the first that fits (triton_fit.Fit: no spill inside a loop, shared memory within the
+# architecture's limit) at GQA 1 and 8, with and without documents, for the whole sequence and a
+# context-parallel chunk, by Triton 3.9 (tests/model/test_kernel_fit.py holds them). fp32 has
+# none (FlexAttention or the chunked path serve it).
 _GATE_TABLE = {
     ("sm80", "log"): {
-        64: ("128x32x8x2", "32x32x4x2", "32x32x4x2"),
-        128: ("128x32x8x2", "16x32x4x1", "16x32x4x1"),
-        256: ("32x32x4x2", "16x16x4x1", "16x32x4x1"),
-    },
-    ("sm80", "sigmoid"): {
-        64: ("128x32x8x2", "32x32x4x2", "16x32x4x1"),
-        128: ("128x32x8x2", "16x32x4x1", "16x32x4x1"),
-        256: ("32x32x4x2", "16x16x8x1", "16x16x4x1"),
+        64: ("128x32x8x2", "32x128x8x2", "128x32x8x2"),
+        128: ("128x32x8x2", "16x128x8x2", "128x32x8x2"),
+        256: ("64x32x8x2", "16x32x8x2", "64x16x4x2"),
     },
     ("sm86", "log"): {
-        64: ("128x32x8x2", "32x32x4x2", "16x32x4x1"),
-        128: ("128x32x8x2", "16x32x4x2", "16x32x4x2"),
-        256: ("32x32x4x2", "16x16x4x1", "32x16x8x1"),
-    },
-    ("sm86", "sigmoid"): {
-        64: ("128x32x8x2", "32x32x4x2", "16x32x4x1"),
-        128: ("128x32x8x2", "16x32x4x2", "32x16x8x1"),
-        256: ("32x32x4x2", "16x16x4x1", "16x32x4x1"),
+        64: ("128x32x8x2", "16x128x8x2", "128x32x8x2"),
+        128: ("128x32x8x2", "16x128x8x2", "128x32x8x2"),
+        256: ("32x32x4x2", "16x32x8x2", "64x16x4x2"),
     },
     ("sm90", "log"): {
-        64: ("128x64x8x2", "32x32x4x2", "128x32x8x2"),
-        128: ("128x64x8x2", "16x32x4x1", "16x32x4x1"),
-        256: ("32x32x4x2", "16x16x4x1", "16x32x4x1"),
-    },
-    ("sm90", "sigmoid"): {
-        64: ("128x64x8x2", "32x32x4x2", "32x32x4x2"),
-        128: ("128x32x8x2", "16x32x4x1", "32x16x8x1"),
-        256: ("32x32x4x2", "16x16x4x1", "16x32x4x1"),
+        64: ("128x64x8x2", "32x128x8x2", "128x32x8x2"),
+        128: ("128x64x8x2", "16x128x8x2", "128x32x8x2"),
+        256: ("64x32x8x2", "16x32x8x2", "64x16x8x2"),
     },
 }
-
+# The paper's sigmoid gate keeps one more tile in its backward (the factor beside the scores):
+# it takes the log gate's tiles where they fit it too; at d64 its keys' 32-row tile spills
+# inside the loop on sm80 and sm90, so 16 rows there.
+_SIGMOID_KEYS = {("sm80", 64): "16x128x8x2", ("sm90", 64): "16x128x8x2"}
+_GATE_TABLE.update(
+    {
+        (arch, "sigmoid"): {
+            size: (fwd, _SIGMOID_KEYS.get((arch, size), keys), queries)
+            for size, (fwd, keys, queries) in tiles.items()
+        }
+        for (arch, _), tiles in list(_GATE_TABLE.items())
+    }
+)
 
 # A context-parallel chunk's kernels (triton_gate's CHUNK) keep the chunk's positions live beside
-# its rows: where the table's tile is at the register edge, a chunk takes these instead,
-# (arch, gate, head dim, pass) -> tile (None: none fits, and a chunk falls back by name), found
-# and held as the table's are.
-_CHUNK_TILES = {
-    ("sm80", "log", 128, "queries"): "16x16x4x1",
-    ("sm86", "log", 64, "queries"): "32x16x8x1",
-    ("sm86", "log", 128, "keys"): "16x16x4x1",
-    ("sm86", "log", 256, "queries"): None,
-    ("sm86", "sigmoid", 64, "queries"): "32x16x8x1",
-    ("sm90", "log", 128, "forward"): "128x32x8x2",
-    ("sm90", "log", 128, "queries"): "32x32x8x1",
-    ("sm90", "sigmoid", 128, "queries"): "16x16x8x1",
-}
+# its rows: where the table's tile does not fit a chunk, (arch, gate, head dim, pass) -> the
+# chunk's tile (None: none fits, and a chunk falls back by name). None needed today.
+_CHUNK_TILES: dict = {}
 
 
 def _tile(text: str) -> "Tile":
