@@ -156,6 +156,7 @@ def _assert_as_one_process(reference, run, case):
 FUSED = ["--focus-kernel", "triton"]  # interpreted on the CPU (tests/conftest.py)
 
 
+@pytest.mark.slow
 def test_the_fused_soft_gate_at_each_ranks_offsets_matches_one_process():
     """The Triton soft gate takes each rank's query chunks at their positions: cp2's loss,
     every gradient and statistic equal one process's chunked kernel (documents across chunk

@@ -182,9 +182,9 @@ def _smoke(model, attention, tmp_path, cache, **settings):
     "model, attention",
     [
         ("0.7b", "standard"),
-        ("1.4b", "xsa"),
-        ("2.7b", "focus+xsa"),
-        ("7b", "focus"),
+        pytest.param("1.4b", "xsa", marks=pytest.mark.slow),
+        pytest.param("2.7b", "focus+xsa", marks=pytest.mark.slow),
+        pytest.param("7b", "focus", marks=pytest.mark.slow),
     ],
 )
 def test_recipe_smoke_runs_on_the_cpu(model, attention, tmp_path, embedded_cache):
@@ -879,6 +879,7 @@ def test_compare_runs_counts_the_tokens_of_a_growing_batch(tmp_path):
     assert run.tokens(steps).tolist() == [10 * sum(batches[:s]) for s in range(1, 6)]
 
 
+@pytest.mark.slow
 def test_cpu_study_script_trains_every_variant_and_compares_them(tmp_path, embedded_cache):
     """examples/study_cpu.sh itself, shrunk: one seed, 2 iterations, a 1-layer model."""
     shrink = (

@@ -52,6 +52,7 @@ def test_a_registered_variant_trains_checkpoints_and_exports(embedded_cache, tmp
     assert diff < 1e-4
 
 
+@pytest.mark.slow
 def test_a_variant_with_a_setting_and_a_parameter(embedded_cache, tmp_path, monkeypatch):
     """Its setting is a flag, recorded in model_args.json and compared on resume; its parameter
     trains and resumes with the rest of the model; its hooks' statistics reach TensorBoard; both

@@ -175,7 +175,9 @@ def test_flags_with_no_effect_leave_the_output_as_it_is(sp_model, tmp_path):
 # --- --partitions -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("partitions, workers", [(3, 1), (4, 2), (40, 1)])
+@pytest.mark.parametrize(
+    "partitions, workers", [(3, 1), (4, 2), pytest.param(40, 1, marks=pytest.mark.slow)]
+)
 def test_partitions_write_megatron_lms_document_order(sp_model, tmp_path, partitions, workers):
     """Megatron-LM's --partitions N deals document k (over all inputs) to partition k mod N and
     concatenates the partitions' datasets: the bytes of one partition over the documents in

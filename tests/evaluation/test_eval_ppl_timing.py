@@ -48,6 +48,7 @@ def _timed(row, n):
     assert row["us_per_token"] == pytest.approx(row["forward_ms"] * 1e3 / row["tokens"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["focus", "standard"])
 def test_eval_ppl_times_every_mode(attention, embedded_cache, tmp_path, run_tool):
     from tiny_runs import tiny_argv, train

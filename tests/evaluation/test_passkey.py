@@ -39,6 +39,7 @@ def test_prompts_too_short_and_answers_are_checked():
     assert not retrieved(" 1234 5", 12345) and not retrieved(" the key", 12345)
 
 
+@pytest.mark.slow
 def test_native_checkpoint_and_export_answer_alike(embedded_cache, tmp_path, run_tool):
     from megatron_focus.hf import export_to_hf
 

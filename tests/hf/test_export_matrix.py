@@ -199,6 +199,7 @@ def test_export_is_exact_or_refused(name, tokenizers_by_kind, embedded_cache, tm
 TRANSFORMERS4 = os.environ.get("MEGATRON_FOCUS_TRANSFORMERS4")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not TRANSFORMERS4 or _transformers_major() < 5,
     reason="exports under transformers 5, loaded under MEGATRON_FOCUS_TRANSFORMERS4",

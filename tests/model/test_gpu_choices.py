@@ -59,6 +59,7 @@ def loss_and_grads(net, tokens):
     return loss, {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "argv",
     [
@@ -111,6 +112,7 @@ def test_a_sparse_training_step_on_the_gpu_kernels_equals_the_cpu_ones(
         torch.testing.assert_close(grad, cpu_grads[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_later_tokens_change_no_earlier_logit_on_the_gpu_kernels(single_process, monkeypatch):
     gpu_choices(monkeypatch)
     net = model(["--attention", "focus+xsa"] + FOCUS).eval()

@@ -44,6 +44,7 @@ def assert_all_fit(rows):
     assert rows and not misfits, "\n".join(misfits)
 
 
+@pytest.mark.slow
 def test_the_recipes_launches_fit(tmp_path):
     """The recipes' shapes on an H100 and an A100 (head dims 128 and 256, GQA 1 and 4, the log
     gate): the suite's share of the matrix below, which CI runs whole in a step of its own."""
@@ -55,7 +56,6 @@ def test_the_recipes_launches_fit(tmp_path):
     assert_all_fit(rows)
 
 
-@pytest.mark.slow
 @pytest.mark.fit_matrix
 @pytest.mark.parametrize("arch", ["sm80", "sm86", "sm90"])
 def test_every_launch_fits_each_architecture(tmp_path, arch):
@@ -74,7 +74,6 @@ def test_every_launch_fits_each_architecture(tmp_path, arch):
     assert_all_fit(rows)
 
 
-@pytest.mark.slow
 @pytest.mark.fit_matrix
 def test_documents_and_other_gqa_ratios_in_fp16_fit_the_a100(tmp_path):
     """sm_80 has the fewest registers to spare (ptxas gives up at 255): packed documents (a
@@ -87,6 +86,7 @@ def test_documents_and_other_gqa_ratios_in_fp16_fit_the_a100(tmp_path):
     assert_all_fit(documents + fp16)
 
 
+@pytest.mark.slow
 def test_addresses_are_64_bit_where_a_tensor_passes_2_31_elements(tmp_path):
     """At the 0.7B recipe's heads (6 of 256), micro-batch 8 and 64K tokens, V's row stride
     ((rep + 2) b H_kv d) times the tokens passes 2^31 elements: every tensor argument of the
