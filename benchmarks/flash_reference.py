@@ -87,8 +87,8 @@ def _delta(OUT, DO, DELTA, n, head_dim, BM: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _keys_step(dk, dv, k, v, Q, DO, LSE, DELTA, bh, m0, cols, n, head_dim, qk_scale,
-               BM: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+def _query_rows(Q, DO, LSE, DELTA, bh, m0, n, head_dim, BM: tl.constexpr, D: tl.constexpr):
+    """A block of queries' rows as both backward passes read them."""
     q_at, q_ok = _tile(Q, bh, m0, n, head_dim, BM, D)
     do_at, _ = _tile(DO, bh, m0, n, head_dim, BM, D)
     q = tl.load(q_at, mask=q_ok, other=0.0)
@@ -96,6 +96,13 @@ def _keys_step(dk, dv, k, v, Q, DO, LSE, DELTA, bh, m0, cols, n, head_dim, qk_sc
     rows = m0 + tl.arange(0, BM)
     lse = tl.load(LSE + tl.cast(bh, tl.int64) * n + rows, mask=rows < n, other=0.0)
     delta = tl.load(DELTA + tl.cast(bh, tl.int64) * n + rows, mask=rows < n, other=0.0)
+    return q, do, rows, lse, delta
+
+
+@triton.jit
+def _keys_step(dk, dv, k, v, Q, DO, LSE, DELTA, bh, m0, cols, n, head_dim, qk_scale,
+               BM: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    q, do, rows, lse, delta = _query_rows(Q, DO, LSE, DELTA, bh, m0, n, head_dim, BM, D)
     qk = tl.dot(k, tl.trans(q))  # [keys, queries]
     p = tl.exp2(qk * qk_scale - lse[None, :])
     if MASKED:
@@ -156,13 +163,7 @@ def _backward_queries(Q, K, V, DO, LSE, DELTA, DQ, n, heads, kv_heads, head_dim,
     m0 = tl.program_id(0) * BM
     bh = tl.program_id(1)
     kv = (bh // heads) * kv_heads + (bh % heads) // (heads // kv_heads)
-    q_at, q_ok = _tile(Q, bh, m0, n, head_dim, BM, D)
-    do_at, _ = _tile(DO, bh, m0, n, head_dim, BM, D)
-    q = tl.load(q_at, mask=q_ok, other=0.0)
-    do = tl.load(do_at, mask=q_ok, other=0.0)
-    rows = m0 + tl.arange(0, BM)
-    lse = tl.load(LSE + tl.cast(bh, tl.int64) * n + rows, mask=rows < n, other=0.0)
-    delta = tl.load(DELTA + tl.cast(bh, tl.int64) * n + rows, mask=rows < n, other=0.0)
+    q, do, rows, lse, delta = _query_rows(Q, DO, LSE, DELTA, bh, m0, n, head_dim, BM, D)
     dq = tl.zeros((BM, D), tl.float32)
     for start in range(0, m0, BN):
         dq = _queries_step(dq, q, do, lse, delta, K, V, kv, start, rows, n, head_dim, qk_scale,
@@ -170,8 +171,8 @@ def _backward_queries(Q, K, V, DO, LSE, DELTA, DQ, n, heads, kv_heads, head_dim,
     for start in range(m0, tl.minimum(m0 + BM, n), BN):
         dq = _queries_step(dq, q, do, lse, delta, K, V, kv, start, rows, n, head_dim, qk_scale,
                            BN, D, True)  # fmt: skip
-    tl.store(_tile(DQ, bh, m0, n, head_dim, BM, D)[0], (dq * scale).to(DQ.dtype.element_ty),
-             mask=q_ok)  # fmt: skip
+    dq_at, dq_ok = _tile(DQ, bh, m0, n, head_dim, BM, D)
+    tl.store(dq_at, (dq * scale).to(DQ.dtype.element_ty), mask=dq_ok)
 
 
 class Plan:
