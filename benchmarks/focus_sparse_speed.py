@@ -11,6 +11,8 @@ With --train, "over kept" is (sparse step / dense step) / kept share: 1 when a s
 what its kept pairs cost; the soft step is the chunked (CPU) or fused (GPU) soft gate, its
 assignments trained too. Times are device time (CUDA events on a GPU; wall clock on the CPU),
 "host ms" the sparse call's host time apart (until it returns: on a GPU, launching its kernels).
+On a GPU the sparse call is the fused kernel (triton_sparse.py) where it has tiles, and the JSON
+holds the parts' path it replaces beside it ("parts_ms").
 
     python benchmarks/focus_sparse_speed.py [--seq-lengths 1024 4096 16384] [--groups 4 8]
         [--top-k 1 2] [--shapes 4x64 32x128 6x256] [--window 128] [--dtype bf16] [--profile]
@@ -18,6 +20,7 @@ assignments trained too. Times are device time (CUDA events on a GPU; wall clock
 """
 
 import argparse
+import functools
 import itertools
 import json
 import statistics
@@ -107,14 +110,29 @@ def measure(opts, heads: int, head_dim: int, n: int, groups: int, top_k: int) ->
 
         return run
 
+    # the model's choice (on a GPU the fused kernel, triton_sparse.py), and beside it on a GPU
+    # the parts' path it replaces
+    chosen = kernels.sparse(torch.device(device), head_dim, dtype)
+    by_kernel = {"sparse": chosen}
+    if chosen.fused:
+        by_kernel["parts"] = kernels.lse_attention(torch.device(device))
     calls = {
-        "dense": step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)),
-        "sparse": step(
-            lambda: sparse_focus_attention(
-                q, k, v, routing, window=opts.window, top_k=top_k, scale=scale
-            )
-        ),
+        "dense": step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale))
     }
+    for name, kernel in by_kernel.items():
+        calls[name] = step(
+            functools.partial(
+                sparse_focus_attention,
+                q,
+                k,
+                v,
+                routing,
+                window=opts.window,
+                top_k=top_k,
+                scale=scale,
+                kernel=kernel,
+            )  # fmt: skip
+        )
     if opts.train:
         soft_gate = kernels.soft_gate("auto", torch.device(device))
         calls["soft"] = step(
@@ -159,6 +177,7 @@ def measure(opts, heads: int, head_dim: int, n: int, groups: int, top_k: int) ->
         "n": n,
         "groups": groups,
         "top_k": top_k,
+        "kernel": chosen.name,
         **{
             f"{name}{suffix}_ms": statistics.median(getattr(t, clock) for t in ts) * 1e3
             for name, ts in times.items()

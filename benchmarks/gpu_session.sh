@@ -13,7 +13,8 @@
 #              at the 0.7B recipe's shape (steady iterations; target: focus at most 1.15x)
 #   fit        each kernel as the driver loads it on this GPU (registers, spills) beside the
 #              CPU compile's prediction (benchmarks/kernel_fit.py --device)
-#   sparse     sparse Focus against dense causal attention at 4K and 32K tokens, 32x128, bf16
+#   sparse     sparse Focus (the fused kernel, and the parts it replaces) against dense causal
+#              attention at 4K, 8K and 32K tokens, 32x128, bf16
 #   generate   the exported model in sparse mode against the standard one: prefill and decoding
 #              at 4K and 32K tokens of context, bf16 (benchmarks/focus_generate.py)
 #   tests      the rest of tests/test_gpu.py and the HF model's attention backends
@@ -81,7 +82,7 @@ else
     KERNELS=()
     FIT=(--device --gqa 1 4 --gates log)
     E2E=(--iters 30)
-    SPARSE=(--dtype bf16 --groups 8 --top-k 1 2 --shapes 32x128 --seq-lengths 4096 32768)
+    SPARSE=(--dtype bf16 --groups 8 --top-k 1 2 --shapes 32x128 --seq-lengths 4096 8192 32768)
     RECIPE=(--model 0.7b --iters 5 --warmup 3)
     GENERATE=(--device cuda --dtype bf16 --contexts 4096 32768)
 fi
@@ -105,7 +106,7 @@ part recipe 160 python3 benchmarks/recipe_speed.py --variants standard xsa focus
 # the compiler, not the interpreter: without TRITON_INTERPRET
 part fit 90 env -u TRITON_INTERPRET python3 benchmarks/kernel_fit.py "${FIT[@]}" \
     --json "$OUT/fit.json"
-part sparse 60 python3 benchmarks/focus_sparse_speed.py "${SPARSE[@]}" --json "$OUT/sparse.json"
+part sparse 90 python3 benchmarks/focus_sparse_speed.py "${SPARSE[@]}" --json "$OUT/sparse.json"
 part generate 40 python3 benchmarks/focus_generate.py "${GENERATE[@]}" --json "$OUT/generate.json"
 # -o addopts="": in this process, one GPU; pytest-xdist need not be there
 part tests 120 python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/test_gpu.py \

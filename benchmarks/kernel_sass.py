@@ -11,10 +11,12 @@ gate's band loop (window and diagonal, masked) against the reference's diagonal 
 ratio; registers and spill bytes of both on each architecture.
 
     python benchmarks/kernel_sass.py [--arch sm90] [--shapes d128 d128-gqa4 d256]
-        [--fit-archs sm80 sm86 sm90] [--json PATH]
+        [--fit-archs sm80 sm86 sm90] [--kernel gate|sparse] [--json PATH]
 
 (each pass at --arch's tiles, triton_launch.py's table; --fit-archs compiles those same launches
-for other architectures, whose own tiles may differ.)
+for other architectures, whose own tiles may differ.) `--kernel sparse`: sparse Focus's fused
+kernel on a bucket part instead, its tiles inside every query's range ("distant") and its edge
+tiles ("band") against the reference's off-diagonal loop and diagonal loop.
 
 Targets (docs/benchmarks.md): the distant loop at most 1.5x the reference's instructions per
 pair in the forward, 1.8x in each backward pass; no spills on sm_90 and sm_80.
@@ -49,6 +51,12 @@ def parse() -> argparse.Namespace:
         "compiled for these architectures too (default: --arch alone)",
     )
     p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument(
+        "--kernel",
+        choices=("gate", "sparse"),
+        default="gate",
+        help="the soft gate's kernels, or sparse Focus's fused kernel (triton_sparse.py)",
+    )
     p.add_argument("--json", metavar="PATH")
     return p.parse_args()
 
@@ -99,14 +107,41 @@ def gate_and_reference(shape, capability):
     return {name: (gate[name], ref[name], plan.tiles[name]) for name in PASSES}
 
 
+def sparse_and_reference(shape, capability):
+    """{pass: (sparse Launch, reference Launch, tile)}: sparse Focus's fused kernel on a bucket
+    part (rows read through the routing's orders, merged with the parts before) at its own
+    tiles, and the reference at the same tiles."""
+    from flash_reference import Plan as ReferencePlan
+
+    from megatron_focus.model.kernels import triton_launch
+    from megatron_focus.model.kernels.triton_fit import megatron_qkv, sparse_launches
+
+    q, k, v = megatron_qkv(shape)
+    launches = dict(sparse_launches(shape, capability))
+    tiles = {p: triton_launch.sparse_tile(p, capability, shape.head_dim, shape.dtype)
+             for p in PASSES}  # fmt: skip
+    reference = ReferencePlan(*(t.contiguous() for t in (q, k)), 0.1, tiles)
+    ref = reference.launches(q.contiguous(), k.contiguous(), v.contiguous())
+    return {p: (launches[f"sparse buckets {p}"], ref[p], tiles[p]) for p in PASSES}
+
+
 def rows_of(name, pass_, launch, tile, rep) -> dict:
-    """The distant (or off-diagonal) and band (or diagonal) loops' instructions per pair."""
+    """The distant (or off-diagonal) and band (or diagonal) loops' instructions per pair; for
+    the sparse kernel, its tiles inside every query's range (no mask: "distant") and its edge
+    tiles ("band")."""
     from megatron_focus.model.kernels.triton_fit import sass_loops, sass_of
 
     loops = _mma_loops(sass_loops(sass_of(launch, ARGS.arch)))
     warps = launch.options["num_warps"]
     pairs = tile.rows * tile.keys
-    if name == "gate":
+    if name == "sparse":  # edge, inner, edge tiles (the keys pass: inside its loop over heads)
+        heads = 1
+        if pass_ == "keys":
+            _, inner = loops[0]
+            cost = {"distant": (inner[1], []), "band": (inner[0], [])}
+        else:
+            cost = {"distant": loops[1], "band": loops[0]}
+    elif name == "gate":
         heads = rep if pass_ == "keys" else 1  # the keys pass takes the heads one by one
         distant, band = (loops[1], loops[0]) if pass_ == "keys" else (loops[1], loops[2])
         cost = {"distant": distant, "band": band}
@@ -140,9 +175,10 @@ def main() -> int:
     for shape_name in args.shapes:
         head_dim, rep = SHAPES[shape_name]
         shape = Shape(head_dim, rep, tokens=args.tokens)
-        for pass_, (gate, reference, tile) in gate_and_reference(shape, capability).items():
+        pairs = gate_and_reference if args.kernel == "gate" else sparse_and_reference
+        for pass_, (gate, reference, tile) in pairs(shape, capability).items():
             tile_text = f"{tile.rows}x{tile.keys}x{tile.warps}x{tile.stages}"
-            ours = rows_of("gate", pass_, gate, tile, rep)
+            ours = rows_of(args.kernel, pass_, gate, tile, rep)
             theirs = rows_of("reference", pass_, reference, tile, rep)
             fits = {
                 arch: {kind: compile_for(launch, arch) for kind, launch in
@@ -154,7 +190,7 @@ def main() -> int:
                 ratio = total / sum(theirs[run].values())
                 line = " ".join(f"{ours[run][kind]:5.2f}" for kind in CLASSES)
                 print(
-                    f"{shape_name:10} {pass_:8} {tile_text:12} {run:8} gate {line} = "
+                    f"{shape_name:10} {pass_:8} {tile_text:12} {run:8} {args.kernel} {line} = "
                     f"{total:5.2f}  ref {sum(theirs[run].values()):5.2f}  x{ratio:.2f}"
                 )
             fit_text = "  ".join(

@@ -172,6 +172,45 @@ def test_sparse_training_on_gpu_equals_the_dense_hard_rule(top_k, sink, dtype, d
         torch.testing.assert_close(got.float().cpu(), reference, rtol=tol, atol=tol, msg=name)
 
 
+@pytest.mark.parametrize(
+    "top_k, sink, documents, d", [(1, 0, False, 128), (2, 4, True, 64), (3, 0, True, 128)]
+)
+def test_fused_sparse_kernel_on_gpu_equals_the_dense_hard_rule(top_k, sink, documents, d):
+    """The fused kernel (triton_sparse.py) compiled for this GPU, bf16, q, k, v laid out as
+    Megatron hands them: output and gradients against the dense masked hard rule. Its fallback
+    to the parts (a warning) fails the test."""
+    import warnings
+
+    from megatron_focus.model.kernels import kernels
+
+    n, heads, kv = 1500, 4, 2
+    gen = torch.Generator().manual_seed(n + top_k)
+    qkv = torch.randn(n, 2, kv, (heads // kv + 2) * d, generator=gen).to(torch.bfloat16)
+    q, _, v = torch.split(qkv, [heads // kv * d, d, d], dim=-1)
+    q = q.reshape(n, 2, heads, d).permute(1, 2, 0, 3)
+    v = v.permute(1, 2, 0, 3)
+    k = torch.randn(2, kv, n, d, generator=gen).to(torch.bfloat16)
+    log_g = assignments(2, n, 8, gen)
+    doc_start = torch.zeros(2, n, dtype=torch.long)
+    doc_start[1, 600:] = 600
+    doc_start = doc_start if documents else None
+    leaves = [t.cuda().requires_grad_() for t in (q, k, v)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = sparse_focus_attention(
+            *leaves, Routing.of(log_g.cuda(), None if doc_start is None else doc_start.cuda()),
+            window=128, top_k=top_k, scale=d**-0.5, sink=sink, kernel=kernels.TRITON_SPARSE,
+        )  # fmt: skip
+    references = [t.float().requires_grad_() for t in (q, k, v)]
+    ref = dense_hard_rule(*references, log_g, 128, top_k, d**-0.5, sink, doc_start)
+    cotangent = torch.randn(ref.shape, generator=gen)
+    torch.testing.assert_close(out.float().cpu(), ref, rtol=3e-2, atol=3e-2)
+    grads = torch.autograd.grad(out, leaves, cotangent.cuda().to(torch.bfloat16))
+    want = torch.autograd.grad(ref, references, cotangent)
+    for name, got, reference in zip("qkv", grads, want):
+        torch.testing.assert_close(got.float().cpu(), reference, rtol=3e-2, atol=3e-2, msg=name)
+
+
 def test_packed_documents_on_gpu_equal_the_chunked_path():
     """--reset-attention-mask: FlexAttention's soft gate (values, gradients) and the sparse
     dispatch on the GPU against the chunked paths (checked per document on the CPU,

@@ -69,6 +69,8 @@ def test_every_launch_fits_each_architecture(tmp_path, arch):
         "gate forward (chunk)", "gate keys (chunk)", "gate queries (chunk)",
         "xsa forward", "xsa backward", "sinkhorn forward", "sinkhorn backward",
         "sinkhorn forward (chunk)", "sinkhorn backward (chunk)",
+        *(f"sparse {part} {pass_}" for part in ("band", "buckets", "rule")
+          for pass_ in ("forward", "queries", "keys")),
     }  # fmt: skip
     assert len({r["shape"] for r in rows if r["kernel"] == "gate keys"}) == 12
     assert_all_fit(rows)
@@ -90,15 +92,15 @@ def test_documents_and_other_gqa_ratios_in_fp16_fit_the_a100(tmp_path):
 def test_addresses_are_64_bit_where_a_tensor_passes_2_31_elements(tmp_path):
     """At the 0.7B recipe's heads (6 of 256), micro-batch 8 and 64K tokens, V's row stride
     ((rep + 2) b H_kv d) times the tokens passes 2^31 elements: every tensor argument of the
-    gate's and XSA's kernels is offset from its base in 64 bits (Triton types a Python int below
-    2^31 as i32, so 32-bit products of sizes and strides would wrap)."""
+    gate's, XSA's and sparse Focus's kernels is offset from its base in 64 bits (Triton types a
+    Python int below 2^31 as i32, so 32-bit products of sizes and strides would wrap)."""
     tokens, batch, kv_heads, head_dim = 65536, 8, 6, 256
     assert tokens * batch * kv_heads * 3 * head_dim > 2**31
     rows = kernel_fit(tmp_path, "--archs", "sm90", "--head-dims", head_dim, "--gqa", 1,
                       "--gates", "log", "--documents", "--tokens", tokens, "--batch", batch,
                       "--kv-heads", kv_heads)  # fmt: skip
     wide = {r["kernel"]: r["wide_addresses"] for r in rows if not r["kernel"].startswith("sink")}
-    assert len(wide) == 9 and all(wide.values()), wide  # the gate's, a chunk's, XSA's
+    assert len(wide) == 18 and all(wide.values()), wide  # gate, chunk, XSA, sparse
 
 
 def test_no_tile_is_a_named_fallback_not_an_error_at_the_first_step(monkeypatch):

@@ -248,6 +248,7 @@ class FocusAttention(CoreAttention):
         self.focus = focus
         self.router = build_module(submodules.router, config=config, focus=focus)
         device = platform.setup().device
+        dtype = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None
         self.soft_gate = kernels.soft_gate(
             focus.kernel,
             device,
@@ -255,9 +256,9 @@ class FocusAttention(CoreAttention):
             focus.chunk_size,
             self.cp_group is not None,
             head_dim=config.kv_channels,
-            dtype=torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else None,
+            dtype=dtype,
         )
-        self.sparse = kernels.lse_attention(device)
+        self.sparse = kernels.sparse(device, config.kv_channels, dtype)
         self.mass_sample: Optional[int] = 0  # the kept mass's queries (`recording_statistics`)
         self.dense = False  # attend as standard attention (a dense warm-up, FocusHooks)
 

@@ -118,6 +118,7 @@ class _Route(NamedTuple):
     starts: torch.Tensor  # [buckets], where each bucket starts in bucket order
     cu_seqlens: torch.Tensor  # [buckets + 1] int32, the starts and the end (varlen's)
     ranges: tuple  # a _Range per top-k slot from `first_slot`, then the sinks' (sink > 0)
+    bits: torch.Tensor  # [2, b * n]: each token's groups as a bit mask, its top-1 group's bit
 
 
 def _route(
@@ -139,8 +140,7 @@ def _route(
         doc_start = groups_q.new_zeros(b, n)
     position = torch.arange(n, device=groups_q.device) - doc_start  # in the document
     if sink:  # the sinks' bucket is group K: their slot 0, and no other query's group
-        top1 = groups_q[..., 0].masked_fill(position < sink, num_groups)
-        groups_q = torch.cat([top1[..., None], groups_q[..., 1:]], -1)
+        groups_q = _sinks_as_group(groups_q, position, num_groups, sink)
         num_groups += 1
     segment = segments(doc_start)
     bucket, order, sizes, bounds, before = _buckets(
@@ -167,7 +167,35 @@ def _route(
         hi = lo + count.reshape(-1)
         ranges.append(ranged(lo, hi, rising(lo, hi)))
     cu_seqlens = bounds.to(torch.int32)
-    return _Route(groups_q, segment, bucket, order, sizes, starts, cu_seqlens, tuple(ranges))
+    return _Route(
+        groups_q, segment, bucket, order, sizes, starts, cu_seqlens, tuple(ranges),
+        _group_bits(groups_q),
+    )  # fmt: skip
+
+
+def _sinks_as_group(groups_q, position, num_groups: int, sink: int):
+    """The sinks' top-1 group is a group of their own, K."""
+    top1 = groups_q[..., 0].masked_fill(position < sink, num_groups)
+    return torch.cat([top1[..., None], groups_q[..., 1:]], -1)
+
+
+def _group_bits(groups_q, also: int = 0):
+    """[2, b * n] int64: each token's groups as a bit mask (as a query; `also` OR-ed in), and
+    its top-1 group's bit (as a key). The groups of a token are distinct."""
+    bit = torch.ones_like(groups_q) << groups_q
+    return torch.stack([bit.sum(-1) | also, bit[..., 0]]).reshape(2, -1)
+
+
+def _rule_bits(groups_q, doc_start, num_groups: int, sink: int):
+    """The bits of the whole rule as one part: the sinks a group of their own that every query
+    keeps (as `_route` lays them out, with no sort)."""
+    if sink:
+        n = groups_q.shape[1]
+        position = torch.arange(n, device=groups_q.device)
+        if doc_start is not None:
+            position = position - doc_start
+        return _group_bits(_sinks_as_group(groups_q, position, num_groups, sink), 1 << num_groups)
+    return _group_bits(groups_q)
 
 
 @functools.lru_cache(maxsize=2)
@@ -634,9 +662,100 @@ def sparse_focus_attention(
     kernels.lse_attention (by q's device if None). Gradients reach q, k and v, not the routing
     (its groups are a hard choice)."""
     kernel = kernel or kernels.lse_attention(q.device)
+    if kernel.fused and not _fused_failed and routing.groups.shape[-1] < _FUSED_GROUPS:
+        try:
+            return _fused(q, k, v, routing, window, top_k, scale, sink, kernel)
+        except Exception as e:  # noqa: BLE001 -- a compiler's failure; the parts' path remains
+            _fused_failed_once(e)
+        kernel = kernels.lse_attention(q.device)
     with torch.no_grad():
         parts = _parts(routing, q, window, top_k, scale, sink, kernel)
     return _SparseAttention.apply(q, k, v, parts)
+
+
+_fused_failed = False
+_FUSED_GROUPS = 62  # the fused kernel's bit masks: K groups and the sinks' in 63 bits
+
+
+def _fused_failed_once(error: Exception):
+    """A GPU whose Triton cannot compile the fused kernel: the parts' path from then on, said
+    once (the same results, more launches). Under the interpreter (tests) errors are raised."""
+    global _fused_failed
+    if kernels.triton_interpreted():
+        raise error
+    _fused_failed = True
+    warnings.warn(f"sparse Focus: the fused Triton kernel failed, using {kernels.FLEX_LSE.name} "
+                  f"parts from now on ({error})")  # fmt: skip
+
+
+def _fused(q, k, v, routing: Routing, window, top_k, scale, sink, kernel):
+    """The hard rule by the fused kernel (triton_sparse): the band, then each top-k slot's
+    ranges and the sinks', merged in its epilogues; or, where that measured slower for this
+    shape, the whole rule as one part (`_dense_is_faster`)."""
+    from megatron_focus.model.kernels.triton_sparse import Part  # imports Triton
+
+    b, _, n, _ = q.shape
+    sink = min(sink, n)
+    docs = None if routing.doc_start is None else routing.doc_start.contiguous()
+    inputs = (routing.top(top_k), routing.doc_start, routing.groups.shape[-1])
+
+    def call(dense: bool):
+        with torch.no_grad():
+            if dense:
+                parts, bits = [Part(rule=True)], _rule_bits(*inputs, sink)
+            else:
+                route = _routed(q.device, *inputs, b * n, sink, window, 0, False)
+                parts = [Part()] + [Part(r.entries, r.lo, r.hi, route.order) for r in route.ranges]
+                bits = route.bits
+        return kernel(q, k, v, parts, docs, bits, window=window, scale=scale)
+
+    return call(_dense_is_faster(q, k, routing, top_k, sink, call))
+
+
+_DENSE_FASTER: dict = {}  # by shape: whether the whole rule in one part measured faster
+
+
+def _dense_is_faster(q, k, routing, top_k, sink, call) -> bool:
+    """Whether the masked rule in one part (dense work, one launch a pass) beats the sparse
+    parts at this shape: timed once per shape on a GPU (forward, median of 3 after a warm-up,
+    as cuDNN's benchmark mode chooses), said once; elsewhere (the interpreter) the sparse
+    parts."""
+    shape = (tuple(q.shape), k.shape[1], q.dtype, top_k, routing.groups.shape[-1], sink > 0,
+             routing.doc_start is not None)  # fmt: skip
+    if shape not in _DENSE_FASTER:
+        if not kernels.compiled(q.device):
+            return False
+        times = {dense: _median_ms(lambda dense=dense: call(dense)) for dense in (False, True)}
+        _DENSE_FASTER[shape] = times[True] < times[False]
+        name = {True: "the masked rule in one call", False: "the sparse parts"}
+        chosen = _DENSE_FASTER[shape]
+        _say(
+            f"sparse Focus at {q.shape[2]} tokens (batch {q.shape[0]}, top-{top_k}): "
+            f"{name[chosen]} ({times[chosen]:.2f} ms a forward) over {name[not chosen]} "
+            f"({times[not chosen]:.2f} ms)"
+        )
+    return _DENSE_FASTER[shape]
+
+
+def _say(line: str):
+    """One line, from the first rank only."""
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not distributed or torch.distributed.get_rank() == 0:
+        print(line, flush=True)
+
+
+def _median_ms(run, repeats: int = 3) -> float:
+    with torch.no_grad():
+        run()
+        times = []
+        for _ in range(repeats):
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 def _parts(routing, q, window, top_k, scale, sink, kernel) -> list:

@@ -171,6 +171,7 @@ class Kernel:
     recompute: bool = False  # its backward keeps much: run it under activation checkpointing
     ranges: bool = False  # attention with log-sum-exp: per-query key ranges in one call
     varlen: bool = False  # ... and causal attention over packed sequences (cu_seqlens), one call
+    fused: bool = False  # sparse Focus's parts in one kernel (triton_sparse)
     options: tuple = ()  # (keyword, value) pairs every call gets
     warning: str = ""  # why a faster kernel was passed over, for the run's banner
 
@@ -335,6 +336,26 @@ def lse_attention(device: torch.device) -> Kernel:
     if device.type == "cpu":
         return CPU_FLASH_LSE
     return FLEX_VARLEN_LSE if device.type == "cuda" else FLEX_LSE
+
+
+TRITON_SPARSE = Kernel(
+    "triton", "megatron_focus.model.kernels.triton_sparse:triton_sparse_attention", fused=True
+)
+
+
+def sparse(device: torch.device, head_dim: int, dtype) -> Kernel:
+    """Sparse Focus's attention: the fused Triton kernel (triton_sparse.py) on a GPU where it
+    has a tile (bf16 or fp16, Ampere on, head dim up to 256; per shape the sparse parts or, where
+    that measures faster, the whole rule in one masked part); else its parts by
+    `lse_attention`."""
+    from megatron_focus.model.kernels import triton_launch
+
+    if device.type == "cuda" and has_triton() and dtype in (torch.bfloat16, torch.float16):
+        capability = device_capability(device)
+        if all(triton_launch.sparse_tile(p, capability, head_dim, dtype)
+               for p in triton_launch.SPARSE_PASSES):  # fmt: skip
+            return TRITON_SPARSE
+    return lse_attention(device)
 
 
 def compiled(device: torch.device) -> bool:

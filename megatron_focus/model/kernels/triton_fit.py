@@ -22,7 +22,13 @@ import re
 
 import torch
 
-from megatron_focus.model.kernels import triton_gate, triton_launch, triton_sinkhorn, triton_xsa
+from megatron_focus.model.kernels import (
+    triton_gate,
+    triton_launch,
+    triton_sinkhorn,
+    triton_sparse,
+    triton_xsa,
+)
 from megatron_focus.model.kernels.triton_launch import SHARED_MEMORY, TARGETS, Launch
 
 
@@ -305,11 +311,34 @@ def sinkhorn_launches(shape: Shape, capability, iters: int = 10) -> list:
     return launches
 
 
+def sparse_launches(shape: Shape, capability) -> list:
+    """Sparse Focus's fused kernel: its band (token order, ranges computed, groups excluded), a
+    bucket part (rows through the orders, merged; the last part, in the output's dtype) and
+    the whole rule as one part (below the measured crossover), each forward, queries pass and
+    keys pass: nine binaries."""
+    q, k, v = megatron_qkv(shape)
+    rows = shape.batch * shape.tokens
+    index = torch.empty(rows, device="meta", dtype=torch.int64)
+    bits = torch.empty(2, rows, device="meta", dtype=torch.int64)
+    docs = torch.empty(shape.batch, shape.tokens, device="meta", dtype=torch.int64)
+    parts = [triton_sparse.Part(), triton_sparse.Part(index, index, index, index)]
+    rule = [triton_sparse.Part(rule=True)]
+    plan = triton_sparse.Plan(q, k, parts, docs if shape.documents else None, bits, window=128,
+                              scale=0.1, capability=capability)  # fmt: skip
+    whole = triton_sparse.Plan(q, k, rule, plan.docs, bits, window=128, scale=0.1,
+                               capability=capability)  # fmt: skip
+    names = [f"sparse {part} {pass_}" for part in ("band", "buckets", "rule")
+             for pass_ in ("forward", "queries", "keys")]  # fmt: skip
+    return list(zip(names, plan.launches(q, k, v) + whole.launches(q, k, v)))
+
+
 def all_launches(shape: Shape, arch: str) -> list:
     """Every (name, Launch) the kernels make at `shape` on `arch`: the gate's where its table
     has a tile (else none: the kernel choice falls back), XSA's and the Sinkhorn's always."""
     capability = (TARGETS[arch] // 10, TARGETS[arch] % 10)
     launches = xsa_launches(shape, capability) + sinkhorn_launches(shape, capability)
+    if triton_launch.sparse_tile("forward", capability, shape.head_dim, shape.dtype) is not None:
+        launches = sparse_launches(shape, capability) + launches
     if triton_launch.gate_tile("forward", capability, shape.head_dim, shape.dtype) is not None:
         launches = gate_launches(shape, capability) + launches
     return launches

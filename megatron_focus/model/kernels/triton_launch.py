@@ -123,6 +123,43 @@ def gate_tile(
     return _tile(by_head_dim[size][GATE_PASSES.index(pass_)])
 
 
+# Sparse Focus's fused kernel (triton_sparse.py), bf16 and fp16: arch -> {head dim: (forward,
+# keys, queries)} as the gate's table ("rows x keys x warps x stages"; the keys pass: queries a
+# step x keys a program), FlashAttention-2's shapes where they fit (triton_fit.Fit, held by
+# tests/model/test_kernel_fit.py). Its tiles gather rows through the routing's orders, so
+# they keep the row indices and the ranges' bounds live beside FlashAttention's.
+_SPARSE_TABLE = {
+    "sm80": {
+        64: ("128x64x4x2", "128x32x8x2", "16x128x8x2"),
+        128: ("128x64x8x2", "128x32x8x2", "16x128x8x2"),
+        256: ("64x32x8x2", "64x32x8x2", "16x32x8x2"),
+    },
+    "sm86": {
+        64: ("128x64x4x2", "128x32x8x2", "16x128x8x2"),
+        128: ("128x32x8x2", "64x32x4x2", "16x64x8x2"),
+        256: ("64x32x8x2", "64x16x4x2", "16x32x8x2"),
+    },
+    "sm90": {
+        64: ("128x64x4x2", "128x32x8x2", "32x128x8x2"),
+        128: ("128x64x8x2", "128x32x8x2", "16x128x8x2"),
+        256: ("64x32x8x2", "64x32x8x2", "16x32x8x2"),
+    },
+}
+SPARSE_PASSES = ("forward", "queries", "keys")  # in the table's order
+
+
+def sparse_tile(pass_: str, capability, head_dim: int, dtype: torch.dtype) -> Tile | None:
+    """The fused sparse kernel's tile for a pass on a GPU of `capability` (None: the
+    interpreter); None where it has none (fp32, before Ampere, past head dim 256)."""
+    if capability is None:
+        return _INTERPRETED
+    by_head_dim = _SPARSE_TABLE.get(arch(capability), {})
+    size = next((d for d in sorted(by_head_dim) if head_dim <= d), None)
+    if dtype == torch.float32 or size is None:
+        return None
+    return _tile(by_head_dim[size][SPARSE_PASSES.index(pass_)])
+
+
 _XSA = {64: Tile(64, 0, 4, 1), 128: Tile(32, 0, 4, 1), 256: Tile(16, 0, 4, 1)}  # rows: tokens
 
 

@@ -1,0 +1,158 @@
+"""Sparse Focus's fused Triton kernel (model/kernels/triton_sparse.py) against the float64 dense
+hard rule, forward and backward, run by Triton's interpreter on CPU tensors laid out as the model
+lays them out; its launches counted; the kernel choice and its fallback."""
+
+import warnings
+
+import pytest
+import torch
+from interpreted import skip_unless_kernels_run
+
+from megatron_focus.model.focus import focus_sparse
+from megatron_focus.model.focus.focus_sparse import sparse_focus_attention
+from megatron_focus.model.focus.groups import Routing
+from megatron_focus.model.kernels import kernels
+
+from reference import assignments, dense_hard_rule
+
+skip_unless_kernels_run()
+triton_sparse = pytest.importorskip("megatron_focus.model.kernels.triton_sparse")
+
+CASES = {  # b, heads, kv heads, n, d, K, w, top_k, sink, documents (lengths per row), assignment
+    "top-1, sinks, documents, gqa": (2, 4, 2, 64, 8, 4, 5, 1, 2, [[7, 1, 30, 26], [20, 3, 41]],
+                                     "random"),
+    "top-2, documents, empty buckets": (2, 2, 2, 64, 8, 4, 5, 2, 0, [[64], [33, 31]],
+                                        "one-group"),
+    "top-1, mqa, d 12": (2, 4, 1, 70, 12, 4, 8, 1, 0, None, "random"),
+    "top-3 of 8, ties, sinks": (1, 4, 2, 150, 8, 8, 8, 3, 4, None, "coarse"),
+    "top-k = K: full causal": (1, 2, 2, 90, 8, 4, 8, 4, 0, None, "random"),
+    "wide window, documents": (1, 2, 2, 260, 8, 4, 70, 2, 0, [[90, 170]], "lonely"),
+    "a single-token group": (2, 2, 2, 64, 8, 4, 4, 2, 0, None, "lonely"),
+    "sinks past the sequence": (1, 2, 2, 12, 8, 4, 4, 1, 20, None, "random"),
+}  # fmt: skip
+QUICK = ["top-1, sinks, documents, gqa", "top-2, documents, empty buckets"]
+
+
+def _megatron_layout(b, heads, kv, n, d, gen):
+    """q, k, v as the model hands them: views of one fused QKV output [n, b, kv, (rep + 2) d]
+    permuted to [b, heads, n, d], k a tensor of its own (RoPE's)."""
+    rep = heads // kv
+    qkv = torch.randn(n, b, kv, (rep + 2) * d, generator=gen)
+    q, _, v = torch.split(qkv, [rep * d, d, d], dim=-1)
+    k = torch.randn(n, b, kv, d, generator=gen)
+    q = q.reshape(n, b, heads, d)
+    return [t.permute(1, 2, 0, 3).requires_grad_() for t in (q, k, v)]
+
+
+@pytest.mark.parametrize(
+    "case, whole",
+    [pytest.param(c, False, marks=[] if c in QUICK else pytest.mark.slow) for c in CASES]
+    + [pytest.param(c, True, marks=[] if c == QUICK[0] else pytest.mark.slow) for c in CASES],
+)
+def test_fused_kernel_equals_the_dense_hard_rule(monkeypatch, case, whole):
+    """Output and the gradients of q, k and v: those of one masked softmax over all pairs; by
+    the sparse parts, and by the whole rule as one part (`whole`: what a GPU takes below the
+    measured crossover)."""
+    from test_documents import starts_of
+
+    monkeypatch.setattr(focus_sparse, "_dense_is_faster", lambda *args: whole)
+
+    b, heads, kv, n, d, groups, window, top_k, sink, lengths, how = CASES[case]
+    gen = torch.Generator().manual_seed(n + top_k)
+    q, k, v = _megatron_layout(b, heads, kv, n, d, gen)
+    doc_start = None if lengths is None else starts_of(lengths)
+    log_g = assignments(b, n, groups, gen, how)
+    weights = torch.randn(b, heads, n, d, generator=gen)
+    routing = Routing.of(log_g, doc_start)
+    out = sparse_focus_attention(q, k, v, routing, window=window, top_k=top_k, scale=0.3,
+                                 sink=sink, kernel=kernels.TRITON_SPARSE)  # fmt: skip
+    ref = dense_hard_rule(q, k, v, log_g, window, top_k, 0.3, sink, doc_start)
+    torch.testing.assert_close(out, ref.float(), rtol=2e-5, atol=2e-5)
+    ours = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * weights.double()).sum(), (q, k, v))
+    for name, got, reference in zip("qkv", ours, want):
+        torch.testing.assert_close(got, reference.float(), rtol=2e-5, atol=2e-5, msg=name)
+
+
+def test_launches_are_the_routing_and_one_a_part_forward_two_backward():
+    """Top-1 forward and backward: the routing (one compiled region on a GPU), the band's and
+    the buckets' launch forward, their queries and keys passes backward, and nothing else (no
+    gather, scatter, merge, cast or delta of its own): 7, against the parts' path's 54."""
+    from launches import count_launches
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 48, 16, generator=gen, requires_grad=True) for _ in range(3))
+    routing = Routing.of(assignments(1, 48, 4, gen))
+    cotangent = torch.randn(q.shape, generator=gen)
+    kernels_counted = (triton_sparse._forward, triton_sparse._backward_queries,
+                       triton_sparse._backward_keys)  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(focus_sparse, "_routed", lambda device, *inputs: focus_sparse._route(*inputs))
+        with count_launches(kernels_counted, regions=[(focus_sparse, "_route")]) as launches:
+            out = sparse_focus_attention(q, k, v, routing, window=8, top_k=1, scale=0.25,
+                                         kernel=kernels.TRITON_SPARSE)  # fmt: skip
+            out.backward(cotangent)
+    routing_launches = launches.index("_route")
+    assert launches[routing_launches:] == [
+        "_route", "_forward", "_forward", "_backward_queries", "_backward_queries",
+        "_backward_keys", "_backward_keys",
+    ]  # fmt: skip
+    assert routing_launches <= 5, launches  # the ranking of the routing's groups (Routing.top)
+
+
+def test_the_fused_kernel_is_chosen_where_it_has_tiles(monkeypatch):
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(kernels, "has_triton", lambda: True)
+    monkeypatch.setattr(kernels, "device_capability", lambda device: (9, 0))
+    assert kernels.sparse(cuda, 128, torch.bfloat16) is kernels.TRITON_SPARSE
+    assert kernels.sparse(cuda, 128, None) is kernels.FLEX_VARLEN_LSE  # fp32
+    assert kernels.sparse(cuda, 512, torch.bfloat16) is kernels.FLEX_VARLEN_LSE
+    monkeypatch.setattr(kernels, "device_capability", lambda device: (7, 5))
+    assert kernels.sparse(cuda, 64, torch.float16) is kernels.FLEX_VARLEN_LSE
+    assert kernels.sparse(torch.device("cpu"), 64, torch.bfloat16) is kernels.CPU_FLASH_LSE
+
+
+def test_a_failing_fused_kernel_falls_back_to_the_parts_once(monkeypatch):
+    """On a GPU whose Triton cannot build the kernel: the parts' path, the same result, said
+    once (under the interpreter, tests see the error itself)."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PTX assembly failed")
+
+    monkeypatch.setattr(focus_sparse, "_fused_failed", False)
+    monkeypatch.setattr(kernels, "triton_interpreted", lambda: False)
+    monkeypatch.setattr(triton_sparse, "triton_sparse_attention", broken)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=gen) for _ in range(3))
+    log_g = assignments(1, 40, 4, gen)
+    with pytest.warns(UserWarning, match="fused Triton kernel failed.*PTX assembly failed"):
+        out = sparse_focus_attention(q, k, v, Routing.of(log_g), window=4, top_k=1, scale=0.3,
+                                     kernel=kernels.TRITON_SPARSE)  # fmt: skip
+    torch.testing.assert_close(out, dense_hard_rule(q, k, v, log_g, 4, 1, 0.3).float())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sparse_focus_attention(q, k, v, Routing.of(log_g), window=4, top_k=1, scale=0.3,
+                               kernel=kernels.TRITON_SPARSE)  # fmt: skip
+
+
+def test_the_faster_way_is_measured_once_per_shape_and_said(monkeypatch, capsys):
+    """On a GPU the first call of a shape times the sparse parts and the whole rule in one
+    part, keeps the faster, and says so; later calls of that shape reuse the choice."""
+    times = iter([2.0, 1.5, 1.0, 3.0])  # sparse, dense at 64 tokens; then at 96
+    monkeypatch.setattr(focus_sparse, "_DENSE_FASTER", {})
+    monkeypatch.setattr(kernels, "compiled", lambda device: True)
+    monkeypatch.setattr(focus_sparse, "_median_ms", lambda run: next(times))
+    gen = torch.Generator().manual_seed(0)
+    chosen = []
+    for n in (64, 64, 96):
+        q, k = torch.randn(1, 2, n, 8), torch.randn(1, 1, n, 8)
+        routing = Routing.of(assignments(1, n, 4, gen))
+        chosen.append(focus_sparse._dense_is_faster(q, k, routing, 1, 0, None))
+    assert chosen == [True, True, False]
+    said = capsys.readouterr().out.splitlines()
+    assert said == [
+        "sparse Focus at 64 tokens (batch 1, top-1): the masked rule in one call (1.50 ms a "
+        "forward) over the sparse parts (2.00 ms)",
+        "sparse Focus at 96 tokens (batch 1, top-1): the sparse parts (1.00 ms a forward) over "
+        "the masked rule in one call (3.00 ms)",
+    ]
