@@ -59,8 +59,9 @@ def parse() -> argparse.Namespace:
     p.add_argument(
         "--profile",
         action="store_true",
-        help="also print where the sparse call's time goes (torch.profiler, 3 calls; by input "
-        "shape, so the bucket part's kernel calls and the local part's are apart)",
+        help="also print where the sparse call's time goes (torch.profiler, 3 calls; on a GPU "
+        "by device time, kernel by kernel, host time beside it, for the fused kernel and the "
+        "parts' path; on the CPU by host time and input shape)",
     )
     p.add_argument(
         "--dtype",
@@ -82,6 +83,28 @@ def shape(text: str) -> tuple:
     if not (heads.isdigit() and dim.isdigit()):
         raise argparse.ArgumentTypeError(f"{text!r}: expected HEADSxDIM, e.g. 32x128")
     return int(heads), int(dim)
+
+
+def profile(call, title: str):
+    """Where a call's time goes, 3 calls: on a GPU by device time (each kernel, the routing's
+    compiled region's among them), its host time beside it; on the CPU by host time."""
+    cuda = platform.has_cuda()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+        for _ in range(3):
+            call()
+        if cuda:
+            torch.cuda.synchronize()
+    print(f"--- {title}: by {'device' if cuda else 'host'} time")
+    print(
+        prof.key_averages(group_by_input_shape=not cuda).table(
+            sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
+            row_limit=15,
+            max_shapes_column_width=60,
+        )
+    )
 
 
 def measure(opts, heads: int, head_dim: int, n: int, groups: int, top_k: int) -> dict:
@@ -150,7 +173,6 @@ def measure(opts, heads: int, head_dim: int, n: int, groups: int, top_k: int) ->
             )
         )
     times = {name: [] for name in calls}
-    sparse = calls["sparse"]
     with torch.set_grad_enabled(opts.train):
         for fn in calls.values():  # warm-up
             fn()
@@ -159,13 +181,8 @@ def measure(opts, heads: int, head_dim: int, n: int, groups: int, top_k: int) ->
             for name, fn in order if rep % 2 == 0 else order[::-1]:
                 times[name].append(timed(fn))
         if opts.profile:
-            with torch.profiler.profile(record_shapes=True) as prof:
-                for _ in range(3):
-                    sparse()
-            table = prof.key_averages(group_by_input_shape=True).table(
-                sort_by="self_cpu_time_total", row_limit=10, max_shapes_column_width=60
-            )
-            print(table)
+            for name in by_kernel:
+                profile(calls[name], f"{name} ({by_kernel[name].name}), n {n}, top-{top_k}")
     with torch.no_grad():
         kept = float(group_stats(routing, top_k, opts.window)["pairs-kept"])
     speedup = statistics.median(

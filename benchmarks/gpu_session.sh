@@ -15,6 +15,8 @@
 #              CPU compile's prediction (benchmarks/kernel_fit.py --device)
 #   sparse     sparse Focus (the fused kernel, and the parts it replaces) against dense causal
 #              attention at 4K, 8K and 32K tokens, 32x128, bf16
+#   profile    where sparse Focus's time goes at 8K and 32K, kernel by kernel, by device time
+#              (host time beside it), the fused kernel's and the parts' path's
 #   generate   the exported model in sparse mode against the standard one: prefill and decoding
 #              at 4K and 32K tokens of context, bf16 (benchmarks/focus_generate.py)
 #   tests      the rest of tests/test_gpu.py and the HF model's attention backends
@@ -76,6 +78,7 @@ if [ "$REHEARSAL" = 1 ]; then  # the same steps, sized for a CPU
     FIT=(--head-dims 64 --gqa 1 --gates log)
     E2E=(--tiny --iters 4)
     SPARSE=(--seq-lengths 1024 --groups 4 --top-k 1 --shapes 2x32 --repeats 1)
+    PROFILE=(--seq-lengths 512 --groups 4 --top-k 1 --shapes 2x32 --repeats 1)
     RECIPE=(--smoke --iters 3 --warmup 1)
     GENERATE=(--tiny --device cpu)
 else
@@ -83,6 +86,7 @@ else
     FIT=(--device --gqa 1 4 --gates log)
     E2E=(--iters 30)
     SPARSE=(--dtype bf16 --groups 8 --top-k 1 2 --shapes 32x128 --seq-lengths 4096 8192 32768)
+    PROFILE=(--dtype bf16 --groups 8 --top-k 1 --shapes 32x128 --seq-lengths 8192 32768 --repeats 1)
     RECIPE=(--model 0.7b --iters 5 --warmup 3)
     GENERATE=(--device cuda --dtype bf16 --contexts 4096 32768)
 fi
@@ -107,6 +111,7 @@ part recipe 160 python3 benchmarks/recipe_speed.py --variants standard xsa focus
 part fit 90 env -u TRITON_INTERPRET python3 benchmarks/kernel_fit.py "${FIT[@]}" \
     --json "$OUT/fit.json"
 part sparse 90 python3 benchmarks/focus_sparse_speed.py "${SPARSE[@]}" --json "$OUT/sparse.json"
+part profile 45 python3 benchmarks/focus_sparse_speed.py "${PROFILE[@]}" --profile
 part generate 40 python3 benchmarks/focus_generate.py "${GENERATE[@]}" --json "$OUT/generate.json"
 # -o addopts="": in this process, one GPU; pytest-xdist need not be there
 part tests 120 python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/test_gpu.py \

@@ -31,18 +31,25 @@ def e2e(result: dict) -> str:
 
 def sparse(result: dict) -> str:
     rows = result["results"]
-    longest = max(r["n"] for r in rows)
     train = result["config"].get("train")
 
     def figures(r: dict) -> str:
         against = f"{r['over_kept']:.2f}x over kept" if train else f"{r['of_ideal']:.0%} of ideal"
+        parts = f"; parts' path {r['dense_ms'] / r['parts_ms']:.2f}x" if "parts_ms" in r else ""
         return (
             f"{r.get('heads', 4)}x{r.get('head_dim', 64)} K={r['groups']} top-{r['top_k']} "
-            f"{r['speedup']:.2f}x ({against})"
+            f"{r['speedup']:.2f}x ({against}{parts})"
         )
 
     step = "training step " if train else ""
-    return f"{step}at {longest} tokens: " + ", ".join(figures(r) for r in rows if r["n"] == longest)
+    by_length = []
+    for n in sorted({r["n"] for r in rows}):
+        kernel = next((r["kernel"] for r in rows if r["n"] == n and "kernel" in r), "")
+        by_length.append(
+            f"{step}at {n} tokens{f' ({kernel})' if kernel else ''}: "
+            + ", ".join(figures(r) for r in rows if r["n"] == n)
+        )
+    return "; ".join(by_length) if len(by_length) > 1 else by_length[0]
 
 
 def overhead(result: dict) -> str:

@@ -88,6 +88,7 @@ def test_impossible_settings_are_refused(settings, error):
         check_mqar(*settings)
 
 
+@pytest.mark.slow
 def test_pretrain_and_eval_ppl_on_mqar(tmp_path, run_tool):
     """A few iterations on MQAR, a checkpoint without a tokenizer, and eval_ppl's recall accuracy
     in each Focus mode."""

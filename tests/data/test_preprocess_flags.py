@@ -150,6 +150,7 @@ def test_refused_flags_stop_the_tool_in_one_line_before_any_work(sp_model, tmp_p
     assert os.listdir(tmp_path) == ["in.jsonl"]  # nothing written
 
 
+@pytest.mark.slow
 def test_flags_with_no_effect_leave_the_output_as_it_is(sp_model, tmp_path):
     """The no-effect flags at values other than Megatron-LM's defaults, and the flags that
     change nothing without their companion (--keep-newlines, --lang without --split-sentences;
@@ -208,6 +209,7 @@ def test_partitions_write_megatron_lms_document_order(sp_model, tmp_path, partit
     assert all(n.endswith((".jsonl", "_document.bin", "_document.idx")) for n in written)
 
 
+@pytest.mark.slow
 def test_partitions_through_the_tool(sp_model, tmp_path):
     docs = write_docs(tmp_path / "in.jsonl", DOCS)
     common = ["--input", docs, "--tokenizer-type", SP, "--tokenizer-model", sp_model]

@@ -486,6 +486,7 @@ def test_gpu_routing_is_one_graph_with_no_host_synchronisation(case):
     assert all(torch.equal(ours, want) for ours, want in pairs)
 
 
+@pytest.mark.slow
 def test_gpu_routing_compiles_once_for_every_length():
     """The compiled routing as a GPU compiles it (a quick backend here), its sizes symbolic: a
     sweep of lengths compiles it once, and once more with packed documents (their own graph)."""
@@ -538,6 +539,7 @@ def test_gpu_routing_runs_eagerly_if_its_compile_fails(monkeypatch, request):
     assert not [w for w in said if "compiling the routing" in str(w.message)]  # said once
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["flex", "varlen"])
 @pytest.mark.parametrize("case", ["top-1, sinks, documents", "top-2, gqa"])
 def test_sparse_attention_with_compiled_routing_equals_the_dense_hard_rule(
