@@ -422,6 +422,30 @@ def _counted_and_built():
     return counted[1] - counted[0], built[1] - built[0]
 
 
+def test_a_variant_registered_in_process_keeps_its_settings(monkeypatch):
+    """Registered after the run config's sections were generated (a notebook's or a test's
+    `register`, not the environment variable's route): its flag's value reaches the run config
+    and the variant's settings, and survives `replace`."""
+    monkeypatch.delenv("MEGATRON_FOCUS_VARIANTS", raising=False)
+    assert run_distributed(_registered_late, 1) == (2.5, 2.5, 2.5, 3.0)
+
+
+def _registered_late():
+    import importlib
+
+    from megatron_focus.config import run_config  # noqa: F401 -- its sections made first
+    from megatron_focus.config.arguments import parse_args
+    from megatron_focus.variants import variant
+
+    importlib.import_module("toy_temperature")  # registers "temperature" here, now
+    small = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+    config = parse_args(small + ["--attention", "temperature", "--temperature-bound", "2.5"])
+    settings = variant("temperature").settings_from(config)
+    wider = config.replace(temperature_bound=3.0)
+    return (config.temperature_bound, settings.bound, config.flags()["temperature_bound"],
+            wider.temperature_bound)  # fmt: skip
+
+
 def test_unknown_and_duplicate_variants_are_refused():
     from megatron_focus.variants import VARIANTS, register, variant
 

@@ -59,6 +59,9 @@ SHAPE_KEYS = (
     "use_rope_scaling",
     "rope_scaling_factor",
 )
+# Recorded for the tools and never compared: the sequence length the model was trained at (it
+# runs at any length up to its positions, and may continue training at another).
+RECORDED_ONLY = ("seq_length",)
 # Recorded since: what a checkpoint saved before a key was recorded computed.
 BEFORE_RECORDED = {
     "window_size": None,
@@ -200,6 +203,7 @@ def model_args(args: argparse.Namespace, padded_vocab_size: int) -> dict:
     keys = SHAPE_KEYS + variant(args.attention).recorded_keys()
     values = {key: getattr(args, key) for key in keys if key != "padded_vocab_size"}
     values["padded_vocab_size"] = padded_vocab_size
+    values.update({key: getattr(args, key) for key in RECORDED_ONLY})
     return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
 
 
@@ -309,11 +313,11 @@ def read_json(checkpoint_dir: str, name: str) -> dict:
 
 def check_compatible(ours: dict, saved: dict, checkpoint_dir: str, ignore: tuple = ()) -> None:
     """Refuse, before any weight is read, a checkpoint whose model has another shape: `saved`
-    and `ours` are its and this run's model args."""
+    and `ours` are its and this run's model args (what is recorded only, not compared)."""
     diffs = [
         f"{k}: checkpoint {saved.get(k)!r}, this run {ours.get(k)!r}"
         for k in sorted(set(saved) | set(ours))
-        if saved.get(k) != ours.get(k) and k not in ignore
+        if saved.get(k) != ours.get(k) and k not in ignore + RECORDED_ONLY
     ]
     if diffs:
         raise ValueError(f"checkpoint {checkpoint_dir} is of another model: " + "; ".join(diffs))

@@ -10,7 +10,7 @@ writing to it raises, and a changed run is a new config (`replace`). Each flag a
 import argparse
 import dataclasses
 import typing
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from megatron_focus.config.flags import build_parser
 from megatron_focus.variants import settings_classes
@@ -103,6 +103,17 @@ MegatronLMConfig = SECTIONS[MEGATRON_LM]
 SECTION_OF = {f.name: name for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
 
 
+def _late_settings() -> List[str]:
+    """The flags of variants registered after this module was imported (a notebook's, a test's
+    `register` call): the sections were generated before them, so they are held apart."""
+    return [
+        settings.key(f.name)
+        for settings in settings_classes()
+        for f in dataclasses.fields(settings)
+        if settings.key(f.name) not in SECTION_OF
+    ]
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig
@@ -113,6 +124,7 @@ class RunConfig:
     logging: LoggingConfig
     launch: LaunchConfig
     megatron_lm: MegatronLMConfig
+    late: Tuple[Tuple[str, Any], ...] = ()  # (flag, value) of late-registered variants' settings
 
     @classmethod
     def of(cls, flags: Dict[str, Any]) -> "RunConfig":
@@ -122,38 +134,48 @@ class RunConfig:
             **{
                 name: section(**{f.name: flags[f.name] for f in dataclasses.fields(section)})
                 for name, section in SECTIONS.items()
-            }
+            },
+            late=tuple((key, flags[key]) for key in _late_settings() if key in flags),
         )
 
     def __getattr__(self, name: str):
         """A flag, read flat: `config.hidden_size` is `config.model.hidden_size`."""
         section = SECTION_OF.get(name)
-        if section is None:
+        if section is not None:
+            return getattr(getattr(self, section), name)
+        late = dict(self.late)
+        if name not in late:
             raise AttributeError(f"the run config has no flag {name!r}")
-        return getattr(getattr(self, section), name)
+        return late[name]
 
     def flags(self) -> Dict[str, Any]:
         """Every flag by name, as the parsed namespace held them."""
         return {
-            f.name: getattr(section, f.name)
-            for section in (getattr(self, name) for name in SECTIONS)
-            for f in dataclasses.fields(section)
+            **{
+                f.name: getattr(section, f.name)
+                for section in (getattr(self, name) for name in SECTIONS)
+                for f in dataclasses.fields(section)
+            },
+            **dict(self.late),
         }
 
     def replace(self, **flags) -> "RunConfig":
         """A new config with these flags changed (as validated values: nothing is re-derived)."""
-        unknown = [name for name in flags if name not in SECTION_OF]
+        late = dict(self.late)
+        unknown = [name for name in flags if name not in SECTION_OF and name not in late]
         if unknown:
             raise TypeError(f"the run config has no flag {', '.join(unknown)}")
         return RunConfig(
             **{
                 name: dataclasses.replace(
-                    getattr(self, name), **{k: v for k, v in flags.items() if SECTION_OF[k] == name}
+                    getattr(self, name),
+                    **{k: v for k, v in flags.items() if SECTION_OF.get(k) == name},
                 )
                 for name in SECTIONS
-            }
+            },
+            late=tuple((k, flags.get(k, v)) for k, v in late.items()),
         )
 
 
 def is_flag(name: str) -> bool:
-    return name in SECTION_OF
+    return name in SECTION_OF or name in _late_settings()

@@ -104,6 +104,7 @@ def test_focus_gate_is_recorded_and_older_checkpoints_read_as_log_gate(embedded_
     args_file = os.path.join(ckpt, "iter_0000003", "model_args.json")
     recorded = json.load(open(args_file))
     assert recorded["focus_gate"] == "log"
+    assert recorded["seq_length"] == int(TINY[TINY.index("--seq-length") + 1])  # for the tools
     del recorded["focus_gate"]  # as saved before the gate (and checksums) were recorded
     json.dump(recorded, open(args_file, "w"))
     os.remove(os.path.join(ckpt, "iter_0000003", "checksums.json"))
