@@ -82,6 +82,8 @@ def export_to_hf(
         model = _model_holding(family, config, weights, {k: c for k, (c, _) in layers.items()})
         model.save_pretrained(partial, max_shard_size=max_shard_size)
         _write_rope_for_transformers4(os.path.join(partial, "config.json"))
+        if family == families.CUSTOM:  # the decoder alone: what vLLM's Transformers backend builds
+            _add_auto_map(partial, AutoModel=f"{MODEL_CODE[1]}.MegatronFocusModel")
         _ship_layers(partial, layers)
         _write_model_card(partial, save_dir, family, arch, tag_dir, tokenizer is not None)
     return families.HF_CLASS[family]
@@ -220,6 +222,7 @@ def _ship_layers(folder: str, layers: Dict[str, Tuple[type, str]]) -> None:
         f"from .{MODEL_CODE[0]} import MegatronFocusConfig",
         f"from .{MODEL_CODE[1]} import ATTENTION",
         f"from .{MODEL_CODE[1]} import MegatronFocusForCausalLM as _MegatronFocusForCausalLM",
+        f"from .{MODEL_CODE[1]} import MegatronFocusModel as _MegatronFocusModel",
     ]
     registered = []
     for number, (kind, (cls, source)) in enumerate(layers.items()):
@@ -230,10 +233,19 @@ def _ship_layers(folder: str, layers: Dict[str, Tuple[type, str]]) -> None:
         registered.append(f"ATTENTION[{json.dumps(kind)}] = _Layer{number}")
     with open(os.path.join(folder, f"{VARIANT_MODELING}.py"), "w") as f:
         f.write(VARIANT_MODELING_CODE.format(code="\n".join(lines + [""] + registered)))
+    _add_auto_map(
+        folder,
+        AutoModelForCausalLM=f"{VARIANT_MODELING}.MegatronFocusForCausalLM",
+        AutoModel=f"{VARIANT_MODELING}.MegatronFocusModel",
+    )
+
+
+def _add_auto_map(folder: str, **classes) -> None:
+    """Name these auto classes' code in the folder's `config.json` (`auto_map`)."""
     config_path = os.path.join(folder, "config.json")
     with open(config_path) as f:
         config = json.load(f)
-    config["auto_map"]["AutoModelForCausalLM"] = f"{VARIANT_MODELING}.MegatronFocusForCausalLM"
+    config["auto_map"].update(classes)
     with open(config_path, "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
 
@@ -249,7 +261,11 @@ class MegatronFocusForCausalLM(_MegatronFocusForCausalLM):
     """The model, building the layer kinds registered here too (saved again, it keeps them)."""
 
 
-__all__ = ["MegatronFocusConfig", "MegatronFocusForCausalLM"]
+class MegatronFocusModel(_MegatronFocusModel):
+    """The decoder alone (AutoModel, which serving engines build), with those layer kinds."""
+
+
+__all__ = ["MegatronFocusConfig", "MegatronFocusForCausalLM", "MegatronFocusModel"]
 '''
 
 
@@ -279,6 +295,7 @@ def _model_holding(family: str, config, weights: dict, layers: Dict[str, type]):
     if family == families.CUSTOM:  # save_pretrained then copies the code and writes auto_map
         MegatronFocusConfig.register_for_auto_class()
         MegatronFocusForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
     config.dtype = next(iter(weights.values())).dtype
     with torch.device("meta"):
         model = cls(config)

@@ -131,11 +131,22 @@ class Attention(nn.Module):
 
     is_causal = True  # read by transformers' attention functions
 
+    def __init_subclass__(cls, **kwargs):
+        """A subclass computes more than the layer's pairs through the interface (a gate, a
+        rule, scaled queries): it gets a `forward` of its own, so that an engine serving the
+        layers whose `forward` calls the attention interface with its own dense attention
+        (vLLM's Transformers backend) does not take it for one. `dense_interface = True`
+        declares one it may take (XSA: its projection follows the call, in `forward`)."""
+        super().__init_subclass__(**kwargs)
+        if "forward" not in cls.__dict__ and not cls.__dict__.get("dense_interface", False):
+            cls.forward = _own_forward
+
     def __init__(self, config: MegatronFocusConfig, layer_idx: int):
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
         heads, groups, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.num_key_value_groups = heads // groups  # transformers' name: query heads per group
+        self.scaling = hd**-0.5
         qkv_bias = config.bias or config.qkv_bias
         self.q_proj = nn.Linear(config.hidden_size, heads * hd, bias=qkv_bias)
         self.k_proj = nn.Linear(config.hidden_size, groups * hd, bias=qkv_bias)
@@ -161,7 +172,18 @@ class Attention(nn.Module):
             # returns only the last keys
             cache_layer(cache, self.layer_idx, AppendingLayer)
             k, v = cache.update(k, v, self.layer_idx)
-        y = self.project(self.attend(q, k, v, pairs, routing), own_v)
+        if type(self).attend is Attention.attend:  # the pairs alone: the interface, called here
+            backend = self.config._attn_implementation
+            function = _transformers4_interface(backend)
+            if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):  # transformers 5
+                function = ALL_ATTENTION_FUNCTIONS.get_interface(backend, eager_attention_forward)
+            bias = _backend_mask(pairs.additive(k.shape[2], q.dtype), q, backend)
+            y, _ = function(self, q, k, v, bias, dropout=0.0, scaling=self.scaling)
+            # [b, s, heads, d] (an engine's own function may give [b, s, heads * d])
+            y = y.reshape(b, s, -1, self.config.head_dim).transpose(1, 2)
+        else:
+            y = self.attend(q, k, v, pairs, routing)
+        y = self.project(y, own_v)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
 
     def route(self, x, cache, attention_mask):
@@ -173,27 +195,44 @@ class Attention(nn.Module):
         return self.softmax_attention(q, k, v, pairs.additive(k.shape[2], q.dtype))
 
     def softmax_attention(self, q, k, v, bias):
-        """softmax(q k^T / sqrt(d) + bias) v `[b, heads, s, d]` on the configured backend."""
+        """softmax(q k^T / sqrt(d) + bias) v `[b, heads, s, d]` on the configured backend (as
+        `forward` calls it for the pairs alone)."""
         backend = self.config._attn_implementation
+        function = _transformers4_interface(backend)
         if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):  # transformers 5
             function = ALL_ATTENTION_FUNCTIONS.get_interface(backend, eager_attention_forward)
-        elif backend in (None, "eager"):
-            function = eager_attention_forward
-        else:  # transformers 4
-            function = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
-        bias = bias.expand(q.shape[0], -1, -1, -1)  # a view: a mask per row costs no copy
-        if backend == "flex_attention":  # which reads it as a tensor of its own
-            bias = bias.contiguous()
-        out, _ = function(self, q, k, v, bias, dropout=0.0, scaling=q.shape[-1] ** -0.5)
+        out, _ = function(self, q, k, v, _backend_mask(bias, q, backend), dropout=0.0,
+                          scaling=self.scaling)  # fmt: skip
         return out.transpose(1, 2)
 
     def project(self, y, own_v):
         return y
 
 
+def _own_forward(self, x, rope, pairs, cache, attention_mask=None):
+    """Attention.forward, under a subclass's own name (Attention.__init_subclass__)."""
+    return Attention.forward(self, x, rope, pairs, cache, attention_mask)
+
+
+def _transformers4_interface(backend):
+    """The backend's attention function in transformers 4 (5 looks it up by get_interface)."""
+    if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface") or backend in (None, "eager"):
+        return eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[backend]
+
+
+def _backend_mask(bias, q, backend):
+    """An additive mask as the backend takes it: per row, as a view (no copy), and a tensor of
+    its own for flex_attention, which reads it as one."""
+    bias = bias.expand(q.shape[0], -1, -1, -1)
+    return bias.contiguous() if backend == "flex_attention" else bias
+
+
 class XSAAttention(Attention):
     """Exclusive self attention: each head's output minus its component along the token's own
     value."""
+
+    dense_interface = True  # the projection follows the interface's call, in `forward`
 
     def project(self, y, own_v):
         b, groups, s, d = own_v.shape

@@ -185,6 +185,13 @@ def test_export_is_exact_or_refused(name, tokenizers_by_kind, embedded_cache, tm
     with torch.no_grad():
         logits = model(**inputs).logits
     torch.testing.assert_close(logits, native_logits(ckpt, ids), rtol=0, atol=1e-4)
+    if type(model).__name__ == "MegatronFocusForCausalLM":  # the decoder alone: AutoModel,
+        from transformers import AutoModel  # which serving engines build (docs/serving.md)
+
+        decoder = AutoModel.from_pretrained(hf, trust_remote_code=True).eval()
+        with torch.no_grad():
+            hidden = decoder(ids).last_hidden_state
+            torch.testing.assert_close(hidden, model.model(ids).last_hidden_state)
 
     model.generation_config.eos_token_id = None  # exactly NEW_TOKENS, no early stop
     generated = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, use_cache=True)
