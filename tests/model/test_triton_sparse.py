@@ -2,6 +2,7 @@
 hard rule, forward and backward, run by Triton's interpreter on CPU tensors laid out as the model
 lays them out; its launches counted; the kernel choice and its fallback."""
 
+import time
 import warnings
 
 import pytest
@@ -141,7 +142,7 @@ def test_the_faster_way_is_measured_once_per_shape_and_said(monkeypatch, capsys)
     times = iter([2.0, 1.5, 1.0, 3.0])  # sparse, dense at 64 tokens; then at 96
     monkeypatch.setattr(focus_sparse, "_DENSE_FASTER", {})
     monkeypatch.setattr(kernels, "compiled", lambda device: True)
-    monkeypatch.setattr(focus_sparse, "_median_ms", lambda run: next(times))
+    monkeypatch.setattr(focus_sparse, "_median_ms", lambda run, device: next(times))
     gen = torch.Generator().manual_seed(0)
     chosen = []
     for n in (64, 64, 96):
@@ -156,3 +157,15 @@ def test_the_faster_way_is_measured_once_per_shape_and_said(monkeypatch, capsys)
         "sparse Focus at 96 tokens (batch 1, top-1): the sparse parts (1.00 ms a forward) over "
         "the masked rule in one call (3.00 ms)",
     ]
+
+
+def test_the_timing_is_a_median_after_a_warm_up():
+    """`_median_ms` on the CPU's clock (a GPU's: CUDA events): the warm-up call not counted."""
+    calls, delays = [], iter([0.2, 0.0, 0.03, 0.0])
+
+    def run():
+        calls.append(1)
+        time.sleep(next(delays))
+
+    ms = focus_sparse._median_ms(run, torch.device("cpu"))
+    assert len(calls) == 4 and 0 <= ms < 25  # 0, 30, 0 ms: the median, not the warm-up's 200

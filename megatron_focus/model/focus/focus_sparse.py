@@ -48,6 +48,7 @@ and log-sum-exp as the CPU's does. The layouts' gathers are differentiated by au
 import bisect
 import dataclasses
 import functools
+import time
 import warnings
 from typing import Callable, NamedTuple, Optional
 
@@ -684,8 +685,8 @@ def _fused_failed_once(error: Exception):
     if kernels.triton_interpreted():
         raise error
     _fused_failed = True
-    warnings.warn(f"sparse Focus: the fused Triton kernel failed, using {kernels.FLEX_LSE.name} "
-                  f"parts from now on ({error})")  # fmt: skip
+    warnings.warn(f"sparse Focus: the fused Triton kernel failed, attending by its parts from "
+                  f"now on ({error})")  # fmt: skip
 
 
 def _fused(q, k, v, routing: Routing, window, top_k, scale, sink, kernel):
@@ -725,7 +726,9 @@ def _dense_is_faster(q, k, routing, top_k, sink, call) -> bool:
     if shape not in _DENSE_FASTER:
         if not kernels.compiled(q.device):
             return False
-        times = {dense: _median_ms(lambda dense=dense: call(dense)) for dense in (False, True)}
+        times = {
+            dense: _median_ms(lambda dense=dense: call(dense), q.device) for dense in (False, True)
+        }
         _DENSE_FASTER[shape] = times[True] < times[False]
         name = {True: "the masked rule in one call", False: "the sparse parts"}
         chosen = _DENSE_FASTER[shape]
@@ -744,17 +747,24 @@ def _say(line: str):
         print(line, flush=True)
 
 
-def _median_ms(run, repeats: int = 3) -> float:
+def _median_ms(run, device: torch.device, repeats: int = 3) -> float:
+    """The median time of `run()` after a warm-up: by CUDA events on a GPU, the wall clock
+    elsewhere."""
     with torch.no_grad():
         run()
         times = []
         for _ in range(repeats):
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+            if device.type == "cuda":
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                start.record()
+                run()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                began = time.perf_counter()
+                run()
+                times.append((time.perf_counter() - began) * 1e3)
     return sorted(times)[len(times) // 2]
 
 

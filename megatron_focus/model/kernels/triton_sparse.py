@@ -237,6 +237,23 @@ def _write_rows(ACC, LSE_ACC, OUT, so_b, so_h, so_n, out, lse, rows, ok, head, h
 
 
 @triton.jit
+def _query_block(Q, ENTRIES, LO, HI, DOCS, BITS, count, n, head_dim, window, sq_b, sq_h, sq_n,
+                 BM: tl.constexpr, D: tl.constexpr, BAND: tl.constexpr,
+                 HAS_DOCS: tl.constexpr, EVEN_D: tl.constexpr):  # fmt: skip
+    """A query-major program's block: (its first entry, its query head, which entries are
+    real, their token rows, their key ranges [lo, hi), their group bits, their q tile)."""
+    e0 = tl.program_id(0) * BM
+    head = tl.program_id(1)
+    at = e0 + tl.arange(0, BM)
+    ok = at < count
+    rows = _indices(ENTRIES, at, ok, BAND)
+    lo, hi = _ranges(LO, HI, DOCS, at, ok, n, window, BAND, HAS_DOCS)
+    query_bits = _bits(BITS, rows, ok, 0, BAND)
+    q = _load_tile(Q, rows, ok, head, n, sq_b, sq_h, sq_n, head_dim, D, True, EVEN_D)
+    return e0, head, ok, rows, lo, hi, query_bits, q
+
+
+@triton.jit
 def _forward(
     Q, K, V, ENTRIES, LO, HI, ORDER, DOCS, BITS, ACC, LSE_ACC, OUT,
     count, n, heads, rep, head_dim, window,
@@ -247,15 +264,11 @@ def _forward(
 ):  # fmt: skip
     """One part's queries e0 .. e0 + BM (of `count`, in the part's order) for one query head,
     merged with the parts' before (log-sum-exp in base 2)."""
-    e0 = tl.program_id(0) * BM
-    head = tl.program_id(1)
+    e0, head, ok, rows, lo, hi, query_bits, q = _query_block(
+        Q, ENTRIES, LO, HI, DOCS, BITS, count, n, head_dim, window, sq_b, sq_h, sq_n, BM, D,
+        BAND, HAS_DOCS, EVEN_D,
+    )  # fmt: skip
     kv_head = head // rep
-    at = e0 + tl.arange(0, BM)
-    ok = at < count
-    rows = _indices(ENTRIES, at, ok, BAND)
-    lo, hi = _ranges(LO, HI, DOCS, at, ok, n, window, BAND, HAS_DOCS)
-    query_bits = _bits(BITS, rows, ok, 0, BAND)
-    q = _load_tile(Q, rows, ok, head, n, sq_b, sq_h, sq_n, head_dim, D, True, EVEN_D)
     running_max = tl.full((BM,), float("-inf"), tl.float32)
     total = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, D), tl.float32)
@@ -319,15 +332,11 @@ def _backward_queries(
     """dQ of one part's query block for one query head, added to the parts' before; LSE
     [rows, heads] is the merged output's, DELTA (rowsum(dO * O)) is written by the first
     part's launch and read by the others (so_*: OUT's strides, DQ's the same)."""
-    e0 = tl.program_id(0) * BM
-    head = tl.program_id(1)
+    e0, head, ok, rows, lo, hi, query_bits, q = _query_block(
+        Q, ENTRIES, LO, HI, DOCS, BITS, count, n, head_dim, window, sq_b, sq_h, sq_n, BM, D,
+        BAND, HAS_DOCS, EVEN_D,
+    )  # fmt: skip
     kv_head = head // rep
-    at = e0 + tl.arange(0, BM)
-    ok = at < count
-    rows = _indices(ENTRIES, at, ok, BAND)
-    lo, hi = _ranges(LO, HI, DOCS, at, ok, n, window, BAND, HAS_DOCS)
-    query_bits = _bits(BITS, rows, ok, 0, BAND)
-    q = _load_tile(Q, rows, ok, head, n, sq_b, sq_h, sq_n, head_dim, D, True, EVEN_D)
     do = _load_tile(DO, rows, ok, head, n, sd_b, sd_h, sd_n, head_dim, D, True, EVEN_D)
     slot = rows.to(tl.int64) * heads + head
     lse = tl.load(LSE + slot, mask=ok, other=0.0)
