@@ -11,7 +11,7 @@ import sys
 import time
 
 from megatron_focus import cli
-from megatron_focus.config.arguments import parse_args
+from megatron_focus.training.arguments import parse_args
 from megatron_focus.config.validation import check_paths
 from megatron_focus.data import reads_data_files
 

@@ -72,7 +72,7 @@ def _worker(rank, size, port, argv, steps, out):
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     from megatron_focus import platform
-    from megatron_focus.config.arguments import parse_args
+    from megatron_focus.training.arguments import parse_args
     from megatron_focus.model.gpt import build_model
 
     args = parse_args(argv)

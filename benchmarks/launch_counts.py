@@ -22,7 +22,7 @@ from launches import (  # noqa: E402  (the tests' counter: tests/launches.py)
 )
 
 from megatron_focus import platform  # noqa: E402
-from megatron_focus.config.arguments import parse_args  # noqa: E402
+from megatron_focus.training.arguments import parse_args  # noqa: E402
 from megatron_focus.model.gpt import build_model  # noqa: E402
 from megatron_focus.model.kernels import kernels, triton_sinkhorn, triton_xsa  # noqa: E402
 

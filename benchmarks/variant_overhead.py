@@ -32,7 +32,7 @@ import sys
 import torch
 
 from megatron_focus import platform
-from megatron_focus.config.arguments import parse_args
+from megatron_focus.training.arguments import parse_args
 from megatron_focus.model.gpt import build_model
 
 from timing import seconds

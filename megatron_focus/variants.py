@@ -52,7 +52,8 @@ class AttentionVariant:
     transformers), exported with its file as the layer kind of the variant's name, its settings
     in `config.json` under their recorded keys. `hooks`: "package.module:Class" of what the
     variant adds to a run beyond its layers (a `model.hooks.VariantHooks`: frozen parameters,
-    other validation modes, statistics).
+    other validation modes, statistics). `renamed`: (old, new) parts of its weights' names that
+    earlier versions saved under the old, so that their checkpoints load (`current_name`).
     """
 
     name: str
@@ -65,6 +66,7 @@ class AttentionVariant:
     hf_attention: Optional[str] = None
     hooks: str = "megatron_focus.model.hooks:VariantHooks"
     hf_layer: Optional[str] = None
+    renamed: Tuple[Tuple[str, str], ...] = ()
 
     def __post_init__(self):
         if self.hf_layer is not None and self.hf_attention is not None:
@@ -134,6 +136,14 @@ def variant(name: str) -> AttentionVariant:
     if name not in VARIANTS:
         raise ValueError(f"unknown --attention {name!r}; choose from {', '.join(VARIANTS)}")
     return VARIANTS[name]
+
+
+def current_name(name: str) -> str:
+    """A weight's name in this version, from its name in a checkpoint of any version."""
+    for v in VARIANTS.values():
+        for old, new in v.renamed:
+            name = name.replace(old, new)
+    return name
 
 
 def settings_classes() -> Dict[type, List[str]]:
@@ -246,6 +256,8 @@ class FocusConfig(VariantSettings, prefix="focus"):
 
 FOCUS_SELF_ATTENTION = "megatron_focus.model.focus.focus:FocusSelfAttention"
 FOCUS_HOOKS = "megatron_focus.model.focus.focus:FocusHooks"
+# Checkpoints of earlier versions hold each router beside its core attention; it now lives inside.
+FOCUS_RENAMED = ((".self_attention.router.", ".self_attention.core_attention.router."),)
 register(
     AttentionVariant(
         "standard", "megatron_focus.model.core_attention:CoreAttention", hf_attention="standard"
@@ -269,6 +281,7 @@ register(
         without_focus="standard",
         hf_attention="focus",
         hooks=FOCUS_HOOKS,
+        renamed=FOCUS_RENAMED,
     )
 )
 register(
@@ -282,6 +295,7 @@ register(
         without_focus="xsa",
         hf_attention="focus+xsa",
         hooks=FOCUS_HOOKS,
+        renamed=FOCUS_RENAMED,
     )
 )
 

@@ -53,7 +53,7 @@ def _loss_and_grads(argv, tokens):
     from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
     from megatron_focus import platform
-    from megatron_focus.config.arguments import parse_args
+    from megatron_focus.training.arguments import parse_args
     from megatron_focus.model.focus.focus import focus_statistics, recording_statistics
     from megatron_focus.model.gpt import build_model
     from megatron_focus.parallel.context_parallel import batch_on_this_rank
@@ -300,7 +300,7 @@ def test_training_under_context_parallelism_resumes_at_another_size(embedded_cac
     ],
 )
 def test_unsupported_context_parallel_combinations_are_refused_by_name(flags, message, monkeypatch):
-    from megatron_focus.config.arguments import parse_args
+    from megatron_focus.training.arguments import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match=message):

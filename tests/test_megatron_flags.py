@@ -10,7 +10,7 @@ import time
 import pytest
 
 from megatron_focus import cli
-from megatron_focus.config.arguments import parse_args
+from megatron_focus.training.arguments import parse_args
 from megatron_focus.config.compat import NO_EFFECT, REFUSED, classify, megatron_lm_actions
 from megatron_focus.config.flags import build_parser
 from megatron_focus.config.validation import validate_args

@@ -272,7 +272,7 @@ def test_megatron_launch_script_trains_as_written(script, tp, tmp_path):
 
 @pytest.mark.parametrize("script", list(SCRIPTS))
 def test_what_a_megatron_script_asks_for_and_is_not_offered_is_refused(script, tmp_path):
-    from megatron_focus.config.arguments import parse_args
+    from megatron_focus.training.arguments import parse_args
 
     flags, refused = SCRIPTS[script]
     argv = flags(tmp_path, 1)

@@ -376,7 +376,7 @@ def test_planner_retrofit_keeps_state_for_the_routers_only():
 
 def test_planner_counts_the_parameters_of_the_built_model(single_process):
     """count_parameters == the GPTModel the trainer builds, for each family and Focus."""
-    from megatron_focus.config.arguments import parse_args
+    from megatron_focus.training.arguments import parse_args
     from megatron_focus.model.gpt import build_model
     from megatron_focus.planner import count_parameters
 
@@ -431,7 +431,7 @@ def test_retrofit_flops_match_counted_flops(single_process):
     from torch.utils.flop_counter import FlopCounterMode
 
     from megatron_focus import platform
-    from megatron_focus.config.arguments import parse_args
+    from megatron_focus.training.arguments import parse_args
     from megatron_focus.model.flops import flops_per_token
     from megatron_focus.model.focus.focus import train_routers_only
     from megatron_focus.model.gpt import build_model
@@ -933,7 +933,7 @@ def test_recipe_speed_commands_pass_the_trainers_checks(model):
     import argparse
     import importlib.util
 
-    from megatron_focus.config.arguments import parse_args
+    from megatron_focus.training.arguments import parse_args
 
     spec = importlib.util.spec_from_file_location(
         "recipe_speed", os.path.join(ROOT, "benchmarks", "recipe_speed.py")

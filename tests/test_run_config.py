@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from megatron_focus.config.arguments import parse_args
+from megatron_focus.training.arguments import parse_args
 from megatron_focus.config.flags import build_parser
 from megatron_focus.config.run_config import SECTIONS, RunConfig
 from megatron_focus.config.validation import validate_args

@@ -112,7 +112,7 @@ def _exported_as_standard():
     import dataclasses
 
     from megatron_focus.checkpoint import format as checkpoint_format
-    from megatron_focus.config.arguments import parse_args
+    from megatron_focus.training.arguments import parse_args
     from megatron_focus.hf.architecture import Architecture
     from megatron_focus.variants import register, variant
 
@@ -336,7 +336,7 @@ def _exported_with_a_taken_key():
     import dataclasses
 
     from megatron_focus.checkpoint import format as checkpoint_format
-    from megatron_focus.config.arguments import parse_args
+    from megatron_focus.training.arguments import parse_args
     from megatron_focus.hf import families
     from megatron_focus.hf.architecture import Architecture
     from megatron_focus.settings import VariantSettings, setting
@@ -408,7 +408,7 @@ def test_the_planner_counts_a_variants_parameters(monkeypatch):
 def _counted_and_built():
     """(parameters per layer the variant adds as counted, as built) over standard attention."""
     from megatron_focus import platform
-    from megatron_focus.config.arguments import parse_args
+    from megatron_focus.training.arguments import parse_args
     from megatron_focus.model.gpt import build_model
     from megatron_focus.planner import count_parameters
 
@@ -434,7 +434,7 @@ def _registered_late():
     import importlib
 
     from megatron_focus.config import run_config  # noqa: F401 -- its sections made first
-    from megatron_focus.config.arguments import parse_args
+    from megatron_focus.training.arguments import parse_args
     from megatron_focus.variants import variant
 
     importlib.import_module("toy_temperature")  # registers "temperature" here, now

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from megatron_focus.config.arguments import parse_args
+from megatron_focus.training.arguments import parse_args
 
 YAML = """\
 language_model:

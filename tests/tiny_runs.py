@@ -78,7 +78,7 @@ TINY = [
 
 
 def run_pretrain(argv):
-    from megatron_focus.config.arguments import parse_args
+    from megatron_focus.training.arguments import parse_args
     from megatron_focus.training.trainer import pretrain
     from pretrain_gpt import main as _  # noqa: F401  (the entry point imports cleanly)
 

@@ -46,7 +46,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_focus import cli  # noqa: E402
-from megatron_focus.config.choices import TOKENIZER_TYPES  # noqa: E402
+from megatron_focus.data.choices import TOKENIZER_TYPES  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -11,7 +11,7 @@ have no effect here, or refused by name before any work.
 
 from megatron_focus import cli
 from megatron_focus.config import compat
-from megatron_focus.config.choices import TOKENIZER_TYPES
+from megatron_focus.data.choices import TOKENIZER_TYPES
 
 
 def build_parser() -> cli.Parser:

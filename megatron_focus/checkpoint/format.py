@@ -27,7 +27,7 @@ import uuid
 from typing import Optional
 
 from megatron_focus.checkpoint.safe_load import load_file
-from megatron_focus.variants import VARIANTS, variant
+from megatron_focus.variants import VARIANTS, current_name, variant
 
 # What must match for weights to load: the model's shape, what it computes, and how it is split.
 SHAPE_KEYS = (
@@ -321,12 +321,6 @@ def check_compatible(ours: dict, saved: dict, checkpoint_dir: str, ignore: tuple
     ]
     if diffs:
         raise ValueError(f"checkpoint {checkpoint_dir} is of another model: " + "; ".join(diffs))
-
-
-def current_name(name: str) -> str:
-    """A weight's name in this version: checkpoints of earlier versions hold each router beside
-    its core attention (`self_attention.router.*`); it now lives inside it."""
-    return name.replace(".self_attention.router.", ".self_attention.core_attention.router.")
 
 
 def current_names(weights: dict) -> dict:

@@ -23,13 +23,13 @@ from deepspeed.checkpoint import constants as uc
 from deepspeed.checkpoint import ds_to_universal
 
 from megatron_focus.checkpoint.format import (
-    current_name,
     is_model_states,
     model_file,
     model_state_file,
     read_model_file,
 )
 from megatron_focus.checkpoint.safe_load import load_file
+from megatron_focus.variants import current_name
 
 ZERO = "zero"
 RECORDS = "model_states.pt"

@@ -8,7 +8,7 @@ project adds is grouped under "megatron-focus". Each group is a section of the r
 import argparse
 
 from megatron_focus import cli
-from megatron_focus.config.choices import TOKENIZER_TYPES
+from megatron_focus.data.choices import TOKENIZER_TYPES
 from megatron_focus.config.compat import add_compat_args
 from megatron_focus.variants import VARIANTS, settings_classes
 

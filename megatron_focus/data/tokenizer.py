@@ -17,7 +17,7 @@ import sentencepiece
 import tokenizers
 from megatron.core.tokenizers import MegatronTokenizerBase
 
-from megatron_focus.config.choices import TOKENIZER_TYPES
+from megatron_focus.data.choices import TOKENIZER_TYPES
 from megatron_focus.data.paths import check_tokenizer_files
 
 # Without a `tokenizer_config.json` naming its eos token, tried in order: the first one in the

@@ -4,13 +4,16 @@ Light (no torch): the run's own throughput log (training/metrics.py) and the pla
 (planner.py) count with the same formula.
 """
 
-from megatron_focus.config.run_config import RunConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # counted from the run's config, a layer above (docs/design.md)
+    from megatron_focus.config.run_config import RunConfig
 
 # Dense bf16 peak of common training GPUs, for MFU; unknown devices report TFLOP/s only.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 
 
-def flops_per_token(config: RunConfig, vocab_size: int) -> float:
+def flops_per_token(config: "RunConfig", vocab_size: int) -> float:
     """Training FLOPs (forward + backward = 3 x forward) per token, as Megatron-LM counts them.
 
     Matmuls cost 2 FLOPs per weight per token; causal attention scores and the weighted sum

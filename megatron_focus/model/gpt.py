@@ -12,6 +12,7 @@ TP=1 and TP=2 start from the same model.
 
 import dataclasses
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -21,9 +22,11 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from megatron_focus import platform
-from megatron_focus.config.run_config import ModelConfig, RunConfig
 from megatron_focus.model.specs import block_spec
 from megatron_focus.variants import variant
+
+if TYPE_CHECKING:  # the model is built from the run's config, a layer above (docs/design.md)
+    from megatron_focus.config.run_config import ModelConfig, RunConfig
 
 # megatron-core 0.19 logs at every GPTModel that it takes only bug fixes from now on (its
 # HybridModel builds GPTs from a layer pattern); the layer specs here are GPTModel's.
@@ -44,7 +47,7 @@ def openai_gelu(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-def activation(model: ModelConfig):
+def activation(model: "ModelConfig"):
     """The MLP's activation: SiLU gating for SwiGLU, else GELU (exact or tanh) or squared ReLU."""
     if model.swiglu:
         return F.silu
@@ -57,7 +60,7 @@ def padded_vocab_size(vocab_size: int, make_divisible_by: int, tp: int) -> int:
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
-def transformer_config(config: RunConfig) -> TransformerConfig:
+def transformer_config(config: "RunConfig") -> TransformerConfig:
     model, parallel, training = config.model, config.parallel, config.training
     on_gpu = platform.has_cuda()
     return TransformerConfig(
@@ -102,7 +105,7 @@ def transformer_config(config: RunConfig) -> TransformerConfig:
     )
 
 
-def build_model(config: RunConfig, vocab_size: int) -> GPTModel:
+def build_model(config: "RunConfig", vocab_size: int) -> GPTModel:
     """The GPT model for this rank's tensor-parallel shard, on this rank's device."""
     flags = config.model
     attention = variant(flags.attention)

@@ -94,7 +94,7 @@ def _random_checkpoint(save_dir: str, flags: list, tokenizer_type: str, tokenize
     from megatron_focus import platform
     from megatron_focus.checkpoint import format as checkpoint_format
     from megatron_focus.checkpoint import tp_layout
-    from megatron_focus.config.arguments import parse_args
+    from megatron_focus.training.arguments import parse_args
     from megatron_focus.data.tokenizer import build_tokenizer
     from megatron_focus.hf import native
     from megatron_focus.model.gpt import build_model

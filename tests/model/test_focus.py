@@ -244,7 +244,7 @@ FOCUS = ["--focus-window", "4", "--focus-groups", "4", "--focus-chunk-size", "16
 
 def _model(argv, vocab=256):
     from megatron_focus import platform
-    from megatron_focus.config.arguments import parse_args
+    from megatron_focus.training.arguments import parse_args
     from megatron_focus.model.gpt import build_model
 
     platform.manual_seed(1234)

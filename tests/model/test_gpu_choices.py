@@ -43,7 +43,7 @@ def _on(device, choose):
 
 def model(argv):
     from megatron_focus import platform
-    from megatron_focus.config.arguments import parse_args
+    from megatron_focus.training.arguments import parse_args
     from megatron_focus.model.gpt import build_model
 
     platform.manual_seed(1234)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_focus import platform
-from megatron_focus.config.arguments import parse_args
+from megatron_focus.training.arguments import parse_args
 from megatron_focus.model.gpt import padded_vocab_size
 
 

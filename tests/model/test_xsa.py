@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_focus import platform
-from megatron_focus.config.arguments import parse_args
+from megatron_focus.training.arguments import parse_args
 from megatron_focus.model.xsa import exclusive_projection
 
 from tiny_runs import BATCH, FAMILIES, SEQ, VOCAB

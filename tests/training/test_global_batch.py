@@ -7,7 +7,7 @@ import random
 import pytest
 from megatron.core import num_microbatches_calculator as calculators
 
-from megatron_focus.config.arguments import parse_args
+from megatron_focus.training.arguments import parse_args
 from megatron_focus.config.global_batch import GlobalBatch
 from megatron_focus.training.optimizer import schedule
 

@@ -8,7 +8,7 @@ import deepspeed
 import pytest
 import torch
 
-from megatron_focus.config.arguments import parse_args
+from megatron_focus.training.arguments import parse_args
 from megatron_focus.config.deepspeed_config import deepspeed_config
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")

@@ -289,7 +289,7 @@ def test_a_run_stopped_mid_ramp_resumes_exactly(zero_stage, embedded_cache, tmp_
     """--rampup-batch-size: a run stopped at iteration 3 (batch 4, the next 6) and resumed ends
     with the losses and weights of the uninterrupted run; the logged batch sizes, consumed
     samples and LRs are Megatron-LM's (its own scheduler as reference)."""
-    from megatron_focus.config.arguments import parse_args
+    from megatron_focus.training.arguments import parse_args
 
     straight_ckpt, ckpt, tb = (str(tmp_path / name) for name in ("straight", "ckpt", "tb"))
     argv = _ramp_argv(embedded_cache, "--zero-stage", zero_stage)

@@ -63,7 +63,7 @@ def test_the_control_is_recorded_refused_on_a_mismatch_and_exported(embedded_cac
 
 def test_a_retrofit_of_a_random_router_is_refused_before_any_compute():
     """A retrofit trains the routers alone: with both parts frozen nothing would train."""
-    from megatron_focus.config.arguments import parse_args
+    from megatron_focus.training.arguments import parse_args
 
     argv = ["--attention", "focus", "--retrofit", "--load", "/nonexistent"]
     with pytest.raises(ValueError, match="--focus-router random freezes: nothing would train"):

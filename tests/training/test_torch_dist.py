@@ -20,7 +20,7 @@ MODEL = TINY + MOCK + ["--train-iters", "4"]
 
 def _args(tp: int, *extra):
     from megatron_focus import platform
-    from megatron_focus.config.arguments import parse_args
+    from megatron_focus.training.arguments import parse_args
 
     platform.init_distributed(tp)
     return parse_args(MODEL + ["--tensor-model-parallel-size", str(tp), *extra])
@@ -209,7 +209,7 @@ def test_bad_checkpoints_are_refused_by_name_before_any_weight_loads(tmp_path):
 
 
 def test_torch_dist_under_zero3_is_refused_at_parse_time():
-    from megatron_focus.config.arguments import parse_args
+    from megatron_focus.training.arguments import parse_args
 
     with pytest.raises(ValueError, match="--ckpt-format torch_dist: ZeRO stage 3 partitions"):
         parse_args(MODEL + ["--ckpt-format", "torch_dist", "--zero-stage", "3"])
@@ -280,7 +280,7 @@ def test_megatron_lm_checkpoint_starts_a_focus_retrofit_run(tmp_path):
     # a model its weights would fit but that computes otherwise: refused from its args
     with pytest.raises(Exception, match="another model: normalization: checkpoint 'LayerNorm'"):
         train(1, flags + ["--load", folder, "--finetune", "--normalization", "RMSNorm"])
-    from megatron_focus.config.arguments import parse_args
+    from megatron_focus.training.arguments import parse_args
 
     deeper = [f if f != "2" or flags[i - 1] != "--num-layers" else "5" for i, f in enumerate(flags)]
     assert parse_args(deeper + ["--load", folder, "--finetune"]).num_layers == 5

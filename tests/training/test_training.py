@@ -282,7 +282,7 @@ def _host_reads(argv):
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from megatron_focus.config.arguments import parse_args
+    from megatron_focus.training.arguments import parse_args
     from megatron_focus.training.trainer import pretrain
 
     counts = {"reads": 0}
@@ -391,7 +391,7 @@ def test_bad_flags_are_refused_before_any_model(argv, error):
 )
 def test_values_no_run_can_use_are_refused_by_name(flag, value):
     """Checked as the flags are parsed: before data, model or engine."""
-    from megatron_focus.config.arguments import parse_args
+    from megatron_focus.training.arguments import parse_args
 
     with pytest.raises(ValueError, match=f"^{flag} {value}: must be"):
         parse_args([flag, value])
@@ -447,7 +447,7 @@ def test_checkpoint_folders_are_checked_before_any_model(embedded_cache, tmp_pat
 
 
 def test_unknown_tokenizer_type_is_refused(capsys):
-    from megatron_focus.config.arguments import parse_args
+    from megatron_focus.training.arguments import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--tokenizer-type", "WordPiece"])
@@ -519,7 +519,7 @@ def _saved_bytes_loss_and_grad(argvs):
     """For each argv: (bytes autograd keeps for the backward pass, loss, squared gradient norm)
     of one training forward and backward of a fresh model."""
     from megatron_focus import platform
-    from megatron_focus.config.arguments import parse_args
+    from megatron_focus.training.arguments import parse_args
     from megatron_focus.model.gpt import build_model
 
     platform.init_distributed(1)
@@ -726,7 +726,7 @@ def test_profile_writes_a_pytorch_trace_of_the_chosen_steps(embedded_cache, tmp_
 def test_an_evaluation_that_fails_leaves_the_runs_focus_mode_and_training_on(
     embedded_cache, single_process
 ):
-    from megatron_focus.config.arguments import parse_args
+    from megatron_focus.training.arguments import parse_args
     from megatron_focus.model.focus.focus import FocusAttention
     from megatron_focus.model.gpt import build_model
     from megatron_focus.training.trainer import evaluate

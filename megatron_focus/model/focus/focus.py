@@ -38,7 +38,6 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch.utils.checkpoint import checkpoint
 
 from megatron_focus import platform
-from megatron_focus.checkpoint.format import current_name
 from megatron_focus.model.auxiliary import AuxiliaryLoss
 from megatron_focus.model.core_attention import CoreAttention
 from megatron_focus.model.documents import document_starts
@@ -52,7 +51,7 @@ from megatron_focus.model.kernels import kernels
 from megatron_focus.model.xsa import XSAMixin
 from megatron_focus.parallel.context_parallel import chunk_ids, gather_sequence, positions
 from megatron_focus.parallel.tensor_parallel import sum_grad_over_tensor_parallel
-from megatron_focus.variants import FOCUS_MODES, FocusConfig
+from megatron_focus.variants import FOCUS_MODES, FocusConfig, current_name
 
 # The kept mass's sample at log steps: the last queries of a micro-batch's first sequence (the
 # dense scores it needs are these queries against every key: cheap beside the step)

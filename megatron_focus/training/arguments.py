@@ -1,5 +1,7 @@
-"""The command line to a run: Megatron-LM's flags parsed (`flags.py`), read from `--yaml-cfg`
-or `--use-checkpoint-args` where asked, then validated (`validation.py`)."""
+"""The command line to a run: Megatron-LM's flags parsed (`config/flags.py`), read from
+`--yaml-cfg` or, with `--use-checkpoint-args`, from `--load`'s checkpoint, then validated
+(`config/validation.py`). Here, above both `config/` and `checkpoint/`, as the one place that
+needs both (Megatron-LM's is megatron/training/arguments.py)."""
 
 import argparse
 import os
