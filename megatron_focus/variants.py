@@ -138,6 +138,13 @@ def variant(name: str) -> AttentionVariant:
     return VARIANTS[name]
 
 
+def added_weight(name: str) -> bool:
+    """A weight a variant adds to a model of standard attention: its core attention's own (a
+    variant creates its parameters there, docs/extending.md; standard attention has none). A
+    start from a standard model's weights initialises these; a retrofit trains only these."""
+    return ".self_attention.core_attention." in name and not name.endswith("_extra_state")
+
+
 def current_name(name: str) -> str:
     """A weight's name in this version, from its name in a checkpoint of any version."""
     for v in VARIANTS.values():

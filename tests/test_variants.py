@@ -97,6 +97,30 @@ def test_a_variant_with_a_setting_and_a_parameter(embedded_cache, tmp_path, monk
         train(1, default_bound)
 
 
+def test_a_standard_models_weights_start_a_variant_with_weights_of_its_own(
+    embedded_cache, tmp_path, monkeypatch, capfd
+):
+    """--finetune from a standard model's checkpoint into a variant with a parameter of its own:
+    the check and the load agree. The standard weights load and the variant's own start as
+    initialised, said in one line (its temperature starts at 1: the same function, so the first
+    loss is the standard model's from the same weights); another variant's checkpoint is refused
+    before any model is built."""
+    monkeypatch.setenv("MEGATRON_FOCUS_VARIANTS", "toy_temperature,toy_variant")
+    ckpt, other = str(tmp_path / "standard"), str(tmp_path / "explicit")
+    one = ["--lr-warmup-iters", "0"]  # runs of one iteration
+    train(1, tiny_argv(embedded_cache, *one, "--save", ckpt, iters=2))
+    train(1, tiny_argv(embedded_cache, *one, "--attention", "explicit", "--save", other, iters=1))
+    capfd.readouterr()
+    start = [*one, "--finetune", "--load"]
+    tuned = train(1, tiny_argv(embedded_cache, "--attention", "temperature", *start, ckpt, iters=1))
+    said = [line for line in capfd.readouterr().out.splitlines() if "as initialised" in line]
+    assert len(said) == 1 and "its 2 weights of its own" in said[0], said
+    standard = train(1, tiny_argv(embedded_cache, *start, ckpt, iters=1))
+    assert tuned["losses"] == pytest.approx(standard["losses"], rel=1e-5)
+    with pytest.raises(Exception, match=r"of another model: attention: checkpoint 'explicit'"):
+        train(1, tiny_argv(embedded_cache, "--attention", "temperature", *start, other, iters=1))
+
+
 def test_a_setting_the_hf_layer_cannot_take_is_refused_by_name(monkeypatch):
     """Registered as computing the HF model's standard layer, a variant's recorded setting
     would load at a default there: the export is refused, naming it."""

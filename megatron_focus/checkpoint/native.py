@@ -21,7 +21,7 @@ from megatron_focus.checkpoint import format as checkpoint_format
 from megatron_focus.checkpoint import integrity, safe_load, tp_layout
 from megatron_focus.config.run_config import RunConfig, is_flag
 from megatron_focus.data.tokenizer import build_tokenizer
-from megatron_focus.variants import variant
+from megatron_focus.variants import added_weight, variant
 
 StateDict = Dict[str, torch.Tensor]
 LAYOUT_KEYS = ("tensor_model_parallel_size", "padded_vocab_size")  # a run's, not its model's
@@ -136,7 +136,7 @@ def read_weights(
         return weights
     # A retrofit's trained-only checkpoint: its routers over the weights of its base checkpoint.
     base = read_weights(base_dir, vocab_size, progress, allow_unsafe)
-    return {**{k: w for k, w in base.items() if ".router." not in k}, **weights}
+    return {**{k: w for k, w in base.items() if not added_weight(k)}, **weights}
 
 
 def native_model(config: RunConfig, vocab_size: int, weights: StateDict) -> torch.nn.Module:

@@ -68,6 +68,7 @@ from megatron_focus.outputs import check_writable
 from megatron_focus.training import layouts, resume
 from megatron_focus.training.optimizer import in_unit, param_groups
 from megatron_focus.training.resume import ResumePlan
+from megatron_focus.variants import added_weight
 
 
 def rng_state() -> dict:
@@ -179,6 +180,7 @@ class Checkpointer:
         universal format."""
         trained = [name for name, param in model.named_parameters() if param.requires_grad]
         resume.check_trained(self.plan, self.args, trained)
+        _check_fit(self.plan, self.args, model.state_dict().keys())
         layout = {**self.records.layout, "trained": trained}
         self.records = dataclasses.replace(self.records, layout=layout)
         if self.args.zero_stage > 0 and self.plan.layout:
@@ -484,7 +486,7 @@ def _preflight(args: RunConfig) -> tuple:
 
 
 def _checked_file(
-    engine,
+    ours,
     checkpoint_dir: str,
     may_miss,
     allow_unsafe: bool,
@@ -492,14 +494,13 @@ def _checked_file(
     tp: Optional[int] = None,
 ) -> dict:
     """This rank's model file (or TP rank `tp`'s), refused unless its weights are this model's
-    (bar `may_miss(name)`); `weights=False`: only their names are checked (a ZeRO-3 checkpoint
-    holds no values there)."""
+    (`ours`: their names), bar `may_miss(name)`; `weights=False`: only their names are checked (a
+    ZeRO-3 checkpoint holds no values there)."""
     tp = get_tensor_model_parallel_rank() if tp is None else tp
     saved_file = read_model_file(
         model_state_file(checkpoint_dir, tp, weights), allow_unsafe, mmap=True
     )
     saved = saved_file["module"]
-    ours = engine.module.state_dict().keys()
     missing = [k for k in ours - saved.keys() if not may_miss(k) and not k.endswith("_extra_state")]
     unexpected = [k for k in saved.keys() - ours if not k.endswith("_extra_state")]
     if missing or unexpected:
@@ -508,6 +509,34 @@ def _checked_file(
             f"unexpected {sorted(unexpected)}"
         )
     return saved_file
+
+
+def _check_fit(plan: ResumePlan, args: RunConfig, ours) -> None:
+    """Before the engine, with the names `ours` of the built model's weights: the checkpoints the
+    plan loads hold them, bar what it lets them miss, as loading will check; a start adding a
+    variant says in one line which weights start as initialised."""
+    if plan.kind == resume.FRESH:
+        return
+    if plan.base is not None and not plan.base.megatron_lm:  # Megatron-LM's: checked as they load
+        _checked_file(ours, plan.base.path, added_weight, args.allow_unsafe_checkpoints, False)
+    if plan.checkpoint.megatron_lm:
+        return
+    saved = _checked_file(
+        ours,
+        plan.checkpoint.path,
+        plan.may_miss,
+        args.allow_unsafe_checkpoints,
+        weights=False,
+        tp=0 if plan.layout else None,
+    )["module"]
+    fresh = sorted(k for k in ours - saved.keys() if plan.may_miss(k))
+    if plan.kind == resume.ADDING and fresh and dist.get_rank() == 0:
+        print(
+            f"--attention {args.attention} from {plan.checkpoint.path} "
+            f"({plan.checkpoint.model_args['attention']}): its {len(fresh)} weights of its own "
+            f"start as initialised ({fresh[0]}{', ...' if len(fresh) > 1 else ''})",
+            flush=True,
+        )
 
 
 def _load_weights_only(engine, args, checkpoint: SavedCheckpoint, may_miss) -> None:
@@ -520,7 +549,8 @@ def _load_weights_only(engine, args, checkpoint: SavedCheckpoint, may_miss) -> N
     if checkpoint.megatron_lm:
         torch_dist.load_model(engine.module, checkpoint.path, may_miss)
     else:
-        saved = _checked_file(engine, checkpoint.path, may_miss, args.allow_unsafe_checkpoints)
+        ours = engine.module.state_dict().keys()
+        saved = _checked_file(ours, checkpoint.path, may_miss, args.allow_unsafe_checkpoints)
         engine.module.load_state_dict(saved["module"], strict=False)
     if hasattr(engine.optimizer, "refresh_fp32_params"):  # ZeRO's and bf16's fp32 master copies
         engine.optimizer.refresh_fp32_params()
@@ -544,21 +574,13 @@ def _load(engine, args: RunConfig, plan: ResumePlan, padded_vocab_size: int) -> 
     if plan.kind == resume.FRESH:
         return 0, 0
     if plan.base is not None:  # frozen weights from the base, then the routers from here
-        _load_weights_only(engine, args, plan.base, may_miss=lambda name: ".router." in name)
+        _load_weights_only(engine, args, plan.base, may_miss=added_weight)
     if plan.kind != resume.RESUME:
         _load_weights_only(engine, args, plan.checkpoint, plan.may_miss)
         return 0, 0
     if plan.checkpoint.megatron_lm:
         return _resume_megatron_lm(engine, args, plan.checkpoint)
-    checkpoint, layout = plan.checkpoint.path, plan.layout
-    _checked_file(
-        engine,
-        checkpoint,
-        plan.may_miss,
-        args.allow_unsafe_checkpoints,
-        weights=False,
-        tp=0 if layout else None,
-    )
+    checkpoint, layout = plan.checkpoint.path, plan.layout  # its names checked (_check_fit)
     if layout:
         trained = [[name for name, _ in group] for _, group in param_groups(engine.module, args)]
         client_state = layouts.load(engine, args, checkpoint, layout, trained, padded_vocab_size)

@@ -12,17 +12,21 @@ The kinds of start:
   (`layouts.py`);
 - weights only: an imported model (`weights_only` marker), `--finetune` or Megatron's
   `--pretrained-checkpoint`; this run's optimizer and schedule start at iteration 0;
-- adding Focus: `--retrofit` from a checkpoint without routers, or `--finetune` of a standard
-  model's as a Focus run (weights only, routers fresh); a standard model's weights start an XSA
-  run as weights only.
+- adding a variant: `--retrofit` from a checkpoint without routers, or `--finetune` (or
+  `--pretrained-checkpoint`) of a standard model's as another variant's run: weights only, the
+  weights the variant adds (`variants.added_weight`: Focus's routers, any variant's own) as
+  initialised, said in one line.
 
 The plan opens each folder it names once (`checkpoint/saved.py`), which decides its format:
 this trainer's, or a Megatron-LM `torch_dist` checkpoint (no DeepSpeed files), which starts a run
-as weights only or adding Focus, or resumes with `--no-load-optim` (weights, iteration, data
+as weights only or adding a variant, or resumes with `--no-load-optim` (weights, iteration, data
 position); its model args are read from Megatron-LM's args record.
 
 A retrofit's trained-only checkpoint (`base_checkpoint.json`) resumes or fine-tunes with its base
 loaded first (`base`): its frozen weights, then the routers.
+
+`check` refuses before any compute what loading would refuse: the names a plan lets a checkpoint
+miss (`ResumePlan.may_miss`) are the ones the load lets it miss.
 """
 
 import dataclasses
@@ -48,9 +52,9 @@ from megatron_focus.checkpoint.saved import SavedCheckpoint
 from megatron_focus.config.run_config import RunConfig
 from megatron_focus.training import layouts
 from megatron_focus.training.optimizer import in_unit, schedule, steps_in
-from megatron_focus.variants import variant
+from megatron_focus.variants import added_weight, variant
 
-FRESH, RESUME, WEIGHTS, ADDING_FOCUS = "fresh", "resume", "weights only", "adding Focus"
+FRESH, RESUME, WEIGHTS, ADDING = "fresh", "resume", "weights only", "adding a variant"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,10 +76,10 @@ class ResumePlan:
     schedule_start: int = 0
 
     def may_miss(self, name: str) -> bool:
-        """A weight the checkpoint need not hold: the routers when adding Focus; every other
+        """A weight the checkpoint need not hold: the variant's own when adding it; every other
         weight in a trained-only checkpoint (they come from `base`)."""
-        router = ".router." in name
-        return not router if self.base is not None else router and self.kind == ADDING_FOCUS
+        added = added_weight(name)
+        return not added if self.base is not None else added and self.kind == ADDING
 
 
 def plan(args: RunConfig) -> ResumePlan:
@@ -105,10 +109,10 @@ def plan(args: RunConfig) -> ResumePlan:
             check_safe_to_load(folder, args.allow_unsafe_checkpoints)
     checkpoint = SavedCheckpoint.open(path, args.allow_unsafe_checkpoints)
     saved = checkpoint.model_args
-    # A standard model's weights start a Focus run too (--finetune): its routers fresh.
-    from_standard = finetune and saved["attention"] == "standard" and variant(args.attention).focus
+    # A standard model's weights start any variant's run (--finetune): its own weights fresh.
+    from_standard = finetune and saved["attention"] == "standard" != args.attention
     if (args.retrofit and saved["attention"] != args.attention) or from_standard:
-        kind = ADDING_FOCUS
+        kind = ADDING
     elif finetune or os.path.isfile(os.path.join(path, WEIGHTS_ONLY)):
         kind = WEIGHTS
     else:
@@ -191,7 +195,7 @@ def check(plan: ResumePlan, args: RunConfig, ours: dict) -> None:
     flags do not allow, a changed schedule."""
     if plan.base is not None:
         _check_weights_fit(args, ours, plan.base)
-    if plan.kind in (WEIGHTS, ADDING_FOCUS):
+    if plan.kind in (WEIGHTS, ADDING):
         _check_weights_fit(args, ours, plan.checkpoint)
     if plan.kind != RESUME:
         return

@@ -56,7 +56,7 @@ def test_each_kind_of_start_is_decided_from_the_flags_and_folders(
     assert (pretrained.kind, pretrained.checkpoint.path) == (resume.WEIGHTS, base_tag)
 
     adding = _plan(cache, *FOCUS, "--retrofit", "--load", base)
-    assert adding.kind == resume.ADDING_FOCUS
+    assert adding.kind == resume.ADDING
     assert adding.retrofit_base == {"load": base, "tag": "iter_0000003"}
     name = "decoder.layers.0.self_attention.core_attention.router.centroids"
     assert adding.may_miss(name) and not adding.may_miss("embedding.word_embeddings.weight")
