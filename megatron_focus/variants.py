@@ -101,7 +101,11 @@ class AttentionVariant:
 
     def hooks_for(self, args: argparse.Namespace):
         """The variant's hooks for the run the flags describe."""
-        return _load(self.hooks)(self.settings_from(args))
+        return self.hooks_with(self.settings_from(args))
+
+    def hooks_with(self, settings: Optional[VariantSettings]):
+        """The variant's hooks for a model of these settings (an export's, say)."""
+        return _load(self.hooks)(settings)
 
     def recorded_keys(self) -> Tuple[str, ...]:
         """The `model_args.json` keys of the variant's model settings (compared on load)."""

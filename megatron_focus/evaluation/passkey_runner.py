@@ -1,5 +1,6 @@
 """tools/eval_passkey.py's evaluation: a native checkpoint or an HF export asked for passkeys
-(the task: passkey.py), by context length x depth, in each Focus mode."""
+(the task: passkey.py), by context length x depth, in each mode the model's variant evaluates
+(Focus's soft gate and sparse rule at each --top-k)."""
 
 import argparse
 import json
@@ -36,8 +37,7 @@ class Native:
         )
         model = config.model
         self.device = next(self.model.parameters()).device
-        attention = variant(model.attention)
-        self.focus_groups = attention.settings_from(model).groups if attention.focus else None
+        self.hooks = variant(model.attention).hooks_for(model)
         self.positions = (
             model.max_position_embeddings
             if model.position_embedding_type == "learned_absolute"
@@ -54,10 +54,11 @@ class Native:
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         return self.model(tokens, positions, None)[..., : self.vocab]
 
-    def set_mode(self, mode, top_k):
-        from megatron_focus.model.focus.focus import set_focus_mode
+    def modes(self, top_k):
+        return self.hooks.evaluated_modes(top_k)
 
-        set_focus_mode(self.model, mode, top_k)
+    def set_mode(self, mode):
+        self.hooks.set_mode(self.model, mode)
 
 
 class HF:
@@ -76,10 +77,6 @@ class HF:
             .eval()
         )
         config = self.model.config
-        kinds = getattr(config, "layer_attention", None) or []
-        self.focus_groups = (
-            config.focus_groups if any(k.startswith("focus") for k in kinds) else None
-        )
         learned = (
             getattr(config, "position_embedding_type", None) == "learned_absolute"
             or config.model_type == "gpt2"
@@ -95,8 +92,23 @@ class HF:
     def logits(self, tokens):
         return self.model(tokens, use_cache=False).logits
 
-    def set_mode(self, mode, top_k):
-        self.model.set_focus_mode(mode, top_k)
+    def modes(self, top_k):
+        """The modes of the native variant of the export's layers (its hooks', from the
+        settings its config records); the exported model switches them itself."""
+        from megatron_focus.variants import VARIANTS
+
+        config = self.model.config
+        for kind in dict.fromkeys(getattr(config, "layer_attention", None) or []):
+            attention = VARIANTS.get(kind)
+            if attention is not None and attention.settings is not None:
+                settings = attention.settings.from_model_args(config.to_dict())
+                modes = attention.hooks_with(settings).evaluated_modes(top_k)
+                if modes:
+                    return modes
+        return ()
+
+    def set_mode(self, mode):
+        self.model.set_focus_mode(mode.mode, mode.top_k)
 
 
 def run(opts: argparse.Namespace) -> None:
@@ -112,15 +124,7 @@ def run(opts: argparse.Namespace) -> None:
             f"--lengths {' '.join(map(str, too_long))}: with the answer they "
             f"pass the model's learned position table ({model.positions})"
         )
-    settings = [(None, None)]
-    if model.focus_groups:
-        bad = [k for k in opts.top_k if not 1 <= k <= model.focus_groups]
-        if bad:
-            raise ValueError(
-                f"--top-k {' '.join(map(str, bad))}: between 1 and the "
-                f"model's {model.focus_groups} groups"
-            )
-        settings = [("soft", None)] + [("sparse", k) for k in opts.top_k]
+    settings = [(m.mode, m.top_k, m) for m in model.modes(opts.top_k)] or [(None, None, None)]
     passkeys = keys(opts.trials, opts.seed)
     try:  # every prompt before any compute
         prompts = {
@@ -131,9 +135,9 @@ def run(opts: argparse.Namespace) -> None:
     except ValueError as e:
         raise ValueError(f"--lengths: {e}") from None
     rows = []
-    for mode, top_k in settings:
-        if mode is not None:
-            model.set_mode(mode, top_k)
+    for mode, top_k, chosen in settings:
+        if chosen is not None:
+            model.set_mode(chosen)
         for (n, depth), batch in prompts.items():
             answers = [
                 model.detokenize(greedy(model.logits, prompt, ANSWER_TOKENS, model.device))
@@ -155,7 +159,7 @@ def run(opts: argparse.Namespace) -> None:
         f"{opts.load or opts.hf}: passkey retrieval, {opts.trials} keys per cell "
         "(rows: depth; columns: length in tokens)"
     )
-    for mode, top_k in settings:
+    for mode, top_k, _ in settings:
         if mode is not None:
             print(f"{mode}" + (f" top-{top_k}" if top_k else ""))
         print(f"{'depth':>7}" + "".join(f"{n:>8}" for n in opts.lengths))

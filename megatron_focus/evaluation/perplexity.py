@@ -1,6 +1,7 @@
-"""tools/eval_ppl.py's evaluation: perplexity at each context length, for a Focus model in each
-mode, with the share of causal pairs kept, the share of the dense attention's mass they hold
-(sparse mode), and the time per token: of the whole forward and of the attention inside it."""
+"""tools/eval_ppl.py's evaluation: perplexity at each context length, in each mode the model's
+variant evaluates (its hooks' `evaluated_modes`: Focus's soft gate and sparse rule at each top-k),
+with the share of causal pairs kept, the share of the dense attention's mass they hold (sparse
+modes), and the time per token: of the whole forward and of the attention inside it."""
 
 import argparse
 import contextlib
@@ -21,19 +22,14 @@ from megatron_focus.checkpoint.native import (
 from megatron_focus.config.validation import validate_args
 from megatron_focus.data.loader import micro_batches, to_device
 from megatron_focus.data.sources import datasets_for, tokenizer_for
-from megatron_focus.model.focus.focus import (
-    FocusAttention,
-    focus_statistics,
-    recording_statistics,
-    set_focus_mode,
-)
+from megatron_focus.model.hooks import EvalMode, VariantHooks
 from megatron_focus.model.kernels.kernels import chosen
 from megatron_focus.variants import variant
 
 
 class AttentionTimer:
     """Wall time spent inside the core attention modules (each attention layer's
-    `core_attention`: Focus's, XSA's or standard; forward only, device-synchronised)."""
+    `core_attention`, whatever its variant; forward only, device-synchronised)."""
 
     def __init__(self, model):
         self.seconds, self._start = 0.0, None
@@ -42,7 +38,6 @@ class AttentionTimer:
             for m in model.modules()
             if isinstance(getattr(m, "core_attention", None), torch.nn.Module)
         }
-        cores.update({id(m): m for m in model.modules() if isinstance(m, FocusAttention)})
         self.modules = len(cores)
         for module in cores.values():
             module.register_forward_pre_hook(self._enter)
@@ -62,23 +57,25 @@ class AttentionTimer:
 
 
 @torch.no_grad()
-def evaluate(model, batches, timer: AttentionTimer, sparse: bool, vocab_size: int) -> dict:
+def evaluate(
+    model, batches, timer: AttentionTimer, hooks: VariantHooks, sparse: bool, vocab_size: int
+) -> dict:
     """Mean loss over the loss-mask tokens (the trainer's, per micro-batch); accuracy, the share
-    of those tokens predicted by the argmax (MQAR: recalled values); pairs kept by the hard rule
-    (all pairs are computed in soft mode); the time per token of the model's forward (embedding to
-    logits, device-synchronised; not the loss) and of the Focus attention modules inside it.
+    of those tokens predicted by the argmax (MQAR: recalled values); pairs kept by a `sparse`
+    mode's rule (a dense mode computes all of them); the time per token of the model's forward
+    (embedding to logits, device-synchronised; not the loss) and of the attention modules inside.
 
     One untimed forward on the first micro-batch comes first, so that one-time costs (kernel
-    compilation, the allocator's first blocks) are charged to no mode. In sparse mode it also
+    compilation, the allocator's first blocks) are charged to no mode. In a sparse mode it also
     measures each layer's kept mass (routing_quality) on every query of that micro-batch: its
     dense scores, O(n^2) a layer, stay out of the timed forwards."""
     device = next(model.parameters()).device
     first = to_device(batches[0], device)
-    with recording_statistics(model, mass_sample=None) if sparse else contextlib.nullcontext():
+    with hooks.recording(model, sample="all") if sparse else contextlib.nullcontext():
         model(first["tokens"], first["position_ids"], None)  # the warm-up
     mass = {
         name.split("/")[1]: float(value)
-        for name, value in focus_statistics(model).items()
+        for name, value in hooks.statistics(model).items()
         if sparse and name.endswith("kept-mass")
     }
     timer.seconds, total, hits, counted, kept = 0.0, 0.0, 0.0, 0.0, []
@@ -86,7 +83,7 @@ def evaluate(model, batches, timer: AttentionTimer, sparse: bool, vocab_size: in
     start = time.perf_counter()
     for batch in batches:
         batch = to_device(batch, device)
-        with recording_statistics(model, mass_sample=0):
+        with hooks.recording(model, sample=0):
             timer._sync()
             began = time.perf_counter()
             logits = model(batch["tokens"], batch["position_ids"], None)[..., :vocab_size]
@@ -100,7 +97,7 @@ def evaluate(model, batches, timer: AttentionTimer, sparse: bool, vocab_size: in
         total += float((per_token * mask).sum() / mask.sum().clamp(min=1))
         hits += float(((logits.argmax(-1) == batch["labels"]).float() * mask).sum())
         counted += float(mask.sum())
-        kept += [float(v) for k, v in focus_statistics(model).items() if k.endswith("pairs-kept")]
+        kept += [float(v) for k, v in hooks.statistics(model).items() if k.endswith("pairs-kept")]
     loss = total / len(batches)
     return {
         "loss": loss,
@@ -125,8 +122,8 @@ def run(opts: argparse.Namespace, args: argparse.Namespace) -> None:
     tag_dir = checkpoint_tag_dir(opts.load, opts.iteration)
     tokenizer = tokenizer_for(args, rank0=True)
     recorded = native_args(tag_dir)  # the checkpoint's model, as its model_args.json records it
-    attention = variant(recorded.model.attention)
-    focus = attention.settings_from(recorded.model) if attention.focus else None
+    hooks = variant(recorded.model.attention).hooks_for(recorded.model)
+    modes = hooks.evaluated_modes() or (EvalMode(recorded.model.attention),)
     positions = (
         recorded.model.max_position_embeddings
         if recorded.model.position_embedding_type == "learned_absolute"
@@ -170,25 +167,20 @@ def run(opts: argparse.Namespace, args: argparse.Namespace) -> None:
     timer = AttentionTimer(model)
 
     rows = []
-    if focus is not None:
-        settings = [("soft", None)] + [("sparse", k) for k in range(1, focus.groups + 1)]
-    else:
-        settings = [(recorded.model.attention, None)]
-    for mode, top_k in settings:
-        if focus is not None:
-            set_focus_mode(model, mode, top_k)
+    for mode in modes:
+        if hooks.evaluated_modes():
+            hooks.set_mode(model, mode)
         for n in lengths:
-            row = evaluate(model, batches[n], timer, mode == "sparse", tokenizer.vocab_size)
+            row = evaluate(model, batches[n], timer, hooks, mode.sparse, tokenizer.vocab_size)
             if recorded.model.window_size is not None:  # a sliding window keeps its band
                 row["pairs_kept"] = window_share(n, recorded.model.window_size[0])
-            rows.append({"mode": mode, "top_k": top_k, "seq_length": n, **row})
+            rows.append({"mode": mode.mode, "top_k": mode.top_k, "seq_length": n, **row})
 
     sequences = config.logging.eval_iters * config.training.micro_batch_size
     print(f"{opts.load}: {recorded.model.attention}, {sequences} validation sequences per length")
-    kernels = None
-    if focus is not None:
-        kernels = chosen(model)
-        print("Focus kernels: " + ", ".join(f"{op} {name}" for op, name in kernels.items()))
+    kernels = chosen(model) or None  # the variant's kernels, where it chooses any
+    if kernels:
+        print("kernels: " + ", ".join(f"{op} {name}" for op, name in kernels.items()))
     print(table(rows, lengths))
     if opts.json:
         with open(opts.json, "w") as f:
@@ -198,7 +190,7 @@ def run(opts: argparse.Namespace, args: argparse.Namespace) -> None:
                     "attention": recorded.model.attention,
                     "sequences": sequences,
                     "seq_lengths": lengths,
-                    "focus_kernels": kernels,
+                    "kernels": kernels,
                     "rows": rows,
                 },
                 f,

@@ -17,6 +17,7 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "relu2")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 ATTENTION_VARIANTS = ("standard", "xsa", "focus", "focus+xsa")
+ROUTED = ("focus", "focus+xsa")  # the layer kinds with a router, set by the focus_* fields
 FOCUS_MODES = ("soft", "sparse")
 
 # Every field and its default. An explicit __init__ (not 5.x's dataclass fields) is what both
@@ -103,7 +104,7 @@ class MegatronFocusConfig(PretrainedConfig):
             )
         if self.sliding_window is not None and (
             self.sliding_window < 1
-            or any(kind.startswith("focus") for kind in self.layer_attention)
+            or any(kind in ROUTED for kind in self.layer_attention)
         ):
             raise ValueError(
                 f"sliding_window={self.sliding_window}: a positive window, for "
@@ -111,7 +112,7 @@ class MegatronFocusConfig(PretrainedConfig):
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_key_value_heads must divide num_attention_heads")
-        if any(kind.startswith("focus") for kind in self.layer_attention):
+        if any(kind in ROUTED for kind in self.layer_attention):
             check_focus_inference(self)
 
 

@@ -466,20 +466,16 @@ def _from_custom(config) -> Architecture:
         if variant(attention).focus:
             settings, focus_settings = None, settings
     else:
-        focus = [kind.startswith("focus") for kind in kinds]
-        # Native Focus is all layers or none; --xsa-layers picks the XSA ones among them.
-        _require(all(focus) or not any(focus), f"Focus on some layers only ({kinds})")
-        xsa = [i + 1 for i, kind in enumerate(kinds) if kind.endswith("xsa")]
-        attention = (
-            ("focus+xsa" if xsa else "focus") if any(focus) else ("xsa" if xsa else "standard")
-        )
-        if any(focus):
-            focus_settings = FocusConfig(
-                **{
-                    name: getattr(config, f"focus_{name}")
-                    for name in FocusConfig.names(MODEL, INFERENCE)
-                }
-            )
+        # The native variant: the kind with XSA where layers have it (--xsa-layers picks them
+        # among layers of that variant without XSA), else the one kind of every layer.
+        with_xsa = sorted({kind for kind in kinds if variant(kind).xsa})
+        _require(len(with_xsa) <= 1, f"layers of several kinds ({kinds})")
+        attention = with_xsa[0] if with_xsa else kinds[0]
+        without = variant(attention).without_xsa if with_xsa else attention
+        _require(set(kinds) <= {attention, without}, f"layers of several kinds ({kinds})")
+        xsa = [i + 1 for i, kind in enumerate(kinds) if kind == attention] if with_xsa else []
+        if variant(attention).focus:
+            focus_settings = _shipped_settings(config, variant(attention))
     _require(float(config.rotary_base).is_integer(), "a rotary_base that is not an integer")
     return Architecture(
         vocab_size=config.vocab_size,

@@ -9,9 +9,21 @@ one from the run's settings of the variant.
 """
 
 import contextlib
-from typing import Iterator, Optional, Tuple
+import dataclasses
+from typing import Iterator, Optional, Sequence, Tuple, Union
 
 import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalMode:
+    """One way the model computes that the evaluation tools compare (a row of their tables):
+    `mode` by name, `top_k` the hard rule's groups per query (where the variant has one), `sparse`
+    whether it computes only the pairs it keeps (their share is then measured)."""
+
+    mode: str
+    top_k: Optional[int] = None
+    sparse: bool = False
 
 
 class VariantHooks:
@@ -44,9 +56,20 @@ class VariantHooks:
             raise ValueError(f"this attention variant has no mode {mode!r}")
         yield
 
+    def evaluated_modes(self, top_k: Optional[Sequence[int]] = None) -> Tuple[EvalMode, ...]:
+        """The modes tools/eval_ppl.py and tools/eval_passkey.py compare, one row each (`top_k`:
+        the tool's --top-k, None: every one); none (the default): the model as it is."""
+        return ()
+
+    def set_mode(self, model: torch.nn.Module, mode: EvalMode) -> None:
+        """The model computes in `mode`, one of `evaluated_modes()`, from now on."""
+        raise ValueError(f"this attention variant has no mode {mode.mode!r}")
+
     @contextlib.contextmanager
-    def recording(self, model: torch.nn.Module) -> Iterator[None]:
-        """Forwards inside the block compute what `statistics` reports (at log steps only)."""
+    def recording(self, model: torch.nn.Module, sample: Union[int, str] = "log") -> Iterator[None]:
+        """Forwards inside the block compute what `statistics` reports (at log steps only);
+        `sample`: the queries that statistics costing dense work sample ("log": as at log steps,
+        "all": every one, 0: none)."""
         yield
 
     def statistics(self, model: torch.nn.Module) -> dict:

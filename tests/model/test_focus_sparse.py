@@ -265,7 +265,7 @@ def test_eval_ppl_reports_every_top_k_at_every_length(embedded_cache, tmp_path, 
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ppl@64" in out.stdout and "mass@64" in out.stdout
     result = json.load(open(report))
-    assert result["focus_kernels"] == {
+    assert result["kernels"] == {
         "sinkhorn": "torch",
         "soft gate": "chunked",
         "sparse": "cpu-flash",

@@ -46,7 +46,7 @@ from megatron_focus.model.focus.focus_gate import focus_attention
 from megatron_focus.model.focus.focus_sparse import sparse_focus_attention
 from megatron_focus.model.focus.groups import Routing
 from megatron_focus.model.focus.routing_quality import kept_mass
-from megatron_focus.model.hooks import VariantHooks
+from megatron_focus.model.hooks import EvalMode, VariantHooks
 from megatron_focus.model.kernels import kernels
 from megatron_focus.model.xsa import XSAMixin
 from megatron_focus.parallel.context_parallel import chunk_ids, gather_sequence, positions
@@ -458,8 +458,23 @@ class FocusHooks(VariantHooks):
         finally:
             set_focus_mode(model, self.settings.attention_mode)
 
-    def recording(self, model: torch.nn.Module):
-        return recording_statistics(model)
+    def evaluated_modes(self, top_k=None) -> Tuple[EvalMode, ...]:
+        groups = self.settings.groups
+        top_k = range(1, groups + 1) if top_k is None else top_k
+        bad = [k for k in top_k if not 1 <= k <= groups]
+        if bad:
+            raise ValueError(
+                f"--top-k {' '.join(map(str, bad))}: between 1 and the model's {groups} groups"
+            )
+        return (EvalMode("soft"),) + tuple(EvalMode("sparse", k, sparse=True) for k in top_k)
+
+    def set_mode(self, model: torch.nn.Module, mode: EvalMode) -> None:
+        set_focus_mode(model, mode.mode, mode.top_k)
+
+    def recording(self, model: torch.nn.Module, sample="log"):
+        return recording_statistics(
+            model, {"log": KEPT_MASS_SAMPLE, "all": None}.get(sample, sample)
+        )
 
     def statistics(self, model: torch.nn.Module) -> dict:
         return focus_statistics(model)
