@@ -11,9 +11,9 @@ import sys
 import time
 
 from megatron_focus import cli
-from megatron_focus.training.arguments import parse_args
 from megatron_focus.config.validation import check_paths
 from megatron_focus.data import reads_data_files
+from megatron_focus.training.arguments import parse_args
 
 
 def main(argv=None) -> None:

@@ -72,8 +72,8 @@ def _worker(rank, size, port, argv, steps, out):
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     from megatron_focus import platform
-    from megatron_focus.training.arguments import parse_args
     from megatron_focus.model.gpt import build_model
+    from megatron_focus.training.arguments import parse_args
 
     args = parse_args(argv)
     platform.init_distributed(1, context_parallel_size=args.context_parallel_size)

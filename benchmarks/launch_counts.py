@@ -22,9 +22,9 @@ from launches import (  # noqa: E402  (the tests' counter: tests/launches.py)
 )
 
 from megatron_focus import platform  # noqa: E402
-from megatron_focus.training.arguments import parse_args  # noqa: E402
 from megatron_focus.model.gpt import build_model  # noqa: E402
 from megatron_focus.model.kernels import kernels, triton_sinkhorn, triton_xsa  # noqa: E402
+from megatron_focus.training.arguments import parse_args  # noqa: E402
 
 CUDA = torch.device("cuda")
 

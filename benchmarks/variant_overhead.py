@@ -32,8 +32,8 @@ import sys
 import torch
 
 from megatron_focus import platform
-from megatron_focus.training.arguments import parse_args
 from megatron_focus.model.gpt import build_model
+from megatron_focus.training.arguments import parse_args
 
 from timing import seconds
 

@@ -318,6 +318,23 @@ def init_distributed(
     return platform
 
 
+@contextlib.contextmanager
+def world_of_one():
+    """Megatron's parallel state for the block, to build a model (on the meta device, say) in a
+    process that has none, a tool's: a world of one, gone after it. A process with one keeps it."""
+    if parallel_state.model_parallel_is_initialized():
+        yield
+        return
+    started = not dist.is_initialized()
+    init_distributed(1)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        if started:
+            dist.destroy_process_group()
+
+
 def destroy_distributed() -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

@@ -53,7 +53,6 @@ def _loss_and_grads(argv, tokens):
     from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
     from megatron_focus import platform
-    from megatron_focus.training.arguments import parse_args
     from megatron_focus.model.focus.focus import focus_statistics, recording_statistics
     from megatron_focus.model.gpt import build_model
     from megatron_focus.parallel.context_parallel import batch_on_this_rank
@@ -61,6 +60,7 @@ def _loss_and_grads(argv, tokens):
         gather_tensor_parallel,
         install_sequence_parallel_grad_allreduce,
     )
+    from megatron_focus.training.arguments import parse_args
 
     args = parse_args(argv)
     platform.init_distributed(

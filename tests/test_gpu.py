@@ -313,8 +313,8 @@ def test_focus_model_step_on_flex_equals_chunked(single_process):
     """The GPT model as the trainer builds it (Megatron's permuted q, k, v views, the router's
     gathered assignments): one step's loss and gradients, flex against chunked, fp32."""
     from megatron_focus import platform
-    from megatron_focus.training.arguments import parse_args
     from megatron_focus.model.gpt import build_model
+    from megatron_focus.training.arguments import parse_args
 
     argv = [
         "--num-layers",
@@ -360,9 +360,9 @@ def test_rope_gqa_model_on_the_fused_kernels_equals_chunked_bf16(single_process,
     and Sinkhorn) against the chunked gate: one step's loss and gradients within bf16's
     rounding."""
     from megatron_focus import platform
-    from megatron_focus.training.arguments import parse_args
     from megatron_focus.model.gpt import build_model
     from megatron_focus.model.kernels import kernels
+    from megatron_focus.training.arguments import parse_args
 
     argv = (
         "--num-layers 2 --hidden-size 256 --num-attention-heads 8 --group-query-attention "

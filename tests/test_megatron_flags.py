@@ -10,10 +10,10 @@ import time
 import pytest
 
 from megatron_focus import cli
-from megatron_focus.training.arguments import parse_args
 from megatron_focus.config.compat import NO_EFFECT, REFUSED, classify, megatron_lm_actions
 from megatron_focus.config.flags import build_parser
 from megatron_focus.config.validation import validate_args
+from megatron_focus.training.arguments import parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Megatron-LM's defaults that this trainer cannot take, and why.

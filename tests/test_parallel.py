@@ -56,13 +56,13 @@ def _loss_and_grads(argv, tokens):
     from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
     from megatron_focus import platform
-    from megatron_focus.training.arguments import parse_args
     from megatron_focus.model.focus.focus import focus_statistics, recording_statistics
     from megatron_focus.model.gpt import build_model
     from megatron_focus.parallel.tensor_parallel import (
         gather_tensor_parallel,
         install_sequence_parallel_grad_allreduce,
     )
+    from megatron_focus.training.arguments import parse_args
 
     args = parse_args(argv)
     platform.init_distributed(args.tensor_model_parallel_size)
@@ -193,9 +193,9 @@ def test_dropout_streams_differ_across_tp_ranks_only(results):
 
 def _params_norm(argv):
     from megatron_focus import platform
-    from megatron_focus.training.arguments import parse_args
     from megatron_focus.model.gpt import build_model
     from megatron_focus.parallel.tensor_parallel import params_norm
+    from megatron_focus.training.arguments import parse_args
 
     args = parse_args(argv)
     platform.init_distributed(args.tensor_model_parallel_size)

@@ -376,9 +376,9 @@ def test_planner_retrofit_keeps_state_for_the_routers_only():
 
 def test_planner_counts_the_parameters_of_the_built_model(single_process):
     """count_parameters == the GPTModel the trainer builds, for each family and Focus."""
-    from megatron_focus.training.arguments import parse_args
     from megatron_focus.model.gpt import build_model
     from megatron_focus.planner import count_parameters
+    from megatron_focus.training.arguments import parse_args
 
     small = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
     families = [
@@ -431,10 +431,10 @@ def test_retrofit_flops_match_counted_flops(single_process):
     from torch.utils.flop_counter import FlopCounterMode
 
     from megatron_focus import platform
-    from megatron_focus.training.arguments import parse_args
     from megatron_focus.model.flops import flops_per_token
     from megatron_focus.model.focus.focus import train_routers_only
     from megatron_focus.model.gpt import build_model
+    from megatron_focus.training.arguments import parse_args
 
     argv = [
         "--num-layers",

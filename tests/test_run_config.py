@@ -5,10 +5,10 @@ import dataclasses
 
 import pytest
 
-from megatron_focus.training.arguments import parse_args
 from megatron_focus.config.flags import build_parser
 from megatron_focus.config.run_config import SECTIONS, RunConfig
 from megatron_focus.config.validation import validate_args
+from megatron_focus.training.arguments import parse_args
 
 
 def test_each_flag_is_a_field_of_one_section_typed_as_it_parses():

@@ -121,6 +121,51 @@ def test_a_standard_models_weights_start_a_variant_with_weights_of_its_own(
         train(1, tiny_argv(embedded_cache, "--attention", "temperature", *start, other, iters=1))
 
 
+@pytest.mark.slow
+def test_a_parameter_split_over_tensor_parallel_ranks(embedded_cache, tmp_path, monkeypatch):
+    """A variant's per-head parameter, split over TP ranks as its core attention declares:
+    trains at TP 2 as at TP 1, resumes at TP 1, exports (every head's value in place: the HF
+    model's logits are the native model's) and imports back at TP 2, computing the same."""
+    monkeypatch.setenv("MEGATRON_FOCUS_VARIANTS", "toy_head_scale")
+    tp2, tp1 = str(tmp_path / "tp2"), str(tmp_path / "tp1")
+    scaled = ["--attention", "head-scale"]
+    first = train(
+        2,
+        tiny_argv(embedded_cache, *scaled, "--tensor-model-parallel-size", "2", iters=4)
+        + ["--save", tp2, "--exit-interval", "3"],
+    )
+    resumed = train(1, tiny_argv(embedded_cache, *scaled, "--load", tp2, "--save", tp1, iters=4))
+    straight = train(1, tiny_argv(embedded_cache, *scaled, iters=4))
+    assert first["losses"] + resumed["losses"] == pytest.approx(straight["losses"], rel=1e-4)
+    hf = str(tmp_path / "hf")
+    kinds, _, diff = run_distributed(_export_and_compare, 1, tp2, hf)
+    assert set(kinds) == {"head-scale"} and diff < 1e-4
+    scales = run_distributed(_head_scales, 1, hf, str(tmp_path / "back"), tp2)
+    assert len(set(scales["exported"])) == len(scales["exported"])  # the heads learned apart
+    assert scales["imported"] == scales["exported"] and scales["diff"] < 1e-4
+
+
+def _head_scales(hf, back, ckpt):
+    """Layer 1's s in the export, and in the export imported at TP 2 (its two shards side by
+    side); max |logits| difference of that import against the checkpoint exported."""
+    from safetensors.torch import load_file
+
+    from megatron_focus.checkpoint.format import model_file
+    from megatron_focus.hf import import_from_hf, native_logits
+
+    import_from_hf(hf, back, tensor_model_parallel_size=2, progress=False)
+    name = "decoder.layers.0.self_attention.core_attention.s"
+    tag = os.path.join(back, "iter_0000000")
+    shards = [torch.load(model_file(tag, r), weights_only=False)["module"][name] for r in (0, 1)]
+    exported = load_file(os.path.join(hf, "model.safetensors"))["model.layers.0.self_attn.s"]
+    diff = (native_logits(back, TOKENS) - native_logits(ckpt, TOKENS)).abs().max()
+    return {
+        "exported": exported.tolist(),
+        "imported": torch.cat(shards).tolist(),
+        "diff": float(diff),
+    }
+
+
 def test_a_setting_the_hf_layer_cannot_take_is_refused_by_name(monkeypatch):
     """Registered as computing the HF model's standard layer, a variant's recorded setting
     would load at a default there: the export is refused, naming it."""
@@ -136,8 +181,8 @@ def _exported_as_standard():
     import dataclasses
 
     from megatron_focus.checkpoint import format as checkpoint_format
-    from megatron_focus.training.arguments import parse_args
     from megatron_focus.hf.architecture import Architecture
+    from megatron_focus.training.arguments import parse_args
     from megatron_focus.variants import register, variant
 
     register(
@@ -360,10 +405,10 @@ def _exported_with_a_taken_key():
     import dataclasses
 
     from megatron_focus.checkpoint import format as checkpoint_format
-    from megatron_focus.training.arguments import parse_args
     from megatron_focus.hf import families
     from megatron_focus.hf.architecture import Architecture
     from megatron_focus.settings import VariantSettings, setting
+    from megatron_focus.training.arguments import parse_args
     from megatron_focus.variants import AttentionVariant, register
 
     @dataclasses.dataclass(frozen=True)
@@ -432,9 +477,9 @@ def test_the_planner_counts_a_variants_parameters(monkeypatch):
 def _counted_and_built():
     """(parameters per layer the variant adds as counted, as built) over standard attention."""
     from megatron_focus import platform
-    from megatron_focus.training.arguments import parse_args
     from megatron_focus.model.gpt import build_model
     from megatron_focus.planner import count_parameters
+    from megatron_focus.training.arguments import parse_args
 
     small = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
     platform.init_distributed(1)

@@ -17,8 +17,8 @@ layer's file and its recorded settings; one that names no HF layer is refused by
 """
 
 from megatron_focus import cli
-from megatron_focus.data.choices import TOKENIZER_TYPES
 from megatron_focus.config.flags import add_unsafe_checkpoints_flag
+from megatron_focus.data.choices import TOKENIZER_TYPES
 
 
 def main() -> None:

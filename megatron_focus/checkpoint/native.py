@@ -130,7 +130,8 @@ def read_weights(
         ]
     else:
         raise ValueError(f"{tag_dir}: {len(files)} model files for tensor-parallel size {tp}")
-    weights = tp_layout.merge(modules, saved["swiglu"], vocab_size)
+    splits = tp_layout.declared_splits(native_args(tag_dir)) if len(modules) > 1 else None
+    weights = tp_layout.merge(modules, splits, vocab_size)
     base_dir = checkpoint_format.base_checkpoint(tag_dir)
     if base_dir is None:
         return weights
@@ -151,7 +152,7 @@ def native_model(config: RunConfig, vocab_size: int, weights: StateDict) -> torc
     platform.manual_seed(0)  # build_model initialises (then we overwrite) through Megatron's RNG
     model = build_model(config, vocab_size)
     padded = padded_vocab_size(vocab_size, config.model.make_vocab_size_divisible_by, 1)
-    model.load_state_dict(tp_layout.split(weights, 1, config.model.swiglu, padded)[0])
+    model.load_state_dict(tp_layout.split(weights, 1, None, padded)[0])
     return model.eval()
 
 

@@ -1,12 +1,16 @@
-"""How Megatron-Core lays a GPT model's tensors out over tensor-parallel ranks, and back.
+"""How a GPT model's tensors lie over tensor-parallel ranks, and back.
 
-A checkpoint holds one state dict per TP rank. Column-parallel weights (the fused QKV, MLP fc1,
-the output layer) and the vocab-parallel embedding are split on dim 0, row-parallel weights
-(attention projection, MLP fc2) on dim 1; norms, position embeddings, row-parallel biases and a
-core attention's own parameters (Focus's routers, a variant's) are replicated. SwiGLU's fused
-fc1 `[gate; up]` is split with stride 2: each rank holds `[gate_r; up_r]`. The embedding and
-output layer have `padded_vocab_size` rows so that they split evenly; the rows past the
-tokenizer's vocabulary are never used.
+A checkpoint holds one state dict per TP rank. How each parameter is split is declared where it
+is created, by Megatron-Core's marks on the parameter (`tensor_model_parallel`, `partition_dim`,
+`partition_stride`: its linear layers and vocab-parallel embedding set them; a variant's core
+attention sets them on a parameter of its own that is split, e.g. one value per head, with
+`megatron.core.tensor_parallel.set_tensor_model_parallel_attributes`); an unmarked parameter is
+replicated. `split_of` reads the marks, `declared_splits` reads them off the model a run config
+describes, built on the meta device (no memory, no weights): one source for training (DeepSpeed's
+universal checkpoint info, `training/layouts.py`), the checkpoint tools and the HF conversion.
+SwiGLU's fused fc1 `[gate; up]` is split with stride 2: each rank holds `[gate_r; up_r]`. The
+embedding and output layer have `padded_vocab_size` rows so that they split evenly; the rows past
+the tokenizer's vocabulary are never used.
 
 `merge` turns the per-rank state dicts into one full state dict with Megatron's names and the
 true vocabulary; `split` is its inverse, for a given TP size.
@@ -20,46 +24,50 @@ import torch
 from megatron_focus.parallel.tensor_parallel import merge_shards, split_tensor
 
 StateDict = Dict[str, torch.Tensor]
+Split = Optional[Tuple[int, int]]  # (dim, stride) of a split tensor; None: replicated
 
-# Which dim a tensor is split on (None: replicated). A name matching no pattern is an error, so a
-# new parameter cannot be merged wrongly by default.
-_SPLIT_DIM = (
-    (r"embedding\.word_embeddings\.weight|output_layer\.weight", 0),
-    (r".*\.linear_(qkv|fc1)\.(weight|bias)", 0),
-    (r".*\.linear_(proj|fc2)\.weight", 1),
-    (
-        r"embedding\.position_embeddings\.weight|.*layernorm\.(weight|bias)"
-        r"|.*\.linear_(proj|fc2)\.bias",
-        None,
-    ),
-    # A core attention's own parameters (Focus's router, W_g and the centroids; a variant's, as
-    # docs/extending.md asks): held whole by every TP rank, their gradient summed over TP, so
-    # `merge` finds each identical on every rank, and refuses one that is not.
-    (r".*\.self_attention\.core_attention\..*", None),
-)
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 # Megatron's linear layers keep an `_extra_state` entry (None) that a strict load expects.
 _EXTRA_STATE_OWNERS = re.compile(r".*\.linear_(qkv|proj|fc1|fc2)|output_layer")
 
 
-def partitioning(name: str, swiglu: bool) -> Optional[Tuple[int, int]]:
-    """`(dim, stride)` of a split tensor, or None for a replicated one."""
-    for pattern, dim in _SPLIT_DIM:
-        if re.fullmatch(pattern, name):
-            if dim is None:
-                return None
-            return dim, 2 if swiglu and ".linear_fc1." in name else 1
-    raise ValueError(f"{name}: unknown how Megatron splits this tensor over tensor-parallel ranks")
+def split_of(param: torch.Tensor) -> Split:
+    """How a parameter is split over TP ranks, as its Megatron-Core marks declare."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return None
+    return param.partition_dim, getattr(param, "partition_stride", 1)
 
 
-def merge(shards: List[StateDict], swiglu: bool, vocab_size: int) -> StateDict:
-    """One state dict per TP rank -> the full model, vocabulary padding removed."""
+def declared_splits(config) -> Dict[str, Split]:
+    """{name: split} of every parameter of the model `config` (a run config) describes, read off
+    that model built on the meta device at TP 1 (the marks are the same at every size), in this
+    process's parallel state or a world of one."""
+    from megatron_focus import platform
+    from megatron_focus.model.gpt import build_model
+
+    one = config.replace(tensor_model_parallel_size=1, sequence_parallel=False)
+    with platform.world_of_one(), torch.device("meta"):
+        model = build_model(one, 1)
+    return {name: split_of(param) for name, param in model.named_parameters()}
+
+
+def _split(splits: Dict[str, Split], name: str) -> Split:
+    if name not in splits:
+        raise ValueError(f"{name}: no such parameter in the model the checkpoint records")
+    return splits[name]
+
+
+def merge(
+    shards: List[StateDict], splits: Optional[Dict[str, Split]], vocab_size: int
+) -> StateDict:
+    """One state dict per TP rank -> the full model, vocabulary padding removed (`splits`:
+    `declared_splits`; None for one rank's, which has nothing to merge)."""
     full = {}
     for name in shards[0]:
         if name.endswith("._extra_state"):
             continue
         tensors = [shard[name] for shard in shards]
-        split = partitioning(name, swiglu)
+        split = None if len(shards) == 1 else _split(splits, name)
         if split is None:
             for rank, tensor in enumerate(tensors[1:], 1):
                 if not torch.equal(tensor, tensors[0]):
@@ -72,14 +80,17 @@ def merge(shards: List[StateDict], swiglu: bool, vocab_size: int) -> StateDict:
     return full
 
 
-def split(full: StateDict, tp: int, swiglu: bool, padded_vocab_size: int) -> List[StateDict]:
-    """The full model -> one state dict per TP rank, exactly as Megatron's modules name them."""
+def split(
+    full: StateDict, tp: int, splits: Optional[Dict[str, Split]], padded_vocab_size: int
+) -> List[StateDict]:
+    """The full model -> one state dict per TP rank, exactly as Megatron's modules name them
+    (`splits`: `declared_splits`; None for one rank)."""
     shards = [{} for _ in range(tp)]
     for name, tensor in full.items():
         if name in _VOCAB:
             padding = tensor.new_zeros(padded_vocab_size - tensor.shape[0], *tensor.shape[1:])
             tensor = torch.cat([tensor, padding])
-        part = partitioning(name, swiglu)
+        part = None if tp == 1 else _split(splits, name)
         pieces = [tensor] * tp if part is None else split_tensor(tensor, tp, *part)
         for shard, piece in zip(shards, pieces):
             shard[name] = piece

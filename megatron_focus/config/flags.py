@@ -8,8 +8,8 @@ project adds is grouped under "megatron-focus". Each group is a section of the r
 import argparse
 
 from megatron_focus import cli
-from megatron_focus.data.choices import TOKENIZER_TYPES
 from megatron_focus.config.compat import add_compat_args
+from megatron_focus.data.choices import TOKENIZER_TYPES
 from megatron_focus.variants import VARIANTS, settings_classes
 
 SEQ_LENGTH = 256  # --seq-length when neither the flag nor a Megatron-LM checkpoint gives one

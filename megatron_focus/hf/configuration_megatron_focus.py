@@ -103,8 +103,7 @@ class MegatronFocusConfig(PretrainedConfig):
                 f"({self.num_hidden_layers}), got {self.layer_attention}"
             )
         if self.sliding_window is not None and (
-            self.sliding_window < 1
-            or any(kind in ROUTED for kind in self.layer_attention)
+            self.sliding_window < 1 or any(kind in ROUTED for kind in self.layer_attention)
         ):
             raise ValueError(
                 f"sliding_window={self.sliding_window}: a positive window, for "

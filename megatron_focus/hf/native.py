@@ -93,7 +93,8 @@ def _write_checkpoint(
     tag = checkpoint_format.tag_for(0)
     tag_dir = os.path.join(save_dir, tag)
     os.makedirs(tag_dir)
-    shards = tp_layout.split(weights, tp, config.model.swiglu, padded)
+    splits = tp_layout.declared_splits(config) if tp > 1 else None
+    shards = tp_layout.split(weights, tp, splits, padded)
     for rank, shard in enumerate(tqdm(shards, desc="writing TP shards", disable=not progress)):
         torch.save(
             {

@@ -27,7 +27,7 @@ from deepspeed.checkpoint.universal_checkpoint import load_hp_checkpoint_state
 from deepspeed.utils.tensor_fragment import fragment_address
 from megatron.core import parallel_state
 
-from megatron_focus.checkpoint import universal
+from megatron_focus.checkpoint import tp_layout, universal
 from megatron_focus.checkpoint.format import read_layout, universal_dir
 from megatron_focus.config.run_config import RunConfig
 
@@ -82,23 +82,28 @@ def _describe(layout: dict) -> str:
 
 def tensor_parallel_splits(model: torch.nn.Module) -> dict:
     """DeepSpeed's universal-checkpoint description of how each parameter is split over
-    tensor-parallel ranks: replicated, split along rows (dim 1), split along columns (dim 0, the
-    converter's default), or, for SwiGLU's fused fc1, two halves each split along dim 0."""
+    tensor-parallel ranks, as the parameters declare it (`tp_layout.split_of`): replicated, split
+    along rows (dim 1), split along columns (dim 0, the converter's default), or, with stride 2
+    (SwiGLU's fused fc1), two halves each split along dim 0."""
     info = {
         uc.TP_REPLICATED_PARAMETER_PATTERNS: [],
         uc.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: [],
         uc.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0: [],
         uc.UNIVERSAL_CHECKPOINT_VERSION_KEY: uc.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
     }
-    gated = getattr(getattr(model, "config", None), "gated_linear_unit", False)
     for name, param in model.named_parameters():
-        pattern = re.escape(name) + "$"
-        if not getattr(param, "tensor_model_parallel", False):
+        pattern, split = re.escape(name) + "$", tp_layout.split_of(param)
+        if split is None:
             info[uc.TP_REPLICATED_PARAMETER_PATTERNS].append(pattern)
-        elif param.partition_dim == 1:
+        elif split == (1, 1):
             info[uc.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS].append(pattern)
-        elif gated and ".mlp.linear_fc1." in name:
+        elif split == (0, 2):
             info[uc.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0].append(pattern)
+        elif split != (0, 1):
+            raise NotImplementedError(
+                f"{name}: split {split} (dim, stride) over TP ranks, which DeepSpeed's universal "
+                "checkpoint cannot convert"
+            )
     return info
 
 

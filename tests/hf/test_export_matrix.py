@@ -94,10 +94,10 @@ def _random_checkpoint(save_dir: str, flags: list, tokenizer_type: str, tokenize
     from megatron_focus import platform
     from megatron_focus.checkpoint import format as checkpoint_format
     from megatron_focus.checkpoint import tp_layout
-    from megatron_focus.training.arguments import parse_args
     from megatron_focus.data.tokenizer import build_tokenizer
     from megatron_focus.hf import native
     from megatron_focus.model.gpt import build_model
+    from megatron_focus.training.arguments import parse_args
 
     platform.init_distributed(1)
     tokenizer = build_tokenizer(tokenizer_type, tokenizer_model)
@@ -110,7 +110,7 @@ def _random_checkpoint(save_dir: str, flags: list, tokenizer_type: str, tokenize
     vocab = tokenizer.vocab_size
     platform.manual_seed(0)
     model = build_model(args, vocab)
-    weights = tp_layout.merge([model.state_dict()], args.swiglu, vocab)
+    weights = tp_layout.merge([model.state_dict()], None, vocab)
     tag_dir = native.write_checkpoint(save_dir, args, weights, vocab, progress=False)
     checkpoint_format.TokenizerRecord.of_run(
         vocab, tokenizer_type, {"tokenizer_model": tokenizer_model}

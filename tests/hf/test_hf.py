@@ -72,10 +72,10 @@ TRAINED_FOCUS = {
 
 def _train_and_batches(argv):
     """Train, then return the losses and the micro-batches of the first step and the validation."""
-    from megatron_focus.training.arguments import parse_args
     from megatron_focus.data.loader import micro_batches
     from megatron_focus.data.sources import datasets_for, tokenizer_for
     from megatron_focus.training import trainer
+    from megatron_focus.training.arguments import parse_args
 
     args = parse_args(argv)
     history = trainer.pretrain(args)

@@ -129,8 +129,8 @@ FOCUS = ["--focus-window", "4", "--focus-groups", "4", "--focus-chunk-size", "16
 
 def _model(argv):
     from megatron_focus import platform
-    from megatron_focus.training.arguments import parse_args
     from megatron_focus.model.gpt import build_model
+    from megatron_focus.training.arguments import parse_args
 
     platform.manual_seed(1234)
     return build_model(parse_args(SMALL + argv), 256)

@@ -244,8 +244,8 @@ FOCUS = ["--focus-window", "4", "--focus-groups", "4", "--focus-chunk-size", "16
 
 def _model(argv, vocab=256):
     from megatron_focus import platform
-    from megatron_focus.training.arguments import parse_args
     from megatron_focus.model.gpt import build_model
+    from megatron_focus.training.arguments import parse_args
 
     platform.manual_seed(1234)
     return build_model(parse_args(argv), vocab).eval()

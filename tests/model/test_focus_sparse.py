@@ -164,13 +164,13 @@ def test_model_in_sparse_mode_dispatch_equals_masked_rule(single_process, forbid
     """The model's two hard-rule paths, for every top-k of K = 8, with duplicated centroids (exact
     ties between groups 2j and 2j + 1 for every token) and the statistics computed alongside."""
     from megatron_focus import platform
-    from megatron_focus.training.arguments import parse_args
     from megatron_focus.model.focus.focus import (
         focus_statistics,
         recording_statistics,
         set_focus_mode,
     )
     from megatron_focus.model.gpt import build_model
+    from megatron_focus.training.arguments import parse_args
 
     platform.manual_seed(0)
     args = parse_args(

@@ -43,8 +43,8 @@ def _on(device, choose):
 
 def model(argv):
     from megatron_focus import platform
-    from megatron_focus.training.arguments import parse_args
     from megatron_focus.model.gpt import build_model
+    from megatron_focus.training.arguments import parse_args
 
     platform.manual_seed(1234)
     return build_model(parse_args(SMALL + argv), 256)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from megatron_focus import platform
-from megatron_focus.training.arguments import parse_args
 from megatron_focus.model.gpt import padded_vocab_size
+from megatron_focus.training.arguments import parse_args
 
 
 def test_platform_changes_nothing_of_megatron_when_cuda_is_present():

@@ -101,7 +101,6 @@ def test_the_layers_statistic_is_kept_mass_on_its_sample(single_process):
     from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
     from megatron_focus import platform
-    from megatron_focus.training.arguments import parse_args
     from megatron_focus.model.documents import document_starts
     from megatron_focus.model.focus.focus import (
         FocusAttention,
@@ -109,6 +108,7 @@ def test_the_layers_statistic_is_kept_mass_on_its_sample(single_process):
         recording_statistics,
     )
     from megatron_focus.model.gpt import build_model
+    from megatron_focus.training.arguments import parse_args
 
     platform.manual_seed(0)
     argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_focus import platform
-from megatron_focus.training.arguments import parse_args
 from megatron_focus.model.xsa import exclusive_projection
+from megatron_focus.training.arguments import parse_args
 
 from tiny_runs import BATCH, FAMILIES, SEQ, VOCAB
 

@@ -26,8 +26,8 @@ def _resumed(argv: list) -> dict:
     """pretrain(argv), recording the trainer's calls to its Checkpointer, the format its plan
     names, and every folder whose format was asked."""
     from megatron_focus.checkpoint import torch_dist
-    from megatron_focus.training.arguments import parse_args
     from megatron_focus.training import trainer
+    from megatron_focus.training.arguments import parse_args
 
     calls, asked, made = [], [], []
     is_megatron_lm = torch_dist.is_megatron_lm

@@ -7,8 +7,8 @@ import random
 import pytest
 from megatron.core import num_microbatches_calculator as calculators
 
-from megatron_focus.training.arguments import parse_args
 from megatron_focus.config.global_batch import GlobalBatch
+from megatron_focus.training.arguments import parse_args
 from megatron_focus.training.optimizer import schedule
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]

@@ -44,9 +44,9 @@ def _megatron_lm_run(script: str, tp: int, folder: str) -> dict:
     from megatron_focus.checkpoint import format as checkpoint_format
     from megatron_focus.checkpoint import torch_dist
     from megatron_focus.checkpoint.saved import MEGATRON_LM, SavedCheckpoint
-    from megatron_focus.training.arguments import parse_args
     from megatron_focus.model.gpt import build_model
     from megatron_focus.training import resume
+    from megatron_focus.training.arguments import parse_args
 
     platform.init_distributed(tp)
     argv = megatron_lm_record.SCRIPTS[script] + MOCK + ["--tensor-model-parallel-size", str(tp)]

@@ -8,8 +8,8 @@ import deepspeed
 import pytest
 import torch
 
-from megatron_focus.training.arguments import parse_args
 from megatron_focus.config.deepspeed_config import deepspeed_config
+from megatron_focus.training.arguments import parse_args
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
 BASE = ["--num-attention-heads", "4", "--hidden-size", "64"]

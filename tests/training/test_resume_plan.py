@@ -24,8 +24,8 @@ def checkpoints(embedded_cache, tmp_path_factory):
 
 
 def _plan(cache, *flags):
-    from megatron_focus.training.arguments import parse_args
     from megatron_focus.training import resume
+    from megatron_focus.training.arguments import parse_args
 
     return resume.plan(parse_args(tiny_argv(cache, *flags)))
 

@@ -246,8 +246,8 @@ def test_retrofit_lowers_the_validation_loss(embedded_cache, tmp_path):
 def test_retrofit_trains_148k_parameters_on_gpt2_124m_shape(single_process):
     """The paper's count: 12 x (768 x 16 + 4 x 16) = 148,224 router parameters, all else frozen."""
     from megatron_focus import platform
-    from megatron_focus.training.arguments import parse_args
     from megatron_focus.model.gpt import build_model
+    from megatron_focus.training.arguments import parse_args
 
     platform.manual_seed(0)
     args = parse_args(

@@ -519,8 +519,8 @@ def _saved_bytes_loss_and_grad(argvs):
     """For each argv: (bytes autograd keeps for the backward pass, loss, squared gradient norm)
     of one training forward and backward of a fresh model."""
     from megatron_focus import platform
-    from megatron_focus.training.arguments import parse_args
     from megatron_focus.model.gpt import build_model
+    from megatron_focus.training.arguments import parse_args
 
     platform.init_distributed(1)
     results = []
@@ -726,9 +726,9 @@ def test_profile_writes_a_pytorch_trace_of_the_chosen_steps(embedded_cache, tmp_
 def test_an_evaluation_that_fails_leaves_the_runs_focus_mode_and_training_on(
     embedded_cache, single_process
 ):
-    from megatron_focus.training.arguments import parse_args
     from megatron_focus.model.focus.focus import FocusAttention
     from megatron_focus.model.gpt import build_model
+    from megatron_focus.training.arguments import parse_args
     from megatron_focus.training.trainer import evaluate
     from megatron_focus.variants import variant
 
