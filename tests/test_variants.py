@@ -180,8 +180,8 @@ def test_a_setting_the_hf_layer_cannot_take_is_refused_by_name(monkeypatch):
 def _exported_as_standard():
     import dataclasses
 
-    from megatron_focus.checkpoint import format as checkpoint_format
-    from megatron_focus.hf.architecture import Architecture
+    from megatron_focus.hf.architecture import check_exportable
+    from megatron_focus.model.config import ModelConfig
     from megatron_focus.training.arguments import parse_args
     from megatron_focus.variants import register, variant
 
@@ -194,10 +194,10 @@ def _exported_as_standard():
         )
     )
     args = parse_args(["--attention", "temperature-as-standard", "--temperature-bound", "2"])
-    record = checkpoint_format.model_args(args, 128)
+    record = args.model_config.record(128, 1, args.seq_length)
     assert record["temperature_bound"] == 2.0
     try:
-        Architecture.from_model_args(record, 100)
+        check_exportable(ModelConfig.from_record(record, 100))
     except NotImplementedError as refused:
         return str(refused)
 
@@ -404,9 +404,8 @@ def test_a_setting_the_hf_config_already_has_is_refused_by_name():
 def _exported_with_a_taken_key():
     import dataclasses
 
-    from megatron_focus.checkpoint import format as checkpoint_format
     from megatron_focus.hf import families
-    from megatron_focus.hf.architecture import Architecture
+    from megatron_focus.model.config import ModelConfig
     from megatron_focus.settings import VariantSettings, setting
     from megatron_focus.training.arguments import parse_args
     from megatron_focus.variants import AttentionVariant, register
@@ -423,8 +422,8 @@ def _exported_with_a_taken_key():
             hf_layer="toy_temperature_hf:TemperatureAttention",
         )
     )
-    record = checkpoint_format.model_args(parse_args([]), 128)
-    arch = Architecture.from_model_args({**record, "attention": "head-variant", "head_dim": 8}, 100)
+    record = parse_args([]).model_config.record(128, 1, None)
+    arch = ModelConfig.from_record({**record, "attention": "head-variant", "head_dim": 8}, 100)
     try:
         families.hf_config(families.CUSTOM, arch, {})
     except NotImplementedError as refused:

@@ -27,51 +27,9 @@ import uuid
 from typing import Optional
 
 from megatron_focus.checkpoint.safe_load import load_file
-from megatron_focus.variants import VARIANTS, current_name, variant
+from megatron_focus.model.config import RECORDED_ONLY, ModelConfig
+from megatron_focus.variants import current_name
 
-# What must match for weights to load: the model's shape, what it computes, and how it is split.
-SHAPE_KEYS = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "kv_channels",
-    "normalization",
-    "swiglu",
-    "position_embedding_type",
-    "add_bias_linear",
-    "untie_embeddings_and_output_weights",
-    "max_position_embeddings",
-    "attention",
-    "tensor_model_parallel_size",
-    "padded_vocab_size",
-    "norm_epsilon",
-    "rotary_base",
-    "rotary_percent",
-    "xsa_layers",
-    "openai_gelu",
-    "window_size",
-    "add_qkv_bias",
-    "apply_layernorm_1p",
-    "qk_layernorm",
-    "squared_relu",
-    "use_rope_scaling",
-    "rope_scaling_factor",
-)
-# Recorded for the tools and never compared: the sequence length the model was trained at (it
-# runs at any length up to its positions, and may continue training at another).
-RECORDED_ONLY = ("seq_length",)
-# Recorded since: what a checkpoint saved before a key was recorded computed.
-BEFORE_RECORDED = {
-    "window_size": None,
-    "add_qkv_bias": False,
-    "apply_layernorm_1p": False,
-    "qk_layernorm": False,
-    "squared_relu": False,
-    "use_rope_scaling": False,
-    "rope_scaling_factor": 8.0,
-}
 LATEST = "latest"
 # Megatron-LM's pointer: the newest checkpoint's iteration (`--ckpt-format torch_dist`).
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
@@ -197,16 +155,6 @@ def write_atomically(path: str, text: str) -> None:
         raise OSError(e.errno, e.strerror, e.filename or tmp) from e
 
 
-def model_args(args: argparse.Namespace, padded_vocab_size: int) -> dict:
-    """What decides the model, as `model_args.json` holds it (tuples as lists); the vocabulary
-    padded for the run's tensor-parallel size is the tokenizer's, known once it is built."""
-    keys = SHAPE_KEYS + variant(args.attention).recorded_keys()
-    values = {key: getattr(args, key) for key in keys if key != "padded_vocab_size"}
-    values["padded_vocab_size"] = padded_vocab_size
-    values.update({key: getattr(args, key) for key in RECORDED_ONLY})
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
-
-
 def write_model_args(checkpoint_dir: str, record: dict) -> None:
     write_atomically(
         os.path.join(checkpoint_dir, ARGS_FILE), json.dumps(record, indent=1, sort_keys=True)
@@ -214,15 +162,8 @@ def write_model_args(checkpoint_dir: str, record: dict) -> None:
 
 
 def saved_model_args(checkpoint_dir: str) -> dict:
-    return with_unrecorded_defaults(read_json(checkpoint_dir, ARGS_FILE))
-
-
-def with_unrecorded_defaults(saved: dict) -> dict:
-    """A checkpoint's model args, with the settings it predates at what it computed."""
-    saved = {**BEFORE_RECORDED, **saved}
-    if saved.get("attention") in VARIANTS:
-        saved = {**variant(saved["attention"]).before_recorded(), **saved}
-    return saved
+    """A checkpoint's `ModelConfig.record`, the settings it predates at what it computed."""
+    return ModelConfig.completed(read_json(checkpoint_dir, ARGS_FILE))
 
 
 def write_schedule(checkpoint_dir: str, schedule: dict) -> None:

@@ -5,8 +5,8 @@ rank, whose `module` is that rank's Megatron state dict (ZeRO stages 0-2 keep th
 there; stage 3 partitions the weights over its optimizer files, which DeepSpeed's `zero_to_fp32`
 reassembles), plus the model's record (`model_args.json`: its shape, its attention variant and the
 variant's recorded settings) and its tokenizer's (and a retrofit's trained-only checkpoint, the
-base it holds routers for). `native_args` turns the record back into the run config of
-`pretrain_gpt.py`'s flags, `read_weights` returns the full model, `native_model` builds it: any
+base it holds routers for). `recorded_model` turns the record back into the `ModelConfig`,
+`read_weights` returns the full model, `native_model` builds it: any
 registered variant, with or without an HF layer, evaluates (`evaluation/`) and exports (`hf/`) from
 these.
 """
@@ -19,12 +19,11 @@ from tqdm import tqdm
 
 from megatron_focus.checkpoint import format as checkpoint_format
 from megatron_focus.checkpoint import integrity, safe_load, tp_layout
-from megatron_focus.config.run_config import RunConfig, is_flag
 from megatron_focus.data.tokenizer import build_tokenizer
-from megatron_focus.variants import added_weight, variant
+from megatron_focus.model.config import ModelConfig
+from megatron_focus.variants import added_weight
 
 StateDict = Dict[str, torch.Tensor]
-LAYOUT_KEYS = ("tensor_model_parallel_size", "padded_vocab_size")  # a run's, not its model's
 
 
 def checkpoint_tag_dir(load_dir: str, iteration: Optional[int] = None) -> str:
@@ -69,37 +68,10 @@ def checkpoint_vocabulary(
     return recorded.vocab_size, build_tokenizer(tokenizer_type, **files)
 
 
-def native_args(tag_dir: str, **settings) -> RunConfig:
-    """`pretrain_gpt.py`'s arguments (TP = 1) for the model a checkpoint records, validated as a
-    run's are: every key of its `model_args.json` (the shape, the attention variant, the variant's
-    recorded settings) as recorded, so nothing is re-derived from a default; `settings` are the
-    variant's unrecorded ones by key (`focus_top_k=1`; None: the flag's default)."""
-    from megatron_focus.config.flags import build_parser
-    from megatron_focus.config.validation import validate_args
-
-    saved = checkpoint_format.saved_model_args(tag_dir)  # older ones at what they computed
-    keys = checkpoint_format.SHAPE_KEYS
-    if "attention" in saved:
-        keys += variant(saved["attention"]).recorded_keys()
-    missing = [key for key in keys if key not in saved]
-    if missing:
-        raise ValueError(
-            f"model_args.json lacks {', '.join(missing)}: the checkpoint was "
-            "saved by a megatron-focus that did not record them yet"
-        )
-    unknown = [key for key in settings if not is_flag(key)]
-    if unknown:
-        raise TypeError(f"native_args: {unknown[0]!r} is no setting of pretrain_gpt.py")
-    parser = build_parser()
-    parser.set_defaults(  # the recorded model, as the flags' defaults
-        **{key: value for key, value in settings.items() if value is not None},
-        **{key: saved[key] for key in keys if key not in LAYOUT_KEYS},  # the run's split
-        # the record holds one group per head without GQA, as validation would make it
-        group_query_attention=saved["num_query_groups"] != saved["num_attention_heads"],
-    )
-    # any length the model can take
-    parsed = parser.parse_args(["--seq-length", str(saved["max_position_embeddings"])])
-    return validate_args(parsed, world_size=1, training=False)
+def recorded_model(tag_dir: str, **settings) -> ModelConfig:
+    """The model a checkpoint records (its `model_args.json`, older ones at what they computed);
+    `settings` are the variant's unrecorded ones by key (`focus_top_k=1`; None: the default)."""
+    return ModelConfig.from_record(checkpoint_format.saved_model_args(tag_dir), **settings)
 
 
 def read_weights(
@@ -130,7 +102,7 @@ def read_weights(
         ]
     else:
         raise ValueError(f"{tag_dir}: {len(files)} model files for tensor-parallel size {tp}")
-    splits = tp_layout.declared_splits(native_args(tag_dir)) if len(modules) > 1 else None
+    splits = tp_layout.declared_splits(recorded_model(tag_dir)) if len(modules) > 1 else None
     weights = tp_layout.merge(modules, splits, vocab_size)
     base_dir = checkpoint_format.base_checkpoint(tag_dir)
     if base_dir is None:
@@ -140,30 +112,30 @@ def read_weights(
     return {**{k: w for k, w in base.items() if not added_weight(k)}, **weights}
 
 
-def native_model(config: RunConfig, vocab_size: int, weights: StateDict) -> torch.nn.Module:
-    """The native Megatron-Core model of `config` (TP = 1, eval mode) holding `weights`.
+def native_model(model: ModelConfig, vocab_size: int, weights: StateDict) -> torch.nn.Module:
+    """The native Megatron-Core model `model` describes (TP = 1, eval mode) holding `weights`.
 
     Needs torch.distributed and Megatron's parallel state for a world of one
     (`platform.init_distributed(1)`).
     """
     from megatron_focus import platform
-    from megatron_focus.model.gpt import build_model, padded_vocab_size
+    from megatron_focus.model.gpt import build, padded_vocab_size
 
-    platform.manual_seed(0)  # build_model initialises (then we overwrite) through Megatron's RNG
-    model = build_model(config, vocab_size)
-    padded = padded_vocab_size(vocab_size, config.model.make_vocab_size_divisible_by, 1)
-    model.load_state_dict(tp_layout.split(weights, 1, None, padded)[0])
-    return model.eval()
+    platform.manual_seed(0)  # building initialises (then we overwrite) through Megatron's RNG
+    padded = padded_vocab_size(vocab_size, 128, 1)  # rows past the vocabulary are never used
+    built = build(model, padded)
+    built.load_state_dict(tp_layout.split(weights, 1, None, padded)[0])
+    return built.eval()
 
 
 def load_native_model(
     tag_dir: str, vocab_size: int, allow_unsafe: bool = False, **settings
 ) -> tuple:
-    """`(config, model)`: a checkpoint's native model as `native_args` and `native_model` make
-    it, merged to one process whatever its TP size or ZeRO stage."""
-    config = native_args(tag_dir, **settings)
+    """`(model config, model)`: a checkpoint's native model as `recorded_model` and
+    `native_model` make it, merged to one process whatever its TP size or ZeRO stage."""
+    model = recorded_model(tag_dir, **settings)
     weights = read_weights(tag_dir, vocab_size, progress=False, allow_unsafe=allow_unsafe)
-    return config, native_model(config, vocab_size, weights)
+    return model, native_model(model, vocab_size, weights)
 
 
 @torch.no_grad()

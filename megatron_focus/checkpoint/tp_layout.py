@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megatron_focus.model.config import ModelConfig
 from megatron_focus.parallel.tensor_parallel import merge_shards, split_tensor
 
 StateDict = Dict[str, torch.Tensor]
@@ -38,17 +39,16 @@ def split_of(param: torch.Tensor) -> Split:
     return param.partition_dim, getattr(param, "partition_stride", 1)
 
 
-def declared_splits(config) -> Dict[str, Split]:
-    """{name: split} of every parameter of the model `config` (a run config) describes, read off
-    that model built on the meta device at TP 1 (the marks are the same at every size), in this
-    process's parallel state or a world of one."""
+def declared_splits(model: ModelConfig) -> Dict[str, Split]:
+    """{name: split} of every parameter of the model `model` describes, read off that model built
+    on the meta device at TP 1 (the marks are the same at every size), in this process's
+    parallel state or a world of one."""
     from megatron_focus import platform
-    from megatron_focus.model.gpt import build_model
+    from megatron_focus.model.gpt import build
 
-    one = config.replace(tensor_model_parallel_size=1, sequence_parallel=False)
     with platform.world_of_one(), torch.device("meta"):
-        model = build_model(one, 1)
-    return {name: split_of(param) for name, param in model.named_parameters()}
+        built = build(model, 1)
+    return {name: split_of(param) for name, param in built.named_parameters()}
 
 
 def _split(splits: Dict[str, Split], name: str) -> Split:

@@ -1,18 +1,24 @@
 """The run's configuration: the validated flags, frozen, in sections (model, parallel layout,
-data, training, checkpoint, logging).
+data, training, checkpoint, logging), and the model they describe (`model_config`, the
+`model.config.ModelConfig` that builds, records and exports it).
 
 A section's fields are the flags of the parser's groups it holds (`flags.py`), generated from
-their declarations, so that a flag is declared in one place. Built once, by `validate_args`;
+their declarations, so that a flag is declared in one place. (Not the other way round, flags
+from dataclass fields as torchtitan's: Megatron-LM's flags are kept as spelled there, with
+their switches that store False, aliases, deprecated spellings and refusals, which argparse
+says directly and a field's metadata would only re-encode.) Built once, by `validate_args`;
 writing to it raises, and a changed run is a new config (`replace`). Each flag also reads flat
 (`config.hidden_size`), as Megatron-style code reads its `args`.
 """
 
 import argparse
 import dataclasses
+import functools
 import typing
 from typing import Any, Dict, List, Optional, Tuple
 
 from megatron_focus.config.flags import build_parser
+from megatron_focus.model.config import ModelConfig
 from megatron_focus.variants import settings_classes
 
 # The parser's argument groups each section holds; a variant's settings are the model's, and
@@ -28,7 +34,7 @@ GROUPS = {
 }
 MEGATRON_LM = "megatron_lm"
 NAMES = {
-    "model": "ModelConfig",
+    "model": "ModelFlags",
     "parallel": "ParallelConfig",
     "data": "DataConfig",
     "training": "TrainingConfig",
@@ -92,7 +98,7 @@ SECTIONS = {
     name: frozen_flags(NAMES[name], actions, __name__)
     for name, actions in _sections(build_parser()).items()
 }
-ModelConfig = SECTIONS["model"]
+ModelFlags = SECTIONS["model"]
 ParallelConfig = SECTIONS["parallel"]
 DataConfig = SECTIONS["data"]
 TrainingConfig = SECTIONS["training"]
@@ -116,7 +122,7 @@ def _late_settings() -> List[str]:
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    model: ModelConfig
+    model: ModelFlags
     parallel: ParallelConfig
     data: DataConfig
     training: TrainingConfig
@@ -137,6 +143,11 @@ class RunConfig:
             },
             late=tuple((key, flags[key]) for key in _late_settings() if key in flags),
         )
+
+    @functools.cached_property
+    def model_config(self) -> ModelConfig:
+        """The model these flags describe, built once (what builds, records and exports it)."""
+        return ModelConfig.of(self)
 
     def __getattr__(self, name: str):
         """A flag, read flat: `config.hidden_size` is `config.model.hidden_size`."""

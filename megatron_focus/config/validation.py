@@ -14,6 +14,7 @@ from megatron_focus.config.global_batch import GlobalBatch
 from megatron_focus.config.run_config import RunConfig
 from megatron_focus.data import reads_data_files
 from megatron_focus.data.paths import check_data_prefix, check_tokenizer_files, data_prefixes
+from megatron_focus.model.config import ModelConfig
 from megatron_focus.outputs import check_writable
 from megatron_focus.variants import VARIANTS, FocusConfig, settings_classes, variant
 
@@ -165,7 +166,9 @@ def validate_args(
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args = argparse.Namespace(**vars(parsed))
     _derive_and_check(args, world_size, training)
-    return RunConfig.of(vars(args))
+    config = RunConfig.of(vars(args))
+    config.model_config  # the model's own checks (xsa layers, window), the one time it is built
+    return config
 
 
 def _derive_and_check(args: argparse.Namespace, world_size: int, training: bool) -> None:
@@ -182,16 +185,6 @@ def _derive_and_check(args: argparse.Namespace, world_size: int, training: bool)
         settings.from_args(args)
     _validate_focus(args, training)
     _validate_recompute(args)
-    if args.xsa_layers is not None:
-        if not variant(args.attention).xsa:
-            xsa = " or ".join(v.name for v in VARIANTS.values() if v.xsa)
-            raise ValueError(f"--xsa-layers needs --attention {xsa}, not {args.attention}")
-        missing = [n for n in args.xsa_layers if not 1 <= n <= args.num_layers]
-        if missing:
-            raise ValueError(
-                f"--xsa-layers {' '.join(map(str, missing))}: no such layer; layers are numbered "
-                f"1 to --num-layers {args.num_layers}"
-            )
     if args.hidden_size % args.num_attention_heads and args.kv_channels is None:
         raise ValueError(
             f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
@@ -199,23 +192,9 @@ def _derive_and_check(args: argparse.Namespace, world_size: int, training: bool)
         )
     if args.kv_channels is None:
         args.kv_channels = args.hidden_size // args.num_attention_heads
-    if args.num_attention_heads % tp:
-        raise ValueError(
-            f"--num-attention-heads {args.num_attention_heads} is not divisible by "
-            f"--tensor-model-parallel-size {tp}"
-        )
     if not args.group_query_attention:
         args.num_query_groups = args.num_attention_heads
-    if args.num_attention_heads % args.num_query_groups:
-        raise ValueError(
-            f"--num-query-groups {args.num_query_groups} does not divide "
-            f"--num-attention-heads {args.num_attention_heads}"
-        )
-    if args.num_query_groups % tp and tp % args.num_query_groups:
-        raise ValueError(
-            f"--num-query-groups {args.num_query_groups} must be a multiple or a divisor of "
-            f"--tensor-model-parallel-size {tp}"
-        )
+    ModelConfig.check_heads(args.num_attention_heads, args.num_query_groups, tp)
     if args.sequence_parallel and tp == 1:  # Megatron-LM turns it off too (launch scripts set it)
         warnings.warn(
             "--sequence-parallel has no effect with --tensor-model-parallel-size 1: turned off"
@@ -239,17 +218,6 @@ def _derive_and_check(args: argparse.Namespace, world_size: int, training: bool)
             f"--seq-length {args.seq_length} is longer than the learned position table "
             f"(--max-position-embeddings {args.max_position_embeddings})"
         )
-    if args.window_size is not None:
-        if len(args.window_size) != 2 or args.window_size[1] != 0 or args.window_size[0] < 0:
-            raise ValueError(
-                f"--window-size {args.window_size}: give LEFT,0 with LEFT >= 0 "
-                "(a causal window of LEFT + 1 keys)"
-            )
-        if variant(args.attention).focus:
-            raise ValueError(
-                "--window-size is for standard and xsa attention: Focus has its own "
-                "local window (--focus-window)"
-            )
     _validate_architecture(args)
     _validate_training(args, world_size)
     # before any data or model: the ZeRO stage and precision the JSON sets become the run's

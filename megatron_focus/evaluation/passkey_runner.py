@@ -32,12 +32,11 @@ class Native:
                 f"{tag_dir} records no tokenizer (synthetic data or an "
                 "import without one): passkey prompts are text"
             )
-        config, self.model = load_native_model(
+        model, self.model = load_native_model(
             tag_dir, self.vocab, allow_unsafe=opts.allow_unsafe_checkpoints
         )
-        model = config.model
         self.device = next(self.model.parameters()).device
-        self.hooks = variant(model.attention).hooks_for(model)
+        self.hooks = variant(model.attention).hooks_with(model.settings)
         self.positions = (
             model.max_position_embeddings
             if model.position_embedding_type == "learned_absolute"

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from megatron_focus import platform
 from megatron_focus.checkpoint.native import (
     checkpoint_tag_dir,
-    native_args,
     native_model,
     read_weights,
+    recorded_model,
 )
 from megatron_focus.config.validation import validate_args
 from megatron_focus.data.loader import micro_batches, to_device
@@ -121,17 +121,17 @@ def run(opts: argparse.Namespace, args: argparse.Namespace) -> None:
     platform.init_distributed(1)
     tag_dir = checkpoint_tag_dir(opts.load, opts.iteration)
     tokenizer = tokenizer_for(args, rank0=True)
-    recorded = native_args(tag_dir)  # the checkpoint's model, as its model_args.json records it
-    hooks = variant(recorded.model.attention).hooks_for(recorded.model)
-    modes = hooks.evaluated_modes() or (EvalMode(recorded.model.attention),)
+    recorded = recorded_model(tag_dir)  # the checkpoint's model, as model_args.json records it
+    hooks = variant(recorded.attention).hooks_with(recorded.settings)
+    modes = hooks.evaluated_modes() or (EvalMode(recorded.attention),)
     positions = (
-        recorded.model.max_position_embeddings
-        if recorded.model.position_embedding_type == "learned_absolute"
+        recorded.max_position_embeddings
+        if recorded.position_embedding_type == "learned_absolute"
         else None
     )
     # without a length, the checkpoint's: its position count, which a run sets to its
     # --seq-length unless given (capped at a learned position table)
-    default = args.seq_length or recorded.model.max_position_embeddings
+    default = args.seq_length or recorded.max_position_embeddings
     lengths = opts.seq_lengths or [min(default, positions or default)]
     too_long = [n for n in lengths if positions is not None and n > positions]
     if too_long:
@@ -172,12 +172,12 @@ def run(opts: argparse.Namespace, args: argparse.Namespace) -> None:
             hooks.set_mode(model, mode)
         for n in lengths:
             row = evaluate(model, batches[n], timer, hooks, mode.sparse, tokenizer.vocab_size)
-            if recorded.model.window_size is not None:  # a sliding window keeps its band
-                row["pairs_kept"] = window_share(n, recorded.model.window_size[0])
+            if recorded.window_size is not None:  # a sliding window keeps its band
+                row["pairs_kept"] = window_share(n, recorded.window_size[0])
             rows.append({"mode": mode.mode, "top_k": mode.top_k, "seq_length": n, **row})
 
     sequences = config.logging.eval_iters * config.training.micro_batch_size
-    print(f"{opts.load}: {recorded.model.attention}, {sequences} validation sequences per length")
+    print(f"{opts.load}: {recorded.attention}, {sequences} validation sequences per length")
     kernels = chosen(model) or None  # the variant's kernels, where it chooses any
     if kernels:
         print("kernels: " + ", ".join(f"{op} {name}" for op, name in kernels.items()))
@@ -187,7 +187,7 @@ def run(opts: argparse.Namespace, args: argparse.Namespace) -> None:
             json.dump(
                 {
                     "load": opts.load,
-                    "attention": recorded.model.attention,
+                    "attention": recorded.attention,
                     "sequences": sequences,
                     "seq_lengths": lengths,
                     "kernels": kernels,

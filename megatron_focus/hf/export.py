@@ -21,6 +21,7 @@ import torch
 
 from megatron_focus.checkpoint.native import checkpoint_tag_dir, checkpoint_vocabulary, read_weights
 from megatron_focus.hf import families, native
+from megatron_focus.hf.architecture import shipped_layers
 from megatron_focus.hf.mapping import native_to_hf
 from megatron_focus.hf.tokenizer import (
     SPECIAL_TOKEN_IDS,
@@ -54,9 +55,11 @@ def export_to_hf(
     check_fresh(save_dir, overwrite)
     tag_dir = checkpoint_tag_dir(load_dir, iteration)
     vocab_size, tokenizer = checkpoint_vocabulary(tag_dir, tokenizer_type, tokenizer_model)
-    arch = native.read_architecture(tag_dir, vocab_size, focus_top_k, focus_attention_mode)
+    arch = native.read_architecture(
+        tag_dir, vocab_size, focus_top_k=focus_top_k, focus_attention_mode=focus_attention_mode
+    )
     family, why = families.choose_family(arch)
-    layers = _shipped_layers(arch.shipped_layers())
+    layers = _shipped_layers(shipped_layers(arch))
 
     with fresh_folder(save_dir, overwrite) as partial:
         if tokenizer is not None:

@@ -40,8 +40,14 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from megatron_focus.hf.architecture import Architecture
+from megatron_focus.hf.architecture import (
+    layer_attention,
+    layer_settings,
+    routing_settings,
+    shipped_layers,
+)
 from megatron_focus.hf.mapping import Rule, copy, merge_qkv, split_qkv, transposed, zero_bias
+from megatron_focus.model.config import ModelConfig
 from megatron_focus.settings import VariantSettings
 from megatron_focus.variants import INFERENCE, MODEL, VARIANTS, FocusConfig, variant
 
@@ -69,7 +75,7 @@ class HFBiases:
         return cls(flag, flag, flag)
 
     @classmethod
-    def of(cls, arch: Architecture) -> "HFBiases":
+    def of(cls, arch: ModelConfig) -> "HFBiases":
         """The biases the native model has."""
         return cls(
             arch.add_bias_linear or arch.add_qkv_bias, arch.add_bias_linear, arch.add_bias_linear
@@ -79,8 +85,8 @@ class HFBiases:
 # --- which family --------------------------------------------------------------------------------
 
 
-def _not_llama_like(arch: Architecture) -> Optional[str]:
-    if set(arch.layer_attention()) != {"standard"}:
+def _not_llama_like(arch: ModelConfig) -> Optional[str]:
+    if set(layer_attention(arch)) != {"standard"}:
         return f"--attention {arch.attention}"
     if arch.qk_layernorm:
         return "query and key norms"
@@ -91,13 +97,13 @@ def _not_llama_like(arch: Architecture) -> Optional[str]:
     return None
 
 
-def _not_llama(arch: Architecture) -> Optional[str]:
+def _not_llama(arch: ModelConfig) -> Optional[str]:
     if arch.window_size is not None:
         return "sliding-window attention"
     return _not_llama_like(arch)
 
 
-def _not_qwen2(arch: Architecture) -> Optional[str]:
+def _not_qwen2(arch: ModelConfig) -> Optional[str]:
     if arch.window_size is not None:
         return "sliding-window attention (Qwen2's applies to upper layers only)"
     if arch.kv_channels * arch.num_attention_heads != arch.hidden_size:
@@ -105,14 +111,14 @@ def _not_qwen2(arch: Architecture) -> Optional[str]:
     return _not_llama_like(arch)
 
 
-def _not_mistral(arch: Architecture) -> Optional[str]:
+def _not_mistral(arch: ModelConfig) -> Optional[str]:
     if arch.add_bias_linear:
         return "biases (Mistral has none)"
     return _not_llama_like(arch)
 
 
-def _not_gpt2(arch: Architecture) -> Optional[str]:
-    if set(arch.layer_attention()) != {"standard"}:
+def _not_gpt2(arch: ModelConfig) -> Optional[str]:
+    if set(layer_attention(arch)) != {"standard"}:
         return f"--attention {arch.attention}"
     if arch.window_size is not None:
         return "sliding-window attention"
@@ -134,7 +140,7 @@ def _not_gpt2(arch: Architecture) -> Optional[str]:
     return None
 
 
-def nearest_family(arch: Architecture) -> str:
+def nearest_family(arch: ModelConfig) -> str:
     """The stock family whose shape `arch` has (its norm, biases and window), exact or not."""
     if arch.normalization != "RMSNorm":
         return GPT2
@@ -143,7 +149,7 @@ def nearest_family(arch: Architecture) -> str:
     return MISTRAL if arch.window_size is not None else LLAMA
 
 
-def choose_family(arch: Architecture) -> Tuple[str, str]:
+def choose_family(arch: ModelConfig) -> Tuple[str, str]:
     """`(family, why)`: the stock class when it is exact, else the custom one and the reason."""
     family = nearest_family(arch)
     why_not = {LLAMA: _not_llama, QWEN2: _not_qwen2, MISTRAL: _not_mistral, GPT2: _not_gpt2}[
@@ -157,7 +163,7 @@ def choose_family(arch: Architecture) -> Tuple[str, str]:
 # --- configs -------------------------------------------------------------------------------------
 
 
-def hf_config(family: str, arch: Architecture, special_tokens: dict):
+def hf_config(family: str, arch: ModelConfig, special_tokens: dict):
     """The HF config of `arch` in `family`; `special_tokens`: bos/eos/pad_token_id."""
     from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
@@ -237,10 +243,10 @@ def hf_config(family: str, arch: Architecture, special_tokens: dict):
         rotary_base=float(arch.rotary_base),
         max_position_embeddings=arch.max_position_embeddings,
         tie_word_embeddings=arch.tied,
-        layer_attention=arch.layer_attention(),
+        layer_attention=layer_attention(arch),
         # HF counts a window's keys (as Mistral's sliding_window), Megatron the ones before i
         sliding_window=None if arch.window_size is None else arch.window_size[0] + 1,
-        **_focus_config(arch.focus),
+        **_focus_config(routing_settings(arch)),
         **_shipped_layers_config(arch),
         **special_tokens,
     )
@@ -254,7 +260,7 @@ LLAMA3_ROPE = {
 }
 
 
-def _rope_parameters(arch: Architecture) -> dict:
+def _rope_parameters(arch: ModelConfig) -> dict:
     """HF's `rope_parameters` (its names for --rotary-base and --use-rope-scaling)."""
     if not arch.use_rope_scaling:
         return {"rope_type": "default", "rope_theta": float(arch.rotary_base)}
@@ -291,7 +297,7 @@ def _hf_rope(config) -> dict:
 
 
 def _rope_scaling(rope: Optional[dict]) -> dict:
-    """Architecture fields of HF `rope_parameters`; refuses a scaling the native model lacks."""
+    """ModelConfig fields of HF `rope_parameters`; refuses a scaling the native model lacks."""
     kind = (rope or {}).get("rope_type", "default")
     if kind == "default":
         return {}
@@ -316,16 +322,16 @@ def shipped_file(layer: str) -> Tuple[str, str]:
     return module.rpartition(".")[2], name
 
 
-def _shipped_layers_config(arch: Architecture) -> dict:
+def _shipped_layers_config(arch: ModelConfig) -> dict:
     """MegatronFocusConfig's `variant_layers` ({kind: "file.Class"} of the layers the variants
     ship beside the model's code) and those variants' settings under their recorded keys; a key
     the config already uses for a setting of its own is refused by name."""
     from megatron_focus.hf.configuration_megatron_focus import MegatronFocusConfig
 
-    layers = arch.shipped_layers()
+    layers = shipped_layers(arch)
     if not layers:
         return {}
-    settings = {} if arch.settings is None else arch.settings.keys(MODEL, INFERENCE)
+    settings = {} if layer_settings(arch) is None else layer_settings(arch).keys(MODEL, INFERENCE)
     own = MegatronFocusConfig().to_dict()
     taken = [key for key in settings if key in own or hasattr(MegatronFocusConfig, key)]
     if taken:
@@ -344,7 +350,7 @@ def _require(ok: bool, why: str) -> None:
         raise NotImplementedError(f"cannot import exactly: {why}")
 
 
-def from_hf_config(config) -> Tuple[str, Architecture, HFBiases]:
+def from_hf_config(config) -> Tuple[str, ModelConfig, HFBiases]:
     """`(family, architecture, biases)` of an HF config; refuses what is not exactly native."""
     kind = config.model_type
     if kind in ("llama", "mistral", "qwen2"):
@@ -360,7 +366,7 @@ def from_hf_config(config) -> Tuple[str, Architecture, HFBiases]:
     )
 
 
-def _from_llama_like(config) -> Tuple[str, Architecture, HFBiases]:
+def _from_llama_like(config) -> Tuple[str, ModelConfig, HFBiases]:
     kind = config.model_type
     _require(config.hidden_act == "silu", f"hidden_act {config.hidden_act!r} (SwiGLU needs silu)")
     rope = _hf_rope(config)
@@ -380,7 +386,7 @@ def _from_llama_like(config) -> Tuple[str, Architecture, HFBiases]:
     else:
         biases = HFBiases(config.attention_bias, config.attention_bias, config.mlp_bias)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    arch = Architecture(
+    arch = ModelConfig(
         vocab_size=config.vocab_size,
         num_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,
@@ -407,7 +413,7 @@ def _from_llama_like(config) -> Tuple[str, Architecture, HFBiases]:
 GPT2_GELU = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
 
 
-def _from_gpt2(config) -> Architecture:
+def _from_gpt2(config) -> ModelConfig:
     _require(
         config.activation_function in GPT2_GELU,
         f"activation_function {config.activation_function!r}: only the exact GELU ('gelu') "
@@ -419,7 +425,7 @@ def _from_gpt2(config) -> Architecture:
     )
     _require(not config.add_cross_attention, "cross attention")
     _require(config.tie_word_embeddings, "untied GPT-2 embeddings")
-    return Architecture(
+    return ModelConfig(
         vocab_size=config.vocab_size,
         num_layers=config.n_layer,
         hidden_size=config.n_embd,
@@ -439,7 +445,7 @@ def _from_gpt2(config) -> Architecture:
     )
 
 
-def _from_custom(config) -> Architecture:
+def _from_custom(config) -> ModelConfig:
     from megatron_focus.hf.configuration_megatron_focus import ATTENTION_VARIANTS
 
     kinds = config.layer_attention
@@ -458,13 +464,9 @@ def _from_custom(config) -> Architecture:
             f"layer_attention {', '.join(map(repr, unknown))}: a layer kind the importer does not "
             f"know; it knows {', '.join([*ATTENTION_VARIANTS, *shipped])}"
         )
-    settings = focus_settings = None
     if set(kinds) - set(ATTENTION_VARIANTS):  # a variant's own layers
         _require(len(set(kinds)) == 1, f"layers of several kinds ({kinds})")
         attention, xsa = kinds[0], []
-        settings = _shipped_settings(config, variant(attention))
-        if variant(attention).focus:
-            settings, focus_settings = None, settings
     else:
         # The native variant: the kind with XSA where layers have it (--xsa-layers picks them
         # among layers of that variant without XSA), else the one kind of every layer.
@@ -474,10 +476,8 @@ def _from_custom(config) -> Architecture:
         without = variant(attention).without_xsa if with_xsa else attention
         _require(set(kinds) <= {attention, without}, f"layers of several kinds ({kinds})")
         xsa = [i + 1 for i, kind in enumerate(kinds) if kind == attention] if with_xsa else []
-        if variant(attention).focus:
-            focus_settings = _shipped_settings(config, variant(attention))
     _require(float(config.rotary_base).is_integer(), "a rotary_base that is not an integer")
-    return Architecture(
+    return ModelConfig(
         vocab_size=config.vocab_size,
         num_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,
@@ -503,14 +503,13 @@ def _from_custom(config) -> Architecture:
         **_rope_scaling(
             config.llama3_rope_scaling and {"rope_type": "llama3", **config.llama3_rope_scaling}
         ),
-        focus=focus_settings,
-        settings=settings,
+        settings=_shipped_settings(config, variant(attention)),
     )
 
 
 def _shipped_settings(config, attention) -> Optional[VariantSettings]:
-    """The settings of a variant shipping its layer, as the HF config holds them under their
-    keys; a model setting it lacks is refused by name (it would come back at a default)."""
+    """The variant's settings as the HF config holds them under their keys; a model setting it
+    lacks is refused by name (it would come back at a default)."""
     if attention.settings is None:
         return None
     cls = attention.settings
@@ -539,14 +538,14 @@ _HF_OWN = re.compile(r"model\.layers\.(\d+)\.self_attn\.(.+)")
 
 
 def shipped_layer_rules(
-    arch: Architecture, taken: List[Rule], native_names=(), hf_names=()
+    arch: ModelConfig, taken: List[Rule], native_names=(), hf_names=()
 ) -> List[Rule]:
     """The rules of the tensors of the layers `arch`'s variants ship that `taken` leaves, named
     from the weights at hand (`native_names` exporting, `hf_names` importing): a layer's own
     tensors are the variant's to name, and the HF model built around them refuses, by name, any
     its layer does not hold or lacks."""
-    kinds = arch.shipped_layers()
-    layers = {i for i, kind in enumerate(arch.layer_attention()) if kind in kinds}
+    kinds = shipped_layers(arch)
+    layers = {i for i, kind in enumerate(layer_attention(arch)) if kind in kinds}
     native_taken = {rule.native for rule in taken}
     hf_taken = {name for rule in taken for name in rule.hf}
     out = []
@@ -562,12 +561,12 @@ def shipped_layer_rules(
     return out
 
 
-def rules(family: str, arch: Architecture, biases: HFBiases) -> List[Rule]:
+def rules(family: str, arch: ModelConfig, biases: HFBiases) -> List[Rule]:
     """The weight rules of `arch` in `family` (see the table above)."""
     return _gpt2_rules(arch) if family == GPT2 else _llama_style_rules(arch, biases)
 
 
-def _norm(arch: Architecture, native: str, hf: str) -> List[Rule]:
+def _norm(arch: ModelConfig, native: str, hf: str) -> List[Rule]:
     """A norm's scale (as applied: `1 + weight` under --apply-layernorm-1p) and bias."""
     out = [
         Rule(f"{native}.weight", (f"{hf}.weight",), lambda t: (t + 1,), lambda t: t - 1)
@@ -597,7 +596,7 @@ def _linear(
     return out
 
 
-def _llama_style_rules(arch: Architecture, biases: HFBiases) -> List[Rule]:
+def _llama_style_rules(arch: ModelConfig, biases: HFBiases) -> List[Rule]:
     hidden, hn = arch.hidden_size, arch.kv_channels
     qkv_rows = (arch.num_attention_heads + 2 * arch.num_query_groups) * hn
     out = [copy("embedding.word_embeddings.weight", "model.embed_tokens.weight")]
@@ -653,7 +652,7 @@ def _llama_style_rules(arch: Architecture, biases: HFBiases) -> List[Rule]:
         out += _linear(
             ours.mlp, f"{native}.mlp.linear_fc2", [f"{hf}.mlp.down_proj"], biases.mlp, hidden
         )
-        if arch.focus is not None:
+        if routing_settings(arch) is not None:
             out += [
                 copy(
                     f"{native}.self_attention.core_attention.router.{p}",
@@ -667,7 +666,7 @@ def _llama_style_rules(arch: Architecture, biases: HFBiases) -> List[Rule]:
     return out
 
 
-def _fused_qkv(arch: Architecture, native: str, hf: str) -> Rule:
+def _fused_qkv(arch: ModelConfig, native: str, hf: str) -> Rule:
     """GPT-2's `c_attn`: all query heads, then all keys, then all values; weight transposed."""
     flip = lambda t: t.t() if t.ndim == 2 else t  # noqa: E731
     rows = [arch.num_attention_heads * arch.kv_channels] * 3
@@ -679,7 +678,7 @@ def _fused_qkv(arch: Architecture, native: str, hf: str) -> Rule:
     )
 
 
-def _gpt2_rules(arch: Architecture) -> List[Rule]:
+def _gpt2_rules(arch: ModelConfig) -> List[Rule]:
     out = [
         copy("embedding.word_embeddings.weight", "transformer.wte.weight"),
         copy("embedding.position_embeddings.weight", "transformer.wpe.weight"),

@@ -23,6 +23,7 @@ import os
 from typing import Optional, Sequence
 
 from megatron_focus.hf import families, native
+from megatron_focus.hf.architecture import routing_settings, shipped_layers
 from megatron_focus.hf.mapping import hf_to_native
 from megatron_focus.hf.tokenizer import SPECIAL_TOKEN_IDS, find_hf_tokenizer
 from megatron_focus.outputs import check_fresh
@@ -99,25 +100,31 @@ def import_from_hf(
     config = _hf_config(hf_dir)
     family, arch, biases = families.from_hf_config(config)
     retrofit = None
-    if attention is not None and arch.shipped_layers() and attention != arch.attention:
+    if attention is not None and shipped_layers(arch) and attention != arch.attention:
         raise ValueError(
             f"the HF model's layers are --attention {arch.attention}'s own: importing it as "
             f"--attention {attention} would drop them; import it as {arch.attention}"
         )
     if attention is not None:
         routed = variant(attention).focus
-        if arch.focus is not None and not routed:
+        if routing_settings(arch) is not None and not routed:
             focus = " or ".join(v.name for v in VARIANTS.values() if v.focus)
             raise ValueError(
                 f"the HF model has Focus routers: importing it as --attention "
                 f"{attention} would drop them; import it as {focus}"
             )
-        if routed and arch.focus is None:
+        if routed and routing_settings(arch) is None:
             retrofit, attention = attention, variant(attention).without_focus
+        target = variant(attention)
+        keep = target.settings is not None and isinstance(arch.settings, target.settings)
         arch = dataclasses.replace(
-            arch, attention=attention, xsa_layers=tuple(xsa_layers) if xsa_layers else None
+            arch,
+            attention=attention,
+            xsa_layers=tuple(xsa_layers) if xsa_layers else None,
+            # the HF model's settings where they are the variant's; else the variant's defaults
+            settings=arch.settings if keep else target.settings and target.settings(),
         )
-    run = arch.native_args(tensor_model_parallel_size, make_vocab_size_divisible_by)
+    arch.check_tensor_parallel(tensor_model_parallel_size)  # before any weight is read
     rules = families.rules(family, arch, biases)
 
     weights = _hf_weights(hf_dir)
@@ -131,9 +138,10 @@ def import_from_hf(
     tokenizer_type, tokenizer_file = find_hf_tokenizer(hf_dir)
     native.write_checkpoint(
         save_dir,
-        run,
+        arch,
         native_weights,
-        arch.vocab_size,
+        tensor_model_parallel_size,
+        make_vocab_size_divisible_by,
         tokenizer_type,
         tokenizer_file,
         _special_token_ids(config, arch.vocab_size),

@@ -11,7 +11,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 from tqdm import tqdm
 
-from megatron_focus.hf.architecture import Architecture
+from megatron_focus.model.config import ModelConfig
 
 StateDict = Dict[str, torch.Tensor]
 
@@ -45,7 +45,7 @@ def zero_bias(native: str, size: int) -> Rule:
     return Rule(native, (), to_hf, lambda: torch.zeros(size))
 
 
-def split_qkv(fused: torch.Tensor, arch: Architecture) -> Tuple[torch.Tensor, ...]:
+def split_qkv(fused: torch.Tensor, arch: ModelConfig) -> Tuple[torch.Tensor, ...]:
     """Megatron's fused QKV rows, per query group `[its query heads..., key, value]` -> q, k, v."""
     groups, per_group = arch.num_query_groups, arch.num_attention_heads // arch.num_query_groups
     grouped = fused.reshape(groups, per_group + 2, arch.kv_channels, *fused.shape[1:])
@@ -57,9 +57,7 @@ def split_qkv(fused: torch.Tensor, arch: Architecture) -> Tuple[torch.Tensor, ..
     )
 
 
-def merge_qkv(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: Architecture
-) -> torch.Tensor:
+def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: ModelConfig) -> torch.Tensor:
     groups, hn = arch.num_query_groups, arch.kv_channels
     rest = q.shape[1:]
     parts = [

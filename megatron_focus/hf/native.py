@@ -15,9 +15,9 @@ from tqdm import tqdm
 from megatron_focus.checkpoint import format as checkpoint_format
 from megatron_focus.checkpoint import tp_layout
 from megatron_focus.checkpoint.native import StateDict
-from megatron_focus.config.run_config import RunConfig
 from megatron_focus.data.tokenizer import HF_TOKENIZER_CONFIG
-from megatron_focus.hf.architecture import Architecture
+from megatron_focus.hf.architecture import check_exportable
+from megatron_focus.model.config import ModelConfig
 from megatron_focus.outputs import fresh_folder
 
 
@@ -27,33 +27,33 @@ def recorded_special_tokens(tag_dir: str) -> dict:
     return checkpoint_format.TokenizerRecord.read(tag_dir).special_token_ids
 
 
-def read_architecture(
-    tag_dir: str,
-    vocab_size: int,
-    focus_top_k: Optional[int] = None,
-    focus_attention_mode: Optional[str] = None,
-) -> Architecture:
-    """The model of a checkpoint; a Focus model's inference settings as given, or the defaults."""
-    model_args = checkpoint_format.saved_model_args(tag_dir)
-    return Architecture.from_model_args(model_args, vocab_size, focus_top_k, focus_attention_mode)
+def read_architecture(tag_dir: str, vocab_size: int, **settings) -> ModelConfig:
+    """The model of a checkpoint, refused by name where the HF model cannot compute it;
+    `settings`: the variant's unrecorded ones by key (a Focus model's `focus_top_k`, ...)."""
+    model = ModelConfig.from_record(
+        checkpoint_format.saved_model_args(tag_dir), vocab_size, **settings
+    )
+    check_exportable(model)
+    return model
 
 
 def write_checkpoint(
     save_dir: str,
-    config: RunConfig,
+    model: ModelConfig,
     weights: StateDict,
-    vocab_size: int,
+    tensor_model_parallel_size: int = 1,
+    make_vocab_size_divisible_by: int = 128,
     tokenizer_type: Optional[str] = None,
     tokenizer_file: Optional[str] = None,
     special_token_ids: Optional[dict] = None,
     progress: bool = True,
     overwrite: bool = False,
 ) -> str:
-    """A weights-only checkpoint (iteration 0) of the model of `config` for `pretrain_gpt.py
-    --load`.
+    """A weights-only checkpoint (iteration 0) of `model` (its `vocab_size` rows) for
+    `pretrain_gpt.py --load`, split over `tensor_model_parallel_size` ranks.
 
-    `config` is the model's validated run config (`Architecture.native_args`), so
-    `model_args.json` is what a training run with the same flags writes. The weight files are what
+    `model_args.json` is the model's record, as a training run of the same model writes it
+    (its sequence length: the model's positions). The weight files are what
     DeepSpeed's `load_checkpoint(load_module_only=True)` reads; the `weights_only` marker tells
     `training/checkpointing.py` to start the run's optimizer and schedule fresh. The tokenizer file,
     if any, is copied in (with an HF tokenizer's config) and recorded by its name, so the checkpoint
@@ -61,11 +61,13 @@ def write_checkpoint(
     not at all (`outputs.fresh_folder`).
     """
     with fresh_folder(save_dir, overwrite) as partial:
+        model.check_tensor_parallel(tensor_model_parallel_size)
         _write_checkpoint(
             partial,
-            config,
+            model,
             weights,
-            vocab_size,
+            tensor_model_parallel_size,
+            make_vocab_size_divisible_by,
             tokenizer_type,
             tokenizer_file,
             special_token_ids,
@@ -76,9 +78,10 @@ def write_checkpoint(
 
 def _write_checkpoint(
     save_dir,
-    config,
+    model,
     weights,
-    vocab_size,
+    tp,
+    make_vocab_size_divisible_by,
     tokenizer_type,
     tokenizer_file,
     special_token_ids,
@@ -88,12 +91,12 @@ def _write_checkpoint(
 
     from megatron_focus.model.gpt import padded_vocab_size
 
-    tp = config.parallel.tensor_model_parallel_size
-    padded = padded_vocab_size(vocab_size, config.model.make_vocab_size_divisible_by, tp)
+    vocab_size = model.vocab_size
+    padded = padded_vocab_size(vocab_size, make_vocab_size_divisible_by, tp)
     tag = checkpoint_format.tag_for(0)
     tag_dir = os.path.join(save_dir, tag)
     os.makedirs(tag_dir)
-    splits = tp_layout.declared_splits(config) if tp > 1 else None
+    splits = tp_layout.declared_splits(model) if tp > 1 else None
     shards = tp_layout.split(weights, tp, splits, padded)
     for rank, shard in enumerate(tqdm(shards, desc="writing TP shards", disable=not progress)):
         torch.save(
@@ -116,7 +119,8 @@ def _write_checkpoint(
     checkpoint_format.TokenizerRecord(
         vocab_size, tokenizer_type, files, special_token_ids or {}
     ).write(tag_dir)
-    checkpoint_format.write_model_args(tag_dir, checkpoint_format.model_args(config, padded))
+    record = model.record(padded, tp, seq_length=model.max_position_embeddings)
+    checkpoint_format.write_model_args(tag_dir, record)
     checkpoint_format.write_atomically(
         os.path.join(tag_dir, checkpoint_format.WEIGHTS_ONLY),
         json.dumps({"iteration": 0}, indent=1, sort_keys=True),

@@ -1,4 +1,5 @@
-"""Flags -> Megatron-Core `TransformerConfig` -> `GPTModel`.
+"""`ModelConfig` (and a run's parallel and training sections) -> Megatron-Core
+`TransformerConfig` -> `GPTModel`.
 
 Two families come out of the same flags, as in Megatron-LM: GPT-2 style (LayerNorm, GELU, biases,
 learned positions, tied embeddings) by default, and Llama/Mistral style with `--normalization
@@ -22,11 +23,12 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from megatron_focus import platform
+from megatron_focus.model.config import ModelConfig
 from megatron_focus.model.specs import block_spec
 from megatron_focus.variants import variant
 
-if TYPE_CHECKING:  # the model is built from the run's config, a layer above (docs/design.md)
-    from megatron_focus.config.run_config import ModelConfig, RunConfig
+if TYPE_CHECKING:  # a run's config, a layer above (docs/design.md)
+    from megatron_focus.config.run_config import RunConfig
 
 # megatron-core 0.19 logs at every GPTModel that it takes only bug fixes from now on (its
 # HybridModel builds GPTs from a layer pattern); the layer specs here are GPTModel's.
@@ -47,7 +49,7 @@ def openai_gelu(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-def activation(model: "ModelConfig"):
+def activation(model: ModelConfig):
     """The MLP's activation: SiLU gating for SwiGLU, else GELU (exact or tanh) or squared ReLU."""
     if model.swiglu:
         return F.silu
@@ -60,9 +62,27 @@ def padded_vocab_size(vocab_size: int, make_divisible_by: int, tp: int) -> int:
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
-def transformer_config(config: "RunConfig") -> TransformerConfig:
-    model, parallel, training = config.model, config.parallel, config.training
+def transformer_config(model: ModelConfig, parallel=None, training=None) -> TransformerConfig:
+    """`parallel`, `training`: a run's sections (`RunConfig.parallel`, `.training`); None: one
+    process, fp32, nothing recomputed (a tool's model)."""
     on_gpu = platform.has_cuda()
+    run = {}
+    if parallel is not None:
+        run.update(
+            tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+            context_parallel_size=parallel.context_parallel_size,
+            sequence_parallel=parallel.sequence_parallel,
+        )
+    if training is not None:
+        run.update(
+            recompute_granularity=training.recompute_granularity,
+            recompute_method=training.recompute_method,
+            recompute_num_layers=training.recompute_num_layers,
+            # the run's compute precision, as Megatron-LM records it (the fused kernels' tiles
+            # depend on it); parameters are made in fp32 all the same
+            bf16=training.bf16,
+            fp16=training.fp16,
+        )
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -82,17 +102,7 @@ def transformer_config(config: "RunConfig") -> TransformerConfig:
         activation_func=activation(model),
         init_method_std=model.init_method_std,
         window_size=model.window_size,
-        recompute_granularity=training.recompute_granularity,
-        recompute_method=training.recompute_method,
-        recompute_num_layers=training.recompute_num_layers,
-        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-        context_parallel_size=parallel.context_parallel_size,
-        sequence_parallel=parallel.sequence_parallel,
         use_cpu_initialization=True,
-        # the run's compute precision, as Megatron-LM records it (the fused kernels' tiles depend
-        # on it); parameters are made in fp32 all the same
-        bf16=training.bf16,
-        fp16=training.fp16,
         # Megatron's fused bias-GELU is the tanh approximation: the model would compute another
         # function on a GPU than on the CPU and in its HF export, so it stays off.
         bias_activation_fusion=False,
@@ -101,39 +111,47 @@ def transformer_config(config: "RunConfig") -> TransformerConfig:
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
+        **run,
         **_no_cuda_graphs(),
     )
 
 
 def build_model(config: "RunConfig", vocab_size: int) -> GPTModel:
-    """The GPT model for this rank's tensor-parallel shard, on this rank's device."""
-    flags = config.model
-    attention = variant(flags.attention)
-    model = GPTModel(
-        config=transformer_config(config),
+    """The run's GPT model for this rank's tensor-parallel shard, on this rank's device."""
+    padded = padded_vocab_size(
+        vocab_size,
+        config.make_vocab_size_divisible_by,
+        parallel_state.get_tensor_model_parallel_world_size(),
+    )
+    return build(config.model_config, padded, config.parallel, config.training)
+
+
+def build(model: ModelConfig, padded_vocab_size: int, parallel=None, training=None) -> GPTModel:
+    """The GPT model `model` describes, with `padded_vocab_size` embedding rows (padded for the
+    tensor-parallel size), for this rank's shard, on this rank's device; `parallel`, `training`
+    as `transformer_config` takes them."""
+    attention = variant(model.attention)
+    gpt = GPTModel(
+        config=transformer_config(model, parallel, training),
         transformer_layer_spec=block_spec(
             attention,
-            flags.normalization,
-            flags.num_layers,
-            flags.xsa_layers,
-            attention.settings_from(flags),
-            qk_layernorm=flags.qk_layernorm,
+            model.normalization,
+            model.num_layers,
+            model.xsa_layers,
+            model.settings,
+            qk_layernorm=model.qk_layernorm,
         ),
-        vocab_size=padded_vocab_size(
-            vocab_size,
-            flags.make_vocab_size_divisible_by,
-            parallel_state.get_tensor_model_parallel_world_size(),
-        ),
-        max_sequence_length=flags.max_position_embeddings,
+        vocab_size=padded_vocab_size,
+        max_sequence_length=model.max_position_embeddings,
         pre_process=True,
         post_process=True,
-        share_embeddings_and_output_weights=not flags.untie_embeddings_and_output_weights,
-        position_embedding_type=flags.position_embedding_type,
-        rotary_percent=flags.rotary_percent,
-        rotary_base=flags.rotary_base,
-        rope_scaling=flags.use_rope_scaling,
-        rope_scaling_factor=flags.rope_scaling_factor,
+        share_embeddings_and_output_weights=model.tied,
+        position_embedding_type=model.position_embedding_type,
+        rotary_percent=model.rotary_percent,
+        rotary_base=model.rotary_base,
+        rope_scaling=model.use_rope_scaling,
+        rope_scaling_factor=model.rope_scaling_factor,
     )
     if platform.has_cuda():
-        model.cuda(torch.cuda.current_device())
-    return model
+        gpt.cuda(torch.cuda.current_device())
+    return gpt

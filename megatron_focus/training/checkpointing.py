@@ -47,7 +47,6 @@ from megatron_focus.checkpoint.format import (
     TokenizerRecord,
     iteration_of,
     latest_tag,
-    model_args,
     model_state_file,
     partial_tag,
     read_model_file,
@@ -210,7 +209,7 @@ def _records(args: RunConfig, plan: ResumePlan, vocab_size: int) -> Records:
         vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
     )
     return Records(
-        model_args(args, padded),
+        args.model_config.record(padded, args.tensor_model_parallel_size, args.seq_length),
         TokenizerRecord.of_run(vocab_size, *tokenizer_choice(args)),
         layouts.record(args, padded),
         plan.retrofit_base,

@@ -31,9 +31,6 @@ from megatron_focus.checkpoint import tp_layout, universal
 from megatron_focus.checkpoint.format import read_layout, universal_dir
 from megatron_focus.config.run_config import RunConfig
 
-# The model-args keys that follow the layout rather than the model.
-LAYOUT_KEYS = ("tensor_model_parallel_size", "padded_vocab_size")
-
 
 def current(args: RunConfig) -> dict:
     return {

@@ -50,6 +50,7 @@ from megatron_focus.checkpoint.format import (
 from megatron_focus.checkpoint.safe_load import check_safe_to_load, load_file
 from megatron_focus.checkpoint.saved import SavedCheckpoint
 from megatron_focus.config.run_config import RunConfig
+from megatron_focus.model.config import LAYOUT_KEYS
 from megatron_focus.training import layouts
 from megatron_focus.training.optimizer import in_unit, schedule, steps_in
 from megatron_focus.variants import added_weight, variant
@@ -167,7 +168,7 @@ def _check_warmup(plan: ResumePlan, args: RunConfig) -> None:
 
 
 # A Megatron-LM checkpoint is read at any TP size, each weight's shape checked as it loads.
-MEGATRON_RESHARDS = ("tensor_model_parallel_size", "padded_vocab_size")
+MEGATRON_RESHARDS = LAYOUT_KEYS
 
 
 def refuse_lost_latest(folder: str, ckpt_step: Optional[int]) -> None:
@@ -231,9 +232,7 @@ def check(plan: ResumePlan, args: RunConfig, ours: dict) -> None:
             f"{checkpoint} was written at another layout, which resumes with "
             "its optimizer state: drop --no-load-optim, or resume at its layout"
         )
-    check_compatible(
-        ours, plan.checkpoint.model_args, checkpoint, layouts.LAYOUT_KEYS if layout else ()
-    )
+    check_compatible(ours, plan.checkpoint.model_args, checkpoint, LAYOUT_KEYS if layout else ())
     if plan.load_optimizer:  # the schedule comes from the checkpoint with the optimizer
         saved = load_file(
             checkpoint_format.model_state_file(checkpoint, tp=0, weights=False),

@@ -11,6 +11,7 @@ tokenizer recorded as a training run records it. Runs under whichever transforme
 (`.ci/run` runs the fast cases under 4.57 as well).
 """
 
+import dataclasses
 import json
 import os
 
@@ -111,7 +112,8 @@ def _random_checkpoint(save_dir: str, flags: list, tokenizer_type: str, tokenize
     platform.manual_seed(0)
     model = build_model(args, vocab)
     weights = tp_layout.merge([model.state_dict()], None, vocab)
-    tag_dir = native.write_checkpoint(save_dir, args, weights, vocab, progress=False)
+    model_config = dataclasses.replace(args.model_config, vocab_size=vocab)
+    tag_dir = native.write_checkpoint(save_dir, model_config, weights, progress=False)
     checkpoint_format.TokenizerRecord.of_run(
         vocab, tokenizer_type, {"tokenizer_model": tokenizer_model}
     ).write(tag_dir)

@@ -1205,9 +1205,18 @@ def test_an_unknown_hf_layer_kind_is_refused_by_name():
         from_hf_config(config)
 
 
+def _exportable(record, vocab_size, **settings):
+    """The model a record describes, as the HF export takes it (refused where it cannot)."""
+    from megatron_focus.hf.architecture import check_exportable
+    from megatron_focus.model.config import ModelConfig
+
+    model = ModelConfig.from_record(record, vocab_size, **settings)
+    check_exportable(model)
+    return model
+
+
 def test_unmapped_settings_are_refused():
-    from megatron_focus.checkpoint.format import with_unrecorded_defaults
-    from megatron_focus.hf.architecture import Architecture
+    from megatron_focus.model.config import ModelConfig
 
     model_args = dict(
         num_layers=2,
@@ -1229,7 +1238,7 @@ def test_unmapped_settings_are_refused():
         xsa_layers=None,
         openai_gelu=False,
     )
-    Architecture.from_model_args(model_args, 200)
+    _exportable(model_args, 200)
     focus = dict(
         focus_groups=4,
         focus_dim=16,
@@ -1238,23 +1247,17 @@ def test_unmapped_settings_are_refused():
         focus_sinkhorn_iters=10,
         focus_gate_scale=1.0,
     )  # as saved before focus_gate
-    recorded = with_unrecorded_defaults({**model_args, **focus, "attention": "focus"})
-    arch = Architecture.from_model_args(recorded, 200, focus_top_k=1)
-    assert (arch.focus.window, arch.focus.top_k, arch.focus.attention_mode) == (4, 1, "soft")
-    assert arch.focus.gate == "log"
-    assert (
-        with_unrecorded_defaults({**recorded, "focus_gate": "sigmoid"})["focus_gate"] == "sigmoid"
-    )
+    recorded = ModelConfig.completed({**model_args, **focus, "attention": "focus"})
+    arch = _exportable(recorded, 200, focus_top_k=1)
+    focus = arch.settings
+    assert (focus.window, focus.top_k, focus.attention_mode, focus.gate) == (4, 1, "soft", "log")
+    assert ModelConfig.completed({**recorded, "focus_gate": "sigmoid"})["focus_gate"] == "sigmoid"
     with pytest.raises(ValueError, match="lacks focus_window, focus_tau"):  # an older checkpoint
-        Architecture.from_model_args(
-            {**model_args, "attention": "focus", "focus_groups": 4, "focus_dim": 16}, 200
-        )
+        _exportable({**model_args, "attention": "focus", "focus_groups": 4, "focus_dim": 16}, 200)
     with pytest.raises(NotImplementedError, match="partial rotary"):
-        Architecture.from_model_args({**model_args, "rotary_percent": 0.5}, 200)
+        _exportable({**model_args, "rotary_percent": 0.5}, 200)
     with pytest.raises(ValueError, match="lacks norm_epsilon"):
-        Architecture.from_model_args(
-            {k: v for k, v in model_args.items() if k != "norm_epsilon"}, 200
-        )
+        _exportable({k: v for k, v in model_args.items() if k != "norm_epsilon"}, 200)
 
 
 def test_hf_tokenizer_json_is_exported(tmp_path):

@@ -89,7 +89,11 @@ def test_core_attention_matches_dense_reference(single_process, groups):
             str(groups),
         ]
     )
-    attn = CoreAttention(transformer_config(args), layer_number=1, attn_mask_type=None).eval()
+    attn = CoreAttention(
+        transformer_config(args.model_config, args.parallel, args.training),
+        layer_number=1,
+        attn_mask_type=None,
+    ).eval()
     g = torch.Generator().manual_seed(groups)
     q = torch.randn(12, 3, 4, 16, generator=g)
     k, v = (torch.randn(12, 3, groups, 16, generator=g) for _ in range(2))
@@ -120,7 +124,11 @@ def test_sliding_window_matches_dense_reference(single_process, left, groups):
             str(groups),
         ]
     )
-    attn = CoreAttention(transformer_config(args), layer_number=1, attn_mask_type=None).eval()
+    attn = CoreAttention(
+        transformer_config(args.model_config, args.parallel, args.training),
+        layer_number=1,
+        attn_mask_type=None,
+    ).eval()
     g = torch.Generator().manual_seed(left)
     q = torch.randn(12, 2, 4, 16, generator=g)
     k, v = (torch.randn(12, 2, groups, 16, generator=g) for _ in range(2))

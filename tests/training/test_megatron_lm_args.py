@@ -72,7 +72,9 @@ def _megatron_lm_run(script: str, tp: int, folder: str) -> dict:
     ):
         args = parse_args(flags + ["--tensor-model-parallel-size", str(tp)])
         out[f"seq_length {how}"] = (args.seq_length, record.seq_length)
-        ours = checkpoint_format.model_args(args, record.padded_vocab_size)
+        ours = args.model_config.record(
+            record.padded_vocab_size, args.tensor_model_parallel_size, args.seq_length
+        )
         checkpoint_format.check_compatible(ours, saved, checkpoint, resume.MEGATRON_RESHARDS)
         platform.manual_seed(2)
         model = build_model(args, VOCAB + 1).eval()
@@ -93,7 +95,9 @@ def _megatron_lm_run(script: str, tp: int, folder: str) -> dict:
             args = parse_args(other)
             out["refused"][flag] = _refusal(
                 lambda: checkpoint_format.check_compatible(
-                    checkpoint_format.model_args(args, record.padded_vocab_size),
+                    args.model_config.record(
+                        record.padded_vocab_size, args.tensor_model_parallel_size, args.seq_length
+                    ),
                     saved,
                     checkpoint,
                     resume.MEGATRON_RESHARDS,
@@ -139,9 +143,12 @@ def _record(**changes) -> argparse.Namespace:
 
 def test_every_model_field_is_read_under_megatron_lms_name():
     from megatron_focus.checkpoint import megatron_lm_args
-    from megatron_focus.checkpoint.format import SHAPE_KEYS
+    from megatron_focus.model.config import LAYOUT_KEYS, ModelConfig
 
-    assert set(megatron_lm_args.FIELDS) | set(megatron_lm_args.STANDARD) == set(SHAPE_KEYS)
+    assert set(megatron_lm_args.FIELDS) | set(megatron_lm_args.STANDARD) == {
+        *ModelConfig.described(),
+        *LAYOUT_KEYS,
+    }
     read = megatron_lm_args.model_args(_record())
     assert read["norm_epsilon"] == 1e-5 and read["apply_layernorm_1p"] is True
     assert read["num_query_groups"] == 2 and read["add_qkv_bias"] is False

@@ -58,7 +58,7 @@ def test_the_control_is_recorded_refused_on_a_mismatch_and_exported(embedded_cac
     export_to_hf(ckpt, hf, progress=False)
     config = MegatronFocusConfig.from_pretrained(hf)
     assert config.focus_router == "random"
-    assert from_hf_config(config)[1].focus.router == "random"
+    assert from_hf_config(config)[1].settings.router == "random"
 
 
 def test_a_retrofit_of_a_random_router_is_refused_before_any_compute():

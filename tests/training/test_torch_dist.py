@@ -44,7 +44,7 @@ def _megatron_core(args, seed: int):
 
     platform.manual_seed(seed)
     return GPTModel(
-        config=transformer_config(args),
+        config=transformer_config(args.model_config, args.parallel, args.training),
         transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
         vocab_size=padded_vocab_size(VOCAB + 1, 128, args.tensor_model_parallel_size),
         max_sequence_length=args.max_position_embeddings,
