@@ -20,8 +20,8 @@ DEEPSPEED, MEGATRON_LM = "DeepSpeed", "Megatron-LM"
 @dataclasses.dataclass(frozen=True)
 class SavedCheckpoint:
     """`path`: the tag folder; `format`: `DEEPSPEED` or `MEGATRON_LM`; `model_args`: its model,
-    as this trainer records one; `seq_length`: the run's, which Megatron-LM's record holds (None
-    for this trainer's, which record the model, not the run)."""
+    as this trainer records one; `seq_length`: the sequence length its run trained at, as its
+    record holds it (None: a checkpoint saved before this trainer recorded it)."""
 
     path: str
     format: str
@@ -33,7 +33,8 @@ class SavedCheckpoint:
         """Decide the folder's format and read its model's record (Megatron-LM's args are read
         without running code unless `allow_unsafe`)."""
         if not torch_dist.is_megatron_lm(path):
-            return cls(path, DEEPSPEED, checkpoint_format.saved_model_args(path))
+            record = checkpoint_format.saved_model_args(path)
+            return cls(path, DEEPSPEED, record, record.get("seq_length"))
         saved = torch_dist.common_state(path, allow_unsafe).get("args")
         if saved is None:
             raise ValueError(f"{path} records no args: its model is unknown")

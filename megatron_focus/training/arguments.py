@@ -41,6 +41,7 @@ def _use_checkpoint_args(args: argparse.Namespace) -> None:
     """Megatron's --use-checkpoint-args: the model as --load's checkpoint records it."""
     from megatron_focus.checkpoint import format as checkpoint_format
     from megatron_focus.checkpoint.saved import SavedCheckpoint
+    from megatron_focus.model.config import LAYOUT_KEYS, RECORDED_ONLY
 
     if not args.load:
         raise ValueError("--use-checkpoint-args needs --load (the checkpoint to read them from)")
@@ -49,10 +50,10 @@ def _use_checkpoint_args(args: argparse.Namespace) -> None:
         raise FileNotFoundError(f"--use-checkpoint-args: --load {args.load} holds no checkpoint")
     checkpoint = SavedCheckpoint.open(os.path.join(args.load, tag), args.allow_unsafe_checkpoints)
     saved = checkpoint.model_args
-    if args.seq_length is None:  # not given: Megatron-LM's record has one (not forced, as there)
+    if args.seq_length is None:  # not given: the record's (not forced, as in Megatron-LM)
         args.seq_length = checkpoint.seq_length
     for key, value in saved.items():
-        if key not in ("tensor_model_parallel_size", "padded_vocab_size"):
+        if key not in LAYOUT_KEYS + RECORDED_ONLY:  # the model's, not this run's layout
             setattr(args, key, value)
     # the record holds one group per head without GQA, as validation would make it
     args.group_query_attention = saved["num_query_groups"] != saved["num_attention_heads"]

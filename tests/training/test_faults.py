@@ -293,6 +293,15 @@ def test_pretrained_checkpoint_and_use_checkpoint_args(embedded_cache, tmp_path)
         ),
     )
     assert shaped["losses"] == finetune["losses"]
+    # and, without --seq-length, the sequence length the checkpoint was trained at
+    from megatron_focus.training.arguments import parse_args
+
+    argv = tiny_argv(embedded_cache)
+    at = argv.index("--seq-length")
+    unshaped = argv[:at] + argv[at + 2 :]
+    taken = unshaped + ["--load", base, "--finetune", "--use-checkpoint-args"]
+    assert parse_args(taken).seq_length == 32 != parse_args(unshaped).seq_length
+    assert parse_args(taken + ["--seq-length", "16"]).seq_length == 16  # given: kept
 
 
 def test_a_rope_model_fine_tunes_at_a_longer_context(embedded_cache, tmp_path):
