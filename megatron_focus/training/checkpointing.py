@@ -231,8 +231,9 @@ def _save(
     partial = os.path.join(args.save, partial_tag(tag, held.job))
     final = os.path.join(args.save, tag)
     rank0 = dist.get_rank() == 0
-    if rank0 and args.ckpt_format == "torch_dist":  # Megatron's part first, into an empty folder
-        os.makedirs(partial)
+    written = FORMATS[args.ckpt_format]
+    if rank0:
+        written.begin(partial)
     dist.barrier()
     client_state = {
         "iteration": iteration,
@@ -243,14 +244,9 @@ def _save(
     def agree(failure):
         _agree(failure, partial, args.save, held.lock)
 
-    if args.ckpt_format == "torch_dist":
-        agree(
-            _attempt(
-                lambda: _save_torch_dist(
-                    engine, args, records, iteration, consumed_samples, partial
-                )
-            )
-        )
+    agree(
+        _attempt(lambda: written.write(engine, args, records, iteration, consumed_samples, partial))
+    )
     trained_only = records.retrofit_base is not None
     optimizer = _optimizer_left_out(engine) if args.no_save_optim else contextlib.nullcontext()
     with optimizer, _failures_named(engine):
@@ -270,43 +266,67 @@ def _save(
     digests = integrity.digests(partial)
     agree(_attempt(lambda: integrity.write(partial, digests)) if rank0 else None)
     agree(
-        _attempt(lambda: _publish(partial, final, args.save, args.ckpt_format, held.lock))
-        if rank0
-        else None
+        _attempt(lambda: _publish(partial, final, args.save, written, held.lock)) if rank0 else None
     )
     return final
 
 
-def _save_torch_dist(engine, args, records: Records, iteration: int, consumed: int, folder: str):
-    """Megatron-LM's part of a `--ckpt-format torch_dist` checkpoint (collective)."""
-    padded = records.padded_vocab_size
-    try:
-        torch_dist.save(
-            engine.module,
-            folder,
-            torch_dist.megatron_args(args, padded, consumed),
-            iteration,
-            # Megatron-LM counts its schedule in samples (this run's may already)
-            in_unit(engine.lr_scheduler.state_dict(), "samples", args.global_batch_size),
-            flops=consumed * args.seq_length * flops_per_token(args, padded),
-        )
-    except (OSError, RuntimeError) as e:  # torch's writer wraps the cause
-        raise _write_error(e, os.path.join(folder, torch_dist.CONFIG_FNAME)) from e
+class DeepSpeedFiles:
+    """`--ckpt-format torch`: DeepSpeed's files and this trainer's records, nothing beside them.
+    A format is what a save writes beyond those, at three points of it."""
+
+    def begin(self, partial: str) -> None:
+        """Rank 0, before any rank writes into the `partial` folder."""
+
+    def write(self, engine, args, records: Records, iteration: int, consumed: int, partial: str):
+        """Every rank (collective), before DeepSpeed's files."""
+
+    def publish(self, save_dir: str, tag: str) -> None:
+        """Rank 0, once `latest` names the complete checkpoint `tag`."""
+
+
+class TorchDist(DeepSpeedFiles):
+    """`--ckpt-format torch_dist`: also Megatron-Core's distributed checkpoint of the model in the
+    same folder, and Megatron-LM's pointer beside `latest` (docs/design.md, Checkpoints)."""
+
+    def begin(self, partial: str) -> None:
+        os.makedirs(partial)  # Megatron's part first, into an empty folder
+
+    def write(self, engine, args, records: Records, iteration: int, consumed: int, partial: str):
+        padded = records.padded_vocab_size
+        try:
+            torch_dist.save(
+                engine.module,
+                partial,
+                torch_dist.megatron_args(args, padded, consumed),
+                iteration,
+                # Megatron-LM counts its schedule in samples (this run's may already)
+                in_unit(engine.lr_scheduler.state_dict(), "samples", args.global_batch_size),
+                flops=consumed * args.seq_length * flops_per_token(args, padded),
+            )
+        except (OSError, RuntimeError) as e:  # torch's writer wraps the cause
+            raise _write_error(e, os.path.join(partial, torch_dist.CONFIG_FNAME)) from e
+
+    def publish(self, save_dir: str, tag: str) -> None:
+        write_atomically(os.path.join(save_dir, MEGATRON_TRACKER), str(iteration_of(tag)))
+
+
+# --ckpt-format's choices (config/flags.py declares the flag; tests/training hold them equal).
+FORMATS = {"torch": DeepSpeedFiles(), "torch_dist": TorchDist()}
 
 
 def _publish(
-    partial: str, final: str, save_dir: str, ckpt_format: str, lock: Optional[FolderLock]
+    partial: str, final: str, save_dir: str, written: DeepSpeedFiles, lock: Optional[FolderLock]
 ) -> None:
-    """The complete checkpoint under its own name, then `latest` (and, for torch_dist,
-    Megatron-LM's pointer) naming it; each step only while the folder is still this job's."""
+    """The complete checkpoint under its own name, then `latest` (and the format's own pointers)
+    naming it; each step only while the folder is still this job's."""
     lock.confirm()
     shutil.rmtree(final, ignore_errors=True)
     os.replace(partial, final)
     tag = os.path.basename(final)
     lock.confirm()
     write_atomically(os.path.join(save_dir, LATEST), tag)
-    if ckpt_format == "torch_dist":
-        write_atomically(os.path.join(save_dir, MEGATRON_TRACKER), str(iteration_of(tag)))
+    written.publish(save_dir, tag)
 
 
 @contextlib.contextmanager

@@ -82,3 +82,12 @@ def test_both_formats_resume_through_the_same_calls_their_format_decided_once(tm
     assert resumed["asked"] == [resumed["path"]] == [os.path.join(ours, "iter_0000002")]
     assert continued["asked"] == [continued["path"]] == [os.path.join(megatron, "iter_0000007")]
     assert resumed["losses"] == continued["losses"] == 2  # iterations 3-4; 8-9
+
+
+def test_the_format_flag_offers_the_registered_formats():
+    """--ckpt-format's choices are the formats a save knows how to write, and no others."""
+    from megatron_focus.config.flags import build_parser
+    from megatron_focus.training.checkpointing import FORMATS
+
+    flag = next(a for a in build_parser()._actions if a.dest == "ckpt_format")
+    assert set(flag.choices) == set(FORMATS)
