@@ -205,44 +205,42 @@ class ParamCount:
         return self.sharded / tp + self.replicated
 
 
-def _shape(config: RunConfig):
+def _shape(model) -> tuple:
+    """(hidden, heads, query groups, head dim, FFN hidden) of a ModelConfig."""
     return (
-        config.hidden_size,
-        config.num_attention_heads,
-        config.num_query_groups,
-        config.kv_channels,
-        config.ffn_hidden_size,
+        model.hidden_size,
+        model.num_attention_heads,
+        model.num_query_groups,
+        model.kv_channels,
+        model.ffn_hidden_size,
     )
 
 
 def count_parameters(config: RunConfig, vocab_size: int, tp: int = 1) -> ParamCount:
-    """The parameters of the model the flags build, with the vocabulary padded for `tp` ranks."""
+    """The parameters of the model the flags build (`config.model_config`), with the vocabulary
+    padded for `tp` ranks."""
     from megatron_focus.model.gpt import padded_vocab_size
 
-    h, heads, groups, d, ffn = _shape(config)
+    model = config.model_config
+    h, heads, groups, d, ffn = _shape(model)
     vocab = padded_vocab_size(vocab_size, config.make_vocab_size_divisible_by, tp)
-    bias = config.add_bias_linear
-    norm = 2 * h if config.normalization == "LayerNorm" else h
-    fc1_out = ffn * (2 if config.swiglu else 1)
+    bias = model.add_bias_linear
+    layer_norm = model.normalization == "LayerNorm"
+    norm = 2 * h if layer_norm else h
+    fc1_out = ffn * (2 if model.swiglu else 1)
     # Sharded: QKV (weight, bias), output projection weight, fc1 (weight, bias), fc2 weight.
-    qkv = h * (heads + 2 * groups) * d + (heads + 2 * groups) * d * (bias or config.add_qkv_bias)
+    qkv = h * (heads + 2 * groups) * d + (heads + 2 * groups) * d * (bias or model.add_qkv_bias)
     layer_sharded = qkv + heads * d * h + h * fc1_out + fc1_out * bias + ffn * h
     # Replicated: the two norms, the row-parallel biases (output projection, fc2), the variant's
     # own parameters (Focus's router).
-    settings = variant(config.attention).settings_from(config)
-    own = 0 if settings is None else settings.layer_params(config)
-    qk_norm = (
-        2 * (2 * d if config.normalization == "LayerNorm" else d) if config.qk_layernorm else 0
-    )
+    own = 0 if model.settings is None else model.settings.layer_params(model)
+    qk_norm = 2 * (2 * d if layer_norm else d) if model.qk_layernorm else 0
     layer_replicated = 2 * norm + 2 * h * bias + own + qk_norm
     word = vocab * h
-    position = (
-        config.max_position_embeddings * h
-        if config.position_embedding_type == "learned_absolute"
-        else 0
-    )
-    output = 0 if not config.untie_embeddings_and_output_weights else vocab * h
-    layers = config.num_layers
+    learned = model.position_embedding_type == "learned_absolute"
+    position = model.max_position_embeddings * h if learned else 0
+    output = 0 if model.tied else vocab * h
+    layers = model.num_layers
     return ParamCount(
         word_embedding=word,
         position_embedding=position,
@@ -267,7 +265,7 @@ def activation_bytes_per_layer(
     materialized_attention: bool = False,
 ) -> float:
     """Activations one transformer layer keeps for the backward, one micro-batch (formula above)."""
-    h, heads, groups, d, ffn = _shape(config)
+    h, heads, groups, d, ffn = _shape(config.model_config)
     s, b = config.seq_length, micro_batch
     e = 2 if (config.bf16 or config.fp16) else 4
     sbh = s * b * h
@@ -418,8 +416,7 @@ def tp_options(config: RunConfig, world: int, gpus_per_node: int) -> List[int]:
     while tp <= gpus_per_node:
         if (
             world % tp == 0
-            and config.num_attention_heads % tp == 0
-            and (config.num_query_groups % tp == 0 or tp % config.num_query_groups == 0)
+            and config.model_config.splits_over(tp)
             and (tp == 1 or config.seq_length % tp == 0)
         ):
             out.append(tp)

@@ -216,24 +216,17 @@ class ModelConfig:
         """Refuse, by the flags' names, a tensor-parallel size that does not split the model."""
         self.check_heads(self.num_attention_heads, self.num_query_groups, size)
 
+    def splits_over(self, size: int) -> bool:
+        """Whether `size` tensor-parallel ranks split the model's heads (check_tensor_parallel)."""
+        return _heads_refusal(self.num_attention_heads, self.num_query_groups, size) is None
+
     @staticmethod
     def check_heads(heads: int, groups: int, tp: int = 1) -> None:
         """Megatron-Core's rules: query groups divide the heads, TP divides the heads, and the
         groups are a multiple of TP or a divisor of it (each then replicated over ranks)."""
-        if heads % groups:
-            raise ValueError(
-                f"--num-query-groups {groups} does not divide --num-attention-heads {heads}"
-            )
-        if heads % tp:
-            raise ValueError(
-                f"--num-attention-heads {heads} is not divisible by "
-                f"--tensor-model-parallel-size {tp}"
-            )
-        if groups % tp and tp % groups:
-            raise ValueError(
-                f"--num-query-groups {groups} must be a multiple or a divisor of "
-                f"--tensor-model-parallel-size {tp}"
-            )
+        refusal = _heads_refusal(heads, groups, tp)
+        if refusal is not None:
+            raise ValueError(refusal)
 
 
 # Recorded since: what a checkpoint saved before a key was recorded computed.
@@ -250,6 +243,21 @@ BEFORE_RECORDED = {
 
 # The variant's settings are recorded by their keys; the rest is training's or the tokenizer's.
 _NOT_RECORDED = ("settings", "hidden_dropout", "attention_dropout", "init_method_std", "vocab_size")
+
+
+def _heads_refusal(heads: int, groups: int, tp: int) -> Optional[str]:
+    if heads % groups:
+        return f"--num-query-groups {groups} does not divide --num-attention-heads {heads}"
+    if heads % tp:
+        return (
+            f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp}"
+        )
+    if groups % tp and tp % groups:
+        return (
+            f"--num-query-groups {groups} must be a multiple or a divisor of "
+            f"--tensor-model-parallel-size {tp}"
+        )
+    return None
 
 
 def _is_setting(settings: type, key: str) -> bool:
