@@ -102,7 +102,7 @@ def read_weights(
         ]
     else:
         raise ValueError(f"{tag_dir}: {len(files)} model files for tensor-parallel size {tp}")
-    splits = tp_layout.declared_splits(recorded_model(tag_dir)) if len(modules) > 1 else None
+    splits = tp_layout.declared_splits(ModelConfig.from_record(saved)) if len(modules) > 1 else None
     weights = tp_layout.merge(modules, splits, vocab_size)
     base_dir = checkpoint_format.base_checkpoint(tag_dir)
     if base_dir is None:
@@ -119,11 +119,11 @@ def native_model(model: ModelConfig, vocab_size: int, weights: StateDict) -> tor
     (`platform.init_distributed(1)`).
     """
     from megatron_focus import platform
-    from megatron_focus.model.gpt import build, padded_vocab_size
+    from megatron_focus.model.gpt import build, on_device, padded_vocab_size
 
     platform.manual_seed(0)  # building initialises (then we overwrite) through Megatron's RNG
     padded = padded_vocab_size(vocab_size, 128, 1)  # rows past the vocabulary are never used
-    built = build(model, padded)
+    built = on_device(build(model, padded))
     built.load_state_dict(tp_layout.split(weights, 1, None, padded)[0])
     return built.eval()
 

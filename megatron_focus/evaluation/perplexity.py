@@ -123,7 +123,7 @@ def run(opts: argparse.Namespace, args: argparse.Namespace) -> None:
     tokenizer = tokenizer_for(args, rank0=True)
     recorded = recorded_model(tag_dir)  # the checkpoint's model, as model_args.json records it
     hooks = variant(recorded.attention).hooks_with(recorded.settings)
-    modes = hooks.evaluated_modes() or (EvalMode(recorded.attention),)
+    modes = hooks.evaluated_modes()
     positions = (
         recorded.max_position_embeddings
         if recorded.position_embedding_type == "learned_absolute"
@@ -167,8 +167,8 @@ def run(opts: argparse.Namespace, args: argparse.Namespace) -> None:
     timer = AttentionTimer(model)
 
     rows = []
-    for mode in modes:
-        if hooks.evaluated_modes():
+    for mode in modes or (EvalMode(recorded.attention),):  # none: the model as it is
+        if modes:
             hooks.set_mode(model, mode)
         for n in lengths:
             row = evaluate(model, batches[n], timer, hooks, mode.sparse, tokenizer.vocab_size)

@@ -123,13 +123,13 @@ def build_model(config: "RunConfig", vocab_size: int) -> GPTModel:
         config.make_vocab_size_divisible_by,
         parallel_state.get_tensor_model_parallel_world_size(),
     )
-    return build(config.model_config, padded, config.parallel, config.training)
+    return on_device(build(config.model_config, padded, config.parallel, config.training))
 
 
 def build(model: ModelConfig, padded_vocab_size: int, parallel=None, training=None) -> GPTModel:
     """The GPT model `model` describes, with `padded_vocab_size` embedding rows (padded for the
-    tensor-parallel size), for this rank's shard, on this rank's device; `parallel`, `training`
-    as `transformer_config` takes them."""
+    tensor-parallel size), for this rank's shard, on the default device (the meta device in
+    `tp_layout.declared_splits`); `parallel`, `training` as `transformer_config` takes them."""
     attention = variant(model.attention)
     gpt = GPTModel(
         config=transformer_config(model, parallel, training),
@@ -152,6 +152,11 @@ def build(model: ModelConfig, padded_vocab_size: int, parallel=None, training=No
         rope_scaling=model.use_rope_scaling,
         rope_scaling_factor=model.rope_scaling_factor,
     )
-    if platform.has_cuda():
-        gpt.cuda(torch.cuda.current_device())
     return gpt
+
+
+def on_device(model: GPTModel) -> GPTModel:
+    """The model on this rank's GPU, where there is one."""
+    if platform.has_cuda():
+        model.cuda(torch.cuda.current_device())
+    return model

@@ -464,3 +464,27 @@ def test_model_families_defaults():
         ]
     )
     assert (llama.ffn_hidden_size, llama.num_query_groups) == (10880, 8)
+
+
+def test_splits_are_read_off_the_meta_model_on_a_gpu_host_too(single_process, monkeypatch):
+    """On a GPU host (has_cuda forced here) the declared splits come from the model built on the
+    meta device, which is never moved to the GPU; a run's model is (on_device)."""
+    from megatron_focus.checkpoint import tp_layout
+    from megatron_focus.model import gpt
+
+    config = parse_args(["--attention", "focus", "--swiglu", "--num-layers", "2"])
+    monkeypatch.setattr(platform, "has_cuda", lambda: True)
+    splits = tp_layout.declared_splits(config.model_config)
+    layer = "decoder.layers.0."
+    assert splits[layer + "mlp.linear_fc1.weight"] == (0, 2)  # SwiGLU's [gate; up]
+    assert splits[layer + "self_attention.linear_proj.weight"] == (1, 1)
+    assert splits[layer + "self_attention.core_attention.router.centroids"] is None
+    moved = []
+
+    class Model:
+        def cuda(self, device):
+            moved.append(device)
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    gpt.on_device(Model())
+    assert moved == [0]
