@@ -53,12 +53,16 @@ Formulas (bytes; Psi = parameters held by one tensor-parallel rank, N_d = data-p
 """
 
 import argparse
+import functools
 import json
 from dataclasses import asdict, dataclass, field
-from typing import List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 from megatron_focus.config.run_config import RunConfig, frozen_flags
-from megatron_focus.variants import variant
+from megatron_focus.variants import added_weight, variant
+
+if TYPE_CHECKING:
+    from megatron_focus.model.config import ModelConfig
 
 GB = 1e9  # decimal gigabytes, as GPU memory sizes are quoted (80 GB)
 DEFAULT_VOCAB = 50257  # GPT-2's tokenizer
@@ -231,11 +235,11 @@ def count_parameters(config: RunConfig, vocab_size: int, tp: int = 1) -> ParamCo
     # Sharded: QKV (weight, bias), output projection weight, fc1 (weight, bias), fc2 weight.
     qkv = h * (heads + 2 * groups) * d + (heads + 2 * groups) * d * (bias or model.add_qkv_bias)
     layer_sharded = qkv + heads * d * h + h * fc1_out + fc1_out * bias + ffn * h
-    # Replicated: the two norms, the row-parallel biases (output projection, fc2), the variant's
-    # own parameters (Focus's router).
-    own = 0 if model.settings is None else model.settings.layer_params(model)
+    # Replicated: the two norms, the row-parallel biases (output projection, fc2).
     qk_norm = 2 * (2 * d if layer_norm else d) if model.qk_layernorm else 0
-    layer_replicated = 2 * norm + 2 * h * bias + own + qk_norm
+    layer_replicated = 2 * norm + 2 * h * bias + qk_norm
+    # The variant's own (Focus's routers), split or replicated as its core attention declares.
+    own_sharded, own_replicated = variant_parameters(model)
     word = vocab * h
     learned = model.position_embedding_type == "learned_absolute"
     position = model.max_position_embeddings * h if learned else 0
@@ -245,13 +249,36 @@ def count_parameters(config: RunConfig, vocab_size: int, tp: int = 1) -> ParamCo
         word_embedding=word,
         position_embedding=position,
         output_layer=output,
-        per_layer=layer_sharded + layer_replicated,
-        router_per_layer=own,
+        per_layer=layer_sharded + layer_replicated + (own_sharded + own_replicated) // layers,
+        router_per_layer=(own_sharded + own_replicated) // layers,
         final_norm=norm,
         num_layers=layers,
-        sharded=word + output + layers * layer_sharded,
-        replicated=position + layers * layer_replicated + norm,
+        sharded=word + output + layers * layer_sharded + own_sharded,
+        replicated=position + layers * layer_replicated + own_replicated + norm,
     )
+
+
+@functools.lru_cache(maxsize=8)
+def variant_parameters(model: "ModelConfig") -> tuple:
+    """(split over TP ranks, replicated) parameters of the variant's own in the whole model (its
+    core attention's, `variants.added_weight`), as that code creates and marks them: read off the
+    model built on the meta device (no memory), so that a variant declares nothing twice."""
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_focus import platform
+    from megatron_focus.checkpoint.tp_layout import split_of
+    from megatron_focus.model.gpt import build
+
+    with platform.world_of_one(), torch.device("meta"):
+        tp = parallel_state.get_tensor_model_parallel_world_size()  # a process's own, if it has one
+        built = build(model, tp)  # (the vocabulary is no variant's)
+    counts = [0, 0]
+    for name, param in built.named_parameters():
+        if added_weight(name):
+            split = split_of(param) is not None
+            counts[not split] += param.numel() * (tp if split else 1)  # this rank's share, if split
+    return tuple(counts)
 
 
 # --- memory ---------------------------------------------------------------------------------------

@@ -36,9 +36,11 @@ import contextlib
 import dataclasses
 import functools
 import os
+import random
 import types
 from typing import Callable, List, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -235,6 +237,32 @@ def setup() -> Platform:
         else:
             _PLATFORM = Platform(torch.device("cpu"), "gloo")
     return _PLATFORM
+
+
+def rng_state() -> dict:
+    """Every random state of this process (Python's, NumPy's, torch's, Megatron's named streams
+    and, with a GPU, CUDA's), as a checkpoint records it: tensors and plain values, no pickle."""
+    name, keys, position, has_gauss, gauss = np.random.get_state()
+    state = {
+        "random": random.getstate(),
+        # as a tensor: a numpy array would need pickle to load
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, gauss),
+        "torch": torch.get_rng_state(),
+        "tracker": mcore_random.get_cuda_rng_tracker().get_states(),
+    }
+    if has_cuda():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["random"])
+    name, keys, position, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    mcore_random.get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def manual_seed(seed: int) -> None:

@@ -121,8 +121,3 @@ class VariantSettings:
             for f in dataclasses.fields(cls)
             if f.metadata["before_recorded"] is not dataclasses.MISSING
         }
-
-    def layer_params(self, args: argparse.Namespace) -> int:
-        """The parameters the variant adds to one layer of the model `args` describe (the
-        planner's count; a variant with parameters of its own says how many)."""
-        return 0

@@ -260,10 +260,6 @@ class FocusConfig(VariantSettings, prefix="focus"):
                 f"{self.flag('distill_coeff')} (e.g. 1)"
             )
 
-    def layer_params(self, args: argparse.Namespace) -> int:
-        """W_g (hidden -> d_g) and the K centroids of one layer's router."""
-        return args.hidden_size * self.dim + self.groups * self.dim
-
 
 FOCUS_SELF_ATTENTION = "megatron_focus.model.focus.focus:FocusSelfAttention"
 FOCUS_HOOKS = "megatron_focus.model.focus.focus:FocusHooks"

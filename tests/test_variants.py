@@ -469,25 +469,39 @@ def _learned_temperatures(tag_dir):
 
 
 def test_the_planner_counts_a_variants_parameters(monkeypatch):
-    monkeypatch.setenv("MEGATRON_FOCUS_VARIANTS", "toy_temperature")
-    assert run_distributed(_counted_and_built, 1) == (1, 1)
+    """The planner's count of a tensor-parallel rank's parameters is what each rank of a TP 2
+    model holds, for variants with a replicated parameter (one temperature per layer) and with a
+    parameter split over the ranks (one scale per head), declared nowhere but where they are
+    created."""
+    monkeypatch.setenv("MEGATRON_FOCUS_VARIANTS", "toy_temperature,toy_head_scale")
+    counted, built = run_distributed(_counted_and_built, 2)
+    assert counted == built
+    # over standard attention, per layer: the one temperature; half the 4 heads' scales
+    assert [c - counted[0] for c in counted[1:]] == [2 * 1, 2 * 2]
 
 
 def _counted_and_built():
-    """(parameters per layer the variant adds as counted, as built) over standard attention."""
+    """([parameters of TP rank 0 as counted], [as built]) for standard, temperature and
+    head-scale attention at TP 2, two layers."""
+    import torch.distributed as dist
+
     from megatron_focus import platform
     from megatron_focus.model.gpt import build_model
     from megatron_focus.planner import count_parameters
     from megatron_focus.training.arguments import parse_args
 
     small = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
-    platform.init_distributed(1)
+    platform.init_distributed(2)
     counted, built = [], []
-    for attention in ("standard", "temperature"):
-        args = parse_args(small + ["--attention", attention])
-        counted.append(count_parameters(args, 1000).per_layer)
-        built.append(sum(p.numel() for p in build_model(args, 1000).parameters()) // 2)
-    return counted[1] - counted[0], built[1] - built[0]
+    for attention in ("standard", "temperature", "head-scale"):
+        args = parse_args(small + ["--attention", attention, "--tensor-model-parallel-size", "2"])
+        counted.append(count_parameters(args, 1000, tp=2).per_tp_rank(2))
+        mine = sum(p.numel() for p in build_model(args, 1000).parameters())
+        theirs = [None, None]
+        dist.all_gather_object(theirs, mine)
+        assert theirs[0] == theirs[1]  # the planner counts one rank for all
+        built.append(mine)
+    return counted, built
 
 
 def test_a_variant_registered_in_process_keeps_its_settings(monkeypatch):

@@ -18,9 +18,6 @@ from megatron_focus.variants import AttentionVariant, register
 class TemperatureConfig(VariantSettings, prefix="temperature"):
     bound: float = setting(4.0, "the learned temperature stays within [1/bound, bound]", at_least=1)
 
-    def layer_params(self, args) -> int:
-        return 1  # the layer's learned temperature
-
 
 class TemperatureAttention(CoreAttention):
     """Causal softmax attention of the scores divided by the layer's learned temperature."""

@@ -189,22 +189,43 @@ def _misfits(shards: dict, saved: dict) -> list:
     return sorted(set(found))
 
 
-def load_model(
+def fresh_weights(
     model: torch.nn.Module, folder: str, may_miss: Callable[[str], bool] = lambda name: False
-) -> None:
-    """Collective: the model's weights from the distributed checkpoint `folder`, at this run's
-    tensor-parallel size whatever the checkpoint's; refused, naming the weights, before any is
-    read if one is missing or of another shape (bar `may_miss(name)`, e.g. new routers)."""
+) -> list:
+    """The weights of `model` the distributed checkpoint `folder` does not hold, each excused by
+    `may_miss(name)` (e.g. new routers: they start as initialised); refused, naming the weights,
+    if one is missing unexcused or held at another shape. Reads the checkpoint's metadata only."""
+    _, shards, saved = _fitted(model, folder, may_miss)
+    return sorted(
+        name
+        for name, entry_shards in shards.items()
+        if any(isinstance(s, ShardedTensor) and s.key not in saved for s in entry_shards)
+    )
+
+
+def _fitted(model: torch.nn.Module, folder: str, may_miss: Callable[[str], bool]) -> tuple:
+    """(the model's sharded state dict, its entries' shards, the checkpoint's tensors'
+    metadata), refused as `fresh_weights` says."""
     check_readable(folder)
     try:
         saved = dist_checkpointing.load_tensors_metadata(folder)
     except Exception as e:  # torch's reader raises its own types on a damaged .metadata
         raise ValueError(f"{folder}: the checkpoint's metadata cannot be read ({e})") from None
     ours = model.sharded_state_dict(metadata=dict(METADATA))
-    shards = {name: _shards(entry) for name, entry in ours.items() if not may_miss(name)}
-    misfits = _misfits(shards, saved)
+    shards = {name: _shards(entry) for name, entry in ours.items()}
+    misfits = _misfits({n: s for n, s in shards.items() if not may_miss(n)}, saved)
     if misfits:
         raise ValueError(f"{folder} does not fit this model: " + "; ".join(misfits))
+    return ours, shards, saved
+
+
+def load_model(
+    model: torch.nn.Module, folder: str, may_miss: Callable[[str], bool] = lambda name: False
+) -> None:
+    """Collective: the model's weights from the distributed checkpoint `folder`, at this run's
+    tensor-parallel size whatever the checkpoint's; refused as `fresh_weights` refuses, before any
+    is read."""
+    ours, shards, saved = _fitted(model, folder, may_miss)
     wanted = {
         name: ours[name]
         for name, entry_shards in shards.items()

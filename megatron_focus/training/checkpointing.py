@@ -1,17 +1,22 @@
 """Saving and resuming a run through DeepSpeed's engine: checkpoints that are either complete or
 invisible, and that refuse a model of another shape, in DeepSpeed's format or Megatron-LM's.
 
-The trainer goes through one object, `Checkpointer`: `prepare` (the `--save` folder's preflight,
-which holds the folder for this job alone until `release` (`checkpoint/lock.py`), and the resume
+The trainer goes through two objects. `CheckpointStart` settles, before any compute, what the
+run starts from and where it saves: `CheckpointStart.held(args)` (the `--save` folder's preflight,
+the folder held for this job alone until the block ends (`checkpoint/lock.py`), and the resume
 plan, before the data), `check` (this run's records, and everything loading would refuse, before
-any compute), `prepare_engine`, `load`, `save` and `release`.
+the data is built) and `engine_config` (the built model against the checkpoint, before the
+engine). `CheckpointManager`, built on the engine, is called twice: `load()` at the start and
+`save(iteration, consumed)` after every step, which decides when a checkpoint is due.
 
 What a checkpoint folder holds is `checkpoint/format.py`; beside it, DeepSpeed's client state
 carries the iteration, consumed samples and every RNG state. A checkpoint written at another
 layout (TP / DP size, ZeRO stage, precision) resumes through `layouts.py`.
 
 What a run starts from, and which format the folder holds, is decided once, before the data or
-the model (`resume.py`); `load` executes that plan. A retrofit run (`--retrofit`) saves, unless
+the model (`resume.py`); `load` executes that plan, through the folder's format's reader
+(`saved_formats.py`); what a save writes beside DeepSpeed's files is the `--ckpt-format`'s
+(`FORMATS`). A retrofit run (`--retrofit`) saves, unless
 `--save-full`, only what it trains (the routers, and their optimizer state) plus a record naming
 the complete checkpoint that holds the frozen weights (`format.BASE_FILE`): loading, resuming and
 the HF export read the base first, then the routers.
@@ -24,17 +29,13 @@ crash mid-save leaves the previous checkpoint as latest and nothing that looks c
 import contextlib
 import dataclasses
 import errno
+import functools
 import json
 import os
-import random
 import shutil
-from typing import Optional
+from typing import Iterator, Optional
 
-import numpy as np
-import torch
 import torch.distributed as dist
-from megatron.core.parallel_state import get_tensor_model_parallel_rank
-from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megatron_focus import cli, platform
 from megatron_focus.checkpoint import integrity, torch_dist
@@ -47,9 +48,7 @@ from megatron_focus.checkpoint.format import (
     TokenizerRecord,
     iteration_of,
     latest_tag,
-    model_state_file,
     partial_tag,
-    read_model_file,
     tag_for,
     tag_of_partial,
     write_atomically,
@@ -58,40 +57,16 @@ from megatron_focus.checkpoint.format import (
     write_schedule,
 )
 from megatron_focus.checkpoint.lock import FolderInUse, FolderLock, FolderLost
-from megatron_focus.checkpoint.saved import SavedCheckpoint
 from megatron_focus.config.run_config import RunConfig
 from megatron_focus.data.sources import tokenizer_choice
 from megatron_focus.model.flops import flops_per_token
 from megatron_focus.model.gpt import padded_vocab_size
 from megatron_focus.outputs import check_writable
 from megatron_focus.training import layouts, resume
-from megatron_focus.training.optimizer import in_unit, param_groups
+from megatron_focus.training.optimizer import in_unit
 from megatron_focus.training.resume import ResumePlan
+from megatron_focus.training.saved_formats import reader
 from megatron_focus.variants import added_weight
-
-
-def rng_state() -> dict:
-    name, keys, position, has_gauss, gauss = np.random.get_state()
-    state = {
-        "random": random.getstate(),
-        # as a tensor: a numpy array would need pickle to load
-        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, gauss),
-        "torch": torch.get_rng_state(),
-        "tracker": get_cuda_rng_tracker().get_states(),
-    }
-    if platform.has_cuda():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["random"])
-    name, keys, position, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 class SaveFailed(cli.Stopped):
@@ -126,35 +101,30 @@ class Records:
         self.tokenizer.write(folder)
 
 
-class Checkpointer:
-    """The run's checkpoints: what it starts from (`plan`), what it records (`records`, known
-    once the tokenizer is), loading and saving. Built by `prepare`."""
+class CheckpointStart:
+    """What the run starts from and the folder it saves into, settled before any compute:
+    `held(args)` holds the `--save` folder for this job and decides the resume plan (before the
+    data); `check` refuses what loading would refuse (once the tokenizer is known, before the
+    data is built); `engine_config` checks the built model against the checkpoint and tells
+    DeepSpeed's engine what it must know (before the engine)."""
 
-    def __init__(self, args: RunConfig, plan: ResumePlan):
+    def __init__(self, args: RunConfig, plan: ResumePlan, lock: Optional[FolderLock], job):
         self.args, self.plan = args, plan
+        self.lock = lock  # rank 0's
+        self.job = job  # the lock's job identity, on every rank
         self.records: Optional[Records] = None
-        self.lock: Optional[FolderLock] = None  # rank 0's
-        self.job: Optional[str] = None  # the lock's job identity, on every rank
 
     @classmethod
-    def prepare(cls, args: RunConfig) -> "Checkpointer":
-        """Before the data is built: the `--save` folder's preflight (which holds it for this
-        job until `release`), then the resume plan."""
+    @contextlib.contextmanager
+    def held(cls, args: RunConfig) -> Iterator["CheckpointStart"]:
+        """The `--save` folder's preflight, held for this job until the block ends however it
+        ends (`checkpoint/lock.py`), then the resume plan."""
         lock, job = _preflight(args)
         try:
-            checkpointer = cls(args, resume.plan(args))
-        except BaseException:
+            yield cls(args, resume.plan(args), lock, job)
+        finally:
             if lock is not None:
                 lock.release()
-            raise
-        checkpointer.lock, checkpointer.job = lock, job
-        return checkpointer
-
-    def release(self) -> None:
-        """The `--save` folder free for the next job (rank 0, which holds it)."""
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
 
     def lost(self) -> bool:
         """Whether this job's lock was taken over, as its renewal last saw (rank 0's answer;
@@ -171,36 +141,60 @@ class Checkpointer:
     def padded_vocab_size(self) -> int:
         return self.records.padded_vocab_size
 
-    def prepare_engine(self, model, config: dict) -> None:
+    def engine_config(self, model, config: dict) -> None:
         """Before DeepSpeed's engine is built on `model` (frozen where this run does not train)
         with `config`: a resume refused if its optimizer state covers other weights than this
-        run trains; which weights train and how each is split over TP ranks, which every save
-        records; for a checkpoint of another layout at ZeRO 1-3, DeepSpeed's loading of the
-        universal format."""
+        run trains, or a checkpoint that lacks (or adds) weights; which weights train and how
+        each is split over TP ranks, which every save records; for a checkpoint of another
+        layout at ZeRO 1-3, DeepSpeed's loading of the universal format."""
         trained = [name for name, param in model.named_parameters() if param.requires_grad]
         resume.check_trained(self.plan, self.args, trained)
-        _check_fit(self.plan, self.args, model.state_dict().keys())
+        _check_fit(self.plan, self.args, model)
         layout = {**self.records.layout, "trained": trained}
         self.records = dataclasses.replace(self.records, layout=layout)
         if self.args.zero_stage > 0 and self.plan.layout:
             config.setdefault("checkpoint", {})["load_universal"] = True
         layouts.describe_model(model)
 
-    def load(self, engine) -> tuple:
+
+class CheckpointManager:
+    """The run's checkpoints once its engine is built, called twice: `load()` at the start,
+    `save(iteration, consumed)` after every step, which saves when one is due. `ready` is
+    entered around each save (the trainer's: the step's losses read, so that no checkpoint
+    follows a non-finite one, and the save's time kept out of the step times)."""
+
+    def __init__(self, start: CheckpointStart, engine, ready=contextlib.nullcontext):
+        self.start, self.engine, self.ready = start, engine, ready
+        self.args = start.args
+        self.saved_at: Optional[int] = None
+
+    def load(self) -> tuple:
         """Execute the plan: (iteration, consumed samples) to resume from, (0, 0) for a start at
         iteration 0."""
-        return _load(engine, self.args, self.plan, self.padded_vocab_size)
+        return _load(self.engine, self.args, self.start.plan, self.start.padded_vocab_size)
 
-    def confirm(self) -> None:
-        """Collective: raises `FolderLost` on every rank if the `--save` folder is no longer
-        this job's."""
-        _agree(None, None, self.args.save, self.lock)
+    def save(self, iteration: int, consumed: int, exiting: bool = False) -> Optional[str]:
+        """Collective, after every step: a checkpoint every `--save-interval` iterations, at the
+        last, and when the run `exiting` stops early; returns its folder (None: none due, or no
+        --save). Refused (`FolderLost`, on every rank, nothing written) if the folder is no
+        longer this job's; an exit after a save at the same step still asks that."""
+        if not self.args.save:
+            return None
+        if self.saved_at == iteration or not (exiting or self._due(iteration)):
+            if exiting:  # a job whose folder was taken over does not end as done
+                _agree(None, None, self.args.save, self.start.lock)
+            return None
+        with self.ready():
+            _agree(None, None, self.args.save, self.start.lock)
+            path = _save(self.engine, self.args, self.start, iteration, consumed)
+        self.saved_at = iteration
+        if dist.get_rank() == 0:
+            print(f" saved checkpoint {path}", flush=True)
+        return path
 
-    def save(self, engine, iteration: int, consumed_samples: int) -> str:
-        """Save on every rank (collective); returns the checkpoint directory. Refused
-        (`FolderLost`, on every rank, nothing written) if the folder is no longer this job's."""
-        self.confirm()
-        return _save(engine, self.args, self.records, iteration, consumed_samples, self)
+    def _due(self, iteration: int) -> bool:
+        interval = self.args.save_interval
+        return bool(interval) and iteration % interval == 0 or iteration == self.args.train_iters
 
 
 def _records(args: RunConfig, plan: ResumePlan, vocab_size: int) -> Records:
@@ -217,18 +211,17 @@ def _records(args: RunConfig, plan: ResumePlan, vocab_size: int) -> Records:
     )
 
 
-def _save(
-    engine, args: RunConfig, records: Records, iteration: int, consumed_samples: int, held
-) -> str:
+def _save(engine, args: RunConfig, start: CheckpointStart, iteration: int, consumed: int) -> str:
     """Save on every rank; returns the checkpoint directory.
 
     Written under a partial name of this job's own, checksummed, then renamed and made
     `latest`. A write that fails on any rank (a full disk, a lost permission) removes the partial
     folder and raises `SaveFailed` on every rank, the previous checkpoint still `latest`; a folder
-    that is no longer this job's (`held.lock`, rank 0's) raises `FolderLost` before the rename.
+    that is no longer this job's (`start.lock`, rank 0's) raises `FolderLost` before the rename.
     """
+    records = start.records
     tag = tag_for(iteration)
-    partial = os.path.join(args.save, partial_tag(tag, held.job))
+    partial = os.path.join(args.save, partial_tag(tag, start.job))
     final = os.path.join(args.save, tag)
     rank0 = dist.get_rank() == 0
     written = FORMATS[args.ckpt_format]
@@ -237,16 +230,14 @@ def _save(
     dist.barrier()
     client_state = {
         "iteration": iteration,
-        "consumed_samples": consumed_samples,
-        **({} if args.no_save_rng else {"rng": rng_state()}),
+        "consumed_samples": consumed,
+        **({} if args.no_save_rng else {"rng": platform.rng_state()}),
     }
 
     def agree(failure):
-        _agree(failure, partial, args.save, held.lock)
+        _agree(failure, partial, args.save, start.lock)
 
-    agree(
-        _attempt(lambda: written.write(engine, args, records, iteration, consumed_samples, partial))
-    )
+    agree(_attempt(lambda: written.write(engine, args, records, iteration, consumed, partial)))
     trained_only = records.retrofit_base is not None
     optimizer = _optimizer_left_out(engine) if args.no_save_optim else contextlib.nullcontext()
     with optimizer, _failures_named(engine):
@@ -265,9 +256,8 @@ def _save(
     agree(_attempt(lambda: records.write(partial, args.no_save_optim)) if rank0 else None)
     digests = integrity.digests(partial)
     agree(_attempt(lambda: integrity.write(partial, digests)) if rank0 else None)
-    agree(
-        _attempt(lambda: _publish(partial, final, args.save, written, held.lock)) if rank0 else None
-    )
+    publish = functools.partial(_publish, partial, final, args.save, written, start.lock)
+    agree(_attempt(publish) if rank0 else None)
     return final
 
 
@@ -504,51 +494,17 @@ def _preflight(args: RunConfig) -> tuple:
     return lock, job
 
 
-def _checked_file(
-    ours,
-    checkpoint_dir: str,
-    may_miss,
-    allow_unsafe: bool,
-    weights: bool = True,
-    tp: Optional[int] = None,
-) -> dict:
-    """This rank's model file (or TP rank `tp`'s), refused unless its weights are this model's
-    (`ours`: their names), bar `may_miss(name)`; `weights=False`: only their names are checked (a
-    ZeRO-3 checkpoint holds no values there)."""
-    tp = get_tensor_model_parallel_rank() if tp is None else tp
-    saved_file = read_model_file(
-        model_state_file(checkpoint_dir, tp, weights), allow_unsafe, mmap=True
-    )
-    saved = saved_file["module"]
-    missing = [k for k in ours - saved.keys() if not may_miss(k) and not k.endswith("_extra_state")]
-    unexpected = [k for k in saved.keys() - ours if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise ValueError(
-            f"{checkpoint_dir} does not fit this model: missing {sorted(missing)}, "
-            f"unexpected {sorted(unexpected)}"
-        )
-    return saved_file
-
-
-def _check_fit(plan: ResumePlan, args: RunConfig, ours) -> None:
-    """Before the engine, with the names `ours` of the built model's weights: the checkpoints the
-    plan loads hold them, bar what it lets them miss, as loading will check; a start adding a
-    variant says in one line which weights start as initialised."""
+def _check_fit(plan: ResumePlan, args: RunConfig, model) -> None:
+    """Before the engine, with the built model: the checkpoints the plan loads hold its weights,
+    bar what it lets them miss, as loading will check; a start adding a variant says in one line
+    which weights start as initialised."""
     if plan.kind == resume.FRESH:
         return
-    if plan.base is not None and not plan.base.megatron_lm:  # Megatron-LM's: checked as they load
-        _checked_file(ours, plan.base.path, added_weight, args.allow_unsafe_checkpoints, False)
-    if plan.checkpoint.megatron_lm:
-        return
-    saved = _checked_file(
-        ours,
-        plan.checkpoint.path,
-        plan.may_miss,
-        args.allow_unsafe_checkpoints,
-        weights=False,
-        tp=0 if plan.layout else None,
-    )["module"]
-    fresh = sorted(k for k in ours - saved.keys() if plan.may_miss(k))
+    allow = args.allow_unsafe_checkpoints
+    if plan.base is not None:
+        reader(plan.base).fresh(model, plan.base, added_weight, allow)
+    tp = 0 if plan.layout else None  # another layout's names are TP rank 0's
+    fresh = reader(plan.checkpoint).fresh(model, plan.checkpoint, plan.may_miss, allow, tp)
     if plan.kind == resume.ADDING and fresh and dist.get_rank() == 0:
         print(
             f"--attention {args.attention} from {plan.checkpoint.path} "
@@ -558,66 +514,16 @@ def _check_fit(plan: ResumePlan, args: RunConfig, ours) -> None:
         )
 
 
-def _load_weights_only(engine, args, checkpoint: SavedCheckpoint, may_miss) -> None:
-    """Model weights only (no optimizer, schedule or run state), checked before they are read.
-
-    Loaded here rather than by DeepSpeed's `load_module_only`, which under ZeRO-2 copies frozen
-    weights from the checkpoint's own list of frozen weights: empty when the checkpoint froze
-    nothing, as a retrofit's base did.
-    """
-    if checkpoint.megatron_lm:
-        torch_dist.load_model(engine.module, checkpoint.path, may_miss)
-    else:
-        ours = engine.module.state_dict().keys()
-        saved = _checked_file(ours, checkpoint.path, may_miss, args.allow_unsafe_checkpoints)
-        engine.module.load_state_dict(saved["module"], strict=False)
-    if hasattr(engine.optimizer, "refresh_fp32_params"):  # ZeRO's and bf16's fp32 master copies
-        engine.optimizer.refresh_fp32_params()
-
-
-def _resume_megatron_lm(engine, args: RunConfig, checkpoint: SavedCheckpoint) -> tuple:
-    """A Megatron-LM run continued (`--no-load-optim`): its weights, iteration and consumed
-    samples; the optimizer and LR schedule start afresh, the random states from the seed."""
-    _load_weights_only(engine, args, checkpoint, may_miss=lambda name: False)
-    state = torch_dist.common_state(checkpoint.path, args.allow_unsafe_checkpoints)
-    iteration = state["iteration"]
-    consumed = getattr(state.get("args"), "consumed_train_samples", None)
-    platform.manual_seed(args.seed + iteration)
-    return iteration, iteration * args.global_batch_size if consumed is None else consumed
-
-
 def _load(engine, args: RunConfig, plan: ResumePlan, padded_vocab_size: int) -> tuple:
     """Execute `plan`: restore model, optimizer, scheduler, RNG and data position; returns
     (iteration, consumed samples), (0, 0) where the run starts at iteration 0. What
-    `resume.check` refuses has been refused before."""
+    `resume.check` and `_check_fit` refuse has been refused before."""
     if plan.kind == resume.FRESH:
         return 0, 0
+    allow = args.allow_unsafe_checkpoints
     if plan.base is not None:  # frozen weights from the base, then the routers from here
-        _load_weights_only(engine, args, plan.base, may_miss=added_weight)
+        reader(plan.base).load_weights(engine, plan.base, added_weight, allow)
     if plan.kind != resume.RESUME:
-        _load_weights_only(engine, args, plan.checkpoint, plan.may_miss)
+        reader(plan.checkpoint).load_weights(engine, plan.checkpoint, plan.may_miss, allow)
         return 0, 0
-    if plan.checkpoint.megatron_lm:
-        return _resume_megatron_lm(engine, args, plan.checkpoint)
-    checkpoint, layout = plan.checkpoint.path, plan.layout  # its names checked (_check_fit)
-    if layout:
-        trained = [[name for name, _ in group] for _, group in param_groups(engine.module, args)]
-        client_state = layouts.load(engine, args, checkpoint, layout, trained, padded_vocab_size)
-    else:
-        load_dir, tag = os.path.split(checkpoint)
-        path, client_state = engine.load_checkpoint(
-            load_dir,
-            tag=tag,
-            load_module_strict=plan.base is None,
-            load_optimizer_states=plan.load_optimizer,
-            load_lr_scheduler_states=plan.load_optimizer,
-        )
-        if path is None:
-            raise RuntimeError(f"DeepSpeed could not load {checkpoint}")
-    if plan.load_rng and "rng" in client_state:
-        set_rng_state(client_state["rng"])
-    else:
-        # Random states that belong to a rank of another layout, or that were not saved or are
-        # not wanted: start afresh, as Megatron seeds a run, from the seed and the iteration.
-        platform.manual_seed(args.seed + client_state["iteration"])
-    return client_state["iteration"], client_state["consumed_samples"]
+    return reader(plan.checkpoint).resume(engine, args, plan, padded_vocab_size)

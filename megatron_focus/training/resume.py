@@ -1,7 +1,8 @@
 """What a run starts from, decided once: `plan(args)` reads the checkpoint folders before the
 data or the model is built and returns a `ResumePlan`; `check` refuses, before any compute, a
-checkpoint the plan cannot use. The run's `Checkpointer` (`checkpointing.py`) makes the plan,
-checks it, has the DeepSpeed engine read its layout change, executes it, and names in its saves
+checkpoint the plan cannot use. The run's `CheckpointStart` (`checkpointing.py`) makes the plan
+and checks it, and has the DeepSpeed engine read its layout change; its `CheckpointManager`
+executes it, through the folder's format's reader (`saved_formats.py`), and names in its saves
 the retrofit base it holds.
 
 The kinds of start:
@@ -38,7 +39,6 @@ from megatron_focus.checkpoint import integrity
 from megatron_focus.checkpoint.format import (
     LATEST,
     MEGATRON_TRACKER,
-    NO_OPTIMIZER,
     WEIGHTS_ONLY,
     base_checkpoint,
     check_compatible,
@@ -47,12 +47,11 @@ from megatron_focus.checkpoint.format import (
     read_schedule,
     resume_tag,
 )
-from megatron_focus.checkpoint.safe_load import check_safe_to_load, load_file
+from megatron_focus.checkpoint.safe_load import check_safe_to_load
 from megatron_focus.checkpoint.saved import SavedCheckpoint
 from megatron_focus.config.run_config import RunConfig
-from megatron_focus.model.config import LAYOUT_KEYS
 from megatron_focus.training import layouts
-from megatron_focus.training.optimizer import in_unit, schedule, steps_in
+from megatron_focus.training.saved_formats import reader, refuse_weights_only_under_zero3
 from megatron_focus.variants import added_weight, variant
 
 FRESH, RESUME, WEIGHTS, ADDING = "fresh", "resume", "weights only", "adding a variant"
@@ -167,10 +166,6 @@ def _check_warmup(plan: ResumePlan, args: RunConfig) -> None:
         )
 
 
-# A Megatron-LM checkpoint is read at any TP size, each weight's shape checked as it loads.
-MEGATRON_RESHARDS = LAYOUT_KEYS
-
-
 def refuse_lost_latest(folder: str, ckpt_step: Optional[int]) -> None:
     """A folder of complete checkpoints whose `latest` is gone, which would otherwise start from
     scratch (and, as `--save`, overwrite them)."""
@@ -200,46 +195,8 @@ def check(plan: ResumePlan, args: RunConfig, ours: dict) -> None:
         _check_weights_fit(args, ours, plan.checkpoint)
     if plan.kind != RESUME:
         return
-    checkpoint, layout = plan.checkpoint.path, plan.layout
     _check_warmup(plan, args)
-    if plan.checkpoint.megatron_lm:
-        if plan.load_optimizer:
-            raise ValueError(
-                f"{checkpoint} is Megatron-LM's checkpoint, whose optimizer state does not load "
-                "here: resume it with --no-load-optim (its weights, iteration and data "
-                "position), or start from its weights with --finetune or "
-                "--pretrained-checkpoint (or --retrofit to add Focus)"
-            )
-        check_compatible(ours, plan.checkpoint.model_args, checkpoint, MEGATRON_RESHARDS)
-        _refuse_weights_only_under_zero3(args)  # its weights load as a fine-tune's do
-        return
-    if os.path.isfile(os.path.join(checkpoint, NO_OPTIMIZER)) and (layout or plan.load_optimizer):
-        raise ValueError(
-            f"{checkpoint} was saved with --no-save-optim: it resumes with "
-            "--no-load-optim (or --finetune), at its own layout"
-        )
-    if layout and (args.retrofit or plan.base is not None):
-        raise ValueError(
-            f"{checkpoint} is a retrofit's, written at another layout: resume "
-            "it at its own ("
-            + ", ".join(
-                f"{k} {v}" for k, v in layout.items() if k != "context_parallel_size" or v > 1
-            )
-            + ")"
-        )
-    if layout and not plan.load_optimizer:
-        raise ValueError(
-            f"{checkpoint} was written at another layout, which resumes with "
-            "its optimizer state: drop --no-load-optim, or resume at its layout"
-        )
-    check_compatible(ours, plan.checkpoint.model_args, checkpoint, LAYOUT_KEYS if layout else ())
-    if plan.load_optimizer:  # the schedule comes from the checkpoint with the optimizer
-        saved = load_file(
-            checkpoint_format.model_state_file(checkpoint, tp=0, weights=False),
-            args.allow_unsafe_checkpoints,
-            mmap=True,
-        )
-        _check_schedule(saved["lr_scheduler"], args, checkpoint)
+    reader(plan.checkpoint).check_resume(plan, args, ours)
 
 
 # The flags that freeze weights, and which.
@@ -255,9 +212,9 @@ def check_trained(plan: ResumePlan, args: RunConfig, trained: list) -> None:
     names), e.g. a soft-trained run continued in sparse mode, which freezes the routers:
     DeepSpeed's flat optimizer state of the checkpoint does not fit this run's, and would fail
     to load only once the engine is built, in its own words."""
-    if plan.kind != RESUME or plan.checkpoint.megatron_lm:
+    if plan.kind != RESUME:
         return
-    saved = _trained_in(plan.checkpoint.path, args.allow_unsafe_checkpoints)
+    saved = reader(plan.checkpoint).trained(plan.checkpoint, args.allow_unsafe_checkpoints)
     if saved is None or set(saved) == set(trained):
         return
     frozen, thawed = sorted(set(saved) - set(trained)), sorted(set(trained) - set(saved))
@@ -285,22 +242,6 @@ def check_trained(plan: ResumePlan, args: RunConfig, trained: list) -> None:
         )
 
 
-def _trained_in(checkpoint_dir: str, allow_unsafe: bool) -> Optional[list]:
-    """The names of the weights a checkpoint's optimizer state covers: its layout record's,
-    or, in a checkpoint saved before they were recorded, DeepSpeed's ZeRO record (None: not
-    known, at ZeRO stage 0)."""
-    layout = checkpoint_format.read_layout(checkpoint_dir) or {}
-    if "trained" in layout:
-        return layout["trained"]
-    saved = load_file(
-        checkpoint_format.model_state_file(checkpoint_dir, tp=0, weights=False),
-        allow_unsafe,
-        mmap=True,
-    )
-    shapes = saved.get("param_shapes")
-    return None if shapes is None else [name for group in shapes for name in group]
-
-
 def _check_weights_fit(args: RunConfig, ours: dict, checkpoint: SavedCheckpoint) -> None:
     # A retrofit adding Focus, or a standard model's weights starting a variant's run: the
     # checkpoint has neither its attention nor its settings.
@@ -312,56 +253,5 @@ def _check_weights_fit(args: RunConfig, ours: dict, checkpoint: SavedCheckpoint)
     if args.position_embedding_type != "learned_absolute":  # no position table to outgrow
         # Context extension: fine-tune the weights at a longer --seq-length.
         ignore += ("max_position_embeddings",)
-    if checkpoint.megatron_lm:
-        ignore += MEGATRON_RESHARDS
-    check_compatible(ours, saved, checkpoint.path, ignore)
-    _refuse_weights_only_under_zero3(args)
-
-
-def _refuse_weights_only_under_zero3(args: RunConfig) -> None:
-    if args.zero_stage == 3:
-        raise ValueError(
-            "loading weights only (an imported model, --finetune, --retrofit) is not "
-            "supported under ZeRO stage 3: use --zero-stage 2 or lower for this run"
-        )
-
-
-# Megatron's OptimizerParamScheduler state: the flag that sets each value, "{unit}" the unit the
-# run counts its schedule in (optimizer.steps_in).
-SCHEDULE_FLAGS = {
-    "max_lr": "--lr",
-    "min_lr": "--min-lr",
-    "lr_warmup_steps": "--lr-warmup-{unit}",
-    "lr_decay_steps": "--lr-decay-{unit}",
-    "lr_decay_style": "--lr-decay-style",
-    "start_wd": "--weight-decay",
-    "end_wd": "--weight-decay",
-    "wd_incr_steps": "--train-{unit}",
-}
-
-
-def _shown(value):
-    return f"{value:.6g}" if isinstance(value, float) else value
-
-
-def _check_schedule(saved: dict, args: RunConfig, checkpoint_dir: str) -> None:
-    """Refuse, as Megatron-LM does, a resume whose schedule flags differ from the checkpoint's,
-    unless the user chose whose values win (which Megatron's scheduler then applies)."""
-    if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
-        return
-    ours, unit = schedule(args), steps_in(args)
-    saved = in_unit(saved, unit, args.global_batch_size)
-    differ = sorted(
-        {
-            f"{flag.format(unit=unit)} {_shown(ours[key])} (checkpoint: {_shown(saved[key])})"
-            for key, flag in SCHEDULE_FLAGS.items()
-            if key in saved and saved[key] != ours[key]
-        }
-    )
-    if differ:
-        raise ValueError(
-            f"{checkpoint_dir}: this run's schedule differs from the checkpoint's: "
-            f"{', '.join(differ)}; pass --override-opt_param-scheduler to use this "
-            "run's values, or --use-checkpoint-opt_param-scheduler to keep the "
-            "checkpoint's"
-        )
+    check_compatible(ours, saved, checkpoint.path, ignore + reader(checkpoint).reshards)
+    refuse_weights_only_under_zero3(args)

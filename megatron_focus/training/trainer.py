@@ -39,7 +39,7 @@ from megatron_focus.parallel.tensor_parallel import (
     num_zeros_in_grad,
     params_norm,
 )
-from megatron_focus.training.checkpointing import Checkpointer
+from megatron_focus.training.checkpointing import CheckpointManager, CheckpointStart
 from megatron_focus.training.metrics import LogStep, Reporter
 from megatron_focus.training.optimizer import in_unit, param_groups, schedule, steps_in
 from megatron_focus.training.profiling import StepProfiler
@@ -61,40 +61,38 @@ def pretrain(args: RunConfig) -> dict:
     rank0 = dist.get_rank() == 0
     # the --save folder, held for this job, and what the run starts from, decided once before
     # the data is built
-    checkpointer = Checkpointer.prepare(args)
-    try:
-        return _train(args, checkpointer, rank0, started)
-    finally:
-        checkpointer.release()  # the folder free for the next job, however this one ends
+    with CheckpointStart.held(args) as start:  # the folder free again however the run ends
+        return _train(args, start, rank0, started)
 
 
-def _train(args: RunConfig, checkpointer: Checkpointer, rank0: bool, started: float):
-    """`pretrain` once the run's checkpoints are prepared."""
+def _train(args: RunConfig, start: CheckpointStart, rank0: bool, started: float):
+    """`pretrain` once what the run starts from is decided."""
     # Data first: a wrong path or a tokenizer that does not fit the data fails before any compute.
     tokenizer = tokenizer_for(args, rank0)
-    checkpointer.check(tokenizer.vocab_size)  # a checkpoint the plan cannot use
+    start.check(tokenizer.vocab_size)  # a checkpoint the plan cannot use
     train_data, valid_data = datasets_for(args, tokenizer)
 
     model = build_model(args, tokenizer.vocab_size)
     hooks = variant(args.attention).hooks_for(args)  # what the variant adds to the run
     hooks.freeze(model, args.retrofit)  # frozen weights stay out of the optimizer
     install_sequence_parallel_grad_allreduce(model)
-    engine = _deepspeed_engine(args, model, checkpointer)
-    iteration, consumed = checkpointer.load(engine)
+    engine = _deepspeed_engine(args, model, start)
+    progress = _Progress(args.max_skipped_steps, rank0)
+    checkpoints = CheckpointManager(start, engine, ready=progress.saving)
+    iteration, consumed = checkpoints.load()
 
     global_batch = GlobalBatch.of(args, parallel_state.get_data_parallel_world_size())
     total = global_batch.consumed_after(args.train_iters)  # the samples the whole run trains on
-    reporter = Reporter(args, flops_per_token(args, checkpointer.padded_vocab_size), total)
+    reporter = Reporter(args, flops_per_token(args, start.padded_vocab_size), total)
     if rank0:
         _print_banner(args, model, hooks, iteration)
-    stop = _StopRequest(args, started, checkpointer.lost)
+    stop = _StopRequest(args, started, start.lost)
     if args.manual_gc:  # collections at chosen steps, the same on every rank
         gc.disable()
         gc.collect()
     valid_batches = _validation_batches(valid_data, args)
-    progress = _Progress(iteration, consumed, engine.skipped_steps, args.max_skipped_steps, rank0)
+    progress.begin(iteration, consumed, engine.skipped_steps)
     validate = functools.partial(_validate, engine, valid_batches, args, hooks, reporter, progress)
-    save = functools.partial(_save, checkpointer, engine, rank0)
     if args.retrofit and iteration == 0 and valid_batches is not None:
         # A retrofit's starting point (the base model with fresh routers) is what it must beat.
         validate(iteration, consumed)
@@ -107,8 +105,8 @@ def _train(args: RunConfig, checkpointer: Checkpointer, rank0: bool, started: fl
             _set_global_batch(engine, batch_size, args)
             log_now = (iteration + 1) % args.log_interval == 0 or iteration + 1 == args.train_iters
             recording = hooks.recording(engine.module) if log_now else contextlib.nullcontext()
-            start = checkpointer.plan.schedule_start
-            with recording, hooks.training(engine.module, iteration, start):
+            schedule_start = start.plan.schedule_start
+            with recording, hooks.training(engine.module, iteration, schedule_start):
                 loss, zeros = train_step(
                     engine, batches, args, log_now and args.log_num_zeros_in_grad
                 )
@@ -129,17 +127,10 @@ def _train(args: RunConfig, checkpointer: Checkpointer, rank0: bool, started: fl
             if valid_batches is not None and _due(args.eval_interval, iteration, args):
                 with progress.paused():
                     validate(iteration, consumed)
-            saved = args.save and _due(args.save_interval, iteration, args)
-            if saved:
-                progress.read()  # never save after a step trained on a non-finite loss
-                with progress.paused():
-                    save(iteration, consumed)
+            checkpoints.save(iteration, consumed)
             if (args.exit_interval and iteration % args.exit_interval == 0) or stop.any_rank():
                 progress.read()
-                if args.save and not saved:
-                    save(iteration, consumed)
-                elif args.save:
-                    checkpointer.confirm()  # a job whose folder was taken over does not end as done
+                checkpoints.save(iteration, consumed, exiting=True)
                 if rank0:
                     print(f" exiting at iteration {iteration}", flush=True)
                 break
@@ -224,12 +215,6 @@ def _validate(
         reporter.validation(iteration, consumed, loss, mode)
 
 
-def _save(checkpointer, engine, rank0: bool, iteration: int, consumed: int) -> None:
-    path = checkpointer.save(engine, iteration, consumed)
-    if rank0:
-        print(f" saved checkpoint {path}", flush=True)
-
-
 def train_step(
     engine, batches: Iterator[dict], args: RunConfig, count_zeros: bool = False
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -280,20 +265,32 @@ class _Progress:
     overflow) is left out and counted apart, with the non-finite ones, for the interval alone.
     """
 
-    def __init__(self, iteration: int, consumed: int, skipped: int, max_skipped: int, rank0: bool):
+    def __init__(self, max_skipped: int, rank0: bool):
         self.history = {"losses": [], "validation": [], "lr": []}
         self.pending = []  # (iteration, loss tensor, whether DeepSpeed skipped the step)
-        self.skipped = skipped  # DeepSpeed's count before the next step
         # the log interval's: summed loss and count of advanced iterations; skipped; non-finite
         self.interval = {"loss": 0.0, "advanced": 0, "skipped": 0, "nan": 0}
         self.max_skipped, self.in_a_row = max_skipped, 0
         self.rank0 = rank0
-        self.first, self.started = iteration, time.time()  # the log interval
+
+    def begin(self, iteration: int, consumed: int, skipped: int) -> None:
+        """The first log interval starts where the run does (`skipped`: DeepSpeed's count of
+        skipped steps, a resumed checkpoint's)."""
+        self.skipped = skipped  # DeepSpeed's count before the next step
+        self.first, self.started = iteration, time.time()
         self.first_consumed = consumed
 
     def add(self, iteration: int, loss: torch.Tensor, engine) -> None:
         before, self.skipped = self.skipped, engine.skipped_steps
         self.pending.append((iteration, loss, self.skipped > before))
+
+    @contextlib.contextmanager
+    def saving(self):
+        """Around a checkpoint save: never one after a step trained on a non-finite loss, and
+        its time is not the step's."""
+        self.read()
+        with self.paused():
+            yield
 
     @contextlib.contextmanager
     def paused(self):
@@ -477,7 +474,7 @@ def _mean_over_data_parallel(value: torch.Tensor) -> torch.Tensor:
     return value / dist.get_world_size(group)
 
 
-def _deepspeed_engine(args: RunConfig, model: torch.nn.Module, checkpointer: Checkpointer):
+def _deepspeed_engine(args: RunConfig, model: torch.nn.Module, start: CheckpointStart):
     """AdamW without weight decay on biases and norms, Megatron's LR schedule, in DeepSpeed."""
     optimizer = torch.optim.AdamW(
         [
@@ -497,7 +494,7 @@ def _deepspeed_engine(args: RunConfig, model: torch.nn.Module, checkpointer: Che
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
     )
     config = deepspeed_config(args, parallel_state.get_data_parallel_world_size())
-    checkpointer.prepare_engine(model, config)
+    start.engine_config(model, config)
     skip_unused_builds()
     engine, _, _, _ = deepspeed.initialize(
         model=model,

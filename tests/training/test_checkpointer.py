@@ -1,6 +1,7 @@
-"""The trainer's checkpoints go through one object (`training/checkpointing.py`'s
-`Checkpointer`): a run resumed from this trainer's folder and one continued from Megatron-LM's
-make the same calls, and the folder's format is decided once, when the plan opens it."""
+"""The trainer's checkpoints go through `training/checkpointing.py`'s `CheckpointStart` (before
+any compute) and `CheckpointManager` (`load()`, then `save` after every step): a run resumed from
+this trainer's folder and one continued from Megatron-LM's make the same calls, and the folder's
+format is decided once, when the plan opens it."""
 
 import os
 
@@ -23,36 +24,41 @@ def _write_megatron_lm(folder: str) -> None:
 
 
 def _resumed(argv: list) -> dict:
-    """pretrain(argv), recording the trainer's calls to its Checkpointer, the format its plan
-    names, and every folder whose format was asked."""
+    """pretrain(argv), recording the trainer's calls to its CheckpointStart and its
+    CheckpointManager, the format its plan names, and every folder whose format was asked."""
     from megatron_focus.checkpoint import torch_dist
     from megatron_focus.training import trainer
     from megatron_focus.training.arguments import parse_args
 
-    calls, asked, made = [], [], []
+    calls, saved, asked, made = [], [], [], []
     is_megatron_lm = torch_dist.is_megatron_lm
     torch_dist.is_megatron_lm = lambda folder: asked.append(folder) or is_megatron_lm(folder)
 
-    original = trainer.Checkpointer
+    def recorded(cls, names):
+        class Recorded(cls):
+            def __init__(self, *args, **kwargs):
+                made.append(self)
+                super().__init__(*args, **kwargs)
 
-    class Recorded(original):
-        def __init__(self, args, plan):
-            calls.append("prepare")
-            made.append(self)
-            super().__init__(args, plan)
+        for name in names:
 
-    for name in ("check", "prepare_engine", "load", "save"):
+            def call(self, *args, _name=name, **kwargs):
+                result = getattr(cls, _name)(self, *args, **kwargs)
+                calls.append(_name)
+                if _name == "save" and result is not None:
+                    saved.append(result)
+                return result
 
-        def recorded(self, *args, _name=name):
-            calls.append(_name)
-            return getattr(original, _name)(self, *args)
+            setattr(Recorded, name, call)
+        return Recorded
 
-        setattr(Recorded, name, recorded)
-    trainer.Checkpointer = Recorded
+    trainer.CheckpointStart = recorded(trainer.CheckpointStart, ("check", "engine_config"))
+    trainer.CheckpointManager = recorded(trainer.CheckpointManager, ("load", "save"))
     history = trainer.pretrain(parse_args(argv))
     plan = made[0].plan
     return {
         "calls": calls,
+        "saved": saved,
         "format": plan.checkpoint.format,
         "path": plan.checkpoint.path,
         "asked": asked,
@@ -71,17 +77,43 @@ def test_both_formats_resume_through_the_same_calls_their_format_decided_once(tm
     resumed = run_distributed(
         _resumed, 1, flags + ["--train-iters", "4", "--load", ours, "--save", ours]
     )
-    run = ["--save", str(tmp_path / "run"), "--no-load-optim"]
+    run = str(tmp_path / "run")
     continued = run_distributed(
-        _resumed, 1, flags + ["--train-iters", "9", "--load", megatron, *run]
+        _resumed,
+        1,
+        flags + ["--train-iters", "9", "--load", megatron, "--save", run, "--no-load-optim"],
     )
-    calls = ["prepare", "check", "prepare_engine", "load", "save"]
+    # before the data, the engine; then the manager, called at the start and after every step
+    calls = ["check", "engine_config", "load", "save", "save"]
     assert resumed["calls"] == continued["calls"] == calls
+    # the manager decides which steps save: the last one alone, as no --save-interval is given
+    assert resumed["saved"] == [os.path.join(ours, "iter_0000004")]
+    assert continued["saved"] == [os.path.join(run, "iter_0000009")]
     assert (resumed["format"], continued["format"]) == (DEEPSPEED, MEGATRON_LM)
     # the one folder each run reads, asked once, by the plan
     assert resumed["asked"] == [resumed["path"]] == [os.path.join(ours, "iter_0000002")]
     assert continued["asked"] == [continued["path"]] == [os.path.join(megatron, "iter_0000007")]
     assert resumed["losses"] == continued["losses"] == 2  # iterations 3-4; 8-9
+
+
+def test_the_readers_answer_for_every_format_a_folder_can_hold():
+    """Each format `SavedCheckpoint.open` can decide has a reader, and each reader answers the
+    same questions (the trainer never branches on a format's name)."""
+    import inspect
+
+    from megatron_focus.checkpoint import saved
+    from megatron_focus.training.saved_formats import READERS
+
+    formats = {saved.DEEPSPEED, saved.MEGATRON_LM}
+    assert set(READERS) == formats
+    asked = ("fresh", "load_weights", "trained", "check_resume", "resume")
+    for reader in READERS.values():
+        assert isinstance(reader.reshards, tuple)
+        for name in asked:
+            method = getattr(type(reader), name)
+            first = next(iter(READERS.values()))
+            theirs = inspect.signature(getattr(type(first), name)).parameters
+            assert list(inspect.signature(method).parameters) == list(theirs), (reader, name)
 
 
 def test_the_format_flag_offers_the_registered_formats():

@@ -45,8 +45,8 @@ def _megatron_lm_run(script: str, tp: int, folder: str) -> dict:
     from megatron_focus.checkpoint import torch_dist
     from megatron_focus.checkpoint.saved import MEGATRON_LM, SavedCheckpoint
     from megatron_focus.model.gpt import build_model
-    from megatron_focus.training import resume
     from megatron_focus.training.arguments import parse_args
+    from megatron_focus.training.saved_formats import MegatronLMFolder
 
     platform.init_distributed(tp)
     argv = megatron_lm_record.SCRIPTS[script] + MOCK + ["--tensor-model-parallel-size", str(tp)]
@@ -75,7 +75,7 @@ def _megatron_lm_run(script: str, tp: int, folder: str) -> dict:
         ours = args.model_config.record(
             record.padded_vocab_size, args.tensor_model_parallel_size, args.seq_length
         )
-        checkpoint_format.check_compatible(ours, saved, checkpoint, resume.MEGATRON_RESHARDS)
+        checkpoint_format.check_compatible(ours, saved, checkpoint, MegatronLMFolder.reshards)
         platform.manual_seed(2)
         model = build_model(args, VOCAB + 1).eval()
         torch_dist.load_model(model, checkpoint)
@@ -100,7 +100,7 @@ def _megatron_lm_run(script: str, tp: int, folder: str) -> dict:
                     ),
                     saved,
                     checkpoint,
-                    resume.MEGATRON_RESHARDS,
+                    MegatronLMFolder.reshards,
                 )
             )
     return out

@@ -173,16 +173,16 @@ def _slow_saves(argv):
     import time
     import types
 
-    from megatron_focus.training import trainer
+    from megatron_focus.training import checkpointing, trainer
 
-    save, skipped = trainer._save, [0.0]
+    save, skipped = checkpointing._save, [0.0]
     trainer.time = types.SimpleNamespace(time=lambda: time.time() + skipped[0])
 
     def slow(*args, **kwargs):
         skipped[0] += 1000.0
-        save(*args, **kwargs)
+        return save(*args, **kwargs)
 
-    trainer._save = slow
+    checkpointing._save = slow
     return run_pretrain(argv)
 
 
