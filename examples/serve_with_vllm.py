@@ -16,11 +16,12 @@ Two steps, in two environments (vLLM pins its own transformers and torch):
 `transformers.generate`, and exits 1 unless they are the same tokens. The Llama, GPT-2, Mistral
 and Qwen2 exports are vLLM's own classes; an export of this package's class (XSA, Focus) is served
 by the package's vLLM plugin (megatron_focus/vllm_plugin.py), a Focus one in both modes (soft,
-and sparse through `hf_overrides`), also with its prompts prefilled in chunks of 4 tokens and
-with a KV cache so small that vLLM preempts sequences and recomputes them. Every served export
-is also served by vLLM's OpenAI-compatible server (`python -m vllm.entrypoints.openai.api_server
---model FOLDER --trust-remote-code`), one completions request for the three prompts, against the
-same tokens.
+and sparse through `hf_overrides`), also with its prompts prefilled in chunks of 4 tokens, with
+a KV cache so small that vLLM preempts sequences and recomputes them, and with prefix caching
+(prompts behind a shared prefix, served twice). Every served export (a Focus one in sparse
+mode, through `--hf-overrides`) is also served by vLLM's OpenAI-compatible server (`python -m
+vllm.entrypoints.openai.api_server --model FOLDER --trust-remote-code`), one completions request
+for the three prompts, against the same tokens.
 """
 
 import argparse
@@ -132,7 +133,7 @@ def _moved(folder: str) -> None:
     save_file(weights, path, metadata={"format": "pt"})
 
 
-def _transformers_tokens(folder: str, mode: str = None) -> list:
+def _transformers_tokens(folder: str, mode: str = None, prompts: list = PROMPTS) -> list:
     """`generate`'s greedy tokens, a Focus export's in `mode`."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -142,7 +143,7 @@ def _transformers_tokens(folder: str, mode: str = None) -> list:
     ).eval()
     focus = {"focus_attention_mode": mode} if mode else {}
     tokens = []
-    for prompt in PROMPTS:
+    for prompt in prompts:
         ids = model.generate(
             torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
             do_sample=False, **focus,
@@ -153,17 +154,25 @@ def _transformers_tokens(folder: str, mode: str = None) -> list:
 
 # How `serve-one` runs the engine: as it comes; prompts prefilled in chunks of 4 tokens; a KV
 # cache of 2 blocks of 32 tokens per layer (and vLLM's null block), in which the three sequences
-# (up to 42 tokens each)
-# do not fit together (the scheduler preempts one and recomputes it from its prompt)
+# (up to 42 tokens each) do not fit together (the scheduler preempts one and recomputes it from
+# its prompt); prefix caching, the prompts behind a shared prefix of SHARED tokens (a full block)
+# and served twice, the second time from the first's cached blocks
 ENGINES = {
     "default": {},
     "chunked": dict(enable_chunked_prefill=True, long_prefill_token_threshold=4),
     "preempted": dict(block_size=32, num_gpu_blocks_override=3, max_model_len=64),
+    "prefix-cached": dict(block_size=32, enable_prefix_caching=True),
 }
+SHARED = [1] + [(37 * i) % 500 + 4 for i in range(39)]  # bos, then no eos (2) or pad (3)
+
+
+def _prompts(engine: str) -> list:
+    return [SHARED + p for p in PROMPTS] if engine == "prefix-cached" else PROMPTS
 
 
 def _vllm_tokens(folder: str, mode: str = None, engine: str = "default") -> tuple:
-    """(vLLM's greedy tokens for PROMPTS in one batch, how many times it preempted a sequence)."""
+    """(vLLM's greedy tokens for the engine's prompts in one batch, its counters: how many times
+    it preempted a sequence, how many prompt tokens it read from cached blocks)."""
     from vllm import LLM, SamplingParams
 
     overrides = {"focus_attention_mode": mode} if mode else {}
@@ -171,9 +180,13 @@ def _vllm_tokens(folder: str, mode: str = None, engine: str = "default") -> tupl
               skip_tokenizer_init=True, hf_overrides=overrides, disable_log_stats=False,
               **ENGINES[engine])  # fmt: skip
     greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy)
-    preempted = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
-    return [list(o.outputs[0].token_ids) for o in outputs], preempted
+    prompts = [{"prompt_token_ids": p} for p in _prompts(engine)]
+    if engine == "prefix-cached":
+        llm.generate(prompts, greedy)  # fills the cache
+    outputs = llm.generate(prompts, greedy)
+    counters = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    counted = (counters.get("vllm:num_preemptions", 0), counters.get("vllm:prefix_cache_hits", 0))
+    return [list(o.outputs[0].token_ids) for o in outputs], counted
 
 
 def _free_port() -> int:
@@ -237,20 +250,25 @@ def _server_tokens(folder: str, mode: str = None) -> list:
 
 def check(out: str) -> int:
     """Serve every exported folder in vLLM (each in a process of its own: an engine per process)
-    and compare its tokens with transformers'; a Focus export in each mode, and in each mode
-    with its prompts prefilled in chunks and with its sequences preempted."""
+    and compare its tokens with transformers'; a Focus export in each mode, each with every
+    engine setup of ENGINES (chunked prefill, preemption, prefix caching)."""
     failed = 0
     folders = sorted(f for f in os.listdir(out) if f not in ("stock", "native", "cache"))
-    print(f"{'export':24} {'mode':7} {'vLLM':>10}  tokens equal to transformers'")
+    print(f"{'export':24} {'mode':7} {'vLLM':>13}  tokens equal to transformers'")
     for name in folders:
         folder = os.path.join(out, name)
         for mode in MODES if name in FOCUS_EXPORTS else (None,):
             reference = _transformers_tokens(folder, mode)
             engines = ENGINES if mode else ("default",)
             for engine in engines:
-                failed += not _served(folder, mode, engine, reference)
+                expected = reference
+                if _prompts(engine) is not PROMPTS:
+                    expected = _transformers_tokens(folder, mode, _prompts(engine))
+                failed += not _served(folder, mode, engine, expected)
+            if mode == "soft":  # the server once, through --hf-overrides, for a Focus export
+                continue
             same = _server_tokens(folder, mode) == reference
-            print(f"{name:24} {mode or '':7} {'server':>10}  {'yes' if same else 'NO'} "
+            print(f"{name:24} {mode or '':7} {'server':>13}  {'yes' if same else 'NO'} "
                   "(one request)", flush=True)  # fmt: skip
             failed += not same
     return 1 if failed else 0
@@ -268,17 +286,22 @@ def _served(folder: str, mode, engine: str, reference: list) -> bool:
     name = os.path.basename(folder)
     lines = [line for line in run.stdout.splitlines() if line.startswith("TOKENS ")]
     if run.returncode != 0 or not lines:
-        print(f"{name:24} {mode or '':7} {'FAILED':>10}\n{run.stdout[-2000:]}{run.stderr[-3000:]}")
+        print(f"{name:24} {mode or '':7} {'FAILED':>13}\n{run.stdout[-2000:]}{run.stderr[-3000:]}")
         return False
     served = json.loads(lines[0].removeprefix("TOKENS "))
-    preempted = int(run.stdout.split("PREEMPTED ")[1].split()[0])
+    preempted = int(float(run.stdout.split("PREEMPTED ")[1].split()[0]))
+    cached = int(float(run.stdout.split("CACHED ")[1].split()[0]))
     same = served == reference
-    print(f"{name:24} {mode or '':7} {engine:>10}  {'yes' if same else 'NO'} ({len(PROMPTS)} "
-          f"prompts x {NEW_TOKENS} tokens, {preempted} preempted)", flush=True)  # fmt: skip
+    print(f"{name:24} {mode or '':7} {engine:>13}  {'yes' if same else 'NO'} ({len(PROMPTS)} "
+          f"prompts x {NEW_TOKENS} tokens, {preempted} preempted, {cached} prompt tokens "
+          "cached)", flush=True)  # fmt: skip
     if not same:
         print(f"  vLLM:         {served}\n  transformers: {reference}")
     if engine == "preempted" and not preempted:
         print(f"  vLLM preempted no sequence with {ENGINES[engine]}")
+        return False
+    if engine == "prefix-cached" and not cached:
+        print(f"  vLLM read no prompt token from its cache with {ENGINES[engine]}")
         return False
     return same
 
@@ -294,8 +317,10 @@ def main() -> int:
         export(args.folder)
         return 0
     if args.step == "serve-one":
-        tokens, preempted = _vllm_tokens(args.folder, args.mode, args.engine)
-        print("TOKENS " + json.dumps(tokens), f"\nPREEMPTED {preempted}", flush=True)
+        tokens, (preempted, cached) = _vllm_tokens(args.folder, args.mode, args.engine)
+        print(
+            "TOKENS " + json.dumps(tokens), f"\nPREEMPTED {preempted}\nCACHED {cached}", flush=True
+        )
         return 0
     return check(args.folder)
 

@@ -17,13 +17,14 @@ keys and values live, in vLLM's paged KV cache:
   group) and calls the export's attention layer on the step's tokens: prefill, chunked prefill
   and decoding compute the export's rule in either mode; the step's keys, values and routing
   state go to its pages. The router's per-sequence state is the last token's running sums, read
-  from its page: nothing outlives the pages, so sequences of any lengths batch together and a
+  from its page: nothing outlives the pages, so sequences of any lengths batch together, and a
   preempted sequence, recomputed from its prompt, needs nothing more.
 
-The Focus mode and top-k are the export config's; `hf_overrides={"focus_attention_mode":
-"sparse"}` (`--hf-overrides` for `vllm serve`) serves the sparse rule. Prefix caching is turned
-off for a model with Focus layers, and said: a cached block would be reused by token hash alone,
-which the float32 pages here do not take part in yet.
+Prefix caching shares the Focus pages as it shares any layer's: a token's row depends only on
+the tokens up to it (the routing is causal), so a block vLLM finds by its tokens' hash holds the
+rows the new sequence would write. The Focus mode and top-k are the export config's;
+`hf_overrides={"focus_attention_mode": "sparse"}` (`--hf-overrides` for `vllm serve`) serves the
+sparse rule: an engine serves one mode, and its cached pages are that mode's.
 
 The cost: a Focus layer reads a sequence's whole pages at every step (a gather, as dense
 attention reads every key) and runs the export's PyTorch attention per sequence, not a paged
@@ -50,7 +51,7 @@ ARCHITECTURE = "MegatronFocusForCausalLM"
 
 
 def register() -> None:
-    """The entry point (pyproject.toml's `vllm.general_plugins`)."""
+    """The entry point (setup.py's `vllm.general_plugins`): vLLM calls it in each process."""
     ModelRegistry.register_model(ARCHITECTURE, f"{__name__}:MegatronFocusForVLLM")
 
 
@@ -75,7 +76,6 @@ class MegatronFocusForVLLM(nn.Module):
         kinds = [_served_as(layer.self_attn, self.modeling) for layer in self.hf.model.layers]
         if FocusLayer in kinds:
             self.modeling.check_focus_inference(config)
-            _no_prefix_caching(vllm_config.cache_config)
         self.attention = nn.ModuleList(
             kind(layer.self_attn, self.modeling, vllm_config, f"{prefix}attention.{i}")
             for i, (kind, layer) in enumerate(zip(kinds, self.hf.model.layers))
@@ -126,19 +126,9 @@ def _served_as(attention, modeling) -> type:
     kind = attention.config.layer_attention[attention.layer_idx]
     raise ValueError(
         f"layer {attention.layer_idx} is a {kind!r} layer ({type(attention).__name__}), which "
-        f"vLLM serves neither with its own attention nor with Focus's: serve this export with "
+        "vLLM serves neither with its own attention nor with Focus's: serve this export with "
         "transformers"
     )
-
-
-def _no_prefix_caching(cache_config) -> None:
-    if cache_config.enable_prefix_caching:
-        print(
-            f"{ARCHITECTURE}: prefix caching is off for a model with Focus layers (their pages "
-            "hold routing state that vLLM's block hashes do not cover)",
-            flush=True,
-        )
-        cache_config.enable_prefix_caching = False
 
 
 def _qkv(attention, x, rope, rotate) -> tuple:
