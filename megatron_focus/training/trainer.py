@@ -98,6 +98,7 @@ def _train(args: RunConfig, start: CheckpointStart, rank0: bool, started: float)
         validate(iteration, consumed)
     batches = iter(data_loader(train_data, consumed, total, args))
     profiler = StepProfiler(args)
+    schedule_start = start.plan.schedule_start  # where a variant's schedule counts from
     try:
         while iteration < args.train_iters:
             # the batch follows the samples consumed (--rampup-batch-size), as in Megatron-LM
@@ -105,7 +106,6 @@ def _train(args: RunConfig, start: CheckpointStart, rank0: bool, started: float)
             _set_global_batch(engine, batch_size, args)
             log_now = (iteration + 1) % args.log_interval == 0 or iteration + 1 == args.train_iters
             recording = hooks.recording(engine.module) if log_now else contextlib.nullcontext()
-            schedule_start = start.plan.schedule_start
             with recording, hooks.training(engine.module, iteration, schedule_start):
                 loss, zeros = train_step(
                     engine, batches, args, log_now and args.log_num_zeros_in_grad
