@@ -17,8 +17,9 @@
 #              attention at 4K, 8K and 32K tokens, 32x128, bf16
 #   profile    where sparse Focus's time goes at 8K and 32K, kernel by kernel, by device time
 #              (host time beside it), the fused kernel's and the parts' path's
-#   generate   the exported model in sparse mode against the standard one: prefill and decoding
-#              at 4K and 32K tokens of context, bf16 (benchmarks/focus_generate.py)
+#   generate   the exported model in sparse mode against the standard one: prefill (the prompt
+#              in one call, so that Focus's takes the fused sparse kernel) and decoding at 4K
+#              and 32K tokens of context, bf16 (benchmarks/focus_generate.py)
 #   tests      the rest of tests/test_gpu.py and the HF model's attention backends
 #   e2e-*      the product end to end on CUDA (benchmarks/end_to_end.py), if time is left
 #
@@ -88,7 +89,7 @@ else
     SPARSE=(--dtype bf16 --groups 8 --top-k 1 2 --shapes 32x128 --seq-lengths 4096 8192 32768)
     PROFILE=(--dtype bf16 --groups 8 --top-k 1 --shapes 32x128 --seq-lengths 8192 32768 --repeats 1)
     RECIPE=(--model 0.7b --iters 5 --warmup 3)
-    GENERATE=(--device cuda --dtype bf16 --contexts 4096 32768)
+    GENERATE=(--device cuda --dtype bf16 --contexts 4096 32768 --prefill-chunk 32768)
 fi
 
 # the image's torch within setup.py's range, and Triton for the fused kernels: else stop here

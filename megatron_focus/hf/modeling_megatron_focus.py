@@ -1,6 +1,7 @@
 """A megatron-focus GPT model in Hugging Face transformers (`trust_remote_code=True`).
 
-Copied next to the weights by `tools/convert_to_hf.py`; needs only torch and transformers. It
+Copied next to the weights by `tools/convert_to_hf.py`; needs only torch and transformers (on a
+GPU where megatron-focus is installed, a sparse Focus prefill takes its fused kernel). It
 computes what the native Megatron-Core model computes, for both model families (GPT-2 style:
 LayerNorm, GELU, biases, learned positions; Llama style: RMSNorm, SwiGLU, RoPE, GQA) and for each
 layer's attention variant (`config.layer_attention`: standard, xsa, focus, focus+xsa). Weight
@@ -511,6 +512,34 @@ def decoding_rule_attention(q, k, v, position, groups_q, buckets, window, top_k)
     return out.to(q.dtype)
 
 
+def fused_sparse_kernel(q):
+    """megatron-focus's fused sparse Focus kernel (Triton), where that package is installed and
+    q's GPU, head dim and dtype have a tile for it; else None (this file's own path). A prompt's
+    prefill is then the native model's few launches, where `sparse_rule_attention` takes
+    several per group and block."""
+    if q.device.type != "cuda":
+        return None
+    try:
+        from megatron_focus.model.kernels import kernels
+    except ImportError:
+        return None
+    kernel = kernels.sparse(q.device, q.shape[-1], q.dtype)
+    return kernel if kernel.fused else None
+
+
+def fused_rule_attention(q, k, v, groups_q, config, kernel):
+    """The hard rule over a whole prompt (no cache before it, no padding) by the native model's
+    sparse dispatch on `kernel` (megatron_focus/model/focus/focus_sparse.py)."""
+    from megatron_focus.model.focus.focus_sparse import sparse_focus_attention
+    from megatron_focus.model.focus.groups import Routing
+
+    return sparse_focus_attention(
+        q, k, v, Routing(None, groups_q), window=config.focus_window,
+        top_k=config.focus_top_k, scale=q.shape[-1] ** -0.5,
+        sink=config.focus_sink_tokens, kernel=kernel,
+    )  # fmt: skip
+
+
 class KeyBuckets:
     """A Focus layer's keys and values by bucket: one per group (the keys whose top-1 group it
     is) and one more for the sinks; padding is in none.
@@ -937,6 +966,10 @@ class FocusAttention(Attention):
             groups_q, bucket, buckets = routing
             s = q.shape[2]
             buckets.append(k[:, :, -s:], v[:, :, -s:], pairs.query_pos, bucket)
+            whole_prompt = s > 1 and pairs.keys == s and pairs.real is None
+            kernel = fused_sparse_kernel(q) if whole_prompt else None
+            if kernel is not None:
+                return fused_rule_attention(q, k, v, groups_q, config, kernel)
             return sparse_rule_attention(
                 q, k, v, pairs, groups_q, buckets, config.focus_window, config.focus_top_k
             )
