@@ -101,6 +101,50 @@ def test_launches_are_the_routing_and_one_a_part_forward_two_backward():
     assert routing_launches <= 5, launches  # the ranking of the routing's groups (Routing.top)
 
 
+# what reads a tensor back to the host: a value, or a size that depends on values
+HOST_READS = {"_local_scalar_dense", "is_nonzero", "nonzero", "masked_select", "bincount",
+              "unique_consecutive", "_unique2", "unique_dim", "repeat_interleave"}  # fmt: skip
+
+
+@pytest.mark.parametrize("top_k, documents", [(1, None), (2, [[20, 28], [48]])])
+def test_the_fused_path_never_waits_for_the_device(monkeypatch, top_k, documents):
+    """Routing, forward and backward read nothing back to the host: on a GPU the host runs
+    ahead of the device, and the launches can be captured in a CUDA graph. Every aten op is
+    seen (the routing's too, run eagerly here), and the package's own calls of the tensor
+    methods that copy to the host."""
+    import sys
+
+    from launches import count_launches
+    from test_documents import starts_of
+
+    copies = []
+    for method in ("tolist", "item", "cpu", "numpy"):
+
+        def recorded(self, *args, _method=method, _original=getattr(torch.Tensor, method),
+                     **kwargs):  # fmt: skip
+            if sys._getframe(1).f_globals.get("__name__", "").startswith("megatron_focus"):
+                copies.append(_method)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, recorded)
+    monkeypatch.setattr(
+        focus_sparse, "_routed", lambda device, *inputs: focus_sparse._route(*inputs)
+    )
+    gen = torch.Generator().manual_seed(top_k)
+    q, k, v = (torch.randn(2, 2, 48, 16, generator=gen, requires_grad=True) for _ in range(3))
+    doc_start = None if documents is None else starts_of(documents)
+    routing = Routing.of(assignments(2, 48, 4, gen), doc_start)
+    kernels_counted = (triton_sparse._forward, triton_sparse._backward_queries,
+                       triton_sparse._backward_keys)  # fmt: skip
+    with count_launches(kernels_counted) as launches:
+        out = sparse_focus_attention(q, k, v, routing, window=8, top_k=top_k, scale=0.25,
+                                     sink=2, kernel=kernels.TRITON_SPARSE)  # fmt: skip
+        out.backward(torch.randn(q.shape, generator=gen))
+    assert launches.count("_forward") == top_k + 2, launches  # the fused path ran
+    assert not HOST_READS & set(launches), launches
+    assert not copies
+
+
 def test_the_fused_kernel_is_chosen_where_it_has_tiles(monkeypatch):
     cuda = torch.device("cuda")
     monkeypatch.setattr(kernels, "has_triton", lambda: True)

@@ -44,7 +44,7 @@ from megatron_focus.model.documents import document_starts
 from megatron_focus.model.focus.distill import distant_groups, distillation_loss
 from megatron_focus.model.focus.focus_gate import focus_attention
 from megatron_focus.model.focus.focus_sparse import sparse_focus_attention
-from megatron_focus.model.focus.groups import Routing
+from megatron_focus.model.focus.groups import Routing, top1_onehot
 from megatron_focus.model.focus.routing_quality import kept_mass
 from megatron_focus.model.hooks import EvalMode, VariantHooks
 from megatron_focus.model.kernels import kernels
@@ -132,8 +132,7 @@ def group_stats(routing: Routing, top_k: int, window: int, sink: int = 0) -> dic
     log_g = routing.log_g
     b, n, groups = log_g.shape
     top = routing.top(min(top_k, groups))
-    # (one_hot would check its input's range on the host: a device synchronisation)
-    onehot = (top[..., :1] == torch.arange(groups, device=top.device)).long()
+    onehot = top1_onehot(top, groups)
     largest = onehot.sum(1).max(-1).values.float().mean() / n
     occupancy = log_g.exp().mean(dim=(0, 1))
     entropy = -(occupancy * occupancy.clamp_min(1e-30).log()).sum() / math.log(max(groups, 2))
@@ -305,7 +304,7 @@ class FocusAttention(CoreAttention):
         if self.cp_group is not None:  # every key: the whole sequence's, from every rank
             k = gather_sequence(k, 2, self.cp_group)
             keys = gather_routing(keys, self.cp_group)
-        keys_g = torch.nn.functional.one_hot(keys.groups[..., 0], log_g.shape[-1]).float()
+        keys_g = top1_onehot(keys.groups, log_g.shape[-1]).float()
         docs = keys.doc_start
         focus, parts = self.focus, []
         chunks = [(slice(None), 0)]

@@ -57,7 +57,7 @@ import torch
 from megatron_focus import platform
 from megatron_focus.model.documents import segments
 from megatron_focus.model.focus.focus_gate import attention_with_lse
-from megatron_focus.model.focus.groups import Routing
+from megatron_focus.model.focus.groups import Routing, top1_onehot
 from megatron_focus.model.kernels import flex, kernels
 from megatron_focus.model.kernels.lse_merge import merge_by_lse, part_gradients
 
@@ -82,7 +82,7 @@ def _buckets(groups_q: torch.Tensor, num_groups: int, doc_start, segment, docume
     order = torch.sort(bucket, stable=True).indices
     # Counted by a scatter of known size: bincount would synchronise with the host for its size.
     sizes = bucket.new_zeros(documents * num_groups).index_add_(0, bucket, torch.ones_like(bucket))
-    onehot = torch.nn.functional.one_hot(groups_q[..., 0], num_groups)
+    onehot = top1_onehot(groups_q, num_groups)
     before = onehot.cumsum(1) - onehot  # in the sequence, then less those before the document
     before -= before.gather(1, doc_start[..., None].expand_as(before))
     return bucket, order, sizes, torch.nn.functional.pad(torch.cumsum(sizes, 0), (1, 0)), before

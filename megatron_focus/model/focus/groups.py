@@ -22,6 +22,13 @@ def rank_groups(log_g: torch.Tensor) -> torch.Tensor:
     return torch.sort(log_g, dim=-1, descending=True, stable=True).indices
 
 
+def top1_onehot(groups: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """[..., K] 1 at each token's top-1 group (int64), by a comparison: one_hot checks its
+    input's range by reading it on the host (on the CPU), which would hide a real device
+    synchronisation from the tests that look for one."""
+    return (groups[..., :1] == torch.arange(num_groups, device=groups.device)).long()
+
+
 class Routing(NamedTuple):
     """What a Focus layer's router hands its core attention."""
 
