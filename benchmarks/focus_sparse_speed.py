@@ -12,7 +12,8 @@ what its kept pairs cost; the soft step is the chunked (CPU) or fused (GPU) soft
 assignments trained too. Times are device time (CUDA events on a GPU; wall clock on the CPU),
 "host ms" the sparse call's host time apart (until it returns: on a GPU, launching its kernels).
 On a GPU the sparse call is the fused kernel (triton_sparse.py) where it has tiles, and the JSON
-holds the parts' path it replaces beside it ("parts_ms").
+holds the parts' path it replaces beside it ("parts_ms"); a forward there replays a CUDA graph
+once its shape repeats (graphs.py), and "no graph ms" is the same call without one.
 
     python benchmarks/focus_sparse_speed.py [--seq-lengths 1024 4096 16384] [--groups 4 8]
         [--top-k 1 2] [--shapes 4x64 32x128 6x256] [--window 128] [--dtype bf16] [--profile]
@@ -29,12 +30,13 @@ import torch
 import torch.nn.functional as F
 
 from megatron_focus import platform
+from megatron_focus.model.focus import focus_sparse
 from megatron_focus.model.focus.focus import group_stats
 from megatron_focus.model.focus.focus_gate import focus_attention
 from megatron_focus.model.focus.focus_sparse import sparse_focus_attention
 from megatron_focus.model.focus.groups import Routing
 from megatron_focus.model.focus.sinkhorn import causal_sinkhorn
-from megatron_focus.model.kernels import kernels
+from megatron_focus.model.kernels import graphs, kernels
 
 from timing import timed
 
@@ -76,6 +78,16 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument("--json", metavar="PATH")
     return p.parse_args()
+
+
+def without_graphs(call):
+    """`call()` with the sparse path's CUDA graphs off: what they save."""
+    kept = focus_sparse._GRAPHS
+    focus_sparse._GRAPHS = graphs.Graphs(capacity=0)
+    try:
+        return call()
+    finally:
+        focus_sparse._GRAPHS = kept
 
 
 def shape(text: str) -> tuple:
@@ -156,6 +168,8 @@ def measure(opts, heads: int, head_dim: int, n: int, groups: int, top_k: int) ->
                 kernel=kernel,
             )  # fmt: skip
         )
+    if chosen.fused and not opts.train:  # the same call without CUDA graphs
+        calls["eager"] = step(functools.partial(without_graphs, calls["sparse"]))
     if opts.train:
         soft_gate = kernels.soft_gate("auto", torch.device(device))
         calls["soft"] = step(
@@ -180,9 +194,10 @@ def measure(opts, heads: int, head_dim: int, n: int, groups: int, top_k: int) ->
             order = list(calls.items())
             for name, fn in order if rep % 2 == 0 else order[::-1]:
                 times[name].append(timed(fn))
-        if opts.profile:
+        if opts.profile:  # each part's host time: the calls without graphs
             for name in by_kernel:
-                profile(calls[name], f"{name} ({by_kernel[name].name}), n {n}, top-{top_k}")
+                call = calls["eager"] if name == "sparse" and "eager" in calls else calls[name]
+                profile(call, f"{name} ({by_kernel[name].name}), n {n}, top-{top_k}")
     with torch.no_grad():
         kept = float(group_stats(routing, top_k, opts.window)["pairs-kept"])
     speedup = statistics.median(
@@ -220,9 +235,10 @@ def main() -> None:
         f"{'training step' if opts.train else 'forward'}"
     )
     soft = f"{'soft ms':>10}" if opts.train else ""
+    eager = f"{'no graph':>10}" if platform.has_cuda() and not opts.train else ""
     last = f"{'over kept':>10}" if opts.train else f"{'of ideal':>9}"
     print(
-        f"{'shape':>7}{'n':>8}{'K':>3}{'top-k':>6}{'dense ms':>10}{soft}{'focus ms':>10}"
+        f"{'shape':>7}{'n':>8}{'K':>3}{'top-k':>6}{'dense ms':>10}{soft}{'focus ms':>10}{eager}"
         f"{'host ms':>9}{'kept':>7}"
         f"{'speedup':>9}{'ideal':>7}{last}"
     )
@@ -233,10 +249,11 @@ def main() -> None:
         r = measure(opts, heads, head_dim, n, groups, top_k)
         rows.append(r)
         soft = f"{r['soft_ms']:>10.1f}" if opts.train else ""
+        eager = f"{r['eager_ms']:>10.1f}" if "eager_ms" in r else " " * len(eager)
         last = f"{r['over_kept']:>9.2f}x" if opts.train else f"{r['of_ideal']:>8.0%}"
         print(
             f"{f'{heads}x{head_dim}':>7}{n:>8}{groups:>3}{top_k:>6}{r['dense_ms']:>10.1f}{soft}"
-            f"{r['sparse_ms']:>10.1f}{r['sparse_host_ms']:>9.1f}{r['pairs_kept']:>7.3f}"
+            f"{r['sparse_ms']:>10.1f}{eager}{r['sparse_host_ms']:>9.1f}{r['pairs_kept']:>7.3f}"
             f"{r['speedup']:>8.2f}x{r['ideal_speedup']:>6.1f}x{last}",
             flush=True,
         )

@@ -12,7 +12,7 @@ from interpreted import skip_unless_kernels_run
 from megatron_focus.model.focus import focus_sparse
 from megatron_focus.model.focus.focus_sparse import sparse_focus_attention
 from megatron_focus.model.focus.groups import Routing
-from megatron_focus.model.kernels import kernels
+from megatron_focus.model.kernels import graphs, kernels
 
 from reference import assignments, dense_hard_rule
 
@@ -145,6 +145,40 @@ def test_the_fused_path_never_waits_for_the_device(monkeypatch, top_k, documents
     assert not copies
 
 
+def test_a_repeated_inference_shape_replays_one_graph(monkeypatch):
+    """Outside autograd on a GPU, the routing and the launches of a shape met before are one
+    CUDA graph's replay (here its stand-in, test_graphs.py): each call's result is its own
+    inputs' hard rule; a training call takes no graph."""
+    from test_graphs import replayed_capture
+
+    captured = []
+
+    def capture(function, static):
+        captured.append(static[0].shape)
+        return replayed_capture(function, static)
+
+    monkeypatch.setattr(focus_sparse, "_host_bound", lambda *args: True)  # a GPU's choice
+    monkeypatch.setattr(focus_sparse, "_dense_is_faster", lambda *args: False)
+    monkeypatch.setattr(
+        focus_sparse, "_routed", lambda device, *inputs: focus_sparse._route(*inputs)
+    )
+    monkeypatch.setattr(focus_sparse, "_GRAPHS", graphs.Graphs(capture=capture))
+    gen = torch.Generator().manual_seed(0)
+    for call in range(3):
+        q, k, v = _megatron_layout(1, 4, 2, 40, 8, gen)
+        log_g = assignments(1, 40, 4, gen)
+        routing = Routing.of(log_g)
+        with torch.no_grad():
+            out = sparse_focus_attention(q, k, v, routing, window=5, top_k=2, scale=0.3, sink=2,
+                                         kernel=kernels.TRITON_SPARSE)  # fmt: skip
+        ref = dense_hard_rule(q, k, v, log_g, 5, 2, 0.3, 2)
+        torch.testing.assert_close(out, ref.float(), rtol=2e-5, atol=2e-5, msg=f"call {call}")
+    assert captured == [q.shape]
+    out = sparse_focus_attention(q, k, v, routing, window=5, top_k=2, scale=0.3, sink=2,
+                                 kernel=kernels.TRITON_SPARSE)  # fmt: skip
+    assert out.requires_grad and captured == [q.shape]
+
+
 def test_the_fused_kernel_is_chosen_where_it_has_tiles(monkeypatch):
     cuda = torch.device("cuda")
     monkeypatch.setattr(kernels, "has_triton", lambda: True)
@@ -182,24 +216,28 @@ def test_a_failing_fused_kernel_falls_back_to_the_parts_once(monkeypatch):
 
 def test_the_faster_way_is_measured_once_per_shape_and_said(monkeypatch, capsys):
     """On a GPU the first call of a shape times the sparse parts and the whole rule in one
-    part, keeps the faster, and says so; later calls of that shape reuse the choice."""
-    times = iter([2.0, 1.5, 1.0, 3.0])  # sparse, dense at 64 tokens; then at 96
+    part, keeps the faster, and says so; later calls of that shape, or of a length up to the
+    same power of two, reuse the choice. A shape whose forward took under GRAPH_BELOW_MS (1 ms:
+    the host's time, mostly) is replayed as a CUDA graph."""
+    times = iter([2.0, 0.5, 1.5, 3.0])  # sparse, dense at 64 tokens; then at 96
     monkeypatch.setattr(focus_sparse, "_DENSE_FASTER", {})
     monkeypatch.setattr(kernels, "compiled", lambda device: True)
     monkeypatch.setattr(focus_sparse, "_median_ms", lambda run, device: next(times))
     gen = torch.Generator().manual_seed(0)
-    chosen = []
-    for n in (64, 64, 96):
+    chosen, graphed = [], []
+    for n in (64, 64, 96, 128):
         q, k = torch.randn(1, 2, n, 8), torch.randn(1, 1, n, 8)
         routing = Routing.of(assignments(1, n, 4, gen))
         chosen.append(focus_sparse._dense_is_faster(q, k, routing, 1, 0, None))
-    assert chosen == [True, True, False]
+        graphed.append(focus_sparse._host_bound(q, k, routing, 1, 0))
+    assert chosen == [True, True, False, False]
+    assert graphed == [True, True, False, False]
     said = capsys.readouterr().out.splitlines()
     assert said == [
-        "sparse Focus at 64 tokens (batch 1, top-1): the masked rule in one call (1.50 ms a "
-        "forward) over the sparse parts (2.00 ms)",
-        "sparse Focus at 96 tokens (batch 1, top-1): the sparse parts (1.00 ms a forward) over "
-        "the masked rule in one call (3.00 ms)",
+        "sparse Focus at 64 tokens, kept for 33 to 64 (batch 1, top-1): the masked rule in one "
+        "call (0.50 ms a forward) over the sparse parts (2.00 ms)",
+        "sparse Focus at 96 tokens, kept for 65 to 128 (batch 1, top-1): the sparse parts (1.50 "
+        "ms a forward) over the masked rule in one call (3.00 ms)",
     ]
 
 

@@ -58,7 +58,7 @@ from megatron_focus import platform
 from megatron_focus.model.documents import segments
 from megatron_focus.model.focus.focus_gate import attention_with_lse
 from megatron_focus.model.focus.groups import Routing, top1_onehot
-from megatron_focus.model.kernels import flex, kernels
+from megatron_focus.model.kernels import flex, graphs, kernels
 from megatron_focus.model.kernels.lse_merge import merge_by_lse, part_gradients
 
 
@@ -692,52 +692,84 @@ def _fused_failed_once(error: Exception):
 def _fused(q, k, v, routing: Routing, window, top_k, scale, sink, kernel):
     """The hard rule by the fused kernel (triton_sparse): the band, then each top-k slot's
     ranges and the sinks', merged in its epilogues; or, where that measured slower for this
-    shape, the whole rule as one part (`_dense_is_faster`)."""
+    shape, the whole rule as one part (`_dense_is_faster`). Outside autograd on a GPU, a shape
+    that repeats is replayed as a CUDA graph (graphs.py): routing and launches at once."""
     from megatron_focus.model.kernels.triton_sparse import Part  # imports Triton
 
     b, _, n, _ = q.shape
     sink = min(sink, n)
-    docs = None if routing.doc_start is None else routing.doc_start.contiguous()
-    inputs = (routing.top(top_k), routing.doc_start, routing.groups.shape[-1])
+    groups = routing.groups.shape[-1]
 
-    def call(dense: bool):
+    def call(dense: bool, q, k, v, top, doc_start):
         with torch.no_grad():
             if dense:
-                parts, bits = [Part(rule=True)], _rule_bits(*inputs, sink)
+                parts, bits = [Part(rule=True)], _rule_bits(top, doc_start, groups, sink)
             else:
-                route = _routed(q.device, *inputs, b * n, sink, window, 0, False)
+                route = _routed(q.device, top, doc_start, groups, b * n, sink, window, 0, False)
                 parts = [Part()] + [Part(r.entries, r.lo, r.hi, route.order) for r in route.ranges]
                 bits = route.bits
+        docs = None if doc_start is None else doc_start.contiguous()
         return kernel(q, k, v, parts, docs, bits, window=window, scale=scale)
 
-    return call(_dense_is_faster(q, k, routing, top_k, sink, call))
+    tensors = (q, k, v, routing.top(top_k), routing.doc_start)
+    dense = _dense_is_faster(q, k, routing, top_k, sink, lambda dense: call(dense, *tensors))
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if training or not _host_bound(q, k, routing, top_k, sink):
+        return call(dense, *tensors)
+    settings = (dense, window, scale, sink, groups, kernel)
+    return _GRAPHS(functools.partial(call, dense), tensors, settings)
 
 
-_DENSE_FASTER: dict = {}  # by shape: whether the whole rule in one part measured faster
+_GRAPHS = graphs.Graphs()  # the sparse forwards outside autograd, by shape
+# A forward measured under this (CUDA events, `_dense_is_faster`) is mostly the host's time:
+# graphed. A longer one's host runs ahead of the device, and its graph would only add the
+# copies into its buffers and hold memory.
+GRAPH_BELOW_MS = 1.0
+
+
+def _host_bound(q, k, routing, top_k, sink) -> bool:
+    """Whether this shape's forward, as timed when its way was chosen, is worth a CUDA graph."""
+    measured = _DENSE_FASTER.get(_shape_key(q, k, routing, top_k, sink))
+    return measured is not None and measured[1] < GRAPH_BELOW_MS
+
+
+# by shape: (whether the whole rule in one part measured faster, the faster one's ms)
+_DENSE_FASTER: dict = {}
+
+
+def _shape_key(q, k, routing, top_k, sink) -> tuple:
+    """A shape whose way is timed: the length by the next power of two (a model's prefill
+    meets every prompt length: each timing costs some 8 forwards)."""
+    b, heads, n, d = q.shape
+    octave = 1 << max(n - 1, 0).bit_length()
+    return (b, heads, octave, d, k.shape[1], q.dtype, top_k, routing.groups.shape[-1], sink > 0,
+            routing.doc_start is not None)  # fmt: skip
 
 
 def _dense_is_faster(q, k, routing, top_k, sink, call) -> bool:
     """Whether the masked rule in one part (dense work, one launch a pass) beats the sparse
-    parts at this shape: timed once per shape on a GPU (forward, median of 3 after a warm-up,
-    as cuDNN's benchmark mode chooses), said once; elsewhere (the interpreter) the sparse
-    parts."""
-    shape = (tuple(q.shape), k.shape[1], q.dtype, top_k, routing.groups.shape[-1], sink > 0,
-             routing.doc_start is not None)  # fmt: skip
+    parts at this shape: timed once on a GPU (forward, median of 3 after a warm-up, as cuDNN's
+    benchmark mode chooses) for the lengths up to the next power of two, said once; elsewhere
+    (the interpreter) the sparse parts."""
+    b, n = q.shape[0], q.shape[2]
+    shape = _shape_key(q, k, routing, top_k, sink)
+    octave = shape[2]
     if shape not in _DENSE_FASTER:
         if not kernels.compiled(q.device):
             return False
         times = {
             dense: _median_ms(lambda dense=dense: call(dense), q.device) for dense in (False, True)
         }
-        _DENSE_FASTER[shape] = times[True] < times[False]
+        chosen = times[True] < times[False]
+        _DENSE_FASTER[shape] = chosen, times[chosen]
         name = {True: "the masked rule in one call", False: "the sparse parts"}
-        chosen = _DENSE_FASTER[shape]
         _say(
-            f"sparse Focus at {q.shape[2]} tokens (batch {q.shape[0]}, top-{top_k}): "
+            f"sparse Focus at {n} tokens, kept for {octave // 2 + 1} to {octave} (batch {b}, "
+            f"top-{top_k}): "
             f"{name[chosen]} ({times[chosen]:.2f} ms a forward) over {name[not chosen]} "
             f"({times[not chosen]:.2f} ms)"
         )
-    return _DENSE_FASTER[shape]
+    return _DENSE_FASTER[shape][0]
 
 
 def _say(line: str):

@@ -1,0 +1,86 @@
+"""Calls whose shapes repeat, replayed as CUDA graphs: what is left of a small call's time on a
+GPU is the host's (Python, guards, one launch after another), and a replay is one launch.
+
+A call is captured at its second arrival with the same signature (its first compiled and timed
+what it launches) and replayed from the third on. Its tensor inputs are copied into the graph's
+own buffers and its output copied out, as torch.cuda.make_graphed_callables does, so a replay
+never aliases an earlier result. Only calls outside autograd take it (inference, evaluation,
+the exported model's prefill): a graph holds no autograd history. Graphs are kept for the last
+few signatures, each with its buffers and memory pool.
+"""
+
+import collections
+import warnings
+from typing import Callable, Optional
+
+import torch
+
+
+def cuda_capture(function: Callable, static: tuple):
+    """(replay, output) of `function(*static)` captured as a CUDA graph, after a run on a side
+    stream (the warm-up PyTorch's CUDA-graph notes ask for)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        function(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = function(*static)
+    return graph.replay, output
+
+
+def signature(tensors: tuple, settings: tuple) -> tuple:
+    """What a graph depends on: each tensor's shape, strides, dtype and device (None kept),
+    and the call's other settings."""
+    described = tuple(
+        None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors
+    )
+    return described, settings
+
+
+class Graphs:
+    """`graphs(function, tensors, settings)`: function(*tensors), replayed from a graph where
+    the same signature came before. `capture` makes (replay, output) of a call (CUDA graphs;
+    tests give a stand-in); a signature whose capture fails runs eagerly from then on, said
+    once. Capacity 0: never captured."""
+
+    def __init__(self, capacity: int = 4, capture: Callable = cuda_capture):
+        self.capacity = capacity
+        self.capture = capture
+        self.seen: set = set()
+        self.failed: set = set()
+        self.graphs: collections.OrderedDict = collections.OrderedDict()
+
+    def __call__(self, function: Callable, tensors: tuple, settings: tuple) -> torch.Tensor:
+        key = signature(tensors, settings)
+        if key in self.failed or not self.capacity:
+            return function(*tensors)
+        if key not in self.graphs:
+            if key not in self.seen:
+                self.seen.add(key)
+                return function(*tensors)
+            captured = self._captured(function, tensors, key)
+            if captured is None:
+                return function(*tensors)
+        self.graphs.move_to_end(key)
+        replay, static, output = self.graphs[key]
+        for buffer, tensor in zip(static, tensors):
+            if buffer is not None:
+                buffer.copy_(tensor)
+        replay()
+        return output.clone()
+
+    def _captured(self, function: Callable, tensors: tuple, key: tuple) -> Optional[tuple]:
+        static = tuple(None if t is None else t.clone() for t in tensors)
+        try:
+            replay, output = self.capture(function, static)
+        except Exception as error:  # noqa: BLE001 -- any capture failure: eager from then on
+            self.failed.add(key)
+            warnings.warn(f"a call could not be captured as a CUDA graph; it runs eagerly "
+                          f"({error})")  # fmt: skip
+            return None
+        self.graphs[key] = (replay, static, output)
+        while len(self.graphs) > self.capacity:
+            self.graphs.popitem(last=False)
+        return self.graphs[key]

@@ -1,0 +1,81 @@
+"""Calls replayed as CUDA graphs (model/kernels/graphs.py), with a stand-in for the graph that
+keeps what a CUDA graph keeps: the buffers and the output's storage fixed at capture, each
+replay recomputing from the buffers into that storage."""
+
+import warnings
+
+import pytest
+import torch
+
+from megatron_focus.model.kernels import graphs
+
+
+def replayed_capture(function, static):
+    output = function(*static)
+
+    def replay():
+        output.copy_(function(*static))
+
+    return replay, output
+
+
+def _graphs(capacity=4):
+    captured = []
+
+    def capture(function, static):
+        captured.append(tuple(None if t is None else t.shape for t in static))
+        return replayed_capture(function, static)
+
+    return graphs.Graphs(capacity, capture), captured
+
+
+def _scaled(x, y, bias):
+    return x * y + (0 if bias is None else bias)
+
+
+def test_a_repeated_shape_is_captured_once_and_replayed_with_each_calls_inputs():
+    calls, captured = _graphs()
+    gen = torch.Generator().manual_seed(0)
+    results, inputs = [], []
+    for _ in range(4):
+        x, y = torch.randn(3, 5, generator=gen), torch.randn(3, 5, generator=gen)
+        inputs.append((x, y))
+        results.append(calls(_scaled, (x, y, None), ("settings",)))
+    assert captured == [((3, 5), (3, 5), None)]  # at the second call; the third and fourth replay
+    for (x, y), result in zip(inputs, results):  # each its own, none overwritten by a later one
+        torch.testing.assert_close(result, x * y)
+
+
+def test_signatures_apart_by_shape_stride_and_settings_and_the_oldest_dropped():
+    calls, captured = _graphs(capacity=2)
+    x = torch.randn(4, 6)
+    for _ in range(2):
+        calls(_scaled, (x, x, None), (1,))
+        calls(_scaled, (x, x, None), (2,))  # other settings
+        calls(_scaled, (x.t(), x.t(), None), (1,))  # other strides
+        calls(_scaled, (x[:2], x[:2], x[:2]), (1,))  # other shapes, a bias
+    assert len(captured) == 4 and len(calls.graphs) == 2
+    torch.testing.assert_close(calls(_scaled, (x, x, None), (1,)), x * x)  # captured again
+    assert len(captured) == 5
+
+
+def test_a_failed_capture_runs_eagerly_said_once():
+    def broken(function, static):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    calls = graphs.Graphs(capture=broken)
+    x = torch.randn(3)
+    calls(_scaled, (x, x, None), ())
+    with pytest.warns(UserWarning, match="could not be captured.*stream is capturing"):
+        torch.testing.assert_close(calls(_scaled, (x, x, None), ()), x * x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(calls(_scaled, (x, 2 * x, None), ()), 2 * x * x)
+
+
+def test_capacity_zero_never_captures():
+    calls, captured = _graphs(capacity=0)
+    x = torch.randn(3)
+    for _ in range(3):
+        torch.testing.assert_close(calls(_scaled, (x, x, None), ()), x * x)
+    assert captured == []
