@@ -211,6 +211,40 @@ def test_fused_sparse_kernel_on_gpu_equals_the_dense_hard_rule(top_k, sink, docu
         torch.testing.assert_close(got.float().cpu(), reference, rtol=3e-2, atol=3e-2, msg=name)
 
 
+@pytest.mark.parametrize("documents", [False, True], ids=["one-document", "documents"])
+def test_sparse_forward_replayed_as_a_cuda_graph_equals_the_eager_call(monkeypatch, documents):
+    """Outside autograd a repeated shape is captured at its second call and replayed (forced
+    here whatever its time): each call's output equals the same call without a graph, and no
+    capture fails (a warning fails the test)."""
+    import warnings
+
+    from megatron_focus.model.focus import focus_sparse
+    from megatron_focus.model.kernels import graphs, kernels
+
+    monkeypatch.setattr(focus_sparse, "_host_bound", lambda *args: True)
+    monkeypatch.setattr(focus_sparse, "_GRAPHS", graphs.Graphs())
+    gen = torch.Generator().manual_seed(1)
+    doc_start = torch.zeros(2, 1000, dtype=torch.long)
+    doc_start[1, 400:] = 400
+    for call in range(4):
+        q = torch.randn(2, 4, 1000, 64, generator=gen).cuda().to(torch.bfloat16)
+        k, v = (torch.randn(2, 2, 1000, 64, generator=gen).cuda().to(torch.bfloat16)
+                for _ in range(2))  # fmt: skip
+        routing = Routing.of(
+            assignments(2, 1000, 8, gen).cuda(), doc_start.cuda() if documents else None
+        )
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = sparse_focus_attention(q, k, v, routing, window=128, top_k=2, scale=0.125,
+                                         sink=4, kernel=kernels.TRITON_SPARSE)  # fmt: skip
+            focus_sparse._GRAPHS.capacity = 0
+            eager = sparse_focus_attention(q, k, v, routing, window=128, top_k=2, scale=0.125,
+                                           sink=4, kernel=kernels.TRITON_SPARSE)  # fmt: skip
+            focus_sparse._GRAPHS.capacity = 4
+        torch.testing.assert_close(out, eager, rtol=0, atol=0, msg=f"call {call}")
+    assert len(focus_sparse._GRAPHS.graphs) == 1
+
+
 def test_packed_documents_on_gpu_equal_the_chunked_path():
     """--reset-attention-mask: FlexAttention's soft gate (values, gradients) and the sparse
     dispatch on the GPU against the chunked paths (checked per document on the CPU,
@@ -389,3 +423,27 @@ def test_rope_gqa_model_on_the_fused_kernels_equals_chunked_bf16(single_process,
     for name, grad in grads.items():
         error = (results["auto"][1][name] - grad).norm() / torch.maximum(grad.norm(), floor)
         assert error < 3e-2, f"{name}: relative error {error:.3g}"
+
+
+def test_exported_models_sparse_prefill_on_the_fused_kernel_equals_its_own_path(monkeypatch):
+    """The HF export in sparse mode, bf16: a whole prompt's prefill on megatron-focus's fused
+    kernel gives the logits of the export's own path (bf16's rounding differs between the two:
+    greedy tokens may part at a near tie), and generate() runs through it."""
+    import os
+
+    from megatron_focus.hf import modeling_megatron_focus as hf
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "hf"))
+    from test_sparse_prefill_kernel import _model
+
+    model = _model(2).cuda().to(torch.bfloat16)
+    ids = torch.randint(4, 96, (2, 300), generator=torch.Generator().manual_seed(0)).cuda()
+    assert hf.fused_sparse_kernel(torch.zeros(1, 4, 8, 16, device="cuda", dtype=torch.bfloat16))
+    with torch.no_grad():
+        fused = model(ids).logits.float()
+        tokens = model.generate(ids[:1], max_new_tokens=8, do_sample=False)
+        monkeypatch.setattr(hf, "fused_sparse_kernel", lambda q: None)
+        own = model(ids).logits.float()
+        own_tokens = model.generate(ids[:1], max_new_tokens=8, do_sample=False)
+    torch.testing.assert_close(fused, own, rtol=5e-2, atol=5e-2)
+    assert tokens.shape == own_tokens.shape == (1, 308)
