@@ -30,7 +30,7 @@ def _model(top_k: int):
     return model
 
 
-@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("top_k", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_prefill_by_the_fused_kernel_equals_the_exports_own_path(monkeypatch, top_k):
     from megatron_focus.hf import modeling_megatron_focus as hf
     from megatron_focus.model.focus import focus_sparse

@@ -106,7 +106,9 @@ HOST_READS = {"_local_scalar_dense", "is_nonzero", "nonzero", "masked_select", "
               "unique_consecutive", "_unique2", "unique_dim", "repeat_interleave"}  # fmt: skip
 
 
-@pytest.mark.parametrize("top_k, documents", [(1, None), (2, [[20, 28], [48]])])
+@pytest.mark.parametrize(
+    "top_k, documents", [pytest.param(1, None, marks=pytest.mark.slow), (2, [[20, 28], [48]])]
+)
 def test_the_fused_path_never_waits_for_the_device(monkeypatch, top_k, documents):
     """Routing, forward and backward read nothing back to the host: on a GPU the host runs
     ahead of the device, and the launches can be captured in a CUDA graph. Every aten op is
