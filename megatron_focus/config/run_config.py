@@ -149,6 +149,11 @@ class RunConfig:
         """The model these flags describe, built once (what builds, records and exports it)."""
         return ModelConfig.of(self)
 
+    def at_interval(self, interval: Optional[int], iteration: int) -> bool:
+        """Whether `iteration` is due for something done every `interval` iterations (never
+        without one) and at the last: logging, evaluation, saving."""
+        return (bool(interval) and iteration % interval == 0) or iteration == self.train_iters
+
     def __getattr__(self, name: str):
         """A flag, read flat: `config.hidden_size` is `config.model.hidden_size`."""
         section = SECTION_OF.get(name)

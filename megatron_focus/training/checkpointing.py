@@ -180,7 +180,8 @@ class CheckpointManager:
         longer this job's; an exit after a save at the same step still asks that."""
         if not self.args.save:
             return None
-        if self.saved_at == iteration or not (exiting or self._due(iteration)):
+        due = self.args.at_interval(self.args.save_interval, iteration)
+        if self.saved_at == iteration or not (exiting or due):
             if exiting:  # a job whose folder was taken over does not end as done
                 _agree(None, None, self.args.save, self.start.lock)
             return None
@@ -191,10 +192,6 @@ class CheckpointManager:
         if dist.get_rank() == 0:
             print(f" saved checkpoint {path}", flush=True)
         return path
-
-    def _due(self, iteration: int) -> bool:
-        interval = self.args.save_interval
-        return bool(interval) and iteration % interval == 0 or iteration == self.args.train_iters
 
 
 def _records(args: RunConfig, plan: ResumePlan, vocab_size: int) -> Records:

@@ -104,7 +104,7 @@ def _train(args: RunConfig, start: CheckpointStart, rank0: bool, started: float)
             # the batch follows the samples consumed (--rampup-batch-size), as in Megatron-LM
             batch_size = global_batch.running(consumed)
             _set_global_batch(engine, batch_size, args)
-            log_now = (iteration + 1) % args.log_interval == 0 or iteration + 1 == args.train_iters
+            log_now = args.at_interval(args.log_interval, iteration + 1)
             recording = hooks.recording(engine.module) if log_now else contextlib.nullcontext()
             with recording, hooks.training(engine.module, iteration, schedule_start):
                 loss, zeros = train_step(
@@ -124,7 +124,7 @@ def _train(args: RunConfig, start: CheckpointStart, rank0: bool, started: float)
                 reporter.train(
                     progress.log_step(engine, args, iteration, consumed, zeros, batch_size, hooks)
                 )
-            if valid_batches is not None and _due(args.eval_interval, iteration, args):
+            if valid_batches is not None and args.at_interval(args.eval_interval, iteration):
                 with progress.paused():
                     validate(iteration, consumed)
             checkpoints.save(iteration, consumed)
@@ -174,11 +174,6 @@ def _stalled(args: RunConfig, iteration: int, error: str) -> str:
         f"than --distributed-timeout-minutes {args.distributed_timeout_minutes:g}, or lost "
         f"one ({said[:120]}): a rank stalled or died; stopping the job, {kept}"
     )
-
-
-def _due(interval: Optional[int], iteration: int, args: RunConfig) -> bool:
-    """Every `interval` iterations (never without one), and at the last."""
-    return (bool(interval) and iteration % interval == 0) or iteration == args.train_iters
 
 
 def _set_global_batch(engine, batch_size: int, args: RunConfig) -> None:
