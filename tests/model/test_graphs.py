@@ -79,3 +79,14 @@ def test_capacity_zero_never_captures():
     for _ in range(3):
         torch.testing.assert_close(calls(_scaled, (x, x, None), ()), x * x)
     assert captured == []
+
+
+def test_inside_an_enclosing_capture_the_call_runs_as_it_is(monkeypatch):
+    """A whole model being captured: the call joins that graph (no graph of its own)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    calls, captured = _graphs()
+    x = torch.randn(3)
+    for _ in range(3):
+        torch.testing.assert_close(calls(_scaled, (x, x, None), ()), x * x)
+    assert captured == []

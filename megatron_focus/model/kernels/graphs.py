@@ -39,6 +39,12 @@ def signature(tensors: tuple, settings: tuple) -> tuple:
     return described, settings
 
 
+def _inside_a_capture() -> bool:
+    """Whether the caller is itself being captured (a whole model's graph): the call then joins
+    that graph as it runs, since a graph cannot be captured inside another."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class Graphs:
     """`graphs(function, tensors, settings)`: function(*tensors), replayed from a graph where
     the same signature came before. `capture` makes (replay, output) of a call (CUDA graphs;
@@ -54,7 +60,7 @@ class Graphs:
 
     def __call__(self, function: Callable, tensors: tuple, settings: tuple) -> torch.Tensor:
         key = signature(tensors, settings)
-        if key in self.failed or not self.capacity:
+        if key in self.failed or not self.capacity or _inside_a_capture():
             return function(*tensors)
         if key not in self.graphs:
             if key not in self.seen:
