@@ -27,6 +27,12 @@ against ranges of the bucket order. So one kernel serves them all:
   once a part: no atomics, deterministic.
 
 Top-k > 1 is one launch per slot, each query's key range in that slot's bucket; sinks one more.
+Each slot takes its own query order, so a query block's ranges lie side by side in one bucket
+and its tiles are its own queries' keys. One launch for every slot (a block index per query
+block, as NSA's selection) would keep one query order: a block that shares its top-1 group
+spreads its second choices over the other groups, and each of their tiles would be computed
+for the whole block, a few of whose queries keep it. The launches' host cost is what a CUDA
+graph removes (focus_sparse, graphs.py).
 
 Under TRITON_INTERPRET=1 the kernels run on CPU tensors (the tests check them against the float64
 dense hard rule); on a GPU they compile with the tiles of triton_launch.sparse_tile.
