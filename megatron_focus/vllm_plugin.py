@@ -230,12 +230,12 @@ class FocusLayer(nn.Module):
             return torch.zeros_like(x)
         meta = (metadata[0] if isinstance(metadata, list) else metadata)[self.pages.layer_name]
         pages = self.pages.kv_cache.view(-1, self.row.width)  # one row per slot
-        starts = meta.query_start_loc.tolist()
+        starts, lengths = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
         out = torch.zeros_like(x)
         for r, (start, end) in enumerate(zip(starts[:-1], starts[1:])):
             if end > start:
                 step = slice(start, end)
-                past = int(meta.seq_lens[r]) - (end - start)
+                past = lengths[r] - (end - start)
                 held = pages.index_select(0, self._slots(meta.block_table[r], past))
                 step_rope = None if rope is None else tuple(t[..., step, :] for t in rope)
                 out[:, step], written = focus_step(
@@ -317,6 +317,7 @@ class FocusMetadata:
 
 class FocusMetadataBuilder(AttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        # vLLM's base class declares __init__ abstract: a builder must define its own
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):

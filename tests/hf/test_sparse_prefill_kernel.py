@@ -56,8 +56,26 @@ def test_prefill_by_the_fused_kernel_equals_the_exports_own_path(monkeypatch, to
     assert calls[2:] == [(1, 4, 30, 16)] * 2
 
 
-def test_the_kernel_is_asked_for_on_a_gpu_only():
-    """On the CPU (and without megatron-focus) the export keeps its own path."""
-    from megatron_focus.hf import modeling_megatron_focus as hf
+def test_the_kernel_is_taken_on_a_gpu_that_has_its_tiles_only(monkeypatch):
+    """A GPU's choice, with q standing for a CUDA tensor: the fused kernel where Triton has a
+    tile (bf16 on sm_90), none for fp32 or before Ampere, none without megatron-focus, none on
+    the CPU."""
+    import sys
+    import types
 
-    assert hf.fused_sparse_kernel(torch.zeros(1, 4, 8, 16)) is None
+    from megatron_focus.hf import modeling_megatron_focus as hf
+    from megatron_focus.model.kernels import kernels
+
+    def on_gpu(dtype):
+        return types.SimpleNamespace(device=torch.device("cuda"), shape=(1, 4, 8, 64), dtype=dtype)
+
+    monkeypatch.setattr(kernels, "has_triton", lambda: True)
+    monkeypatch.setattr(kernels, "device_capability", lambda device: (9, 0))
+    assert hf.fused_sparse_kernel(on_gpu(torch.bfloat16)) is kernels.TRITON_SPARSE
+    assert hf.fused_sparse_kernel(on_gpu(torch.float32)) is None
+    assert hf.fused_sparse_kernel(torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16)) is None
+    monkeypatch.setattr(kernels, "device_capability", lambda device: (7, 5))
+    assert hf.fused_sparse_kernel(on_gpu(torch.bfloat16)) is None
+    monkeypatch.setattr(kernels, "device_capability", lambda device: (9, 0))
+    monkeypatch.setitem(sys.modules, "megatron_focus.model.kernels", None)  # not installed
+    assert hf.fused_sparse_kernel(on_gpu(torch.bfloat16)) is None

@@ -90,3 +90,50 @@ def test_inside_an_enclosing_capture_the_call_runs_as_it_is(monkeypatch):
     for _ in range(3):
         torch.testing.assert_close(calls(_scaled, (x, x, None), ()), x * x)
     assert captured == []
+
+
+def test_a_cuda_capture_warms_up_on_a_side_stream_then_records_the_call(monkeypatch):
+    """cuda_capture's order, its CUDA objects stood in: the call once on a side stream that
+    waits for the current one, the current one waiting for it, then once inside the graph's
+    capture, whose output and replay it returns."""
+    events = []
+
+    class Stream:
+        def __init__(self, name="side"):
+            self.name = name
+
+        def wait_stream(self, other):
+            events.append(f"{self.name} waits for {other.name}")
+
+    class Context:
+        def __init__(self, name):
+            self.name = name
+
+        def __enter__(self):
+            events.append(f"enter {self.name}")
+
+        def __exit__(self, *exc):
+            events.append(f"exit {self.name}")
+
+    class Graph:
+        def replay(self):
+            events.append("replay")
+
+    current = Stream("current")
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: current)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: Context(f"{stream.name} stream"))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph: Context("capture"))
+
+    def function(x):
+        events.append("call")
+        return x + 1
+
+    replay, output = graphs.cuda_capture(function, (torch.zeros(2),))
+    replay()
+    assert events == [
+        "side waits for current", "enter side stream", "call", "exit side stream",
+        "current waits for side", "enter capture", "call", "exit capture", "replay",
+    ]  # fmt: skip
+    torch.testing.assert_close(output, torch.ones(2))

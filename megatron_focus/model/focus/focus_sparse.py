@@ -737,13 +737,17 @@ def _host_bound(q, k, routing, top_k, sink) -> bool:
 _DENSE_FASTER: dict = {}
 
 
+def _octave(n: int) -> int:
+    """The power of two at or above n: the lengths that share a timing (a model's prefill meets
+    every prompt length, and each timing costs some 8 forwards)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def _shape_key(q, k, routing, top_k, sink) -> tuple:
-    """A shape whose way is timed: the length by the next power of two (a model's prefill
-    meets every prompt length: each timing costs some 8 forwards)."""
+    """A shape whose way is timed, its length by `_octave`."""
     b, heads, n, d = q.shape
-    octave = 1 << max(n - 1, 0).bit_length()
-    return (b, heads, octave, d, k.shape[1], q.dtype, top_k, routing.groups.shape[-1], sink > 0,
-            routing.doc_start is not None)  # fmt: skip
+    return (b, heads, _octave(n), d, k.shape[1], q.dtype, top_k, routing.groups.shape[-1],
+            sink > 0, routing.doc_start is not None)  # fmt: skip
 
 
 def _dense_is_faster(q, k, routing, top_k, sink, call) -> bool:
@@ -753,7 +757,6 @@ def _dense_is_faster(q, k, routing, top_k, sink, call) -> bool:
     (the interpreter) the sparse parts."""
     b, n = q.shape[0], q.shape[2]
     shape = _shape_key(q, k, routing, top_k, sink)
-    octave = shape[2]
     if shape not in _DENSE_FASTER:
         if not kernels.compiled(q.device):
             return False
@@ -764,10 +767,9 @@ def _dense_is_faster(q, k, routing, top_k, sink, call) -> bool:
         _DENSE_FASTER[shape] = chosen, times[chosen]
         name = {True: "the masked rule in one call", False: "the sparse parts"}
         _say(
-            f"sparse Focus at {n} tokens, kept for {octave // 2 + 1} to {octave} (batch {b}, "
-            f"top-{top_k}): "
-            f"{name[chosen]} ({times[chosen]:.2f} ms a forward) over {name[not chosen]} "
-            f"({times[not chosen]:.2f} ms)"
+            f"sparse Focus at {n} tokens, kept for {_octave(n) // 2 + 1} to {_octave(n)} "
+            f"(batch {b}, top-{top_k}): {name[chosen]} ({times[chosen]:.2f} ms a forward) "
+            f"over {name[not chosen]} ({times[not chosen]:.2f} ms)"
         )
     return _DENSE_FASTER[shape][0]
 

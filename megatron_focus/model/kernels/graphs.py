@@ -11,7 +11,7 @@ few signatures, each with its buffers and memory pool.
 
 import collections
 import warnings
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -66,8 +66,7 @@ class Graphs:
             if key not in self.seen:
                 self.seen.add(key)
                 return function(*tensors)
-            captured = self._captured(function, tensors, key)
-            if captured is None:
+            if not self._captured(function, tensors, key):
                 return function(*tensors)
         self.graphs.move_to_end(key)
         replay, static, output = self.graphs[key]
@@ -77,7 +76,7 @@ class Graphs:
         replay()
         return output.clone()
 
-    def _captured(self, function: Callable, tensors: tuple, key: tuple) -> Optional[tuple]:
+    def _captured(self, function: Callable, tensors: tuple, key: tuple) -> bool:
         static = tuple(None if t is None else t.clone() for t in tensors)
         try:
             replay, output = self.capture(function, static)
@@ -85,8 +84,8 @@ class Graphs:
             self.failed.add(key)
             warnings.warn(f"a call could not be captured as a CUDA graph; it runs eagerly "
                           f"({error})")  # fmt: skip
-            return None
+            return False
         self.graphs[key] = (replay, static, output)
         while len(self.graphs) > self.capacity:
             self.graphs.popitem(last=False)
-        return self.graphs[key]
+        return True
