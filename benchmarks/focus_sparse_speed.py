@@ -235,10 +235,10 @@ def main() -> None:
         f"{'training step' if opts.train else 'forward'}"
     )
     soft = f"{'soft ms':>10}" if opts.train else ""
-    eager = f"{'no graph':>10}" if platform.has_cuda() and not opts.train else ""
+    no_graph = f"{'no graph':>10}" if platform.has_cuda() and not opts.train else ""
     last = f"{'over kept':>10}" if opts.train else f"{'of ideal':>9}"
     print(
-        f"{'shape':>7}{'n':>8}{'K':>3}{'top-k':>6}{'dense ms':>10}{soft}{'focus ms':>10}{eager}"
+        f"{'shape':>7}{'n':>8}{'K':>3}{'top-k':>6}{'dense ms':>10}{soft}{'focus ms':>10}{no_graph}"
         f"{'host ms':>9}{'kept':>7}"
         f"{'speedup':>9}{'ideal':>7}{last}"
     )
@@ -249,7 +249,7 @@ def main() -> None:
         r = measure(opts, heads, head_dim, n, groups, top_k)
         rows.append(r)
         soft = f"{r['soft_ms']:>10.1f}" if opts.train else ""
-        eager = f"{r['eager_ms']:>10.1f}" if "eager_ms" in r else " " * len(eager)
+        eager = f"{r.get('eager_ms', float('nan')):>10.1f}" if no_graph else ""
         last = f"{r['over_kept']:>9.2f}x" if opts.train else f"{r['of_ideal']:>8.0%}"
         print(
             f"{f'{heads}x{head_dim}':>7}{n:>8}{groups:>3}{top_k:>6}{r['dense_ms']:>10.1f}{soft}"
