@@ -17,9 +17,17 @@ step's attention cost for the share of keys the rule keeps: the pairs' bound wit
 fixed cost counted. Cache bytes count
 every tensor the cache holds (keys, values, Focus's routing state; buckets as allocated).
 
+`--static` adds each model with transformers' StaticCache ("static, graph" rows): the prompt
+prefilled eagerly, then every decoding step one compiled graph (`torch.compile(fullgraph=True)`,
+"reduce-overhead" on a GPU: a CUDA graph replayed per step; the eager backend on the CPU), after
+3 untimed steps that compile and record it. Such a step reads every slot of the cache (Focus's
+rule as one mask over them) and pays no host time per layer; the dynamic cache's Focus step
+reads its groups' keys alone.
+
     python benchmarks/focus_generate.py                      # 4K, 16K, 32K tokens of context
     python benchmarks/focus_generate.py --contexts 4096 --json out.json
     python benchmarks/focus_generate.py --repeats 3          # medians of three interleaved runs
+    python benchmarks/focus_generate.py --static --contexts 4096 --top-k 1   # + graphed steps
 """
 
 import argparse
@@ -95,16 +103,34 @@ def cache_bytes(cache) -> int:
     return sum(t.untyped_storage().nbytes() for t in unique.values())
 
 
+GRAPH_WARMUP = 3  # untimed steps of a graphed model: its compile and its graph's recording
+
+
+def graphed_step(lm):
+    """The model's forward as one compiled graph: CUDA graphs on a GPU, on the CPU the eager
+    backend (the same capture, no code generation)."""
+    if next(lm.parameters()).is_cuda:
+        return torch.compile(lm.forward, fullgraph=True, mode="reduce-overhead")
+    return torch.compile(lm.forward, fullgraph=True, backend="eager")
+
+
 @torch.no_grad()
-def run(lm, tokens: torch.Tensor, chunk: int, steps: int, stock: bool = False) -> dict:
-    """Prefill `tokens` [1, n] through the cache, then `steps` greedy decoding steps; `stock`:
-    in transformers' own cache layers, which copy every cached key at each step (torch.cat),
-    where the model's own grow in place."""
-    from transformers import DynamicCache
+def run(lm, tokens: torch.Tensor, chunk: int, steps: int, cache_kind: str = None) -> dict:
+    """Prefill `tokens` [1, n] through the cache, then `steps` greedy decoding steps; in
+    transformers' own cache layers (`cache_kind` "stock"), which copy every cached key at each
+    step (torch.cat), where the model's own grow in place; or a StaticCache ("static"), each
+    step a graph."""
+    from transformers import DynamicCache, StaticCache
     from transformers.cache_utils import DynamicLayer
 
-    cache = DynamicCache(config=lm.config)
-    if stock:  # a subclass: the model keeps it as it is
+    static = cache_kind == "static"
+    if static:
+        length = tokens.shape[1] + GRAPH_WARMUP + steps
+        cache = StaticCache(config=lm.config, max_cache_len=length)
+        step = graphed_step(lm)
+    else:
+        cache, step = DynamicCache(config=lm.config), lm
+    if cache_kind == "stock":  # a subclass: the model keeps it as it is
         cache.layers[:] = [type("Stock", (DynamicLayer,), {})() for _ in cache.layers]
     started = time.perf_counter()
     for start in range(0, tokens.shape[1], chunk):
@@ -112,9 +138,12 @@ def run(lm, tokens: torch.Tensor, chunk: int, steps: int, stock: bool = False) -
     synchronize()
     prefill = time.perf_counter() - started
     token = out.logits[:, -1:].argmax(-1)
+    for _ in range(GRAPH_WARMUP if static else 0):
+        token = step(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    synchronize()
     started = time.perf_counter()
     for _ in range(steps):
-        token = lm(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        token = step(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
     synchronize()
     decode = time.perf_counter() - started
     return {
@@ -140,6 +169,11 @@ def main() -> None:
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument(
+        "--static",
+        action="store_true",
+        help="also each model with a StaticCache, every decoding step a graph",
+    )
     p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run (CI)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
@@ -152,41 +186,44 @@ def main() -> None:
         tokens = torch.randint(
             0, SHAPE["vocab_size"], (1, context), generator=torch.Generator().manual_seed(1)
         ).to(device)
-        models = [("standard", None), ("standard", "stock")]
-        models += [("focus", k) for k in args.top_k] + [("standard", "floor")]
+        # (attention, top-k, cache): "stock" transformers' own layers, "static" graphed steps,
+        # "floor" the standard model's step over the window's keys alone (below)
+        models = [("standard", 1, None), ("standard", 1, "stock")]
+        models += [("focus", k, None) for k in args.top_k]
+        if args.static:
+            models += [("standard", 1, "static")] + [("focus", k, "static") for k in args.top_k]
+        models += [("standard", 1, "floor")]
         runs = {key: [] for key in models}
         for _ in range(args.repeats):  # interleaved, so the machine's noise falls on all
-            for name, k in models:
-                runs[(name, k)].append(
+            for name, k, kind in models:
+                runs[(name, k, kind)].append(
                     run(
-                        model(name, k if isinstance(k, int) else 1, context, device, dtype),
-                        # "floor": the standard model's step with attention over the window's
-                        # keys alone, what a sparse rule's step costs at least
-                        tokens[:, : SHAPE["focus_window"]] if k == "floor" else tokens,
+                        model(name, k, context, device, dtype),
+                        # the floor: what a sparse rule's step costs at least
+                        tokens[:, : SHAPE["focus_window"]] if kind == "floor" else tokens,
                         args.prefill_chunk,
                         args.steps,
-                        stock=k == "stock",
+                        kind,
                     )
                 )
         measured = {key: median_run(each) for key, each in runs.items()}
-        floor, base = measured.pop(("standard", "floor")), measured[("standard", None)]
+        floor, base = measured.pop(("standard", 1, "floor")), measured[("standard", 1, None)]
         bound = floor["decode_tok_s"] / base["decode_tok_s"]
         floor_step, base_step = 1 / floor["decode_tok_s"], 1 / base["decode_tok_s"]
-        for (name, k), row in measured.items():
+        for (name, k, kind), row in measured.items():
             ideal = 1.0 if name == "standard" else 1 / kept_share(context, k)
             # a step that pays the floor and reads only the kept keys, at the standard's cost
-            kept_bound = (
+            kept_bound = (  # not a static cache's step, which reads every slot
                 None
-                if name == "standard"
+                if name == "standard" or kind == "static"
                 else base_step / (floor_step + (base_step - floor_step) * kept_keys(context, k))
             )
             prefill_speedup = base["prefill_s"] / row["prefill_s"]
             rows.append(
                 {
                     "context": context,
-                    "model": {None: name, "stock": "standard, stock cache"}.get(
-                        k, f"focus sparse top-{k}"
-                    ),
+                    "model": (name if name == "standard" else f"focus sparse top-{k}")
+                    + {None: "", "stock": ", stock cache", "static": ", static, graph"}[kind],
                     **row,
                     "prefill_speedup": prefill_speedup,
                     "ideal_speedup": ideal,
@@ -197,14 +234,14 @@ def main() -> None:
                 }
             )
     print(
-        f"{'context':>8} {'model':<22} {'prefill s':>10} {'x std':>6} {'ideal':>6} "
+        f"{'context':>8} {'model':<34} {'prefill s':>10} {'x std':>6} {'ideal':>6} "
         f"{'of ideal':>8} {'decode tok/s':>13} {'x std':>6} {'bound':>6} {'kept bd':>7} "
         f"{'cache MB':>9}"
     )
     for r in rows:
         kept_bound = "" if r["decode_kept_bound"] is None else f"{r['decode_kept_bound']:.2f}"
         print(
-            f"{r['context']:>8} {r['model']:<22} {r['prefill_s']:>10.2f} "
+            f"{r['context']:>8} {r['model']:<34} {r['prefill_s']:>10.2f} "
             f"{r['prefill_speedup']:>6.2f} {r['ideal_speedup']:>6.1f} {r['of_ideal']:>8.0%} "
             f"{r['decode_tok_s']:>13.1f} {r['decode_speedup']:>6.2f} {r['decode_bound']:>6.2f} "
             f"{kept_bound:>7} {r['cache_mb']:>9.1f}"
@@ -216,6 +253,7 @@ def main() -> None:
             "steps": args.steps,
             "repeats": args.repeats,
             "device": args.device,
+            "static": args.static,
         }
         with open(args.json, "w") as f:
             json.dump({**config, "dtype": args.dtype, "rows": rows}, f, indent=1)

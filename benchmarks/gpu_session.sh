@@ -21,6 +21,8 @@
 #              in one call, so that Focus's takes the fused sparse kernel) and decoding at 4K
 #              and 32K tokens of context, bf16 (benchmarks/focus_generate.py)
 #   tests      the rest of tests/test_gpu.py and the HF model's attention backends
+#   graphs     the same models with a StaticCache, each decoding step one CUDA graph
+#              (torch.compile "reduce-overhead"), beside their eager steps, at 8K tokens
 #   e2e-*      the product end to end on CUDA (benchmarks/end_to_end.py), if time is left
 #
 # On a machine without network, first `bash benchmarks/gpu_wheels.sh` where there is network,
@@ -82,6 +84,7 @@ if [ "$REHEARSAL" = 1 ]; then  # the same steps, sized for a CPU
     PROFILE=(--seq-lengths 512 --groups 4 --top-k 1 --shapes 2x32 --repeats 1)
     RECIPE=(--smoke --iters 3 --warmup 1)
     GENERATE=(--tiny --device cpu)
+    GRAPHS=(--tiny --device cpu --top-k 1 --static)
 else
     KERNELS=()
     FIT=(--device --gqa 1 4 --gates log)
@@ -90,6 +93,7 @@ else
     PROFILE=(--dtype bf16 --groups 8 --top-k 1 --shapes 32x128 --seq-lengths 8192 32768 --repeats 1)
     RECIPE=(--model 0.7b --iters 5 --warmup 3)
     GENERATE=(--device cuda --dtype bf16 --contexts 4096 32768 --prefill-chunk 32768)
+    GRAPHS=(--device cuda --dtype bf16 --contexts 8192 --prefill-chunk 8192 --top-k 1 --static)
 fi
 
 # the image's torch within setup.py's range, and Triton for the fused kernels: else stop here
@@ -118,6 +122,7 @@ part generate 40 python3 benchmarks/focus_generate.py "${GENERATE[@]}" --json "$
 part tests 120 python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/test_gpu.py \
     -k "not rope_gqa_model_on_the_fused_kernels" \
     "tests/hf/test_hf.py::test_attention_backends_compute_what_eager_computes"
+part graphs 120 python3 benchmarks/focus_generate.py "${GRAPHS[@]}" --json "$OUT/graphs.json"
 part e2e-focus-xsa 100 python3 benchmarks/end_to_end.py --attention focus+xsa "${E2E[@]}" \
     --json "$OUT/e2e-focus-xsa.json"
 

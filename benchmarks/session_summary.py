@@ -118,8 +118,23 @@ def generate(result: dict) -> str:
     )
 
 
+def graphs(result: dict) -> str:
+    """Each model's decoding step as one graph (a StaticCache) against its eager step, at the
+    longest context."""
+    longest = max(r["context"] for r in result["rows"])
+    rows = {r["model"]: r for r in result["rows"] if r["context"] == longest}
+    return f"at {longest} tokens, decoding: " + ", ".join(
+        f"{name.removesuffix(', static, graph')} {r['decode_tok_s']:.0f} tok/s, "
+        f"{r['decode_tok_s'] / rows[name.removesuffix(', static, graph')]['decode_tok_s']:.2f}x "
+        f"eager"
+        for name, r in rows.items()
+        if name.endswith(", static, graph")
+    )
+
+
 HEADLINES = {
     "generate": generate,
+    "graphs": graphs,
     "fit": fit,
     "kernels": kernels,
     "e2e": e2e,

@@ -447,3 +447,25 @@ def test_exported_models_sparse_prefill_on_the_fused_kernel_equals_its_own_path(
         own_tokens = model.generate(ids[:1], max_new_tokens=8, do_sample=False)
     torch.testing.assert_close(fused, own, rtol=5e-2, atol=5e-2)
     assert tokens.shape == own_tokens.shape == (1, 308)
+
+
+@pytest.mark.parametrize("mode", ["sparse", "soft"])
+def test_exported_models_decoding_steps_as_cuda_graphs_equal_the_eager_steps(monkeypatch, mode):
+    """generate() with a StaticCache on a GPU compiles its decoding step as transformers does
+    by default (inductor, "reduce-overhead": CUDA graphs), none skipped: the tokens and scores
+    of the eager default cache."""
+    import os
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "hf"))
+    from test_static_cache import _generate, _model, _prompt
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = _model().cuda()
+    ids, mask = (t.cuda() for t in _prompt())
+    graphed = _generate(model, ids, mask, focus_attention_mode=mode, cache_implementation="static")
+    eager = _generate(model, ids, mask, focus_attention_mode=mode)
+    assert not torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+    assert torch.equal(graphed.sequences, eager.sequences)
+    for a, b in zip(graphed.scores, eager.scores):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)

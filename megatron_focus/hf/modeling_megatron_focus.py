@@ -11,7 +11,9 @@ An attention variant is a subclass of `Attention` that overrides `route` (what i
 layer's input besides q, k, v), `attend` (which pairs a query sees) or `project` (what a head
 outputs from them), as the native `CoreAttention` does; XSA overrides `project`, Focus `route` and
 `attend`. `generate()` keeps keys and values in a `DynamicCache`, whose entries grow in place
-(`AppendingLayer`; with `sliding_window`, transformers' window layer); XSA needs only the value of
+(`AppendingLayer`; with `sliding_window`, transformers' window layer), or, asked
+(`cache_implementation="static"`), in a StaticCache's fixed slots, Focus's routing beside them
+(`FocusStaticLayer`), so that a decoding step is one compiled graph; XSA needs only the value of
 each new token itself, which is computed in the same step.
 
 Focus (megatron_focus/model/focus/{sinkhorn,focus,focus_gate}.py): the router's causal Sinkhorn
@@ -37,7 +39,7 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticCache, StaticLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -312,10 +314,9 @@ def rank_groups(log_g):
     return torch.sort(log_g, dim=-1, descending=True, stable=True).indices
 
 
-def local_pairs(queries: int, keys: int, window: int, device):
-    """`[queries, keys]`: key j within the window of query i, i - w < j (the last queries)."""
-    q_pos = torch.arange(keys - queries, keys, device=device)
-    return (q_pos[:, None] - torch.arange(keys, device=device)[None, :]) < window
+def local_pairs(query_pos: torch.Tensor, keys: int, window: int):
+    """`[queries, keys]`: key j within the window of the query at position i, i - w < j."""
+    return (query_pos[:, None] - torch.arange(keys, device=query_pos.device)[None, :]) < window
 
 
 def soft_gate(log_g_q, log_g_k, local, gate_scale: float):
@@ -510,6 +511,20 @@ def decoding_rule_attention(q, k, v, position, groups_q, buckets, window, top_k)
                 )
                 merge_into(out[row], lse[row], slice(None), part_out[0], part_lse[0])
     return out.to(q.dtype)
+
+
+def slot_rule_pairs(pairs, chosen, key_bucket, window: int, sinks: int) -> torch.Tensor:
+    """`[b, 1, s, slots]`: the pairs the hard rule keeps over a static cache's slots, as one
+    mask: a key in the query's window, or in the sinks' bucket, or whose top-1 group is among
+    the query's `chosen` `[b, s, top_k]`; `key_bucket` `[b, slots]` each slot's bucket
+    (`KeyBuckets`' numbering, -1 none). Fixed shapes, no host read: a decoding step's graph."""
+    slots = key_bucket.shape[1]
+    buckets = torch.arange(sinks + 1, device=chosen.device)
+    asked = (chosen[..., None] == buckets).any(-2) | (buckets == sinks)  # [b, s, K + 1]
+    index = key_bucket.clamp_min(0)[:, None].expand(-1, chosen.shape[1], -1)
+    distant = asked.gather(2, index) & (key_bucket >= 0)[:, None]
+    near = local_pairs(pairs.query_pos, slots, window)
+    return pairs.dense(slots) & (near | distant)[:, None]
 
 
 def fused_sparse_kernel(q):
@@ -876,16 +891,20 @@ def focus_cache_layer(cache: Cache, layer_idx: int, config) -> FocusCacheLayer:
     (in sparse mode, its keys by group). A cache filled in one mode cannot go on in the other."""
     mode = config.focus_attention_mode
 
-    def make():
+    def make(static=None):
+        if static is not None:
+            return FocusStaticLayer(static.max_cache_len, mode)
         if mode == "sparse":
             return FocusSparseCacheLayer(config.focus_groups, config.focus_window)
         return FocusCacheLayer()
 
     layer = cache_layer(cache, layer_idx, make)
+    if type(layer) is StaticLayer and not layer.is_initialized:  # a StaticCache's stock entry
+        layer = cache.layers[layer_idx] = make(layer)
     if not getattr(layer, "keeps_focus_routing", False):  # duck-typed: see FocusCacheLayer
         raise ValueError(
-            f"Focus layer {layer_idx} needs a DynamicCache entry to keep its routing "
-            f"state, not {type(layer).__name__} (use the default cache_implementation)"
+            f"Focus layer {layer_idx} needs a DynamicCache or StaticCache entry to keep "
+            f"its routing state, not {type(layer).__name__}"
         )
     if layer.mode == mode:
         return layer
@@ -894,8 +913,84 @@ def focus_cache_layer(cache: Cache, layer_idx: int, config) -> FocusCacheLayer:
             f"this cache holds Focus layer {layer_idx}'s keys for {layer.mode} mode; "
             f"{mode} mode needs a new cache (generate() makes one)"
         )
-    cache.layers[layer_idx] = make()
+    cache.layers[layer_idx] = make(layer if isinstance(layer, FocusStaticLayer) else None)
     return cache.layers[layer_idx]
+
+
+# a fresh static Focus entry's routing state, per name: no Sinkhorn mass, no bucket
+_STATIC_FILL = {"sums": float("-inf"), "log_g": 0.0, "bucket": -1}
+
+
+class FocusStaticLayer(StaticLayer):
+    """A Focus layer's entry in a StaticCache (`focus_cache_layer` puts it in the stock
+    entry's place): keys and values in `max_cache_len` slots, as transformers' StaticLayer,
+    and per slot the routing state its mode reads: the causal Sinkhorn's running sums and,
+    soft, the log-assignments; sparse, the key's bucket (`KeyBuckets`' numbering: its top-1
+    group, the sinks', -1 none).
+
+    Every tensor keeps its shape and address and is written in place at the new tokens'
+    slots, so a decoding step is one compiled graph, replayed (CUDA graphs) at every step. The
+    price is the static cache's: a step reads every slot (sparse mode as one mask over them,
+    `slot_rule_pairs`), where `FocusSparseCacheLayer` reads its groups' keys alone.
+    """
+
+    keeps_focus_routing = True  # duck-typed, as FocusCacheLayer
+
+    def __init__(self, max_cache_len: int, mode: str, **kwargs):
+        super().__init__(max_cache_len=max_cache_len, **kwargs)
+        self.mode, self.state = mode, {}
+
+    def slots(self, s: int, device) -> torch.Tensor:
+        """The slots (positions) of the next `s` tokens."""
+        return torch.arange(s, device=device) + self.cumulative_length.to(device)
+
+    def routing_prefix(self, first: torch.Tensor):
+        """`[b, iters, K]`: the running log-sums before slot `first` (-inf at slot 0); None
+        before any token was routed."""
+        sums = self.state.get("sums")
+        if sums is None:
+            return None
+        before = sums.index_select(1, (first - 1).clamp_min(0).reshape(1))[:, 0]
+        return torch.where(first > 0, before, float("-inf"))
+
+    def update_routing(self, slots: torch.Tensor, **state) -> dict:
+        """Writes the new tokens' state (each `[b, s, ...]`) at `slots`; returns every slot's."""
+        for name, new in state.items():
+            if name not in self.state:
+                held = new.new_full((new.shape[0], self.max_cache_len, *new.shape[2:]),
+                                    _STATIC_FILL[name])  # fmt: skip
+                if not torch.compiler.is_compiling():  # a fixed address: no recompile, graphs
+                    torch._dynamo.mark_static_address(held)
+                self.state[name] = held
+            self.state[name].index_copy_(1, slots, new)
+        return self.state
+
+    def reset(self):
+        super().reset()
+        for name, held in self.state.items():
+            held.fill_(_STATIC_FILL[name])
+
+    def reorder_cache(self, beam_idx):
+        super().reorder_cache(beam_idx)
+        for name, held in self.state.items():
+            self.state[name] = held.index_select(0, beam_idx.to(held.device))
+
+
+# transformers whose StaticLayer counts its own tokens (5): a static cache needs no positions
+STATIC_COUNTS_TOKENS = hasattr(StaticLayer(max_cache_len=1), "cumulative_length")
+
+
+def static_slots(cache: StaticCache, config: MegatronFocusConfig) -> int:
+    """How many slots a static cache holds; refused where its slots are not positions."""
+    if not STATIC_COUNTS_TOKENS:
+        raise ValueError(
+            f"a static cache needs transformers 5 (this is {transformers.__version__}); use "
+            f"the default cache_implementation"
+        )
+    if config.sliding_window is not None:
+        raise ValueError("a static cache with sliding_window is not supported; use the default "
+                         "cache_implementation")  # fmt: skip
+    return cache.get_max_length()
 
 
 class FocusAttention(Attention):
@@ -916,6 +1011,8 @@ class FocusAttention(Attention):
         b, s, _ = x.shape
         config = self.config
         layer = focus_cache_layer(cache, self.layer_idx, config) if cache is not None else None
+        if isinstance(layer, FocusStaticLayer):
+            return self.route_into_slots(x, layer, attention_mask)
         past = layer.get_seq_length() if layer is not None else 0
         keep = None
         if attention_mask is not None:  # padding (the model drops a mask of ones)
@@ -959,11 +1056,62 @@ class FocusAttention(Attention):
         )
         return (log_g, groups), (cached["log_g"], cached["groups"]), sinks
 
+    def route_into_slots(self, x, layer: FocusStaticLayer, attention_mask):
+        """`route` with a static cache: the same state, written at the tokens' slots, and, in
+        sparse mode, every slot's bucket in the buckets' place (`attend` masks by them).
+        `attention_mask` covers every slot (the model pads it)."""
+        b, s, _ = x.shape
+        config = self.config
+        slots = layer.slots(s, x.device)
+        real = None if attention_mask is None else attention_mask.bool()  # [b, slots]
+        keep = None if real is None else real[:, slots]  # these tokens'
+        log_g, sums = causal_sinkhorn(
+            self.router(x), config.focus_sinkhorn_iters, keep, layer.routing_prefix(slots[0])
+        )
+        groups = rank_groups(log_g)
+        every = torch.arange(layer.max_cache_len, device=x.device)[None]
+        sinks = (  # which slots are sinks: the first tokens, padding not counted
+            every < config.focus_sink_tokens
+            if real is None
+            else real & (real.long().cumsum(-1) <= config.focus_sink_tokens)
+        )
+        if config.focus_attention_mode == "sparse":
+            bucket = groups[..., 0].masked_fill(sinks[:, slots], config.focus_groups)
+            if keep is not None:
+                bucket = bucket.masked_fill(~keep, -1)
+            state = layer.update_routing(slots, sums=sums, bucket=bucket)
+            return groups, state["bucket"], None
+        state = layer.update_routing(slots, sums=sums, log_g=log_g)
+        return (log_g, groups), (state["log_g"], None), sinks
+
+    def attend_filled_slots(self, q, k, v, pairs, groups_q, bucket):
+        """A prompt or chunk into a static cache, run eagerly: the sparse rule's own parts (the
+        fused kernel on a GPU) over the slots filled so far, their keys bucketed as a dynamic
+        cache holds them, where a slot mask would cost every query every slot."""
+        s = q.shape[2]
+        end = int(pairs.query_pos[-1]) + 1
+        past = end - s
+        real = None if pairs.real is None else pairs.real[:, :end]
+        real = None if real is None or real.all() else real
+        buckets = KeyBuckets(self.config.focus_groups)
+        if past:
+            positions = torch.arange(past, device=k.device)
+            buckets.append(k[:, :, :past], v[:, :, :past], positions, bucket[:, :past])
+        filled = CausalPairs(s, past, real, q.device)
+        routing = (groups_q, bucket[:, past:end], buckets)
+        return self.attend(q, k[:, :, :end], v[:, :, :end], filled, routing)
+
     def attend(self, q, k, v, pairs, routing=None):
         config = self.config
         check_focus_inference(config)
         if config.focus_attention_mode == "sparse":
             groups_q, bucket, buckets = routing
+            if buckets is None:  # a static cache's slots: `bucket` is every slot's
+                if q.shape[2] > 1 and not torch.compiler.is_compiling():
+                    return self.attend_filled_slots(q, k, v, pairs, groups_q, bucket)
+                keep = slot_rule_pairs(pairs, groups_q[..., : config.focus_top_k], bucket,
+                                       config.focus_window, config.focus_groups)  # fmt: skip
+                return self.softmax_attention(q, k, v, additive(keep, q.dtype))
             s = q.shape[2]
             buckets.append(k[:, :, -s:], v[:, :, -s:], pairs.query_pos, bucket)
             whole_prompt = s > 1 and pairs.keys == s and pairs.real is None
@@ -975,9 +1123,7 @@ class FocusAttention(Attention):
             )
         (log_g_q, groups_q), (log_g_k, groups_k), sinks = routing
         # local pairs: the window, and every query's sinks (as the native rule's)
-        local = (
-            local_pairs(q.shape[2], k.shape[2], config.focus_window, q.device) | sinks[:, None, :]
-        )
+        local = local_pairs(pairs.query_pos, k.shape[2], config.focus_window) | sinks[:, None, :]
         mask = pairs.dense(k.shape[2])
         if config.focus_gate == "sigmoid":  # a factor on the logits: explicit scores, any backend
             rep = q.shape[1] // k.shape[1]
@@ -1100,23 +1246,41 @@ class MegatronFocusModel(MegatronFocusPreTrainedModel):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
-        past = cache.get_seq_length() if cache is not None else 0
+        past = cache.get_seq_length() if cache is not None else 0  # a tensor in a static one
         b, s = x.shape[:2]
         if position_ids is None:
-            position_ids = torch.arange(past, past + s, device=x.device).expand(b, s)
+            position_ids = (torch.arange(s, device=x.device) + past).expand(b, s)
         if self.config.position_embedding_type == "learned_absolute":
             x = x + self.embed_positions(position_ids)
         rope = None
         if self.config.position_embedding_type == "rope":
             rope = rotary(position_ids, self.config, x.dtype)
-        if attention_mask is not None and attention_mask.all():
+        slots = None
+        if isinstance(cache, StaticCache):  # keys in fixed slots: a mask over all of them
+            slots = static_slots(cache, self.config)
+            attention_mask = every_slot(attention_mask, slots)
+        elif attention_mask is not None and attention_mask.all():
             attention_mask = None  # no padding (generate() passes ones): no layer reads it
-        pairs = CausalPairs(s, past, attention_mask, x.device, self.config.sliding_window)
+        pairs = CausalPairs(s, past, attention_mask, x.device, self.config.sliding_window, slots)
         for layer in self.layers:
             x = layer(x, rope, pairs, cache if use_cache else None, attention_mask)
         return BaseModelOutputWithPast(
             last_hidden_state=self.norm(x), **{CACHE_FIELD: cache if use_cache else None}
         )
+
+
+def every_slot(attention_mask, slots: int):
+    """A 2D padding mask `[b, tokens]` over a static cache's `slots`: the slots past the tokens
+    kept as ones (causality leaves them out), so that every decoding step's mask has one
+    shape."""
+    if attention_mask is None or attention_mask.shape[-1] == slots:
+        return attention_mask
+    if attention_mask.dim() != 2 or attention_mask.shape[-1] > slots:
+        raise ValueError(
+            f"attention_mask of shape {tuple(attention_mask.shape)}: this model takes a 2D "
+            f"padding mask of at most the static cache's {slots} slots"
+        )
+    return F.pad(attention_mask, (0, slots - attention_mask.shape[-1]), value=1)
 
 
 def one_cache(cache, kwargs: dict):
@@ -1138,9 +1302,9 @@ class CausalPairs:
     whole `[s, past + s]` mask; `dense` builds it, once, for the layers that take one.
     """
 
-    def __init__(self, s: int, past: int, attention_mask, device, window=None):
-        self.keys = past + s
-        self.query_pos = torch.arange(past, self.keys, device=device)
+    def __init__(self, s: int, past, attention_mask, device, window=None, slots=None):
+        self.keys = past + s if slots is None else slots  # a static cache's: every slot
+        self.query_pos = torch.arange(s, device=device) + past
         self.window = window
         self.real = None if attention_mask is None else attention_mask[:, -self.keys :].bool()
         self._dense = self._additive = None
@@ -1207,6 +1371,13 @@ class MegatronFocusForCausalLM(MegatronFocusPreTrainedModel, GenerationMixin):
             return super().generate(*args, **kwargs)
         finally:
             self.config.focus_attention_mode, self.config.focus_top_k = previous
+
+    def create_masks_for_generate(self, config, attention_mask=None, **kwargs):
+        """The mask generate() hands a step with a static cache (transformers' would be 4D):
+        the 2D padding mask over the cache's slots, which the model reads itself, of one
+        shape at every step."""
+        cache = one_cache(kwargs.get("cache"), dict(kwargs))
+        return every_slot(attention_mask, static_slots(cache, config))
 
     def forward(
         self,

@@ -393,6 +393,18 @@ def test_routing_state_follows_beam_search_and_crop(mode):
     torch.testing.assert_close(again, whole[:, 15:], rtol=0, atol=1e-5)
 
 
+@pytest.mark.skipif(
+    int(__import__("transformers").__version__.split(".")[0]) >= 5,
+    reason="transformers 5 generates with a static cache (tests/hf/test_static_cache.py)",
+)
+def test_a_static_cache_is_refused_clearly_under_transformers_4():
+    """Its StaticLayer takes positions this model does not pass: refused before any compute."""
+    model = _every_variant_model().eval()
+    with pytest.raises(ValueError, match="static cache needs transformers 5"):
+        model.generate(TOKENS[:1, :6] % 200, max_new_tokens=2, do_sample=False,
+                       cache_implementation="static")  # fmt: skip
+
+
 @pytest.mark.parametrize("mode", ["soft", "sparse"])
 def test_assisted_generation_crops_to_greedy(mode, monkeypatch):
     """Prompt-lookup decoding drafts tokens and crops the rejected ones from the cache (in
