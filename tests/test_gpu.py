@@ -469,3 +469,49 @@ def test_exported_models_decoding_steps_as_cuda_graphs_equal_the_eager_steps(mon
     assert torch.equal(graphed.sequences, eager.sequences)
     for a, b in zip(graphed.scores, eager.scores):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sparse_decoding_kernel_on_gpu_equals_the_dense_hard_rule(monkeypatch, dtype):
+    """The static cache's decoding step (triton_decode.py) compiled for this GPU, every layout
+    case of its interpreter test, against the float64 rule."""
+    import os
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "model"))
+    from test_triton_decode import CASES, _dense_rule, _static_cache
+
+    for name, case in CASES.items():
+        inputs = _static_cache(case, dtype, torch.Generator().manual_seed(len(name)))
+        inputs = tuple(t.cuda() if torch.is_tensor(t) else t for t in inputs)
+        q, k, v, bucket, chosen, position, window, groups = inputs
+        out = torch.ops.megatron_focus.slot_decode(q, k, v, bucket, chosen, position, window,
+                                                   groups, q.shape[-1] ** -0.5)  # fmt: skip
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.double(), _dense_rule(*inputs), rtol=tolerance,
+                                   atol=tolerance, msg=name)  # fmt: skip
+
+
+def test_exported_models_bf16_decoding_graph_takes_the_sparse_kernel(monkeypatch):
+    """bf16 on a GPU with megatron-focus: each graphed decoding step takes the kernel that
+    reads the kept slots alone; its logits are the slot mask's (bf16's rounding differs)."""
+    import os
+
+    from megatron_focus.hf import modeling_megatron_focus as hf
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "hf"))
+    from test_static_cache import _generate, _model, _prompt
+
+    torch._dynamo.reset()
+    model = _model().cuda().to(torch.bfloat16)
+    ids, mask = (t.cuda() for t in _prompt())
+    assert hf.slot_decode_kernel(torch.zeros(1, 4, 1, 16, device="cuda", dtype=torch.bfloat16))
+    graphed = _generate(model, ids, mask, focus_attention_mode="sparse",
+                        cache_implementation="static")  # fmt: skip
+    monkeypatch.setattr(hf, "slot_decode_kernel", lambda q: None)
+    masked = _generate(model, ids, mask, focus_attention_mode="sparse",
+                       cache_implementation="static", disable_compile=True)  # fmt: skip
+    # the prompt is the same eager path in both: the first step reads the same cache
+    assert torch.equal(
+        graphed.sequences[:, : ids.shape[1] + 1], masked.sequences[:, : ids.shape[1] + 1]
+    )
+    torch.testing.assert_close(graphed.scores[1], masked.scores[1], rtol=5e-2, atol=5e-2)

@@ -527,19 +527,35 @@ def slot_rule_pairs(pairs, chosen, key_bucket, window: int, sinks: int) -> torch
     return pairs.dense(slots) & (near | distant)[:, None]
 
 
-def fused_sparse_kernel(q):
-    """megatron-focus's fused sparse Focus kernel (Triton), where that package is installed and
-    q's GPU, head dim and dtype have a tile for it; else None (this file's own path). A prompt's
-    prefill is then the native model's few launches, where `sparse_rule_attention` takes
-    several per group and block."""
+def _focus_kernels(q):
+    """megatron-focus's kernel choices (megatron_focus/model/kernels/kernels.py) for q on a
+    GPU, where that package is installed; else None."""
     if q.device.type != "cuda":
         return None
     try:
         from megatron_focus.model.kernels import kernels
     except ImportError:
         return None
-    kernel = kernels.sparse(q.device, q.shape[-1], q.dtype)
-    return kernel if kernel.fused else None
+    return kernels
+
+
+def fused_sparse_kernel(q):
+    """megatron-focus's fused sparse Focus kernel (Triton), where that package is installed and
+    q's GPU, head dim and dtype have a tile for it; else None (this file's own path). A prompt's
+    prefill is then the native model's few launches, where `sparse_rule_attention` takes
+    several per group and block."""
+    kernels = _focus_kernels(q)
+    kernel = kernels.sparse(q.device, q.shape[-1], q.dtype) if kernels is not None else None
+    return kernel if kernel is not None and kernel.fused else None
+
+
+def slot_decode_kernel(q):
+    """megatron-focus's decoding step over a static cache's slots (a Triton kernel, a torch op
+    torch.compile keeps in the step's graph), where that package is installed and q's GPU,
+    head dim and dtype have a tile for it; else None (`slot_rule_pairs`' mask). It reads the
+    kept slots' keys alone, where the mask's attention reads every slot."""
+    kernels = _focus_kernels(q)
+    return kernels.slot_decode(q.device, q.shape[-1], q.dtype) if kernels is not None else None
 
 
 def fused_rule_attention(q, k, v, groups_q, config, kernel):
@@ -939,6 +955,7 @@ class FocusStaticLayer(StaticLayer):
     def __init__(self, max_cache_len: int, mode: str, **kwargs):
         super().__init__(max_cache_len=max_cache_len, **kwargs)
         self.mode, self.state = mode, {}
+        self.step_kernel = None  # sparse: `slot_decode_kernel`'s, chosen by an eager call
 
     def slots(self, s: int, device) -> torch.Tensor:
         """The slots (positions) of the next `s` tokens."""
@@ -1057,8 +1074,8 @@ class FocusAttention(Attention):
         return (log_g, groups), (cached["log_g"], cached["groups"]), sinks
 
     def route_into_slots(self, x, layer: FocusStaticLayer, attention_mask):
-        """`route` with a static cache: the same state, written at the tokens' slots, and, in
-        sparse mode, every slot's bucket in the buckets' place (`attend` masks by them).
+        """`route` with a static cache: the same state, written at the tokens' slots; in sparse
+        mode every slot's bucket and, in the buckets' place, the layer.
         `attention_mask` covers every slot (the model pads it)."""
         b, s, _ = x.shape
         config = self.config
@@ -1080,9 +1097,26 @@ class FocusAttention(Attention):
             if keep is not None:
                 bucket = bucket.masked_fill(~keep, -1)
             state = layer.update_routing(slots, sums=sums, bucket=bucket)
-            return groups, state["bucket"], None
+            return groups, state["bucket"], layer
         state = layer.update_routing(slots, sums=sums, log_g=log_g)
         return (log_g, groups), (state["log_g"], None), sinks
+
+    def attend_slots(self, q, k, v, pairs, groups_q, bucket, layer: FocusStaticLayer):
+        """The hard rule over a static cache's slots. Eagerly (a prompt, a chunk, a step outside
+        a graph) the kernel for later steps is chosen, and a prompt or chunk takes
+        `attend_filled_slots`; a step takes that kernel, or one mask over the slots."""
+        config = self.config
+        chosen = groups_q[..., : config.focus_top_k]
+        if not torch.compiler.is_compiling():
+            layer.step_kernel = slot_decode_kernel(q)
+            if q.shape[2] > 1:
+                return self.attend_filled_slots(q, k, v, pairs, groups_q, bucket)
+        if q.shape[2] == 1 and layer.step_kernel is not None:
+            return layer.step_kernel(q, k, v, bucket, chosen[:, 0], pairs.query_pos,
+                                     config.focus_window, config.focus_groups,
+                                     q.shape[-1] ** -0.5)  # fmt: skip
+        keep = slot_rule_pairs(pairs, chosen, bucket, config.focus_window, config.focus_groups)
+        return self.softmax_attention(q, k, v, additive(keep, q.dtype))
 
     def attend_filled_slots(self, q, k, v, pairs, groups_q, bucket):
         """A prompt or chunk into a static cache, run eagerly: the sparse rule's own parts (the
@@ -1106,12 +1140,8 @@ class FocusAttention(Attention):
         check_focus_inference(config)
         if config.focus_attention_mode == "sparse":
             groups_q, bucket, buckets = routing
-            if buckets is None:  # a static cache's slots: `bucket` is every slot's
-                if q.shape[2] > 1 and not torch.compiler.is_compiling():
-                    return self.attend_filled_slots(q, k, v, pairs, groups_q, bucket)
-                keep = slot_rule_pairs(pairs, groups_q[..., : config.focus_top_k], bucket,
-                                       config.focus_window, config.focus_groups)  # fmt: skip
-                return self.softmax_attention(q, k, v, additive(keep, q.dtype))
+            if isinstance(buckets, FocusStaticLayer):  # a static cache: every slot's bucket
+                return self.attend_slots(q, k, v, pairs, groups_q, bucket, buckets)
             s = q.shape[2]
             buckets.append(k[:, :, -s:], v[:, :, -s:], pairs.query_pos, bucket)
             whole_prompt = s > 1 and pairs.keys == s and pairs.real is None

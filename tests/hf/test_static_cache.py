@@ -140,6 +140,45 @@ def test_a_decoding_step_is_one_graph(mode):
     _assert_same(compiled, _generate(model, ids, mask, focus_attention_mode=mode))
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "one-graph"])
+def test_decoding_steps_by_megatron_focus_kernel(monkeypatch, compiled):
+    """On a GPU with megatron-focus installed a sparse step takes its Triton kernel
+    (triton_decode.py, here interpreted), which reads the kept slots alone: the default cache's
+    tokens and scores, eagerly and as one compiled graph for every step."""
+    from interpreted import skip_unless_kernels_run
+
+    skip_unless_kernels_run()
+    from megatron_focus.model.kernels import triton_decode
+
+    hf, calls, graphs = _hf(), [], []
+
+    def kernel(q, *args):  # counted where it runs eagerly (a graph would guard on the count)
+        calls.append(q.shape)
+        return triton_decode.slot_decode(q, *args)
+
+    step = triton_decode.slot_decode if compiled else kernel
+    monkeypatch.setattr(hf, "slot_decode_kernel", lambda q: step)
+    model = _model()
+    ids, mask = _prompt()
+    kwargs = dict(focus_attention_mode="sparse", cache_implementation="static")
+    if compiled:
+        from transformers import CompileConfig
+
+        def backend(graph_module, inputs):
+            graphs.append(graph_module.code)
+            return graph_module.forward
+
+        torch._dynamo.reset()
+        kwargs["compile_config"] = CompileConfig(fullgraph=True, backend=backend, mode=None)
+        kwargs["compile_config"]._compile_all_devices = True
+    by_kernel = _generate(model, ids, mask, **kwargs)
+    _assert_same(by_kernel, _generate(model, ids, mask, focus_attention_mode="sparse"))
+    if compiled:  # one graph for every step, the kernel in it once per Focus layer
+        assert len(graphs) == 1 and graphs[0].count("megatron_focus.slot_decode") == 2
+    else:  # the steps' alone, both Focus layers
+        assert calls and set(calls) == {(2, 4, 1, 16)}
+
+
 @pytest.mark.parametrize(
     "groups,top_k,window,sink,how",
     [(4, 1, 3, 0, "random"), (4, 2, 5, 2, "coarse"), (8, 3, 2, 1, "duplicated"),

@@ -70,7 +70,7 @@ def test_every_launch_fits_each_architecture(tmp_path, arch):
         "xsa forward", "xsa backward", "sinkhorn forward", "sinkhorn backward",
         "sinkhorn forward (chunk)", "sinkhorn backward (chunk)",
         *(f"sparse {part} {pass_}" for part in ("band", "buckets", "rule")
-          for pass_ in ("forward", "queries", "keys")),
+          for pass_ in ("forward", "queries", "keys")), "decode step",
     }  # fmt: skip
     assert len({r["shape"] for r in rows if r["kernel"] == "gate keys"}) == 12
     assert_all_fit(rows)
@@ -100,7 +100,7 @@ def test_addresses_are_64_bit_where_a_tensor_passes_2_31_elements(tmp_path):
                       "--gates", "log", "--documents", "--tokens", tokens, "--batch", batch,
                       "--kv-heads", kv_heads)  # fmt: skip
     wide = {r["kernel"]: r["wide_addresses"] for r in rows if not r["kernel"].startswith("sink")}
-    assert len(wide) == 18 and all(wide.values()), wide  # gate, chunk, XSA, sparse
+    assert len(wide) == 19 and all(wide.values()), wide  # gate, chunk, XSA, sparse, decode
 
 
 def test_no_tile_is_a_named_fallback_not_an_error_at_the_first_step(monkeypatch):

@@ -358,6 +358,20 @@ def sparse(device: torch.device, head_dim: int, dtype) -> Kernel:
     return lse_attention(device)
 
 
+def slot_decode(device: torch.device, head_dim: int, dtype):
+    """Sparse Focus's decoding step over a static cache's slots: the Triton kernel
+    (triton_decode.py, a torch op) on a GPU where it has a tile (bf16 or fp16, Ampere on, head
+    dim up to 256); else None (the caller's one mask over the slots)."""
+    from megatron_focus.model.kernels import triton_launch
+
+    if device.type == "cuda" and has_triton() and dtype in (torch.bfloat16, torch.float16):
+        if triton_launch.decode_tile(device_capability(device), head_dim) is not None:
+            from megatron_focus.model.kernels import triton_decode
+
+            return triton_decode.slot_decode
+    return None
+
+
 def compiled(device: torch.device) -> bool:
     """FlexAttention and the sparse path's routing compiled on a GPU; eager elsewhere (there
     FlexAttention is a dense evaluation, forward only)."""

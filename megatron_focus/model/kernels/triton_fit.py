@@ -23,6 +23,7 @@ import re
 import torch
 
 from megatron_focus.model.kernels import (
+    triton_decode,
     triton_gate,
     triton_launch,
     triton_sinkhorn,
@@ -332,13 +333,34 @@ def sparse_launches(shape: Shape, capability) -> list:
     return list(zip(names, plan.launches(q, k, v) + whole.launches(q, k, v)))
 
 
+def decode_launches(shape: Shape, capability) -> list:
+    """Sparse Focus's decoding step over a static cache of `shape.tokens` slots, laid out as
+    the HF export's holds it: q a view of the projection, the keys, values and buckets in the
+    cache's buffers, the query's top-k groups a slice of its ranking."""
+    b, kv, rep, d, slots = shape.batch, shape.kv_heads, shape.rep, shape.head_dim, shape.tokens
+    q = torch.empty(b, 1, kv * rep, d, device="meta", dtype=shape.dtype).transpose(1, 2)
+    k, v = (torch.empty(b, kv, slots, d, device="meta", dtype=shape.dtype) for _ in range(2))
+    bucket = torch.empty(b, slots, device="meta", dtype=torch.int64)
+    ranking = torch.empty(b, 1, shape.groups, device="meta", dtype=torch.int64)
+    position = torch.empty(1, device="meta", dtype=torch.int64)
+    chosen = ranking[:, 0, :2]
+    launch, _, _ = triton_decode.plan(
+        q, k, v, bucket, chosen, position, window=128, sinks=shape.groups, scale=0.1,
+        capability=capability,
+    )  # fmt: skip
+    return [("decode step", launch)]
+
+
 def all_launches(shape: Shape, arch: str) -> list:
-    """Every (name, Launch) the kernels make at `shape` on `arch`: the gate's where its table
-    has a tile (else none: the kernel choice falls back), XSA's and the Sinkhorn's always."""
+    """Every (name, Launch) the kernels make at `shape` on `arch`: the gate's and sparse
+    Focus's (its decoding step's with them) where their tables have a tile (else none: the
+    kernel choice falls back), XSA's and the Sinkhorn's always."""
     capability = (TARGETS[arch] // 10, TARGETS[arch] % 10)
     launches = xsa_launches(shape, capability) + sinkhorn_launches(shape, capability)
     if triton_launch.sparse_tile("forward", capability, shape.head_dim, shape.dtype) is not None:
-        launches = sparse_launches(shape, capability) + launches
+        launches = (
+            sparse_launches(shape, capability) + decode_launches(shape, capability) + (launches)
+        )
     if triton_launch.gate_tile("forward", capability, shape.head_dim, shape.dtype) is not None:
         launches = gate_launches(shape, capability) + launches
     return launches

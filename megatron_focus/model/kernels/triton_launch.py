@@ -160,6 +160,17 @@ def sparse_tile(pass_: str, capability, head_dim: int, dtype: torch.dtype) -> Ti
     return _tile(by_head_dim[size][SPARSE_PASSES.index(pass_)])
 
 
+def decode_tile(capability, head_dim: int) -> Tile | None:
+    """Sparse Focus's decoding step over a static cache (triton_decode.py): `keys` slots a
+    step, `rows` the fewest stacked query heads (a tensor-core dot's 16); None before Ampere
+    or past head dim 256."""
+    if capability is None:
+        return _INTERPRETED
+    if arch(capability) is None or head_dim > 256:
+        return None
+    return Tile(16, 64 if head_dim <= 128 else 32, 4, 2)
+
+
 _XSA = {64: Tile(64, 0, 4, 1), 128: Tile(32, 0, 4, 1), 256: Tile(16, 0, 4, 1)}  # rows: tokens
 
 
