@@ -997,8 +997,10 @@ class FocusStaticLayer(StaticLayer):
 STATIC_COUNTS_TOKENS = hasattr(StaticLayer(max_cache_len=1), "cumulative_length")
 
 
-def static_slots(cache: StaticCache, config: MegatronFocusConfig) -> int:
-    """How many slots a static cache holds; refused where its slots are not positions."""
+def static_slots(cache: StaticCache, config: MegatronFocusConfig, end=None) -> int:
+    """How many slots a static cache holds; refused where its slots are not positions, or
+    (checked outside a compiled graph, which reads nothing back) fewer than `end`, the tokens
+    it would hold after this call."""
     if not STATIC_COUNTS_TOKENS:
         raise ValueError(
             f"a static cache needs transformers 5 (this is {transformers.__version__}); use "
@@ -1007,7 +1009,11 @@ def static_slots(cache: StaticCache, config: MegatronFocusConfig) -> int:
     if config.sliding_window is not None:
         raise ValueError("a static cache with sliding_window is not supported; use the default "
                          "cache_implementation")  # fmt: skip
-    return cache.get_max_length()
+    slots = cache.get_max_length()
+    if end is not None and not torch.compiler.is_compiling() and int(end) > slots:
+        raise ValueError(f"this static cache holds {slots} tokens; this call would make it "
+                         f"{int(end)} (a larger max_cache_len)")  # fmt: skip
+    return slots
 
 
 class FocusAttention(Attention):
@@ -1278,6 +1284,8 @@ class MegatronFocusModel(MegatronFocusPreTrainedModel):
             cache = DynamicCache(config=self.config)
         past = cache.get_seq_length() if cache is not None else 0  # a tensor in a static one
         b, s = x.shape[:2]
+        static = isinstance(cache, StaticCache)  # keys in fixed slots: a mask over all of them
+        slots = static_slots(cache, self.config, past + s) if static else None
         if position_ids is None:
             position_ids = (torch.arange(s, device=x.device) + past).expand(b, s)
         if self.config.position_embedding_type == "learned_absolute":
@@ -1285,9 +1293,7 @@ class MegatronFocusModel(MegatronFocusPreTrainedModel):
         rope = None
         if self.config.position_embedding_type == "rope":
             rope = rotary(position_ids, self.config, x.dtype)
-        slots = None
-        if isinstance(cache, StaticCache):  # keys in fixed slots: a mask over all of them
-            slots = static_slots(cache, self.config)
+        if static:
             attention_mask = every_slot(attention_mask, slots)
         elif attention_mask is not None and attention_mask.all():
             attention_mask = None  # no padding (generate() passes ones): no layer reads it

@@ -205,6 +205,17 @@ def test_the_slot_mask_is_the_dense_hard_rule(groups, top_k, window, sink, how):
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
 
+def test_a_static_cache_too_short_is_refused_before_any_compute():
+    from transformers import StaticCache
+
+    model = _model()
+    ids, mask = _prompt(n=30)
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    model(ids, attention_mask=mask, cache=cache, use_cache=True)
+    with pytest.raises(ValueError, match="holds 32 tokens; this call would make it 33"):
+        model(ids[:, :3], cache=cache, use_cache=True)
+
+
 def test_a_static_cache_refuses_a_sliding_window_before_any_compute():
     from transformers import StaticCache
 
