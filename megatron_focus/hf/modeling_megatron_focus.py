@@ -945,9 +945,10 @@ class FocusStaticLayer(StaticLayer):
     group, the sinks', -1 none).
 
     Every tensor keeps its shape and address and is written in place at the new tokens'
-    slots, so a decoding step is one compiled graph, replayed (CUDA graphs) at every step. The
-    price is the static cache's: a step reads every slot (sparse mode as one mask over them,
-    `slot_rule_pairs`), where `FocusSparseCacheLayer` reads its groups' keys alone.
+    slots, so a decoding step is one compiled graph, replayed (CUDA graphs) at every step. A
+    sparse step reads the slots the rule keeps alone through megatron-focus's kernel where it
+    runs (`slot_decode_kernel`); elsewhere it pays the static cache's price, every slot read
+    (one mask over them, `slot_rule_pairs`).
     """
 
     keeps_focus_routing = True  # duck-typed, as FocusCacheLayer
