@@ -6,8 +6,8 @@ A static cache keeps keys and values in position order, and beside them each slo
 key's top-1 group, the sinks', -1 none: the HF export's `FocusStaticLayer`). Whether the rule
 keeps a slot (in the query's window, in the sinks' bucket, or in one of its top-k groups) is
 decided from those few bytes before the key's row is read: the row is loaded under that mask, so
-a step reads about window + sinks + top_k / K of the cache's key and value bytes, where one mask
-over every slot (`slot_rule_pairs`) reads them all.
+a step over n cached tokens reads about (window + sinks) / n + top_k / K of their bytes, where
+one mask over every slot (`slot_rule_pairs`) reads them all.
 
 * one program per (sequence, key/value head, run of slots): the query heads sharing the key/value
   head stacked on the tile's rows (at least 16, a tensor-core dot's), the runs split so the GPU
