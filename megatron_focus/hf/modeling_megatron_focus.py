@@ -307,6 +307,12 @@ def log_prefix_sums(log_g, padding=None, prefix=None):
     return sums.log().to(log_g.dtype)
 
 
+def first_real(real: torch.Tensor, count: int) -> torch.Tensor:
+    """`[b, n]`: which tokens are the sinks, each row's first `count` real ones (`real`, padding
+    False), as the native rule counts them."""
+    return real & (real.long().cumsum(-1) <= count)
+
+
 def rank_groups(log_g):
     """`[..., K]` group indices by decreasing assignment, the lowest index first among equals
     (megatron_focus/model/focus/groups.py): a token's top-1 group is the same for every top-k
@@ -1058,10 +1064,8 @@ class FocusAttention(Attention):
                 layer.update_routing(sums=sums)
             buckets = layer.buckets if layer is not None else KeyBuckets(config.focus_groups)
             bucket = groups[..., 0]
-            if keep is not None:  # the first real tokens are the sinks
-                sink = keep & (
-                    attention_mask.long().cumsum(-1)[:, past:] <= config.focus_sink_tokens
-                )
+            if keep is not None:
+                sink = first_real(attention_mask.bool(), config.focus_sink_tokens)[:, past:]
                 bucket = bucket.masked_fill(sink, buckets.sinks).masked_fill(~keep, -1)
             elif past < config.focus_sink_tokens:
                 sink = torch.arange(past, past + s, device=x.device) < config.focus_sink_tokens
@@ -1072,7 +1076,7 @@ class FocusAttention(Attention):
             if attention_mask is not None
             else torch.ones(b, past + s, dtype=torch.bool, device=x.device)
         )
-        sinks = real & (real.long().cumsum(-1) <= config.focus_sink_tokens)
+        sinks = first_real(real, config.focus_sink_tokens)
         cached = (
             layer.update_routing(log_g=log_g, groups=groups, sums=sums)
             if layer is not None
@@ -1087,18 +1091,17 @@ class FocusAttention(Attention):
         b, s, _ = x.shape
         config = self.config
         slots = layer.slots(s, x.device)
-        real = None if attention_mask is None else attention_mask.bool()  # [b, slots]
-        keep = None if real is None else real[:, slots]  # these tokens'
+        keep = None if attention_mask is None else attention_mask.bool()[:, slots]  # these'
         log_g, sums = causal_sinkhorn(
             self.router(x), config.focus_sinkhorn_iters, keep, layer.routing_prefix(slots[0])
         )
         groups = rank_groups(log_g)
-        every = torch.arange(layer.max_cache_len, device=x.device)[None]
-        sinks = (  # which slots are sinks: the first tokens, padding not counted
-            every < config.focus_sink_tokens
-            if real is None
-            else real & (real.long().cumsum(-1) <= config.focus_sink_tokens)
+        real = (  # [b, slots]
+            attention_mask.bool()
+            if attention_mask is not None
+            else torch.ones(b, layer.max_cache_len, dtype=torch.bool, device=x.device)
         )
+        sinks = first_real(real, config.focus_sink_tokens)
         if config.focus_attention_mode == "sparse":
             bucket = groups[..., 0].masked_fill(sinks[:, slots], config.focus_groups)
             if keep is not None:
@@ -1279,14 +1282,14 @@ class MegatronFocusModel(MegatronFocusPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         cache = one_cache(cache, kwargs)
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         past = cache.get_seq_length() if cache is not None else 0  # a tensor in a static one
-        b, s = x.shape[:2]
+        b, s = (input_ids if inputs_embeds is None else inputs_embeds).shape[:2]
         static = isinstance(cache, StaticCache)  # keys in fixed slots: a mask over all of them
         slots = static_slots(cache, self.config, past + s) if static else None
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if position_ids is None:
             position_ids = (torch.arange(s, device=x.device) + past).expand(b, s)
         if self.config.position_embedding_type == "learned_absolute":

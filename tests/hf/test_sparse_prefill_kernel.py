@@ -1,6 +1,7 @@
 """The exported model's sparse prefill through megatron-focus's fused kernel (a GPU's path, here
 run by Triton's interpreter on the CPU): the logits and the greedy tokens of the export's own
-path, the decoding steps after it reading the cache the prefill filled."""
+path, the decoding steps after it reading the cache the prefill filled; which GPU takes it (and
+a static cache's decoding kernel)."""
 
 import pytest
 import torch
@@ -56,26 +57,31 @@ def test_prefill_by_the_fused_kernel_equals_the_exports_own_path(monkeypatch, to
     assert calls[2:] == [(1, 4, 30, 16)] * 2
 
 
-def test_the_kernel_is_taken_on_a_gpu_that_has_its_tiles_only(monkeypatch):
-    """A GPU's choice, with q standing for a CUDA tensor: the fused kernel where Triton has a
-    tile (bf16 on sm_90), none for fp32 or before Ampere, none without megatron-focus, none on
-    the CPU."""
+@pytest.mark.parametrize("choice", ["fused_sparse_kernel", "slot_decode_kernel"])
+def test_the_kernel_is_taken_on_a_gpu_that_has_its_tiles_only(monkeypatch, choice):
+    """A GPU's choice, with q standing for a CUDA tensor: the prefill's fused kernel and a
+    static cache's decoding kernel where Triton has a tile (bf16 on sm_90), none for fp32 or
+    before Ampere, none without megatron-focus, none on the CPU."""
     import sys
     import types
 
     from megatron_focus.hf import modeling_megatron_focus as hf
-    from megatron_focus.model.kernels import kernels
+    from megatron_focus.model.kernels import kernels, triton_decode
+
+    chooser = getattr(hf, choice)
+    expected = {"fused_sparse_kernel": kernels.TRITON_SPARSE,
+                "slot_decode_kernel": triton_decode.slot_decode}[choice]  # fmt: skip
 
     def on_gpu(dtype):
         return types.SimpleNamespace(device=torch.device("cuda"), shape=(1, 4, 8, 64), dtype=dtype)
 
     monkeypatch.setattr(kernels, "has_triton", lambda: True)
     monkeypatch.setattr(kernels, "device_capability", lambda device: (9, 0))
-    assert hf.fused_sparse_kernel(on_gpu(torch.bfloat16)) is kernels.TRITON_SPARSE
-    assert hf.fused_sparse_kernel(on_gpu(torch.float32)) is None
-    assert hf.fused_sparse_kernel(torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16)) is None
+    assert chooser(on_gpu(torch.bfloat16)) is expected
+    assert chooser(on_gpu(torch.float32)) is None
+    assert chooser(torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16)) is None
     monkeypatch.setattr(kernels, "device_capability", lambda device: (7, 5))
-    assert hf.fused_sparse_kernel(on_gpu(torch.bfloat16)) is None
+    assert chooser(on_gpu(torch.bfloat16)) is None
     monkeypatch.setattr(kernels, "device_capability", lambda device: (9, 0))
     monkeypatch.setitem(sys.modules, "megatron_focus.model.kernels", None)  # not installed
-    assert hf.fused_sparse_kernel(on_gpu(torch.bfloat16)) is None
+    assert chooser(on_gpu(torch.bfloat16)) is None

@@ -55,6 +55,21 @@ def _generate(model, ids, mask, **kwargs):
     )  # fmt: skip
 
 
+def _one_graph_config(graphs: list):
+    """generate()'s compile_config: fullgraph on the CPU too, each graph's code into `graphs`
+    (a backend that runs it as traced)."""
+    from transformers import CompileConfig
+
+    def backend(graph_module, inputs):
+        graphs.append(graph_module.code)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    config = CompileConfig(fullgraph=True, backend=backend, mode=None)
+    config._compile_all_devices = True
+    return config
+
+
 def _assert_same(static, dynamic):
     assert torch.equal(static.sequences, dynamic.sequences)
     for a, b in zip(static.scores, dynamic.scores):
@@ -121,21 +136,11 @@ def test_a_decoding_step_is_one_graph(mode):
     """generate()'s own compiled decoding (a compile_config) with fullgraph=True: a host read or
     a shape that moves would break or recompile it; one graph serves every step, and its tokens
     and scores are the eager default cache's."""
-    from transformers import CompileConfig
-
     graphs = []
-
-    def backend(graph_module, inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    torch._dynamo.reset()
     model = _model()
     ids, mask = _prompt()
-    compile_config = CompileConfig(fullgraph=True, backend=backend, mode=None)
-    compile_config._compile_all_devices = True  # on the CPU too
-    compiled = _generate(model, ids, mask, focus_attention_mode=mode,
-                         cache_implementation="static", compile_config=compile_config)  # fmt: skip
+    compiled = _generate(model, ids, mask, focus_attention_mode=mode, cache_implementation="static",
+                         compile_config=_one_graph_config(graphs))  # fmt: skip
     assert len(graphs) == 1  # 9 decoding steps, one graph
     _assert_same(compiled, _generate(model, ids, mask, focus_attention_mode=mode))
 
@@ -162,15 +167,7 @@ def test_decoding_steps_by_megatron_focus_kernel(monkeypatch, compiled):
     ids, mask = _prompt()
     kwargs = dict(focus_attention_mode="sparse", cache_implementation="static")
     if compiled:
-        from transformers import CompileConfig
-
-        def backend(graph_module, inputs):
-            graphs.append(graph_module.code)
-            return graph_module.forward
-
-        torch._dynamo.reset()
-        kwargs["compile_config"] = CompileConfig(fullgraph=True, backend=backend, mode=None)
-        kwargs["compile_config"]._compile_all_devices = True
+        kwargs["compile_config"] = _one_graph_config(graphs)
     by_kernel = _generate(model, ids, mask, **kwargs)
     _assert_same(by_kernel, _generate(model, ids, mask, focus_attention_mode="sparse"))
     if compiled:  # one graph for every step, the kernel in it once per Focus layer

@@ -81,3 +81,23 @@ def test_the_step_is_one_op_of_a_compiled_graph(backend):
         position = torch.tensor([at])
         torch.testing.assert_close(compiled(q, position), step(q, position))
     assert len(graphs) == 1
+
+
+@pytest.mark.parametrize("b, kv_heads, slots", [(1, 8, 32768), (1, 1, 100), (64, 8, 4096)])
+def test_a_gpu_step_splits_its_slots_into_runs_that_fill_the_gpu(b, kv_heads, slots):
+    """On a GPU (the launch planned for sm_90 on meta tensors): every slot in one run of whole
+    blocks, no run empty, and enough runs that batch 1 has about `PROGRAMS` programs."""
+    q = torch.empty(b, 1, 4 * kv_heads, 128, device="meta", dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.empty(b, kv_heads, slots, 128, device="meta", dtype=torch.bfloat16)
+    bucket = torch.empty(b, slots, device="meta", dtype=torch.int64)
+    chosen = torch.empty(b, 8, device="meta", dtype=torch.int64)[:, :2]
+    position = torch.empty(1, device="meta", dtype=torch.int64)
+    launch, out, _ = triton_decode.plan(q, k, k, bucket, chosen, position, window=128, sinks=8,
+                                        scale=0.1, capability=(9, 0))  # fmt: skip
+    programs, runs = launch.grid
+    per_run = launch.args[launch.kernel.arg_names.index("per_run")]
+    block = launch.constants["BN"]
+    assert programs == b * kv_heads and out.shape[2] == runs
+    assert per_run % block == 0 and (runs - 1) * per_run < slots <= runs * per_run
+    wanted = min(triton_decode.PROGRAMS, b * kv_heads * -(-slots // block))
+    assert 0.75 * wanted <= programs * runs <= max(triton_decode.PROGRAMS, b * kv_heads)
