@@ -20,9 +20,9 @@ every tensor the cache holds (keys, values, Focus's routing state; buckets as al
 `--static` adds each model with transformers' StaticCache ("static, graph" rows): the prompt
 prefilled eagerly, then every decoding step one compiled graph (`torch.compile(fullgraph=True)`,
 "reduce-overhead" on a GPU: a CUDA graph replayed per step; the eager backend on the CPU), after
-3 untimed steps that compile and record it. Such a step reads every slot of the cache (Focus's
-rule as one mask over them) and pays no host time per layer; the dynamic cache's Focus step
-reads its groups' keys alone.
+3 untimed steps that compile and record it. Such a step pays no host time per layer; a sparse
+Focus step reads the slots its rule keeps through megatron-focus's decoding kernel on a GPU in
+bf16 (else one mask over every slot, as the standard model's step reads every slot).
 
     python benchmarks/focus_generate.py                      # 4K, 16K, 32K tokens of context
     python benchmarks/focus_generate.py --contexts 4096 --json out.json
