@@ -12,8 +12,9 @@ what its kept pairs cost; the soft step is the chunked (CPU) or fused (GPU) soft
 assignments trained too. Times are device time (CUDA events on a GPU; wall clock on the CPU),
 "host ms" the sparse call's host time apart (until it returns: on a GPU, launching its kernels).
 On a GPU the sparse call is the fused kernel (triton_sparse.py) where it has tiles, and the JSON
-holds the parts' path it replaces beside it ("parts_ms"); a forward there replays a CUDA graph
-once its shape repeats (graphs.py), and "no graph ms" is the same call without one.
+holds the parts' path it replaces beside it ("parts_ms"); where its forward measured under 1 ms
+a repeated shape replays CUDA graphs (graphs.py: the call, or in training its forward and its
+backward), and "no graph ms" is the same call without them.
 
     python benchmarks/focus_sparse_speed.py [--seq-lengths 1024 4096 16384] [--groups 4 8]
         [--top-k 1 2] [--shapes 4x64 32x128 6x256] [--window 128] [--dtype bf16] [--profile]
@@ -168,7 +169,7 @@ def measure(opts, heads: int, head_dim: int, n: int, groups: int, top_k: int) ->
                 kernel=kernel,
             )  # fmt: skip
         )
-    if chosen.fused and not opts.train:  # the same call without CUDA graphs
+    if chosen.fused:  # the same call without CUDA graphs
         calls["eager"] = step(functools.partial(without_graphs, calls["sparse"]))
     if opts.train:
         soft_gate = kernels.soft_gate("auto", torch.device(device))
@@ -235,7 +236,7 @@ def main() -> None:
         f"{'training step' if opts.train else 'forward'}"
     )
     soft = f"{'soft ms':>10}" if opts.train else ""
-    no_graph = f"{'no graph':>10}" if platform.has_cuda() and not opts.train else ""
+    no_graph = f"{'no graph':>10}" if platform.has_cuda() else ""
     last = f"{'over kept':>10}" if opts.train else f"{'of ideal':>9}"
     print(
         f"{'shape':>7}{'n':>8}{'K':>3}{'top-k':>6}{'dense ms':>10}{soft}{'focus ms':>10}{no_graph}"

@@ -23,6 +23,8 @@
 #   tests      the rest of tests/test_gpu.py and the HF model's attention backends
 #   graphs     the same models with a StaticCache, each decoding step one CUDA graph
 #              (torch.compile "reduce-overhead"), beside their eager steps, at 8K tokens
+#   sparse-train  a sparse training step (forward + backward) against dense and soft at 4K and
+#              8K tokens, 32x128, bf16, with and without its CUDA graphs
 #   e2e-*      the product end to end on CUDA (benchmarks/end_to_end.py), if time is left
 #
 # On a machine without network, first `bash benchmarks/gpu_wheels.sh` where there is network,
@@ -81,6 +83,7 @@ if [ "$REHEARSAL" = 1 ]; then  # the same steps, sized for a CPU
     FIT=(--head-dims 64 --gqa 1 --gates log)
     E2E=(--tiny --iters 4)
     SPARSE=(--seq-lengths 1024 --groups 4 --top-k 1 --shapes 2x32 --repeats 1)
+    SPARSE_TRAIN=(--seq-lengths 512 --groups 4 --top-k 1 --shapes 2x32 --repeats 1)
     PROFILE=(--seq-lengths 512 --groups 4 --top-k 1 --shapes 2x32 --repeats 1)
     RECIPE=(--smoke --iters 3 --warmup 1)
     GENERATE=(--tiny --device cpu)
@@ -90,6 +93,7 @@ else
     FIT=(--device --gqa 1 4 --gates log)
     E2E=(--iters 30)
     SPARSE=(--dtype bf16 --groups 8 --top-k 1 2 --shapes 32x128 --seq-lengths 4096 8192 32768)
+    SPARSE_TRAIN=(--dtype bf16 --groups 8 --top-k 1 --shapes 32x128 --seq-lengths 4096 8192)
     PROFILE=(--dtype bf16 --groups 8 --top-k 1 --shapes 32x128 --seq-lengths 8192 32768 --repeats 1)
     RECIPE=(--model 0.7b --iters 5 --warmup 3)
     GENERATE=(--device cuda --dtype bf16 --contexts 4096 32768 --prefill-chunk 32768)
@@ -123,6 +127,8 @@ part tests 120 python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/
     -k "not rope_gqa_model_on_the_fused_kernels" \
     "tests/hf/test_hf.py::test_attention_backends_compute_what_eager_computes"
 part graphs 120 python3 benchmarks/focus_generate.py "${GRAPHS[@]}" --json "$OUT/graphs.json"
+part sparse-train 60 python3 benchmarks/focus_sparse_speed.py "${SPARSE_TRAIN[@]}" --train \
+    --json "$OUT/sparse-train.json"
 part e2e-focus-xsa 100 python3 benchmarks/end_to_end.py --attention focus+xsa "${E2E[@]}" \
     --json "$OUT/e2e-focus-xsa.json"
 

@@ -36,6 +36,8 @@ def sparse(result: dict) -> str:
     def figures(r: dict) -> str:
         against = f"{r['over_kept']:.2f}x over kept" if train else f"{r['of_ideal']:.0%} of ideal"
         parts = f"; parts' path {r['dense_ms'] / r['parts_ms']:.2f}x" if "parts_ms" in r else ""
+        if "eager_ms" in r:  # what its CUDA graphs save
+            parts += f"; graphs {r['eager_ms'] / r['sparse_ms']:.2f}x"
         return (
             f"{r.get('heads', 4)}x{r.get('head_dim', 64)} K={r['groups']} top-{r['top_k']} "
             f"{r['speedup']:.2f}x ({against}{parts})"

@@ -12,9 +12,12 @@ from megatron_focus.model.kernels import graphs
 
 def replayed_capture(function, static):
     output = function(*static)
+    outputs = output if isinstance(output, tuple) else (output,)
 
     def replay():
-        output.copy_(function(*static))
+        results = function(*static)
+        for fixed, result in zip(outputs, results if isinstance(results, tuple) else (results,)):
+            fixed.copy_(result)
 
     return replay, output
 
@@ -44,6 +47,20 @@ def test_a_repeated_shape_is_captured_once_and_replayed_with_each_calls_inputs()
     assert captured == [((3, 5), (3, 5), None)]  # at the second call; the third and fourth replay
     for (x, y), result in zip(inputs, results):  # each its own, none overwritten by a later one
         torch.testing.assert_close(result, x * y)
+
+
+def test_a_tuple_of_outputs_each_copied_out():
+    calls, captured = _graphs()
+    gen = torch.Generator().manual_seed(1)
+    results, inputs = [], []
+    for _ in range(3):
+        x = torch.randn(4, generator=gen)
+        inputs.append(x)
+        results.append(calls(lambda x: (x + 1, x * 2), (x,), ()))
+    assert len(captured) == 1
+    for x, (plus, twice) in zip(inputs, results):
+        torch.testing.assert_close(plus, x + 1)
+        torch.testing.assert_close(twice, x * 2)
 
 
 def test_signatures_apart_by_shape_stride_and_settings_and_the_oldest_dropped():
@@ -95,7 +112,7 @@ def test_inside_an_enclosing_capture_the_call_runs_as_it_is(monkeypatch):
 def test_a_cuda_capture_warms_up_on_a_side_stream_then_records_the_call(monkeypatch):
     """cuda_capture's order, its CUDA objects stood in: the call once on a side stream that
     waits for the current one, the current one waiting for it, then once inside the graph's
-    capture, whose output and replay it returns."""
+    capture (holding only this thread to its rules), whose output and replay it returns."""
     events = []
 
     class Stream:
@@ -124,7 +141,11 @@ def test_a_cuda_capture_warms_up_on_a_side_stream_then_records_the_call(monkeypa
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: current)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: Context(f"{stream.name} stream"))
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-    monkeypatch.setattr(torch.cuda, "graph", lambda graph: Context("capture"))
+
+    def graph(graph, capture_error_mode):
+        return Context(f"{capture_error_mode} capture")
+
+    monkeypatch.setattr(torch.cuda, "graph", graph)
 
     def function(x):
         events.append("call")
@@ -134,6 +155,7 @@ def test_a_cuda_capture_warms_up_on_a_side_stream_then_records_the_call(monkeypa
     replay()
     assert events == [
         "side waits for current", "enter side stream", "call", "exit side stream",
-        "current waits for side", "enter capture", "call", "exit capture", "replay",
+        "current waits for side", "enter thread_local capture", "call", "exit thread_local capture",
+        "replay",
     ]  # fmt: skip
     torch.testing.assert_close(output, torch.ones(2))

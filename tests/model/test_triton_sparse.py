@@ -150,7 +150,7 @@ def test_the_fused_path_never_waits_for_the_device(monkeypatch, top_k, documents
 def test_a_repeated_inference_shape_replays_one_graph(monkeypatch):
     """Outside autograd on a GPU, the routing and the launches of a shape met before are one
     CUDA graph's replay (here its stand-in, test_graphs.py): each call's result is its own
-    inputs' hard rule; a training call takes no graph."""
+    inputs' hard rule."""
     from test_graphs import replayed_capture
 
     captured = []
@@ -176,9 +176,46 @@ def test_a_repeated_inference_shape_replays_one_graph(monkeypatch):
         ref = dense_hard_rule(q, k, v, log_g, 5, 2, 0.3, 2)
         torch.testing.assert_close(out, ref.float(), rtol=2e-5, atol=2e-5, msg=f"call {call}")
     assert captured == [q.shape]
-    out = sparse_focus_attention(q, k, v, routing, window=5, top_k=2, scale=0.3, sink=2,
-                                 kernel=kernels.TRITON_SPARSE)  # fmt: skip
-    assert out.requires_grad and captured == [q.shape]
+
+
+def test_a_repeated_training_shape_replays_a_forward_and_a_backward_graph(monkeypatch):
+    """Training at a shape bound by the host: its forward (routing, launches) and its backward
+    (the routing made again, launches) each one graph's replay (the stand-in). Two layers of one
+    shape a step, two steps: every output and gradient is its own inputs' hard rule, so no
+    replay overwrote an earlier layer's result or what its backward keeps."""
+    from test_graphs import replayed_capture
+
+    captured = []
+
+    def capture(function, static):
+        captured.append(len(static))
+        return replayed_capture(function, static)
+
+    monkeypatch.setattr(focus_sparse, "_host_bound", lambda *args: True)
+    monkeypatch.setattr(focus_sparse, "_dense_is_faster", lambda *args: False)
+    monkeypatch.setattr(
+        focus_sparse, "_routed", lambda device, *inputs: focus_sparse._route(*inputs)
+    )
+    monkeypatch.setattr(focus_sparse, "_GRAPHS", graphs.Graphs(capture=capture))
+    gen = torch.Generator().manual_seed(3)
+    for step in range(2):  # the first step captures; every call of the second replays
+        layers = [(_megatron_layout(1, 2, 1, 32, 8, gen), assignments(1, 32, 4, gen))
+                  for _ in range(2)]  # fmt: skip
+        weights = [torch.randn(1, 2, 32, 8, generator=gen) for _ in layers]
+        outs = [sparse_focus_attention(q, k, v, Routing.of(log_g), window=5, top_k=1, scale=0.3,
+                                       sink=2, kernel=kernels.TRITON_SPARSE)
+                for (q, k, v), log_g in layers]  # fmt: skip
+        leaves = [t for qkv, _ in layers for t in qkv]
+        grads = torch.autograd.grad(sum((o * w).sum() for o, w in zip(outs, weights)), leaves)
+        for layer, ((q, k, v), log_g) in enumerate(layers):
+            ref = dense_hard_rule(q, k, v, log_g, 5, 1, 0.3, 2)
+            want = torch.autograd.grad((ref * weights[layer].double()).sum(), (q, k, v))
+            where = f"step {step}, layer {layer}"
+            torch.testing.assert_close(outs[layer], ref.float(), rtol=2e-5, atol=2e-5, msg=where)
+            for name, got, reference in zip("qkv", grads[3 * layer :], want):
+                torch.testing.assert_close(got, reference.float(), rtol=2e-5, atol=2e-5,
+                                           msg=f"{where}, d{name}")  # fmt: skip
+    assert captured == [5, 8]  # the forward's q, k, v, top, doc_start; the backward's 8
 
 
 def test_the_fused_kernel_is_chosen_where_it_has_tiles(monkeypatch):

@@ -692,35 +692,86 @@ def _fused_failed_once(error: Exception):
 def _fused(q, k, v, routing: Routing, window, top_k, scale, sink, kernel):
     """The hard rule by the fused kernel (triton_sparse): the band, then each top-k slot's
     ranges and the sinks', merged in its epilogues; or, where that measured slower for this
-    shape, the whole rule as one part (`_dense_is_faster`). Outside autograd on a GPU, a shape
-    that repeats is replayed as a CUDA graph (graphs.py): routing and launches at once."""
-    from megatron_focus.model.kernels.triton_sparse import Part  # imports Triton
+    shape, the whole rule as one part (`_dense_is_faster`). On a GPU, a shape whose forward is
+    mostly the host's time (`_host_bound`) is replayed as a CUDA graph once it repeats
+    (graphs.py): routing and launches at once; in training its forward and its backward."""
+    from megatron_focus.model.kernels import triton_launch, triton_sparse  # import Triton
 
     b, _, n, _ = q.shape
     sink = min(sink, n)
     groups = routing.groups.shape[-1]
 
-    def call(dense: bool, q, k, v, top, doc_start):
+    def routed(dense: bool, top, doc_start) -> tuple:  # the kernel's parts, docs and bits
         with torch.no_grad():
             if dense:
-                parts, bits = [Part(rule=True)], _rule_bits(top, doc_start, groups, sink)
+                parts = [triton_sparse.Part(rule=True)]
+                bits = _rule_bits(top, doc_start, groups, sink)
             else:
                 route = _routed(q.device, top, doc_start, groups, b * n, sink, window, 0, False)
-                parts = [Part()] + [Part(r.entries, r.lo, r.hi, route.order) for r in route.ranges]
+                parts = [triton_sparse.Part()] + [
+                    triton_sparse.Part(r.entries, r.lo, r.hi, route.order) for r in route.ranges
+                ]
                 bits = route.bits
-        docs = None if doc_start is None else doc_start.contiguous()
-        return kernel(q, k, v, parts, docs, bits, window=window, scale=scale)
+        return parts, None if doc_start is None else doc_start.contiguous(), bits
+
+    def call(dense: bool, q, k, v, top, doc_start):
+        return kernel(q, k, v, *routed(dense, top, doc_start), window=window, scale=scale)
 
     tensors = (q, k, v, routing.top(top_k), routing.doc_start)
     dense = _dense_is_faster(q, k, routing, top_k, sink, lambda dense: call(dense, *tensors))
-    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if training or not _host_bound(q, k, routing, top_k, sink):
+    if not _host_bound(q, k, routing, top_k, sink):
         return call(dense, *tensors)
     settings = (dense, window, scale, sink, groups, kernel)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        plan = functools.partial(_plan, functools.partial(routed, dense), window, scale)
+        contiguous = (triton_launch.last_dim_contiguous(t) for t in (q, k, v))
+        return _GraphedTraining.apply(*contiguous, *tensors[3:], plan, settings)
     return _GRAPHS(functools.partial(call, dense), tensors, settings)
 
 
-_GRAPHS = graphs.Graphs()  # the sparse forwards outside autograd, by shape
+def _plan(routed: Callable, window: int, scale: float, q, k, top, doc_start):
+    """The fused kernel's launches for these inputs, their routing made on the device."""
+    from megatron_focus.model.kernels import triton_sparse
+
+    parts, docs, bits = routed(top, doc_start)
+    return triton_sparse.planned(q, k, parts, docs, bits, window=window, scale=scale)
+
+
+class _GraphedTraining(torch.autograd.Function):
+    """The fused kernel in training at a shape bound by the host: its forward (routing and
+    launches) one CUDA graph, its backward another (the routing made again inside it rather
+    than kept: a few small kernels, where the device waits for the host anyway). The results
+    are the eager call's, bit for bit (the same kernels on the same inputs)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, top, doc_start, plan: Callable, settings: tuple):
+        from megatron_focus.model.kernels import triton_sparse
+
+        def forward(q, k, v, top, doc_start):
+            return triton_sparse.attend(q, k, v, plan(q, k, top, doc_start))
+
+        out, lse = _GRAPHS(forward, (q, k, v, top, doc_start), ("forward", *settings))
+        ctx.save_for_backward(q, k, v, top, doc_start, out, lse)
+        ctx.plan, ctx.settings = plan, settings
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        from megatron_focus.model.kernels import triton_launch, triton_sparse
+
+        plan = ctx.plan
+
+        def backward(grad, q, k, v, top, doc_start, out, lse):
+            return triton_sparse.gradients(grad, q, k, v, out, lse, plan(q, k, top, doc_start))
+
+        grad = triton_launch.last_dim_contiguous(grad)
+        tensors = (grad, *ctx.saved_tensors)
+        dq, dk, dv = _GRAPHS(backward, tensors, ("backward", *ctx.settings))
+        return dq, dk, dv, None, None, None, None
+
+
+_GRAPHS = graphs.Graphs()  # the fused kernel's calls bound by the host, by shape
 # A forward measured under this (CUDA events, `_dense_is_faster`) is mostly the host's time:
 # graphed. A longer one's host runs ahead of the device, and its graph would only add the
 # copies into its buffers and hold memory.

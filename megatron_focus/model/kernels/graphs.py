@@ -3,10 +3,11 @@ GPU is the host's (Python, guards, one launch after another), and a replay is on
 
 A call is captured at its second arrival with the same signature (its first compiled and timed
 what it launches) and replayed from the third on. Its tensor inputs are copied into the graph's
-own buffers and its output copied out, as torch.cuda.make_graphed_callables does, so a replay
-never aliases an earlier result. Only calls outside autograd take it (inference, evaluation,
-the exported model's prefill): a graph holds no autograd history. Graphs are kept for the last
-few signatures, each with its buffers and memory pool.
+own buffers and its outputs copied out, as torch.cuda.make_graphed_callables does, so a replay
+never aliases an earlier result. A graph holds no autograd history, so the calls are those
+outside autograd (inference, evaluation, the exported model's prefill) and the two halves of an
+autograd function (a training forward, its backward: a graph each). Graphs are kept for the
+last few signatures, each with its buffers and memory pool.
 """
 
 import collections
@@ -18,14 +19,15 @@ import torch
 
 def cuda_capture(function: Callable, static: tuple):
     """(replay, output) of `function(*static)` captured as a CUDA graph, after a run on a side
-    stream (the warm-up PyTorch's CUDA-graph notes ask for)."""
+    stream (the warm-up PyTorch's CUDA-graph notes ask for). Only this thread's calls are held
+    to the capture's rules: a data loader's thread pinning memory meanwhile is not stopped."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         function(*static)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         output = function(*static)
     return graph.replay, output
 
@@ -46,10 +48,10 @@ def _inside_a_capture() -> bool:
 
 
 class Graphs:
-    """`graphs(function, tensors, settings)`: function(*tensors), replayed from a graph where
-    the same signature came before. `capture` makes (replay, output) of a call (CUDA graphs;
-    tests give a stand-in); a signature whose capture fails runs eagerly from then on, said
-    once. Capacity 0: never captured."""
+    """`graphs(function, tensors, settings)`: function(*tensors) (a tensor or a tuple of them),
+    replayed from a graph where the same signature came before. `capture` makes (replay,
+    output) of a call (CUDA graphs; tests give a stand-in); a signature whose capture fails
+    runs eagerly from then on, said once. Capacity 0: never captured."""
 
     def __init__(self, capacity: int = 4, capture: Callable = cuda_capture):
         self.capacity = capacity
@@ -74,7 +76,7 @@ class Graphs:
             if buffer is not None:
                 buffer.copy_(tensor)
         replay()
-        return output.clone()
+        return _cloned(output)
 
     def _captured(self, function: Callable, tensors: tuple, key: tuple) -> bool:
         static = tuple(None if t is None else t.clone() for t in tensors)
@@ -89,3 +91,7 @@ class Graphs:
         while len(self.graphs) > self.capacity:
             self.graphs.popitem(last=False)
         return True
+
+
+def _cloned(output):
+    return tuple(t.clone() for t in output) if isinstance(output, tuple) else output.clone()

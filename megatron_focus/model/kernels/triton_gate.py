@@ -609,10 +609,6 @@ def _strides(t: torch.Tensor) -> tuple:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def gate_form(gate: str, gate_scale: float, dtype: torch.dtype) -> int:
     """The kernels' GATE: the log gate at lambda 1 without a logarithm, where the weights' range
     allows it (bf16, fp32: float16's would underflow, see the module's docstring)."""
@@ -810,7 +806,7 @@ class TritonSoftFocus(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, log_g, window, gate_scale, scale, sink, doc_start, gate, offset):
-        q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+        q, k, v = (triton_launch.last_dim_contiguous(t) for t in (q, k, v))
         g = padded_groups(log_g, q.dtype)
         plan = Plan(
             q,
@@ -837,7 +833,7 @@ class TritonSoftFocus(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, log_g, g, docs, out, lse = ctx.saved_tensors
         plan = ctx.plan
-        grad_out = _last_dim_contiguous(grad_out)
+        grad_out = triton_launch.last_dim_contiguous(grad_out)
         _, _, dq, dk, dv, dg_q, dg_k, delta = _outputs(q, k, g)
         plan.delta(out, grad_out, delta)()
         bounds = plan.key_bounds(plan.docs) if plan.docs is not None else g

@@ -238,3 +238,9 @@ def check_tile_offsets(name: str, strides: tuple, extents: tuple):
             f"{name}: one tile spans {span} elements of its tensor (strides {strides}), past "
             "the kernels' 32-bit offsets inside a tile; make it contiguous"
         )
+
+
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy where its rows are not contiguous: the kernels step over the other dims by
+    their strides."""
+    return t if t.stride(-1) == 1 else t.contiguous()

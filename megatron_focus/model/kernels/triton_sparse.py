@@ -594,6 +594,30 @@ def _strides(t: torch.Tensor) -> tuple:
     return t.stride()[:3]
 
 
+def attend(q, k, v, plan: Plan) -> tuple:
+    """(out, lse): the parts merged forward, one launch a part."""
+    acc = plan.accumulators(q.device)[0]
+    lse = torch.empty(plan.rows, plan.heads, device=q.device, dtype=torch.float32)
+    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    for index in range(len(plan.parts)):
+        plan.forward(index, q, k, v, acc, lse, out)()
+    return out, lse
+
+
+def gradients(grad, q, k, v, out, lse, plan: Plan) -> tuple:
+    """(dq, dk, dv) of `attend`'s output: two launches a part."""
+    grad = triton_launch.last_dim_contiguous(grad)
+    _, dq_acc, dk_acc, dv_acc = plan.accumulators(q.device)
+    delta = torch.empty_like(lse)
+    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    dk, dv = (torch.empty(k.shape, device=k.device, dtype=k.dtype) for _ in range(2))
+    for index in range(len(plan.parts)):  # the first writes delta, which the keys read
+        plan.queries(index, q, k, v, grad, out, lse, delta, dq_acc, dq)()
+    for index in range(len(plan.parts)):
+        plan.keys(index, q, k, v, grad, lse, delta, dk_acc, dv_acc, dk, dv)()
+    return dq, dk, dv
+
+
 class TritonSparseAttention(torch.autograd.Function):
     """The parts merged, forward and backward, by the kernels above: q [b, h, n, d], k/v
     [b, g, n, d] (any strides, the last dim contiguous) -> [b, h, n, d]. Launches: one per part
@@ -601,11 +625,7 @@ class TritonSparseAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan: Plan):
-        acc = plan.accumulators(q.device)[0]
-        lse = torch.empty(plan.rows, plan.heads, device=q.device, dtype=torch.float32)
-        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-        for index in range(len(plan.parts)):
-            plan.forward(index, q, k, v, acc, lse, out)()
+        out, lse = attend(q, k, v, plan)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
         return out
@@ -613,22 +633,12 @@ class TritonSparseAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        q, k, v, out, lse = ctx.saved_tensors
-        plan = ctx.plan
-        grad = _last_dim_contiguous(grad)
-        _, dq_acc, dk_acc, dv_acc = plan.accumulators(q.device)
-        delta = torch.empty_like(lse)
-        dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-        dk, dv = (torch.empty(k.shape, device=k.device, dtype=k.dtype) for _ in range(2))
-        for index in range(len(plan.parts)):  # the first writes delta, which the keys read
-            plan.queries(index, q, k, v, grad, out, lse, delta, dq_acc, dq)()
-        for index in range(len(plan.parts)):
-            plan.keys(index, q, k, v, grad, lse, delta, dk_acc, dv_acc, dk, dv)()
-        return dq, dk, dv, None
+        return *gradients(grad, *ctx.saved_tensors, ctx.plan), None
 
 
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
+def planned(q, k, parts, docs, bits, *, window: int, scale: float) -> Plan:
+    """The launches of `parts` for q and k (last dims contiguous) on q's GPU."""
+    return Plan(q, k, parts, docs, bits, window, scale, triton_launch.capability_of(q))
 
 
 def triton_sparse_attention(q, k, v, parts, docs, bits, *, window: int, scale: float):
@@ -636,6 +646,6 @@ def triton_sparse_attention(q, k, v, parts, docs, bits, *, window: int, scale: f
     [b, g, n, d]; docs [b, n] the documents' starts or None; bits [2, b * n] int64: each
     token's groups as a bit mask (as a query) and its top-1 group's bit (as a key), whose pairs
     the band leaves out."""
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    plan = Plan(q, k, parts, docs, bits, window, scale, triton_launch.capability_of(q))
+    q, k, v = (triton_launch.last_dim_contiguous(t) for t in (q, k, v))
+    plan = planned(q, k, parts, docs, bits, window=window, scale=scale)
     return TritonSparseAttention.apply(q, k, v, plan)

@@ -117,16 +117,12 @@ def launch(kernel, y, v, *tensors, eps: float, capability) -> Launch:
     )
 
 
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 class TritonExclusiveProjection(torch.autograd.Function):
     """y [b, heads, n, d] minus its component along v [b, heads_kv, n, d], per head."""
 
     @staticmethod
     def forward(ctx, y, v, eps):
-        y, v = _last_dim_contiguous(y), _last_dim_contiguous(v)
+        y, v = triton_launch.last_dim_contiguous(y), triton_launch.last_dim_contiguous(v)
         z = torch.empty(y.shape, device=y.device, dtype=y.dtype)
         capability = triton_launch.capability_of(y)
         launch(_forward, y, v, z, eps=eps, capability=capability)()
@@ -139,7 +135,7 @@ class TritonExclusiveProjection(torch.autograd.Function):
         y, v = ctx.saved_tensors
         dy = torch.empty(y.shape, device=y.device, dtype=y.dtype)
         dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
-        dz = _last_dim_contiguous(dz)
+        dz = triton_launch.last_dim_contiguous(dz)
         launch(_backward, y, v, dz, dy, dv, eps=ctx.eps, capability=ctx.capability)()
         return dy, dv, None
 
