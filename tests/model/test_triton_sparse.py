@@ -75,6 +75,46 @@ def test_fused_kernel_equals_the_dense_hard_rule(monkeypatch, case, whole):
         torch.testing.assert_close(got, reference.float(), rtol=2e-5, atol=2e-5, msg=name)
 
 
+def test_a_rows_sequence_is_found_by_one_multiply():
+    """The kernel's row // n (`_quotient`, a magic number in place of a division) against
+    floor division, for n of every bit length, its powers of two and their neighbours, and
+    rows at the edges of n's multiples up to 2^31 - 1."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def quotients(X, Y, n, size: tl.constexpr):
+        at = tl.arange(0, size)
+        tl.store(Y + at, triton_sparse._quotient(tl.load(X + at), n))
+
+    gen = torch.Generator().manual_seed(0)
+    divisors = {1, 2**31 - 1} | {2**k + e for k in range(1, 31) for e in (-1, 0, 1)}
+    divisors |= set(torch.randint(1, 2**31 - 1, (12,), generator=gen).tolist())
+    for n in sorted(divisors):
+        last = (2**31 - 1) // n
+        multiples = torch.tensor([1, 2, last // 2, last - 1, last]).clamp(min=0) * n
+        x = (multiples[:, None] + torch.tensor([-1, 0, 1])).flatten()
+        x = torch.cat([x, torch.randint(0, 2**31 - 1, (49,), generator=gen)])
+        x = x.clamp(0, 2**31 - 1)[:64].to(torch.int32)
+        y = torch.empty_like(x)
+        quotients[(1,)](x, y, n, size=64)
+        assert torch.equal(y, x // n), n
+
+
+def test_layouts_the_kernel_cannot_address_by_rows_are_copied_or_refused():
+    """Strides that are not whole rows of the head dim (a slice of a wider last dim) give a
+    copy; a batch of one steps nowhere, whatever its stride; more than 2^31 rows: an error."""
+    wide = torch.randn(2, 3, 10, 12)
+    sliced = wide[..., :8]
+    copied = triton_sparse.addressable(sliced)
+    assert copied.is_contiguous() and torch.equal(copied, sliced)
+    single = torch.randn(5, 3, 10, 8).permute(1, 0, 2, 3)[:1]  # s_b 80, s_n 8: kept as it is
+    assert triton_sparse.addressable(single) is single
+    huge = torch.empty_strided((2, 1, 4, 8), (2**31 * 8, 32, 8, 1), device="meta")
+    with pytest.raises(ValueError, match="more than 2\\^31 rows"):
+        triton_sparse.addressable(huge)
+
+
 def test_launches_are_the_routing_and_one_a_part_forward_two_backward():
     """Top-1 forward and backward: the routing (one compiled region on a GPU), the band's and
     the buckets' launch forward, their queries and keys passes backward, and nothing else (no

@@ -695,7 +695,7 @@ def _fused(q, k, v, routing: Routing, window, top_k, scale, sink, kernel):
     shape, the whole rule as one part (`_dense_is_faster`). On a GPU, a shape whose forward is
     mostly the host's time (`_host_bound`) is replayed as a CUDA graph once it repeats
     (graphs.py): routing and launches at once; in training its forward and its backward."""
-    from megatron_focus.model.kernels import triton_launch, triton_sparse  # import Triton
+    from megatron_focus.model.kernels import triton_sparse  # imports Triton
 
     b, _, n, _ = q.shape
     sink = min(sink, n)
@@ -724,8 +724,8 @@ def _fused(q, k, v, routing: Routing, window, top_k, scale, sink, kernel):
     settings = (dense, window, scale, sink, groups, kernel)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         plan = functools.partial(_plan, functools.partial(routed, dense), window, scale)
-        contiguous = (triton_launch.last_dim_contiguous(t) for t in (q, k, v))
-        return _GraphedTraining.apply(*contiguous, *tensors[3:], plan, settings)
+        addressable = (triton_sparse.addressable(t) for t in (q, k, v))
+        return _GraphedTraining.apply(*addressable, *tensors[3:], plan, settings)
     return _GRAPHS(functools.partial(call, dense), tensors, settings)
 
 
@@ -758,14 +758,14 @@ class _GraphedTraining(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        from megatron_focus.model.kernels import triton_launch, triton_sparse
+        from megatron_focus.model.kernels import triton_sparse
 
         plan = ctx.plan
 
         def backward(grad, q, k, v, top, doc_start, out, lse):
             return triton_sparse.gradients(grad, q, k, v, out, lse, plan(q, k, top, doc_start))
 
-        grad = triton_launch.last_dim_contiguous(grad)
+        grad = triton_sparse.addressable(grad)
         tensors = (grad, *ctx.saved_tensors)
         dq, dk, dv = _GRAPHS(backward, tensors, ("backward", *ctx.settings))
         return dq, dk, dv, None, None, None, None

@@ -10,7 +10,8 @@ against ranges of the bucket order. So one kernel serves them all:
 
 * no gathered copies and no scatter: a program reads its query rows through the part's query
   order (`ENTRIES`) and its key rows through the key order (`ORDER`), from q, k, v laid out as
-  the model hands them ([b, heads, n, d], any strides), and writes to token rows;
+  the model hands them ([b, heads, n, d], its strides whole rows of d: `addressable`), and
+  writes to token rows;
 * the parts are merged in each launch's epilogue: the first launch (the band, which covers
   every row) writes the rows' normalised output and log-sum-exp, each later one merges its own
   into them by log-sum-exp weights (lse_merge.py's rule) in registers, one read and write of a
@@ -54,27 +55,51 @@ BAND_PART, WHOLE_RULE = tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
-def _row_base(X, rows, head, n, s_b, s_h, s_n):
-    """Pointers to element (row // n, head, row % n, 0) of a [b, heads, n, d] tensor, for token
-    rows `rows` (b * n of them), in 64 bits."""
-    sequence = rows // n  # in 32 bits (rows < 2^31): a 64-bit division is a long routine
-    position = rows - sequence * n
-    wide = tl.int64
-    return X + sequence.to(wide) * s_b + tl.cast(head, wide) * s_h + position.to(wide) * s_n
+def _quotient(x, n):
+    """x // n for 0 <= x < 2^31 and 1 <= n < 2^31, as one multiply (Granlund and Montgomery's
+    magic number for 31-bit dividends: m = ceil(2^(31 + l) / n), l = ceil(log2 n), then
+    x // n = (2x * m) >> (32 + l)), where a division is a long routine a key row. The magic
+    number depends on n alone: computed once, outside the loops."""
+    exponent = tl.cast((n - 1).to(tl.float64), tl.int64, bitcast=True) >> 52  # exact: n < 2^53
+    shift = tl.where(n == 1, 0, exponent - 1022).to(tl.int32)  # l: the bit length of n - 1
+    magic = (((tl.full((), 1, tl.int64) << (31 + shift)) + n - 1) // n).to(tl.uint32)
+    return (tl.umulhi((x << 1).to(tl.uint32), magic) >> shift).to(tl.int32)
 
 
 @triton.jit
-def _tile_at(X, rows, ok, head, n, s_b, s_h, s_n, head_dim, D: tl.constexpr):
+def _row_base(X, rows, head, n, s_b, s_h, s_n, head_dim, NARROW: tl.constexpr):
+    """Pointers to element (row // n, head, row % n, 0) of a [b, heads, n, d] tensor, for token
+    rows `rows` (b * n of them); s_b and s_n count rows of head_dim elements (`_strides`).
+    NARROW: the row's place as a 32-bit index times the head dim in one widening multiply,
+    where 64-bit products of sequence and position by their strides cost three times the
+    instructions (the dK/dV pass, at the register file's edge, keeps the products: its rows'
+    cost is spread over 128 keys, and the narrow index spills in its loop under Triton 3.6)."""
+    sequence = _quotient(rows, n)
+    position = rows - sequence * n
+    if NARROW:
+        index = sequence * s_b + position * s_n  # < 2^31: `addressable`
+        wide = index.to(tl.uint32).to(tl.uint64) * head_dim.to(tl.uint32).to(tl.uint64)
+        return X + wide.to(tl.int64) + tl.cast(head, tl.int64) * s_h
+    w = tl.int64
+    sequence_step = sequence.to(w) * (s_b * tl.cast(head_dim, w))
+    position_step = position.to(w) * (s_n * tl.cast(head_dim, w))
+    return X + sequence_step + tl.cast(head, w) * s_h + position_step
+
+
+@triton.jit
+def _tile_at(X, rows, ok, head, n, s_b, s_h, s_n, head_dim, D: tl.constexpr,
+             NARROW: tl.constexpr = True):  # fmt: skip
     """(pointers, mask) of the [rows, D] tile of one head of a [b, heads, n, d] tensor."""
     dims = tl.arange(0, D)
-    at = _row_base(X, rows, head, n, s_b, s_h, s_n)[:, None] + dims[None, :]
+    at = _row_base(X, rows, head, n, s_b, s_h, s_n, head_dim, NARROW)[:, None] + dims[None, :]
     return at, ok[:, None] & (dims[None, :] < head_dim)
 
 
 @triton.jit
 def _load_tile(X, rows, ok, head, n, s_b, s_h, s_n, head_dim, D: tl.constexpr,
-               MASKED: tl.constexpr, EVEN_D: tl.constexpr):  # fmt: skip
-    at, mask = _tile_at(X, rows, ok, head, n, s_b, s_h, s_n, head_dim, D)
+               MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+               NARROW: tl.constexpr = True):  # fmt: skip
+    at, mask = _tile_at(X, rows, ok, head, n, s_b, s_h, s_n, head_dim, D, NARROW)
     if MASKED or not EVEN_D:
         return tl.load(at, mask=mask, other=0.0)
     return tl.load(at)
@@ -91,12 +116,16 @@ def _indices(INDEX, at, ok, IDENTITY: tl.constexpr, MASKED: tl.constexpr = True)
 
 
 @triton.jit
-def _ranges(LO, HI, DOCS, at, ok, n, window, BAND: tl.constexpr, HAS_DOCS: tl.constexpr):
+def _ranges(LO, HI, DOCS, at, ok, n, window, BAND: tl.constexpr, HAS_DOCS: tl.constexpr,
+            DIVIDE: tl.constexpr = False):  # fmt: skip
     """[lo, hi) of the part's queries `at`: in token order computed (to the query itself, from
     the window's or the document's first key in the band, from the document's first under
-    the whole rule), the others' loaded."""
+    the whole rule), the others' loaded. DIVIDE: the queries' sequences by a division, not
+    `_quotient` (the dK/dV pass's binary searches and loop, a block of queries a step, so
+    little to save: there the magic number's registers made the band's launch spill inside its
+    loop on sm_80 under Triton 3.6)."""
     if BAND:
-        sequence = at // n
+        sequence = at // n if DIVIDE else _quotient(at, n)
         position = at - sequence * n
         first = position * 0
         if BAND == BAND_PART:
@@ -119,7 +148,7 @@ def _first_past(LO, HI, DOCS, count, n, window, target, OF_HI: tl.constexpr,
     high = tl.cast(count, tl.int32)
     while low < high:
         mid = (low + high) // 2
-        lo, hi = _ranges(LO, HI, DOCS, mid, True, n, window, BAND, HAS_DOCS)
+        lo, hi = _ranges(LO, HI, DOCS, mid, True, n, window, BAND, HAS_DOCS, True)
         past = (hi if OF_HI else lo) > target
         high = tl.where(past, mid, high)
         low = tl.where(past, low, mid + 1)
@@ -172,16 +201,16 @@ def _forward_run(acc, total, running_max, q, lo, hi, query_bits, K, V, ORDER, BI
         key_rows = _indices(ORDER, cols, col_ok, IDENTITY_K, MASKED)
         k = _load_tile(K, key_rows, col_ok, kv_head, n, sk_b, sk_h, sk_n, head_dim, D, MASKED,
                        EVEN_D)  # fmt: skip
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # scaled in the exp2's FMA
         if MASKED:
             key_bits = _bits(BITS, key_rows, col_ok, key_side, BAND)
             keep = _kept(cols, lo, hi, key_bits, query_bits, window, BAND, False)
             scores = tl.where(keep, scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1) * qk_scale)
         shift = new_max
         if MASKED:
             shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # no key yet: all zero
-        p = tl.exp2(scores - shift[:, None])
+        p = tl.exp2(scores * qk_scale - shift[:, None])
         alpha = tl.exp2(running_max - shift)
         total = total * alpha + tl.sum(p, axis=1)
         v = _load_tile(V, key_rows, col_ok, kv_head, n, sv_b, sv_h, sv_n, head_dim, D, MASKED,
@@ -386,8 +415,10 @@ def _keys_run(dk, dv, k, v, cols, key_bits, Q, DO, ENTRIES, LO, HI, DOCS, BITS, 
         at = e0 + tl.arange(0, BM)
         ok = (at >= first) & (at < stop)
         rows = _indices(ENTRIES, at, ok, BAND, MASKED)
-        q = _load_tile(Q, rows, ok, head, n, sq_b, sq_h, sq_n, head_dim, D, MASKED, EVEN_D)
-        do = _load_tile(DO, rows, ok, head, n, sd_b, sd_h, sd_n, head_dim, D, MASKED, EVEN_D)
+        q = _load_tile(Q, rows, ok, head, n, sq_b, sq_h, sq_n, head_dim, D, MASKED, EVEN_D,
+                       False)  # fmt: skip
+        do = _load_tile(DO, rows, ok, head, n, sd_b, sd_h, sd_n, head_dim, D, MASKED, EVEN_D,
+                        False)  # fmt: skip
         slot = rows.to(tl.int64) * heads + head
         if MASKED:
             lse = tl.load(LSE + slot, mask=ok, other=0.0)
@@ -398,7 +429,7 @@ def _keys_run(dk, dv, k, v, cols, key_bits, Q, DO, ENTRIES, LO, HI, DOCS, BITS, 
         scores = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
         p = tl.exp2(scores - lse[None, :])  # [keys, queries]
         if MASKED:
-            lo, hi = _ranges(LO, HI, DOCS, at, ok, n, window, BAND, HAS_DOCS)
+            lo, hi = _ranges(LO, HI, DOCS, at, ok, n, window, BAND, HAS_DOCS, True)
             query_bits = _bits(BITS, rows, ok, 0, BAND)
             keep = _kept(cols, lo, hi, key_bits, query_bits, window, BAND, True) & ok[None, :]
             p = tl.where(keep, p, 0.0)
@@ -591,7 +622,26 @@ class Plan:
 
 
 def _strides(t: torch.Tensor) -> tuple:
-    return t.stride()[:3]
+    """(s_b, s_h, s_n) of a [b, heads, n, d] tensor, s_b and s_n in rows of d (`_row_base`);
+    a dim of size 1 steps nowhere."""
+    d = t.shape[-1]
+    s_b, s_h, s_n = (0 if size == 1 else stride for size, stride in zip(t.shape[:3], t.stride()))
+    return s_b // d, s_h, s_n // d
+
+
+def addressable(t: torch.Tensor) -> torch.Tensor:
+    """t as the kernels address it: its last dim contiguous and its sequence and position
+    strides whole rows of it (every layout the model makes; else a contiguous copy); raises
+    where a row's index would pass 2^31 (a tensor of more than 2^31 rows)."""
+    d = t.shape[-1]
+    steps = ((t.shape[0], t.stride(0)), (t.shape[2], t.stride(2)))  # sequence, position
+    if t.stride(-1) != 1 or any(size > 1 and stride % d for size, stride in steps):
+        t = t.contiguous()
+    s_b, _, s_n = _strides(t)
+    if (t.shape[0] - 1) * s_b + (t.shape[2] - 1) * s_n >= 2**31:
+        raise ValueError(f"sparse Focus's kernel: a tensor of {tuple(t.shape)} with strides "
+                         f"{t.stride()} spans more than 2^31 rows of its last dim")  # fmt: skip
+    return t
 
 
 def attend(q, k, v, plan: Plan) -> tuple:
@@ -606,7 +656,7 @@ def attend(q, k, v, plan: Plan) -> tuple:
 
 def gradients(grad, q, k, v, out, lse, plan: Plan) -> tuple:
     """(dq, dk, dv) of `attend`'s output: two launches a part."""
-    grad = triton_launch.last_dim_contiguous(grad)
+    grad = addressable(grad)
     _, dq_acc, dk_acc, dv_acc = plan.accumulators(q.device)
     delta = torch.empty_like(lse)
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
@@ -620,8 +670,8 @@ def gradients(grad, q, k, v, out, lse, plan: Plan) -> tuple:
 
 class TritonSparseAttention(torch.autograd.Function):
     """The parts merged, forward and backward, by the kernels above: q [b, h, n, d], k/v
-    [b, g, n, d] (any strides, the last dim contiguous) -> [b, h, n, d]. Launches: one per part
-    forward, two per part backward; nothing else."""
+    [b, g, n, d] (`addressable`) -> [b, h, n, d]. Launches: one per part forward, two per part
+    backward; nothing else."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan: Plan):
@@ -637,7 +687,7 @@ class TritonSparseAttention(torch.autograd.Function):
 
 
 def planned(q, k, parts, docs, bits, *, window: int, scale: float) -> Plan:
-    """The launches of `parts` for q and k (last dims contiguous) on q's GPU."""
+    """The launches of `parts` for q and k (`addressable`) on q's GPU."""
     return Plan(q, k, parts, docs, bits, window, scale, triton_launch.capability_of(q))
 
 
@@ -646,6 +696,6 @@ def triton_sparse_attention(q, k, v, parts, docs, bits, *, window: int, scale: f
     [b, g, n, d]; docs [b, n] the documents' starts or None; bits [2, b * n] int64: each
     token's groups as a bit mask (as a query) and its top-1 group's bit (as a key), whose pairs
     the band leaves out."""
-    q, k, v = (triton_launch.last_dim_contiguous(t) for t in (q, k, v))
+    q, k, v = (addressable(t) for t in (q, k, v))
     plan = planned(q, k, parts, docs, bits, window=window, scale=scale)
     return TritonSparseAttention.apply(q, k, v, plan)
