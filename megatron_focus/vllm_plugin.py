@@ -131,27 +131,12 @@ def _served_as(attention, modeling) -> type:
     )
 
 
-def _qkv(attention, x, rope, rotate) -> tuple:
-    """The export's q, k, v `[1, heads, tokens, d]` of `x`, normed and rotated as it does."""
-    config = attention.config
-    q, k, v = (
-        proj(x).view(1, x.shape[1], -1, config.head_dim).transpose(1, 2)
-        for proj in (attention.q_proj, attention.k_proj, attention.v_proj)
-    )
-    if config.qk_norm:
-        q, k = attention.q_norm(q), attention.k_norm(k)
-    if rope is not None:
-        q, k = rotate(q, rope), rotate(k, rope)
-    return q, k, v
-
-
 class PagedLayer(nn.Module):
     """A standard or XSA layer: vLLM's paged attention, the export's projections around it."""
 
     def __init__(self, attention, modeling, vllm_config, prefix: str):
         super().__init__()
         self.export = [attention]  # its weights are the model's, not this layer's
-        self.rotate = modeling.rotate
         config = attention.config
         self.attn = Attention(
             config.num_attention_heads,
@@ -165,7 +150,7 @@ class PagedLayer(nn.Module):
 
     def forward(self, x, rope):
         attention = self.export[0]
-        q, k, v = _qkv(attention, x, rope, self.rotate)
+        q, k, v = attention.qkv(x, rope)
         tokens = x.shape[1]
         y = self.attn(*(t[0].transpose(0, 1).reshape(tokens, -1) for t in (q, k, v)))
         y = y.view(1, tokens, -1, attention.config.head_dim).transpose(1, 2)

@@ -161,14 +161,7 @@ class Attention(nn.Module):
     def forward(self, x, rope, pairs, cache, attention_mask=None):
         b, s, _ = x.shape
         routing = self.route(x, cache, attention_mask)  # before the cache takes this step's keys
-        q, k, v = (
-            proj(x).view(b, s, -1, self.config.head_dim).transpose(1, 2)
-            for proj in (self.q_proj, self.k_proj, self.v_proj)
-        )
-        if self.config.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = rotate(q, rope), rotate(k, rope)
+        q, k, v = self.qkv(x, rope)
         own_v = v  # the values of this step's tokens, before the cached ones are prepended
         if cache is not None:
             # a sliding-window layer (a DynamicCache made from a config with sliding_window)
@@ -188,6 +181,20 @@ class Attention(nn.Module):
             y = self.attend(q, k, v, pairs, routing)
         y = self.project(y, own_v)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+    def qkv(self, x, rope) -> tuple:
+        """This step's q, k, v `[b, heads, s, d]` of `x`, normed and rotated (an engine serving
+        the layer with its own attention computes them by this too)."""
+        b, s, _ = x.shape
+        q, k, v = (
+            proj(x).view(b, s, -1, self.config.head_dim).transpose(1, 2)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        if self.config.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = rotate(q, rope), rotate(k, rope)
+        return q, k, v
 
     def route(self, x, cache, attention_mask):
         """What `attend` needs from the layer's input besides q, k, v (Focus: assignments)."""
@@ -1031,6 +1038,20 @@ class FocusAttention(Attention):
     def __init__(self, config: MegatronFocusConfig, layer_idx: int):
         super().__init__(config, layer_idx)
         self.router = Router(config)
+
+    def qkv(self, x, rope) -> tuple:
+        """This step's q, k, v `[b, heads, s, d]` of `x`, normed and rotated (an engine serving
+        the layer with its own attention computes them by this too)."""
+        b, s, _ = x.shape
+        q, k, v = (
+            proj(x).view(b, s, -1, self.config.head_dim).transpose(1, 2)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        if self.config.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = rotate(q, rope), rotate(k, rope)
+        return q, k, v
 
     def route(self, x, cache, attention_mask):
         """Soft mode: ((log-assignments, ranked groups) of these tokens `[b, s, K]`, the same of
