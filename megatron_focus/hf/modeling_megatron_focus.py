@@ -1039,20 +1039,6 @@ class FocusAttention(Attention):
         super().__init__(config, layer_idx)
         self.router = Router(config)
 
-    def qkv(self, x, rope) -> tuple:
-        """This step's q, k, v `[b, heads, s, d]` of `x`, normed and rotated (an engine serving
-        the layer with its own attention computes them by this too)."""
-        b, s, _ = x.shape
-        q, k, v = (
-            proj(x).view(b, s, -1, self.config.head_dim).transpose(1, 2)
-            for proj in (self.q_proj, self.k_proj, self.v_proj)
-        )
-        if self.config.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = rotate(q, rope), rotate(k, rope)
-        return q, k, v
-
     def route(self, x, cache, attention_mask):
         """Soft mode: ((log-assignments, ranked groups) of these tokens `[b, s, K]`, the same of
         every key `[b, keys, K]`, which keys are sinks `[b, keys]`). Sparse mode: (the queries'
