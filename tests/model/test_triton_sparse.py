@@ -30,8 +30,13 @@ CASES = {  # b, heads, kv heads, n, d, K, w, top_k, sink, documents (lengths per
     "wide window, documents": (1, 2, 2, 260, 8, 4, 70, 2, 0, [[90, 170]], "lonely"),
     "a single-token group": (2, 2, 2, 64, 8, 4, 4, 2, 0, None, "lonely"),
     "sinks past the sequence": (1, 2, 2, 12, 8, 4, 4, 1, 20, None, "random"),
+    "top-2 of 40, sinks: bits past 32": (1, 2, 1, 48, 8, 40, 5, 2, 3, [[20, 28]], "random"),
 }  # fmt: skip
-QUICK = ["top-1, sinks, documents, gqa", "top-2, documents, empty buckets"]
+QUICK = [
+    "top-1, sinks, documents, gqa",
+    "top-2, documents, empty buckets",
+    "top-2 of 40, sinks: bits past 32",
+]
 
 
 def _megatron_layout(b, heads, kv, n, d, gen):

@@ -344,11 +344,12 @@ def _queries_run(dq, q, do, lse, delta, lo, hi, query_bits, K, V, ORDER, BITS, k
                        EVEN_D)  # fmt: skip
         v = _load_tile(V, key_rows, col_ok, kv_head, n, sv_b, sv_h, sv_n, head_dim, D, MASKED,
                        EVEN_D)  # fmt: skip
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        p = tl.exp2(scores - lse[:, None])
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MASKED:
             key_bits = _bits(BITS, key_rows, col_ok, key_side, BAND)
-            p = tl.where(_kept(cols, lo, hi, key_bits, query_bits, window, BAND, False), p, 0.0)
+            keep = _kept(cols, lo, hi, key_bits, query_bits, window, BAND, False)
+            scores = tl.where(keep, scores, float("-inf"))
+        p = tl.exp2(scores * qk_scale - lse[:, None])
         grad = tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None]
         dq += tl.dot((p * grad).to(k.dtype), k, input_precision=PRECISION)
     return dq
@@ -426,13 +427,13 @@ def _keys_run(dk, dv, k, v, cols, key_bits, Q, DO, ENTRIES, LO, HI, DOCS, BITS, 
         else:
             lse = tl.load(LSE + slot)
             delta = tl.load(DELTA + slot)
-        scores = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
-        p = tl.exp2(scores - lse[None, :])  # [keys, queries]
+        scores = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse[None, :]
         if MASKED:
             lo, hi = _ranges(LO, HI, DOCS, at, ok, n, window, BAND, HAS_DOCS, True)
             query_bits = _bits(BITS, rows, ok, 0, BAND)
             keep = _kept(cols, lo, hi, key_bits, query_bits, window, BAND, True) & ok[None, :]
-            p = tl.where(keep, p, 0.0)
+            scores = tl.where(keep, scores, float("-inf"))
+        p = tl.exp2(scores)  # [keys, queries]
         dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
         grad = tl.dot(v, tl.trans(do), input_precision=PRECISION) - delta[None, :]
         dk += tl.dot((p * grad).to(q.dtype), q, input_precision=PRECISION)
