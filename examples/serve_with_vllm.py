@@ -251,31 +251,33 @@ def _server_tokens(folder: str, mode: str = None) -> list:
         log.close()
 
 
-def check(out: str) -> int:
-    """Serve every exported folder in vLLM (each in a process of its own: an engine per process)
-    and compare its tokens with transformers'; a Focus export in each mode, each with every
-    engine setup of ENGINES (chunked prefill, preemption, prefix caching)."""
-    failed = 0
+def check(out: str, jobs: int = 2) -> int:
+    """Serve every exported folder in vLLM (each in a process of its own: an engine per process,
+    `jobs` of them at once) and compare its tokens with transformers'; a Focus export in each
+    mode, each with every engine setup of ENGINES (chunked prefill, preemption, prefix caching).
+    The lines are printed in the runs' order as each finishes."""
+    from concurrent.futures import ThreadPoolExecutor
+
     folders = sorted(f for f in os.listdir(out) if f not in ("stock", "native", "cache"))
-    print(f"{'export':24} {'mode':7} {'vLLM':>13}  tokens equal to transformers'")
-    for name in folders:
-        folder = os.path.join(out, name)
-        for mode in MODES if name in FOCUS_EXPORTS else (None,):
-            reference = _transformers_tokens(folder, mode)
-            engines = ENGINES if mode else ("default",)
-            for engine in engines:
-                expected = reference
-                if _prompts(engine) is not PROMPTS:
-                    expected = _transformers_tokens(folder, mode, _prompts(engine))
-                failed += not _served(folder, mode, engine, expected)
-            if mode == "soft":  # the server once, through --hf-overrides, for a Focus export
-                continue
-            try:
-                same = "yes" if _server_tokens(folder, mode) == reference else "NO"
-            except (RuntimeError, OSError) as error:
-                same = f"FAILED: {error}"
-            print(f"{name:24} {mode or '':7} {'server':>13}  {same} (one request)", flush=True)
-            failed += same != "yes"
+    print(f"{'export':24} {'mode':7} {'vLLM':>13}  tokens equal to transformers'", flush=True)
+    runs = []
+    with ThreadPoolExecutor(jobs) as pool:
+        for name in folders:
+            folder = os.path.join(out, name)
+            for mode in MODES if name in FOCUS_EXPORTS else (None,):
+                reference = _transformers_tokens(folder, mode)
+                for engine in ENGINES if mode else ("default",):
+                    expected = reference
+                    if _prompts(engine) is not PROMPTS:
+                        expected = _transformers_tokens(folder, mode, _prompts(engine))
+                    runs.append(pool.submit(_served, folder, mode, engine, expected))
+                if mode != "soft":  # the server once, through --hf-overrides, for a Focus export
+                    runs.append(pool.submit(_server_served, folder, mode, reference))
+        failed = 0
+        for run in runs:
+            same, said = run.result()
+            print(said, flush=True)
+            failed += not same
     return 1 if failed else 0
 
 
@@ -287,8 +289,8 @@ def _causes(log: str) -> str:
     return "\n  ".join(["", *dict.fromkeys(causes)]) if causes else log[-3000:]
 
 
-def _served(folder: str, mode, engine: str, reference: list) -> bool:
-    """Whether vLLM's `LLM` (`engine`: how it is set up) decodes `reference`."""
+def _served(folder: str, mode, engine: str, reference: list) -> tuple:
+    """(whether vLLM's `LLM`, `engine` saying how it is set up, decodes `reference`, its line)."""
     import subprocess
 
     run = subprocess.run(
@@ -296,27 +298,33 @@ def _served(folder: str, mode, engine: str, reference: list) -> bool:
          "--engine", engine],
         capture_output=True, text=True,
     )  # fmt: skip
-    name = os.path.basename(folder)
+    said = f"{os.path.basename(folder):24} {mode or '':7} {engine:>13}  "
     lines = [line for line in run.stdout.splitlines() if line.startswith("TOKENS ")]
     if run.returncode != 0 or not lines:
-        print(f"{name:24} {mode or '':7} {engine:>13}  FAILED: {_causes(run.stdout + run.stderr)}")
-        return False
+        return False, said + f"FAILED: {_causes(run.stdout + run.stderr)}"
     served = json.loads(lines[0].removeprefix("TOKENS "))
     preempted = int(float(run.stdout.split("PREEMPTED ")[1].split()[0]))
     cached = int(float(run.stdout.split("CACHED ")[1].split()[0]))
     same = served == reference
-    print(f"{name:24} {mode or '':7} {engine:>13}  {'yes' if same else 'NO'} ({len(PROMPTS)} "
-          f"prompts x {NEW_TOKENS} tokens, {preempted} preempted, {cached} prompt tokens "
-          "cached)", flush=True)  # fmt: skip
+    said += (f"{'yes' if same else 'NO'} ({len(PROMPTS)} prompts x {NEW_TOKENS} tokens, "
+             f"{preempted} preempted, {cached} prompt tokens cached)")  # fmt: skip
     if not same:
-        print(f"  vLLM:         {served}\n  transformers: {reference}")
+        said += f"\n  vLLM:         {served}\n  transformers: {reference}"
     if engine == "preempted" and not preempted:
-        print(f"  vLLM preempted no sequence with {ENGINES[engine]}")
-        return False
+        return False, said + f"\n  vLLM preempted no sequence with {ENGINES[engine]}"
     if engine == "prefix-cached" and not cached:
-        print(f"  vLLM read no prompt token from its cache with {ENGINES[engine]}")
-        return False
-    return same
+        return False, said + f"\n  vLLM read no prompt token from its cache with {ENGINES[engine]}"
+    return same, said
+
+
+def _server_served(folder: str, mode, reference: list) -> tuple:
+    """(whether vLLM's OpenAI-compatible server decodes `reference`, its line)."""
+    try:
+        same = "yes" if _server_tokens(folder, mode) == reference else "NO"
+    except (RuntimeError, OSError) as error:
+        same = f"FAILED: {error}"
+    said = f"{os.path.basename(folder):24} {mode or '':7} {'server':>13}  {same} (one request)"
+    return same == "yes", said
 
 
 def main() -> int:
@@ -325,6 +333,7 @@ def main() -> int:
     p.add_argument("folder")
     p.add_argument("--mode", choices=MODES, help="serve-one: a Focus export's mode")
     p.add_argument("--engine", choices=ENGINES, default="default", help="serve-one: its engine")
+    p.add_argument("--jobs", type=int, default=2, help="check: engines served at once")
     args = p.parse_args()
     if args.step == "export":
         export(args.folder)
@@ -335,7 +344,7 @@ def main() -> int:
             "TOKENS " + json.dumps(tokens), f"\nPREEMPTED {preempted}\nCACHED {cached}", flush=True
         )
         return 0
-    return check(args.folder)
+    return check(args.folder, args.jobs)
 
 
 if __name__ == "__main__":
