@@ -9,12 +9,12 @@
 #              and the Sinkhorn against SDPA (flash): forward, and forward + backward, medians
 #              of interleaved repeats, at the 0.7B recipe's layer (6 heads of 256) and 32x128
 #              GQA 4 (targets: the gate at most 1.5x and 1.3x SDPA forward + backward)
+#   sparse     sparse Focus (the fused kernel, and the parts it replaces) against dense causal
+#              attention at 4K, 8K and 32K tokens, 32x128, bf16
 #   recipe     step time, tokens/s, MFU and peak memory of standard, xsa, focus and focus+xsa
 #              at the 0.7B recipe's shape (steady iterations; target: focus at most 1.15x)
 #   fit        each kernel as the driver loads it on this GPU (registers, spills) beside the
 #              CPU compile's prediction (benchmarks/kernel_fit.py --device)
-#   sparse     sparse Focus (the fused kernel, and the parts it replaces) against dense causal
-#              attention at 4K, 8K and 32K tokens, 32x128, bf16
 #   profile    where sparse Focus's time goes at 8K and 32K, kernel by kernel, by device time
 #              (host time beside it), the fused kernel's and the parts' path's
 #   generate   the exported model in sparse mode against the standard one: prefill (the prompt
@@ -114,12 +114,12 @@ fi
 part correct 120 python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/test_gpu.py \
     -k "rope_gqa_model_on_the_fused_kernels"
 part kernels 100 python3 benchmarks/soft_gate_kernel.py "${KERNELS[@]}" --json "$OUT/kernels.json"
+part sparse 90 python3 benchmarks/focus_sparse_speed.py "${SPARSE[@]}" --json "$OUT/sparse.json"
 part recipe 160 python3 benchmarks/recipe_speed.py --variants standard xsa focus focus+xsa \
     "${RECIPE[@]}" --json "$OUT/recipe.json"
 # the compiler, not the interpreter: without TRITON_INTERPRET
 part fit 90 env -u TRITON_INTERPRET python3 benchmarks/kernel_fit.py "${FIT[@]}" \
     --json "$OUT/fit.json"
-part sparse 90 python3 benchmarks/focus_sparse_speed.py "${SPARSE[@]}" --json "$OUT/sparse.json"
 part profile 45 python3 benchmarks/focus_sparse_speed.py "${PROFILE[@]}" --profile
 part generate 40 python3 benchmarks/focus_generate.py "${GENERATE[@]}" --json "$OUT/generate.json"
 # -o addopts="": in this process, one GPU; pytest-xdist need not be there
