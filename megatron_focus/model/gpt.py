@@ -38,10 +38,14 @@ logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(
 
 
 def _no_cuda_graphs() -> dict:
-    """No CUDA graphs are captured here; megatron-core 0.19 warns at every config that its own
-    default scope ("full") is deprecated unless told so in its new field."""
+    """No CUDA graphs are captured here; megatron-core warns at every config that its own
+    default scope ("full") is deprecated unless told the scope: in `cuda_graph_modules` from
+    0.19 (where `cuda_graph_scope` is itself deprecated), in `cuda_graph_scope` before."""
     fields = {field.name for field in dataclasses.fields(TransformerConfig)}
-    return {"cuda_graph_modules": []} if "cuda_graph_modules" in fields else {}
+    for name in ("cuda_graph_modules", "cuda_graph_scope"):
+        if name in fields:
+            return {name: []}
+    return {}
 
 
 def openai_gelu(x: torch.Tensor) -> torch.Tensor:

@@ -2,12 +2,13 @@
 
 import math
 import re
+import warnings
 
 import pytest
 import torch
 
 from megatron_focus import platform
-from megatron_focus.model.gpt import padded_vocab_size
+from megatron_focus.model.gpt import padded_vocab_size, transformer_config
 from megatron_focus.training.arguments import parse_args
 
 
@@ -244,6 +245,16 @@ def test_focus_gradients_with_packed_documents_equal_separate_ones(single_proces
 def test_bad_window_sizes_are_refused(argv, error):
     with pytest.raises(ValueError, match=error):
         parse_args(BASE + argv)
+
+
+def test_a_runs_model_config_warns_of_nothing():
+    """Megatron-Core's own default CUDA-graph scope is deprecated (a warning at every config,
+    0.16.1 and 0.19 alike, in the first lines a user reads) unless the scope is given."""
+    config = parse_args(BASE).model_config
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        transformer_config(config)
+    assert not caught, [str(w.message) for w in caught]
 
 
 def test_vocab_padding_follows_megatron():
