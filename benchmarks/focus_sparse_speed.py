@@ -14,14 +14,18 @@ assignments trained too. Times are device time (CUDA events on a GPU; wall clock
 On a GPU the sparse call is the fused kernel (triton_sparse.py) where it has tiles, and the JSON
 holds the parts' path it replaces beside it ("parts_ms"); where its forward measured under 1 ms
 a repeated shape replays CUDA graphs (graphs.py: the call, or in training its forward and its
-backward), and "no graph ms" is the same call without them.
+backward), and "no graph ms" is the same call without them. With --tiles, the fused kernel
+(interpreted on the CPU) is also timed with one pass's tile replaced, each candidate beside the
+table's tiles in the same interleaved repeats, both without graphs: what a GPU's own timings
+say of triton_launch.py's sparse table.
 
     python benchmarks/focus_sparse_speed.py [--seq-lengths 1024 4096 16384] [--groups 4 8]
         [--top-k 1 2] [--shapes 4x64 32x128 6x256] [--window 128] [--dtype bf16] [--profile]
-        [--train] [--json out.json]
+        [--train] [--tiles forward=128x64x8x3 keys=32x128x8x2 ...] [--json out.json]
 """
 
 import argparse
+import contextlib
 import functools
 import itertools
 import json
@@ -37,7 +41,7 @@ from megatron_focus.model.focus.focus_gate import focus_attention
 from megatron_focus.model.focus.focus_sparse import sparse_focus_attention
 from megatron_focus.model.focus.groups import Routing
 from megatron_focus.model.focus.sinkhorn import causal_sinkhorn
-from megatron_focus.model.kernels import graphs, kernels
+from megatron_focus.model.kernels import graphs, kernels, triton_launch
 
 from timing import timed
 
@@ -77,8 +81,51 @@ def parse() -> argparse.Namespace:
         action="store_true",
         help="time training steps (forward + backward): dense, soft gate and sparse",
     )
+    p.add_argument(
+        "--tiles",
+        nargs="+",
+        type=tile_choice,
+        default=[],
+        metavar="PASS=TILE",
+        help="also time the fused kernel with this pass's tile (forward, keys or queries; rows x "
+        "keys x warps x stages, as triton_launch.py's table) beside the table's, without graphs",
+    )
     p.add_argument("--json", metavar="PATH")
-    return p.parse_args()
+    args = p.parse_args()
+    if not args.train and any(not choice.startswith("forward=") for choice in args.tiles):
+        p.error("--tiles keys=... and queries=... are backward passes: time them with --train")
+    return args
+
+
+def tile_choice(text: str) -> str:
+    pass_, _, tile = text.partition("=")
+    sizes = tile.split("x")
+    if pass_ not in triton_launch.SPARSE_PASSES or len(sizes) != 4 or not all(
+        size.isdigit() and int(size) > 0 for size in sizes
+    ):  # fmt: skip
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected PASS=ROWSxKEYSxWARPSxSTAGES, PASS one of "
+            f"{', '.join(triton_launch.SPARSE_PASSES)}, e.g. forward=128x64x8x3"
+        )
+    return text
+
+
+@contextlib.contextmanager
+def tile_replaced(choice: str):
+    """The fused kernel's tiles as triton_launch.py's table has them, but one pass's (`choice`,
+    PASS=TILE) replaced where the table has a tile."""
+    pass_, _, text = choice.partition("=")
+    table = triton_launch.sparse_tile
+
+    def replaced(p, capability, head_dim, dtype):
+        chosen = table(p, capability, head_dim, dtype)
+        return triton_launch.Tile(*map(int, text.split("x"))) if p == pass_ and chosen else chosen
+
+    triton_launch.sparse_tile = replaced
+    try:
+        yield
+    finally:
+        triton_launch.sparse_tile = table
 
 
 def without_graphs(call):
@@ -89,6 +136,11 @@ def without_graphs(call):
         return call()
     finally:
         focus_sparse._GRAPHS = kept
+
+
+def tiled(choice: str, call):
+    with tile_replaced(choice):
+        return without_graphs(call)
 
 
 def shape(text: str) -> tuple:
@@ -171,6 +223,14 @@ def measure(opts, heads: int, head_dim: int, n: int, groups: int, top_k: int) ->
         )
     if chosen.fused:  # the same call without CUDA graphs
         calls["eager"] = step(functools.partial(without_graphs, calls["sparse"]))
+    if opts.tiles:  # the fused kernel at the table's tiles, and at each candidate's
+        fused = functools.partial(
+            sparse_focus_attention, q, k, v, routing, window=opts.window, top_k=top_k,
+            scale=scale, kernel=kernels.TRITON_SPARSE,
+        )  # fmt: skip
+        calls["tiles table"] = step(functools.partial(without_graphs, fused))
+        for choice in opts.tiles:
+            calls[f"tiles {choice}"] = step(functools.partial(tiled, choice, fused))
     if opts.train:
         soft_gate = kernels.soft_gate("auto", torch.device(device))
         calls["soft"] = step(
@@ -187,10 +247,22 @@ def measure(opts, heads: int, head_dim: int, n: int, groups: int, top_k: int) ->
                 kernel=soft_gate,
             )
         )
-    times = {name: [] for name in calls}
+    failed = {}
     with torch.set_grad_enabled(opts.train):
-        for fn in calls.values():  # warm-up
-            fn()
+        for name, fn in list(calls.items()):  # warm-up (a candidate tile may fail to compile)
+            if name.startswith("tiles ") and "tiles table" in failed:
+                failed[name] = "the table's tiles failed"
+                del calls[name]
+                continue
+            try:
+                fn()
+            except Exception as error:  # noqa: BLE001 -- said in the row, the rest still timed
+                if not name.startswith("tiles "):
+                    raise
+                said = (str(error).splitlines() or [""])[0][:160]
+                failed[name] = f"{type(error).__name__}: {said}"
+                del calls[name]
+        times = {name: [] for name in calls}
         for rep in range(opts.repeats):  # alternate the order against drift
             order = list(calls.items())
             for name, fn in order if rep % 2 == 0 else order[::-1]:
@@ -216,6 +288,14 @@ def measure(opts, heads: int, head_dim: int, n: int, groups: int, top_k: int) ->
             for name, ts in times.items()
             for suffix, clock in (("", "device"), ("_host", "host"))
         },
+        **{
+            f"tiles {choice}_vs_table": statistics.median(
+                t.device / b.device for t, b in zip(times[f"tiles {choice}"], times["tiles table"])
+            )
+            for choice in opts.tiles
+            if f"tiles {choice}" in times
+        },
+        "tiles_failed": failed,
         "pairs_kept": kept,
         "speedup": speedup,
         "ideal_speedup": 1 / kept,
@@ -258,6 +338,14 @@ def main() -> None:
             f"{r['speedup']:>8.2f}x{r['ideal_speedup']:>6.1f}x{last}",
             flush=True,
         )
+        for name, error in r["tiles_failed"].items():
+            print(f"{'':>7}  {name.removeprefix('tiles ')}: failed ({error})", flush=True)
+        for choice in opts.tiles:
+            if f"tiles {choice}_vs_table" not in r:
+                continue
+            ratio = r[f"tiles {choice}_vs_table"]
+            print(f"{'':>7}  {choice}: {r[f'tiles {choice}_ms']:.2f} ms, {ratio:.2f}x the "
+                  f"table's tiles ({r['tiles table_ms']:.2f} ms)", flush=True)  # fmt: skip
         if opts.json:  # after every row: a run cut short keeps what it measured
             with open(opts.json, "w") as f:
                 json.dump({"config": {**vars(opts), "device": where}, "results": rows}, f, indent=2)

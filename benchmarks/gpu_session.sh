@@ -17,6 +17,9 @@
 #              CPU compile's prediction (benchmarks/kernel_fit.py --device)
 #   profile    where sparse Focus's time goes at 8K and 32K, kernel by kernel, by device time
 #              (host time beside it), the fused kernel's and the parts' path's
+#   tiles      the fused sparse kernel's forward at 32K tokens with other tiles than
+#              triton_launch.py's table (three pipeline stages; 128 keys a step) beside the
+#              table's, in one run: what the table should say on this GPU
 #   generate   the exported model in sparse mode against the standard one: prefill (the prompt
 #              in one call, so that Focus's takes the fused sparse kernel) and decoding at 4K
 #              and 32K tokens of context, bf16 (benchmarks/focus_generate.py)
@@ -25,6 +28,7 @@
 #              (torch.compile "reduce-overhead"), beside their eager steps, at 8K tokens
 #   sparse-train  a sparse training step (forward + backward) against dense and soft at 4K and
 #              8K tokens, 32x128, bf16, with and without its CUDA graphs
+#   tiles-train   the same at 8K tokens with the backward passes' tiles at three stages
 #   e2e-*      the product end to end on CUDA (benchmarks/end_to_end.py), if time is left
 #
 # On a machine without network, first `bash benchmarks/gpu_wheels.sh` where there is network,
@@ -88,6 +92,10 @@ if [ "$REHEARSAL" = 1 ]; then  # the same steps, sized for a CPU
     RECIPE=(--smoke --iters 3 --warmup 1)
     GENERATE=(--tiny --device cpu)
     GRAPHS=(--tiny --device cpu --top-k 1 --static)
+    TILES=(--seq-lengths 128 --groups 4 --top-k 1 --shapes 2x32 --repeats 1
+           --tiles forward=32x32x4x3)
+    TILES_TRAIN=(--seq-lengths 128 --groups 4 --top-k 1 --shapes 2x32 --repeats 1 --train
+                 --tiles keys=16x32x4x3)
 else
     KERNELS=()
     FIT=(--device --gqa 1 4 --gates log)
@@ -98,6 +106,10 @@ else
     RECIPE=(--model 0.7b --iters 5 --warmup 3)
     GENERATE=(--device cuda --dtype bf16 --contexts 4096 32768 --prefill-chunk 32768)
     GRAPHS=(--device cuda --dtype bf16 --contexts 8192 --prefill-chunk 8192 --top-k 1 --static)
+    TILES=(--dtype bf16 --groups 8 --top-k 1 --shapes 32x128 --seq-lengths 32768
+           --tiles forward=128x64x8x3 forward=128x128x8x2)
+    TILES_TRAIN=(--dtype bf16 --groups 8 --top-k 1 --shapes 32x128 --seq-lengths 8192 --train
+                 --tiles keys=16x128x8x3 queries=128x32x8x3)
 fi
 
 # the image's torch within setup.py's range, and Triton for the fused kernels: else stop here
@@ -121,6 +133,7 @@ part recipe 160 python3 benchmarks/recipe_speed.py --variants standard xsa focus
 part fit 90 env -u TRITON_INTERPRET python3 benchmarks/kernel_fit.py "${FIT[@]}" \
     --json "$OUT/fit.json"
 part profile 45 python3 benchmarks/focus_sparse_speed.py "${PROFILE[@]}" --profile
+part tiles 60 python3 benchmarks/focus_sparse_speed.py "${TILES[@]}" --json "$OUT/tiles.json"
 part generate 40 python3 benchmarks/focus_generate.py "${GENERATE[@]}" --json "$OUT/generate.json"
 # -o addopts="": in this process, one GPU; pytest-xdist need not be there
 part tests 120 python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/test_gpu.py \
@@ -129,6 +142,8 @@ part tests 120 python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/
 part graphs 120 python3 benchmarks/focus_generate.py "${GRAPHS[@]}" --json "$OUT/graphs.json"
 part sparse-train 60 python3 benchmarks/focus_sparse_speed.py "${SPARSE_TRAIN[@]}" --train \
     --json "$OUT/sparse-train.json"
+part tiles-train 60 python3 benchmarks/focus_sparse_speed.py "${TILES_TRAIN[@]}" \
+    --json "$OUT/tiles-train.json"
 part e2e-focus-xsa 100 python3 benchmarks/end_to_end.py --attention focus+xsa "${E2E[@]}" \
     --json "$OUT/e2e-focus-xsa.json"
 

@@ -54,6 +54,19 @@ def sparse(result: dict) -> str:
     return "; ".join(by_length) if len(by_length) > 1 else by_length[0]
 
 
+def tiles(result: dict) -> str:
+    """Each candidate tile's time over the table's (below 1: faster), or that it failed."""
+    said = []
+    for r in result["results"]:
+        figures = [
+            f"{key.removeprefix('tiles ').removesuffix('_vs_table')} {ratio:.2f}x"
+            for key, ratio in r.items()
+            if key.endswith("_vs_table")
+        ] + [f"{name.removeprefix('tiles ')} failed" for name in r.get("tiles_failed", {})]
+        said.append(f"at {r['n']} tokens, time over the table's tiles: {', '.join(figures)}")
+    return "; ".join(said)
+
+
 def overhead(result: dict) -> str:
     worst = {}
     for run in result["runs"]:
@@ -141,6 +154,7 @@ HEADLINES = {
     "kernels": kernels,
     "e2e": e2e,
     "sparse": sparse,
+    "tiles": tiles,
     "overhead": overhead,
     "recipe": recipe,
 }
