@@ -46,9 +46,10 @@ def assert_all_fit(rows):
 
 @pytest.mark.slow
 def test_the_recipes_launches_fit(tmp_path):
-    """The recipes' shapes on an H100 and an A100 (head dims 128 and 256, GQA 1 and 4, the log
-    gate): the suite's share of the matrix below, which CI runs whole in a step of its own."""
-    rows = kernel_fit(tmp_path, "--archs", "sm90", "--head-dims", 128, 256, "--gqa", 1, 4,
+    """The recipes' GQA 4 shapes on an H100 and an A100 (head dims 128 and 256, the log gate),
+    which the matrix below (GQA 1 and 8, every architecture; CI runs it in a step of its own)
+    does not compile."""
+    rows = kernel_fit(tmp_path, "--archs", "sm90", "--head-dims", 128, 256, "--gqa", 4,
                       "--gates", "log")  # fmt: skip
     rows += kernel_fit(tmp_path, "--archs", "sm80", "--head-dims", 128, "--gqa", 4,
                        "--gates", "log")  # fmt: skip
