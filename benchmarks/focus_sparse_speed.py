@@ -21,7 +21,7 @@ say of triton_launch.py's sparse table.
 
     python benchmarks/focus_sparse_speed.py [--seq-lengths 1024 4096 16384] [--groups 4 8]
         [--top-k 1 2] [--shapes 4x64 32x128 6x256] [--window 128] [--dtype bf16] [--profile]
-        [--train] [--tiles forward=128x64x8x3 keys=32x128x8x2 ...] [--json out.json]
+        [--train] [--tiles forward=128x64x8x3 keys=32x128x8x2 ...] [--json out.json] [--strict]
 """
 
 import argparse
@@ -30,6 +30,7 @@ import functools
 import itertools
 import json
 import statistics
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +92,7 @@ def parse() -> argparse.Namespace:
         "keys x warps x stages, as triton_launch.py's table) beside the table's, without graphs",
     )
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--strict", action="store_true", help="exit 1 if any --tiles failed")
     args = p.parse_args()
     if not args.train and any(not choice.startswith("forward=") for choice in args.tiles):
         p.error("--tiles keys=... and queries=... are backward passes: time them with --train")
@@ -119,7 +121,7 @@ def tile_replaced(choice: str):
 
     def replaced(p, capability, head_dim, dtype):
         chosen = table(p, capability, head_dim, dtype)
-        return triton_launch.Tile(*map(int, text.split("x"))) if p == pass_ and chosen else chosen
+        return triton_launch._tile(text) if p == pass_ and chosen else chosen
 
     triton_launch.sparse_tile = replaced
     try:
@@ -247,20 +249,19 @@ def measure(opts, heads: int, head_dim: int, n: int, groups: int, top_k: int) ->
                 kernel=soft_gate,
             )
         )
-    failed = {}
+    failed = {}  # tiles (or "table") -> why they were not timed
     with torch.set_grad_enabled(opts.train):
         for name, fn in list(calls.items()):  # warm-up (a candidate tile may fail to compile)
-            if name.startswith("tiles ") and "tiles table" in failed:
-                failed[name] = "the table's tiles failed"
-                del calls[name]
-                continue
+            tiles = name.removeprefix("tiles ")
             try:
+                if tiles != name and "table" in failed:
+                    raise RuntimeError("the table's tiles failed")
                 fn()
             except Exception as error:  # noqa: BLE001 -- said in the row, the rest still timed
-                if not name.startswith("tiles "):
+                if tiles == name:
                     raise
                 said = (str(error).splitlines() or [""])[0][:160]
-                failed[name] = f"{type(error).__name__}: {said}"
+                failed[tiles] = f"{type(error).__name__}: {said}"
                 del calls[name]
         times = {name: [] for name in calls}
         for rep in range(opts.repeats):  # alternate the order against drift
@@ -304,7 +305,7 @@ def measure(opts, heads: int, head_dim: int, n: int, groups: int, top_k: int) ->
     }
 
 
-def main() -> None:
+def main() -> int:
     opts = parse()
     where = (
         torch.cuda.get_device_name()
@@ -338,8 +339,8 @@ def main() -> None:
             f"{r['speedup']:>8.2f}x{r['ideal_speedup']:>6.1f}x{last}",
             flush=True,
         )
-        for name, error in r["tiles_failed"].items():
-            print(f"{'':>7}  {name.removeprefix('tiles ')}: failed ({error})", flush=True)
+        for tiles, error in r["tiles_failed"].items():
+            print(f"{'':>7}  {tiles}: failed ({error})", flush=True)
         for choice in opts.tiles:
             if f"tiles {choice}_vs_table" not in r:
                 continue
@@ -349,7 +350,8 @@ def main() -> None:
         if opts.json:  # after every row: a run cut short keeps what it measured
             with open(opts.json, "w") as f:
                 json.dump({"config": {**vars(opts), "device": where}, "results": rows}, f, indent=2)
+    return 1 if opts.strict and any(r["tiles_failed"] for r in rows) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -11,7 +11,7 @@ gate's band loop (window and diagonal, masked) against the reference's diagonal 
 ratio; registers and spill bytes of both on each architecture.
 
     python benchmarks/kernel_sass.py [--arch sm90] [--shapes d128 d128-gqa4 d256]
-        [--fit-archs sm80 sm86 sm90] [--kernel gate|sparse] [--json PATH]
+        [--fit-archs sm80 sm86 sm90] [--kernel gate|sparse] [--json PATH] [--sass DIR]
 
 (each pass at --arch's tiles, triton_launch.py's table; --fit-archs compiles those same launches
 for other architectures, whose own tiles may differ.) `--kernel sparse`: sparse Focus's fused
@@ -58,6 +58,12 @@ def parse() -> argparse.Namespace:
         help="the soft gate's kernels, or sparse Focus's fused kernel (triton_sparse.py)",
     )
     p.add_argument("--json", metavar="PATH")
+    p.add_argument(
+        "--sass",
+        metavar="DIR",
+        help="also write each compiled kernel's SASS there (SHAPE-PASS-KERNEL.sass): the order "
+        "of its loads, waits and MMAs, which the counts do not show",
+    )
     return p.parse_args()
 
 
@@ -125,13 +131,18 @@ def sparse_and_reference(shape, capability):
     return {p: (launches[f"sparse buckets {p}"], ref[p], tiles[p]) for p in PASSES}
 
 
-def rows_of(name, pass_, launch, tile, rep) -> dict:
+def rows_of(name, shape_name, pass_, launch, tile, rep) -> dict:
     """The distant (or off-diagonal) and band (or diagonal) loops' instructions per pair; for
     the sparse kernel, its tiles inside every query's range (no mask: "distant") and its edge
     tiles ("band")."""
     from megatron_focus.model.kernels.triton_fit import sass_loops, sass_of
 
-    loops = _mma_loops(sass_loops(sass_of(launch, ARGS.arch)))
+    sass = sass_of(launch, ARGS.arch)
+    if ARGS.sass:
+        os.makedirs(ARGS.sass, exist_ok=True)
+        with open(os.path.join(ARGS.sass, f"{shape_name}-{pass_}-{name}.sass"), "w") as f:
+            f.write(sass)
+    loops = _mma_loops(sass_loops(sass))
     warps = launch.options["num_warps"]
     pairs = tile.rows * tile.keys
     if name == "sparse":  # edge, inner, edge tiles (the keys pass: inside its loop over heads)
@@ -178,8 +189,8 @@ def main() -> int:
         pairs = gate_and_reference if args.kernel == "gate" else sparse_and_reference
         for pass_, (gate, reference, tile) in pairs(shape, capability).items():
             tile_text = f"{tile.rows}x{tile.keys}x{tile.warps}x{tile.stages}"
-            ours = rows_of(args.kernel, pass_, gate, tile, rep)
-            theirs = rows_of("reference", pass_, reference, tile, rep)
+            ours = rows_of(args.kernel, shape_name, pass_, gate, tile, rep)
+            theirs = rows_of("reference", shape_name, pass_, reference, tile, rep)
             fits = {
                 arch: {kind: compile_for(launch, arch) for kind, launch in
                        (("gate", gate), ("reference", reference))}

@@ -62,7 +62,7 @@ def tiles(result: dict) -> str:
             f"{key.removeprefix('tiles ').removesuffix('_vs_table')} {ratio:.2f}x"
             for key, ratio in r.items()
             if key.endswith("_vs_table")
-        ] + [f"{name.removeprefix('tiles ')} failed" for name in r.get("tiles_failed", {})]
+        ] + [f"{tiles} failed" for tiles in r.get("tiles_failed", {})]
         said.append(f"at {r['n']} tokens, time over the table's tiles: {', '.join(figures)}")
     return "; ".join(said)
 
