@@ -333,8 +333,12 @@ def main() -> int:
     p.add_argument("folder")
     p.add_argument("--mode", choices=MODES, help="serve-one: a Focus export's mode")
     p.add_argument("--engine", choices=ENGINES, default="default", help="serve-one: its engine")
-    p.add_argument("--jobs", type=int, default=2, help="check: engines served at once")
+    p.add_argument("--jobs", type=int, default=2, help="check: engines served at once (1 or more)")
     args = p.parse_args()
+    if args.jobs < 1:
+        p.error(f"--jobs {args.jobs}: at least 1 engine at a time")
+    if args.step != "export" and not os.path.isdir(args.folder):
+        p.error(f"{args.folder}: no such folder (write it with `export {args.folder}`)")
     if args.step == "export":
         export(args.folder)
         return 0
